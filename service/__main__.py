@@ -1,0 +1,55 @@
+"""python -m service serve|openapi: parse the command line, build Settings, run. No logic here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any, get_args
+
+from service.settings import Settings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m service", description="logprobd scoring service")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the HTTP server")
+    for name, field in Settings.model_fields.items():
+        choices = get_args(field.annotation) or None
+        if choices and not all(isinstance(c, str) for c in choices):
+            choices = None
+        kind: Any = int if field.annotation is int else Path if name == "model" else str
+        serve.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            type=kind,
+            choices=choices,
+            default=None,
+            help=f"{field.description} [env LOGPROBD_{name.upper()}; default {field.default}]",
+        )
+    openapi = commands.add_parser("openapi", help="print the OpenAPI document as YAML")
+    openapi.add_argument("--output", type=Path, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "openapi":
+        from service.openapi import render_openapi
+
+        text = render_openapi()
+        if args.output is None:
+            sys.stdout.write(text)
+        else:
+            args.output.write_text(text)
+        return 0
+    overrides = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    settings = Settings(**overrides)
+    from service.server import serve
+
+    return serve(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The HTTP routes; each handler is a few lines over the layers below it."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from service.errors import NotReady
+from service.metrics import CONTENT_TYPE
+from service.normalise import normalise
+from service.response import render
+from service.schemas import ErrorBody, Health, Info, LogprobsRequest, LogprobsResponse
+from service.state import ServiceState
+
+ERRORS = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in [
+        (413, "Request too large"),
+        (422, "Invalid request; `field` and `row` name the culprit"),
+        (500, "Scoring failed"),
+        (503, "Model not loaded or warming up"),
+    ]
+}
+
+
+def build_router(state: ServiceState) -> APIRouter:
+    router = APIRouter()
+    metrics = state.metrics
+
+    @router.post("/logprobs", response_model=LogprobsResponse, responses=ERRORS)
+    async def logprobs(request: LogprobsRequest) -> Response:
+        """Per-token log-probs (and entropy) of the action tokens of each row."""
+        started = time.perf_counter()
+        serving = state.require_serving()
+        plan = normalise(request, serving.limits)
+        metrics.queue_requests.inc()
+        try:
+            scores = await serving.batcher.score(plan.jobs)
+        finally:
+            metrics.queue_requests.dec()
+        body = render(plan, scores, serving.info.model)
+        metrics.requests.labels("ok").inc()
+        metrics.input_tokens.inc(plan.input_tokens)
+        metrics.scored_tokens.inc(plan.scored_tokens)
+        metrics.request_seconds.observe(time.perf_counter() - started)
+        return Response(body, media_type="application/json")
+
+    @router.get("/health/live", response_model=Health)
+    async def live() -> Health:
+        """200 while the process is up."""
+        return Health(status="alive")
+
+    @router.get("/health/ready", response_model=Health, responses={503: {"model": Health}})
+    async def ready() -> Response:
+        """200 once the model is loaded and a warm-up forward has run; 503 before and while draining."""
+        phase = state.phase
+        return JSONResponse({"status": phase}, status_code=200 if phase == "ready" else 503)
+
+    @router.get("/info", response_model=Info, responses={503: {"model": ErrorBody}})
+    async def info() -> Info:
+        """The model being served and how."""
+        if state.serving is None:
+            raise NotReady(f"no model loaded yet (state: {state.phase})")
+        i = state.serving.info
+        return Info(
+            model=i.model,
+            demo=i.demo,
+            architecture=i.architecture,
+            dtype=i.dtype,
+            device=i.device,
+            attention_backend=i.attention_backend,
+            vocab_size=i.vocab_size,
+            max_positions=i.max_positions,
+            max_batch_tokens=state.settings.max_batch_tokens,
+            versions=i.versions,
+        )
+
+    @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    async def prometheus() -> Response:
+        """Prometheus metrics."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return router

@@ -1,0 +1,122 @@
+"""create_app(settings): the FastAPI app. Its lifespan loads the model in the background, warms it
+up, then starts the batcher; until then /health/ready says 503 and /health/live says 200."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+import service
+from service.api import build_router
+from service.batcher import Batcher
+from service.engine import ScoringEngine, load_engine
+from service.errors import InvalidRequest, ServiceError, status_for
+from service.metrics import Metrics
+from service.normalise import ModelLimits
+from service.settings import Settings
+from service.state import ServiceState, Serving
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[Settings], ScoringEngine]
+
+
+def create_app(
+    settings: Settings,
+    *,
+    engine_factory: EngineFactory = load_engine,
+    on_fatal: Callable[[], None] | None = None,
+) -> FastAPI:
+    """Build the app; nothing is loaded until it starts. `on_fatal` runs if the model fails to load."""
+    state = ServiceState(settings=settings, metrics=Metrics())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        starting = asyncio.create_task(_start(state, engine_factory, on_fatal))
+        try:
+            yield
+        finally:
+            state.draining = True
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            if state.serving is not None:
+                await state.serving.batcher.stop()
+
+    app = FastAPI(
+        title="logprobd",
+        version=service.__version__,
+        description="Per-token log-probs of action tokens for RL trainers, from one packed forward.",
+        lifespan=lifespan,
+    )
+    app.include_router(build_router(state))
+    _install_error_handlers(app, state)
+    return app
+
+
+async def _start(
+    state: ServiceState, engine_factory: EngineFactory, on_fatal: Callable[[], None] | None
+) -> None:
+    settings = state.settings
+    try:
+        engine = await asyncio.to_thread(engine_factory, settings)
+        await asyncio.to_thread(engine.warm_up)
+    except Exception as exc:  # reported and fatal: the process must not serve half-ready
+        state.failure = f"{type(exc).__name__}: {exc}"
+        log.critical("model failed to load: %s", state.failure, exc_info=exc)
+        if on_fatal is not None:
+            on_fatal()
+        return
+    info = engine.info
+    batcher = Batcher(engine, settings.max_batch_tokens, state.metrics)
+    batcher.start()
+    limits = ModelLimits(
+        vocab_size=info.vocab_size, max_sequence_tokens=min(info.max_positions, settings.max_batch_tokens)
+    )
+    state.serving = Serving(info=info, limits=limits, batcher=batcher)
+    state.metrics.ready.set(1)
+    state.metrics.model_info.info(
+        {"model": info.model, "architecture": info.architecture, "dtype": info.dtype, "demo": str(info.demo)}
+    )
+    log.info(
+        "ready: %s%s (%s) on %s, %s, attention=%s",
+        info.model,
+        " [DEMO: random weights]" if info.demo else "",
+        info.architecture,
+        info.device,
+        info.dtype,
+        info.attention_backend,
+    )
+
+
+def _install_error_handlers(app: FastAPI, state: ServiceState) -> None:
+    def reply(error: ServiceError) -> JSONResponse:
+        state.metrics.requests.labels(error.kind).inc()
+        return JSONResponse(error.body(), status_code=status_for(error))
+
+    async def on_service_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ServiceError)
+        return reply(exc)
+
+    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return reply(_from_validation(exc))
+
+    app.add_exception_handler(ServiceError, on_service_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+
+
+def _from_validation(exc: RequestValidationError) -> InvalidRequest:
+    """The first pydantic error, as an InvalidRequest naming the field and, when known, the row."""
+    first = exc.errors()[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    field = str(loc[0]) if loc else "body"
+    row = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+    where = field + "".join(f"[{part}]" for part in loc[1:] if isinstance(part, int))
+    more = f" (and {len(exc.errors()) - 1} more errors)" if len(exc.errors()) > 1 else ""
+    return InvalidRequest(f"{where}: {first.get('msg', 'invalid')}{more}", field=field, row=row)

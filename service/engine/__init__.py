@@ -1,0 +1,23 @@
+"""The model side: loading, packing, attention backends and the log-prob kernels.
+
+The only package that imports torch and transformers. Importing it is cheap: heavy imports happen
+in `load_engine`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from service.engine.base import EngineInfo, ScoringEngine
+
+if TYPE_CHECKING:
+    from service.settings import Settings
+
+__all__ = ["EngineInfo", "ScoringEngine", "load_engine"]
+
+
+def load_engine(settings: Settings) -> ScoringEngine:
+    """Load the configured model (or the demo model) and return a ready-to-warm engine."""
+    from service.engine.scorer import PackedScorer
+
+    return PackedScorer.from_settings(settings)

@@ -1,0 +1,33 @@
+"""The engine contract, free of torch so that the HTTP side can depend on it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from service.jobs import SequenceJob, SequenceScores
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    model: str
+    demo: bool
+    architecture: str
+    dtype: str
+    device: str
+    attention_backend: str
+    vocab_size: int
+    max_positions: int
+    versions: dict[str, str]
+
+
+class ScoringEngine(Protocol):
+    """What the batcher needs: score one packed micro-batch. Called from one worker thread only."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]: ...
+
+    def warm_up(self) -> None: ...

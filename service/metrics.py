@@ -1,0 +1,61 @@
+"""Every Prometheus metric of the service and its buckets, in one registry per app."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import Info as InfoMetric
+
+PREFIX = "logprobd"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 19))  # 16 .. 262144
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    """The service's metrics. Owns its registry, so apps (and tests) never share counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests", "Scoring requests by outcome.", ["outcome"], registry=r
+        )
+        self.input_tokens = Counter(f"{PREFIX}_input_tokens", "Real tokens received.", registry=r)
+        self.scored_tokens = Counter(f"{PREFIX}_scored_tokens", "Action tokens scored.", registry=r)
+        self.sequences = Counter(f"{PREFIX}_sequences", "Sequences scored.", registry=r)
+        self.request_seconds = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "Time from request arrival to response, per scoring request.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            f"{PREFIX}_queue_duration_seconds",
+            "Time a sequence waited in the queue before its micro-batch started.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.forward_seconds = Histogram(
+            f"{PREFIX}_forward_duration_seconds",
+            "Time of one micro-batch forward (packing, model, lm_head, log-softmax).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_tokens = Histogram(
+            f"{PREFIX}_batch_tokens", "Tokens per packed micro-batch.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.batch_sequences = Histogram(
+            f"{PREFIX}_batch_sequences",
+            "Sequences per packed micro-batch.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
+        self.queue_requests = Gauge(
+            f"{PREFIX}_queue_requests", "Requests waiting for or in scoring.", registry=r
+        )
+        self.queue_tokens = Gauge(f"{PREFIX}_queue_tokens", "Tokens waiting in the queue.", registry=r)
+        self.ready = Gauge(f"{PREFIX}_ready", "1 once the model is loaded and warmed up.", registry=r)
+        self.model_info = InfoMetric(f"{PREFIX}_model", "The model being served.", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,249 @@
+"""Any accepted request layout -> one SequenceJob per row, plus where each score goes back.
+
+This is where SEMANTICS.md's layouts, action windows and EOS policy are implemented; every rule
+that a request can break raises InvalidRequest naming the field and the row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.errors import InvalidRequest
+from service.jobs import IntArray, SequenceJob
+from service.schemas import LogprobsRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    vocab_size: int
+    max_sequence_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RowWindow:
+    """The action window of one request row: `width` entries; action k of the job fills slots[k]."""
+
+    width: int
+    slots: IntArray
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringPlan:
+    jobs: list[SequenceJob]
+    windows: list[RowWindow]
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(job.num_tokens for job in self.jobs)
+
+    @property
+    def scored_tokens(self) -> int:
+        return sum(int(job.actions.shape[0]) for job in self.jobs)
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    tokens: IntArray  # [L] real tokens
+    actions: IntArray  # [A] positions in tokens
+    slots: IntArray  # [A] window index of each action
+    width: int
+
+
+_SPECS = ("num_actions", "action_mask", "response_length")
+
+
+def normalise(request: LogprobsRequest, limits: ModelLimits) -> ScoringPlan:
+    given = [name for name in _SPECS if getattr(request, name) is not None]
+    if len(given) != 1:
+        found = " and ".join(given) if given else "none"
+        raise InvalidRequest(
+            f"give exactly one of num_actions, action_mask, response_length (got {found})",
+            field=given[1] if len(given) > 1 else "num_actions",
+        )
+    rows = _padded_rows(request) if request.attention_mask is not None else _ragged_rows(request)
+    eos = _eos_ids(request.eos_token_id)
+    jobs: list[SequenceJob] = []
+    windows: list[RowWindow] = []
+    for i, row in enumerate(rows):
+        _check_tokens(row.tokens, i, limits)
+        keep = _eos_cut(row.tokens[row.actions], eos)
+        jobs.append(
+            SequenceJob(
+                tokens=row.tokens,
+                actions=row.actions[:keep],
+                temperature=request.temperature,
+                return_entropy=request.return_entropy,
+            )
+        )
+        windows.append(RowWindow(width=row.width, slots=row.slots[:keep]))
+    return ScoringPlan(jobs=jobs, windows=windows)
+
+
+def _ragged_rows(request: LogprobsRequest) -> list[_Row]:
+    if request.response_length is not None:
+        raise InvalidRequest(
+            "response_length needs padded input_ids with an attention_mask; "
+            "for ragged rows use num_actions or action_mask",
+            field="response_length",
+        )
+    batch = len(request.input_ids)
+    rows: list[_Row] = []
+    for i, ids in enumerate(request.input_ids):
+        tokens = np.asarray(ids, dtype=np.int64)
+        length = len(ids)
+        if length == 0:
+            raise InvalidRequest(f"input_ids row {i} is empty", field="input_ids", row=i)
+        if request.num_actions is not None:
+            n = _per_row(request.num_actions, batch, "num_actions")[i]
+            if n >= length:
+                raise InvalidRequest(
+                    f"num_actions[{i}] = {n} must be smaller than the row length {length} "
+                    "(position 0 is never an action)",
+                    field="num_actions",
+                    row=i,
+                )
+            actions = np.arange(length - n, length, dtype=np.int64)
+            rows.append(_Row(tokens, actions, np.arange(n, dtype=np.int64), n))
+        else:
+            assert request.action_mask is not None
+            mask = _mask_row(request.action_mask, "action_mask", batch, i, length, "one 0/1 per token")
+            if mask[0]:
+                raise InvalidRequest(
+                    f"action_mask[{i}][0] marks position 0, which is never an action",
+                    field="action_mask",
+                    row=i,
+                )
+            actions = np.flatnonzero(mask).astype(np.int64)
+            rows.append(_Row(tokens, actions, actions - 1, length - 1))
+    return rows
+
+
+def _padded_rows(request: LogprobsRequest) -> list[_Row]:
+    assert request.attention_mask is not None
+    if request.num_actions is not None:
+        raise InvalidRequest(
+            "num_actions is for ragged input_ids (no attention_mask); "
+            "padded input takes response_length or action_mask",
+            field="num_actions",
+        )
+    batch, width = len(request.input_ids), len(request.input_ids[0])
+    for i, ids in enumerate(request.input_ids):
+        if len(ids) != width:
+            raise InvalidRequest(
+                f"input_ids row {i} has length {len(ids)} but row 0 has {width}: "
+                "padded input_ids need rows of equal length",
+                field="input_ids",
+                row=i,
+            )
+    if width == 0:
+        raise InvalidRequest("input_ids rows are empty", field="input_ids", row=0)
+    ids = np.asarray(request.input_ids, dtype=np.int64)  # [B, L]
+    rows: list[_Row] = []
+    for i in range(batch):
+        real = _mask_row(request.attention_mask, "attention_mask", batch, i, width, "one per column")
+        columns = np.flatnonzero(real)  # [L_i] columns of the real tokens, in order
+        if columns.size == 0:
+            raise InvalidRequest(
+                f"attention_mask row {i} has no real token", field="attention_mask", row=i
+            )
+        position = np.cumsum(real) - 1  # [L] position id of each real column
+        if request.response_length is not None:
+            r = request.response_length
+            if r >= width:
+                raise InvalidRequest(
+                    f"response_length {r} must be smaller than the padded row length {width}",
+                    field="response_length",
+                )
+            start = width - r
+            action_columns = columns[columns >= start]
+            field = "response_length"
+        else:
+            assert request.action_mask is not None
+            marks = _mask_row(request.action_mask, "action_mask", batch, i, width - 1, "one per column 1..L-1")
+            action_columns = np.flatnonzero(marks) + 1
+            start, field = 1, "action_mask"
+            padding = action_columns[real[action_columns] == 0]
+            if padding.size:
+                raise InvalidRequest(
+                    f"action_mask[{i}][{padding[0] - 1}] marks column {padding[0]}, which is padding "
+                    "(attention_mask 0)",
+                    field="action_mask",
+                    row=i,
+                )
+        if action_columns.size and action_columns[0] == columns[0]:
+            raise InvalidRequest(
+                f"row {i}: column {columns[0]} is the first real token (position 0) and cannot be an "
+                "action; the prompt must hold at least one real token",
+                field=field,
+                row=i,
+            )
+        rows.append(
+            _Row(
+                tokens=ids[i, columns],
+                actions=position[action_columns].astype(np.int64),
+                slots=(action_columns - start).astype(np.int64),
+                width=width - start,
+            )
+        )
+    return rows
+
+
+def _per_row(value: int | list[int], batch: int, field: str) -> list[int]:
+    if isinstance(value, int):
+        return [value] * batch
+    if len(value) != batch:
+        raise InvalidRequest(f"{field} has {len(value)} entries for {batch} rows", field=field)
+    return value
+
+
+def _mask_row(
+    mask: Sequence[Sequence[int]], field: str, batch: int, i: int, length: int, what: str
+) -> IntArray:
+    if len(mask) != batch:
+        raise InvalidRequest(f"{field} has {len(mask)} rows, input_ids has {batch}", field=field)
+    row = np.asarray(mask[i], dtype=np.int64)
+    if row.shape[0] != length:
+        raise InvalidRequest(
+            f"{field} row {i} has length {row.shape[0]}, expected {length} ({what})", field=field, row=i
+        )
+    bad = np.flatnonzero((row != 0) & (row != 1))
+    if bad.size:
+        raise InvalidRequest(
+            f"{field}[{i}][{bad[0]}] is {row[bad[0]]}; only 0 and 1 are allowed", field=field, row=i
+        )
+    return row
+
+
+def _check_tokens(tokens: IntArray, i: int, limits: ModelLimits) -> None:
+    if tokens.shape[0] > limits.max_sequence_tokens:
+        raise InvalidRequest(
+            f"input_ids row {i} has {tokens.shape[0]} tokens; the longest sequence this server scores "
+            f"is {limits.max_sequence_tokens} (model positions / max batch tokens)",
+            field="input_ids",
+            row=i,
+        )
+    outside = np.flatnonzero(tokens >= limits.vocab_size)
+    if outside.size:
+        raise InvalidRequest(
+            f"input_ids row {i}: token id {tokens[outside[0]]} (real token {outside[0]}) is outside the "
+            f"vocabulary [0, {limits.vocab_size})",
+            field="input_ids",
+            row=i,
+        )
+
+
+def _eos_ids(eos: int | list[int] | None) -> IntArray | None:
+    if eos is None:
+        return None
+    return np.asarray([eos] if isinstance(eos, int) else eos, dtype=np.int64)
+
+
+def _eos_cut(action_tokens: IntArray, eos: IntArray | None) -> int:
+    """How many actions to keep: up to and including the first EOS action."""
+    if eos is None or eos.size == 0:
+        return int(action_tokens.shape[0])
+    hits = np.flatnonzero(np.isin(action_tokens, eos))
+    return int(hits[0]) + 1 if hits.size else int(action_tokens.shape[0])

@@ -1,0 +1,46 @@
+"""Every knob of the service, typed and described; the only code that reads the environment.
+
+Each field is `LOGPROBD_<NAME>` in the environment and `--<name>` on the command line (the command
+line wins).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+Attention = Literal["auto", "flash_attn", "torch_varlen", "sdpa"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LOGPROBD_", extra="forbid", frozen=True)
+
+    model: Path | None = Field(
+        None,
+        description="Local Hugging Face causal-LM directory (config.json + safetensors). "
+        "Unset: serve the built-in random-weight demo model.",
+    )
+    model_name: str | None = Field(
+        None, description="Name reported in responses and /info; defaults to the directory name."
+    )
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind.")
+    device: Device = Field("auto", description="auto picks cuda when available, else cpu.")
+    dtype: DType = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu.")
+    attention: Attention = Field(
+        "auto",
+        description="Packed attention kernel. auto: flash_attn if importable, else torch_varlen on cuda; "
+        "sdpa (one call per sequence) on cpu or where the kernels cannot run.",
+    )
+    max_batch_tokens: int = Field(
+        16384, ge=16, description="Token budget of one packed micro-batch; also the longest sequence."
+    )
+    logits_chunk_rows: int = Field(
+        1024, ge=1, description="Rows of [rows, vocab] logits materialised at once by the lm_head."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")

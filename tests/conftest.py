@@ -1,0 +1,71 @@
+"""Fixtures: tiny checkpoints of every architecture on disk, the reference models, running apps.
+
+LOGPROBD_TEST_DEVICE / LOGPROBD_TEST_DTYPE / LOGPROBD_TEST_ATTENTION pick what the service side
+runs on (default cpu / float32 / auto); the reference is always float32 eager on the same device.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.settings import Settings
+from tests import models
+
+DEVICE = os.environ.get("LOGPROBD_TEST_DEVICE", "cpu")
+DTYPE = os.environ.get("LOGPROBD_TEST_DTYPE", "float32")
+ATTENTION = os.environ.get("LOGPROBD_TEST_ATTENTION", "auto")
+# float32 promises 1e-4 (SEMANTICS.md); half precisions are checked against bf16/fp16 noise
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.05}[DTYPE]
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: models.save(name, root / name) for name in models.ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def reference_models(model_dirs: dict[str, Path]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return {
+        name: AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+        .to(DEVICE)
+        .eval()
+        for name, path in model_dirs.items()
+    }
+
+
+def settings_for(path: Path | None, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {"model": path, "device": DEVICE, "dtype": DTYPE, "attention": ATTENTION}
+    values.update(overrides)
+    return Settings(**values)
+
+
+def wait_ready(client: TestClient, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = client.get("/health/ready")
+        if status.status_code == 200:
+            return
+        if status.json()["status"] == "failed":
+            raise RuntimeError("the app failed to start")
+        time.sleep(0.05)
+    raise TimeoutError("the app did not become ready")
+
+
+@contextmanager
+def running(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client)
+        yield client

@@ -1,0 +1,75 @@
+"""Tiny random-weight models of every supported architecture, saved like real checkpoints.
+
+Weights are drawn wider than the usual init so that log-probs depend strongly on the context: a
+packing or masking mistake then moves scores far beyond the 1e-4 tolerance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 96
+COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.15,
+}
+
+
+def configs() -> dict[str, Any]:
+    """name -> a config; sliding windows and soft-caps are small so they matter at test lengths."""
+    from transformers import (
+        Gemma2Config,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    return {
+        "qwen2": Qwen2Config(
+            **COMMON, use_sliding_window=True, sliding_window=7, max_window_layers=1, tie_word_embeddings=True
+        ),
+        "qwen3": Qwen3Config(**COMMON, head_dim=16),
+        "llama": LlamaConfig(**COMMON),
+        "mistral": MistralConfig(**COMMON, sliding_window=6),
+        "gemma2": Gemma2Config(
+            **COMMON,
+            head_dim=16,
+            sliding_window=5,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=2.0,
+        ),
+        "phi3": Phi3Config(**COMMON, sliding_window=6),
+    }
+
+
+ARCHITECTURES = tuple(configs())
+
+
+def build(name: str, seed: int = 0) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    config = configs()[name]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    return model.eval()
+
+
+def save(name: str, directory: Path, seed: int = 0) -> Path:
+    build(name, seed).save_pretrained(directory, safe_serialization=True)
+    return directory

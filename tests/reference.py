@@ -1,0 +1,75 @@
+"""The per-sequence reference of SEMANTICS.md, written independently of the service.
+
+For each request row: find its real tokens and action window by direct reading of the layout
+table, run the model's own forward (eager attention, float32) on the unpadded sequence alone, and
+fill the window with log_softmax(logits[t-1] / T)[x_t] for every action t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Expected:
+    logprobs: list[list[float]]
+    entropy: list[list[float]]
+    action_mask: list[list[int]]
+
+
+def _row_tokens_and_window(request: dict[str, Any], i: int) -> tuple[list[int], list[int | None]]:
+    """Real tokens of row i, and for each window entry the position it refers to (None: padding)."""
+    ids = request["input_ids"][i]
+    if "attention_mask" not in request:
+        length = len(ids)
+        if "num_actions" in request:
+            n = request["num_actions"]
+            n = n if isinstance(n, int) else n[i]
+            return list(ids), list(range(length - n, length))
+        return list(ids), list(range(1, length))
+    mask = request["attention_mask"][i]
+    tokens, positions, p = [], [], 0
+    for token, m in zip(ids, mask, strict=True):
+        positions.append(p if m else None)
+        if m:
+            tokens.append(token)
+            p += 1
+    first = 1 if "action_mask" in request else len(ids) - request["response_length"]
+    return tokens, positions[first:]
+
+
+def _is_action(request: dict[str, Any], i: int, k: int, position: int | None) -> bool:
+    if position is None:
+        return False
+    if "action_mask" in request:
+        return bool(request["action_mask"][i][k + 1 if "attention_mask" not in request else k])
+    return True
+
+
+def expected(model: Any, request: dict[str, Any]) -> Expected:
+    temperature = request.get("temperature", 1.0)
+    eos = request.get("eos_token_id")
+    eos_set = set([eos] if isinstance(eos, int) else eos or [])
+    out = Expected([], [], [])
+    for i in range(len(request["input_ids"])):
+        tokens, window = _row_tokens_and_window(request, i)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([tokens])).logits[0].double()  # [L, V]
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        lp_row, ent_row, mask_row = [0.0] * len(window), [0.0] * len(window), [0] * len(window)
+        ended = False
+        for k, position in enumerate(window):
+            if ended or not _is_action(request, i, k, position):
+                continue
+            assert position is not None and position >= 1
+            lp_row[k] = float(logp[position - 1, tokens[position]])
+            ent_row[k] = float(-(logp[position - 1].exp() * logp[position - 1]).sum())
+            mask_row[k] = 1
+            ended = tokens[position] in eos_set
+        out.logprobs.append(lp_row)
+        out.entropy.append(ent_row)
+        out.action_mask.append(mask_row)
+    return out
