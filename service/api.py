@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
@@ -14,10 +15,9 @@ from service.response import render
 from service.schemas import ErrorBody, Health, Info, LogprobsRequest, LogprobsResponse
 from service.state import ServiceState
 
-ERRORS = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text}
     for status, text in [
-        (413, "Request too large"),
         (422, "Invalid request; `field` and `row` name the culprit"),
         (500, "Scoring failed"),
         (503, "Model not loaded or warming up"),

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -111,12 +112,31 @@ def _install_error_handlers(app: FastAPI, state: ServiceState) -> None:
     app.add_exception_handler(RequestValidationError, on_validation_error)
 
 
+# fields with one entry per input row: an index into them is the row at fault
+_ROW_FIELDS = frozenset({"input_ids", "attention_mask", "action_mask", "num_actions"})
+
+
 def _from_validation(exc: RequestValidationError) -> InvalidRequest:
     """The first pydantic error, as an InvalidRequest naming the field and, when known, the row."""
-    first = exc.errors()[0]
-    loc = [part for part in first.get("loc", ()) if part != "body"]
+    errors = exc.errors()
+    first = errors[0]
+    if first.get("type") == "json_invalid":  # loc is ("body", character offset), not a field
+        at = [part for part in first.get("loc", ()) if isinstance(part, int)]
+        reason = first.get("ctx", {}).get("error", "")
+        where = f" at character {at[0]}" if at else ""
+        return InvalidRequest(f"body: not valid JSON{where} ({reason})", field="body")
+
+    def path(error: Any) -> list[str | int]:
+        """Field name then list indices; drops "body" and union branch tags ("list[constrained-int]")."""
+        loc = [part for part in error.get("loc", ()) if part != "body"]
+        return loc[:1] + [part for part in loc[1:] if isinstance(part, int)]
+
+    # a union field (num_actions, eos_token_id) gives one error per branch; the deepest names the entry
+    same_field = [error for error in errors if path(error)[:1] == path(first)[:1]]
+    chosen = max(same_field, key=lambda error: len(path(error)))
+    loc = path(chosen)
     field = str(loc[0]) if loc else "body"
-    row = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
-    where = field + "".join(f"[{part}]" for part in loc[1:] if isinstance(part, int))
-    more = f" (and {len(exc.errors()) - 1} more errors)" if len(exc.errors()) > 1 else ""
-    return InvalidRequest(f"{where}: {first.get('msg', 'invalid')}{more}", field=field, row=row)
+    row = loc[1] if len(loc) > 1 and isinstance(loc[1], int) and field in _ROW_FIELDS else None
+    where = field + "".join(f"[{part}]" for part in loc[1:])
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return InvalidRequest(f"{where}: {chosen.get('msg', 'invalid')}{more}", field=field, row=row)

@@ -34,10 +34,6 @@ class InvalidRequest(ServiceError):
     kind = "invalid_request"
 
 
-class PayloadTooLarge(ServiceError):
-    kind = "payload_too_large"
-
-
 class NotReady(ServiceError):
     """The model is not loaded or warmed up yet, or the service is shutting down."""
 
@@ -52,7 +48,6 @@ class EngineFailure(ServiceError):
 
 _STATUS: dict[type[ServiceError], int] = {
     InvalidRequest: 422,
-    PayloadTooLarge: 413,
     NotReady: 503,
     EngineFailure: 500,
     ServiceError: 500,

@@ -17,9 +17,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
-            f"{PREFIX}_requests", "Scoring requests by outcome.", ["outcome"], registry=r
-        )
+        self.requests = Counter(f"{PREFIX}_requests", "Scoring requests by outcome.", ["outcome"], registry=r)
         self.input_tokens = Counter(f"{PREFIX}_input_tokens", "Real tokens received.", registry=r)
         self.scored_tokens = Counter(f"{PREFIX}_scored_tokens", "Action tokens scored.", registry=r)
         self.sequences = Counter(f"{PREFIX}_sequences", "Sequences scored.", registry=r)

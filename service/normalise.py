@@ -109,7 +109,9 @@ def _ragged_rows(request: LogprobsRequest) -> list[_Row]:
             rows.append(_Row(tokens, actions, np.arange(n, dtype=np.int64), n))
         else:
             assert request.action_mask is not None
-            mask = _mask_row(request.action_mask, "action_mask", batch, i, length, "one 0/1 per token")
+            mask = _mask_row(
+                request.action_mask, "action_mask", batch=batch, i=i, length=length, what="one 0/1 per token"
+            )
             if mask[0]:
                 raise InvalidRequest(
                     f"action_mask[{i}][0] marks position 0, which is never an action",
@@ -130,25 +132,25 @@ def _padded_rows(request: LogprobsRequest) -> list[_Row]:
             field="num_actions",
         )
     batch, width = len(request.input_ids), len(request.input_ids[0])
-    for i, ids in enumerate(request.input_ids):
-        if len(ids) != width:
+    for i, padded_row in enumerate(request.input_ids):
+        if len(padded_row) != width:
             raise InvalidRequest(
-                f"input_ids row {i} has length {len(ids)} but row 0 has {width}: "
+                f"input_ids row {i} has length {len(padded_row)} but row 0 has {width}: "
                 "padded input_ids need rows of equal length",
                 field="input_ids",
                 row=i,
             )
     if width == 0:
         raise InvalidRequest("input_ids rows are empty", field="input_ids", row=0)
-    ids = np.asarray(request.input_ids, dtype=np.int64)  # [B, L]
+    matrix = np.asarray(request.input_ids, dtype=np.int64)  # [B, L]
     rows: list[_Row] = []
     for i in range(batch):
-        real = _mask_row(request.attention_mask, "attention_mask", batch, i, width, "one per column")
+        real = _mask_row(
+            request.attention_mask, "attention_mask", batch=batch, i=i, length=width, what="one per column"
+        )
         columns = np.flatnonzero(real)  # [L_i] columns of the real tokens, in order
         if columns.size == 0:
-            raise InvalidRequest(
-                f"attention_mask row {i} has no real token", field="attention_mask", row=i
-            )
+            raise InvalidRequest(f"attention_mask row {i} has no real token", field="attention_mask", row=i)
         position = np.cumsum(real) - 1  # [L] position id of each real column
         if request.response_length is not None:
             r = request.response_length
@@ -162,7 +164,14 @@ def _padded_rows(request: LogprobsRequest) -> list[_Row]:
             field = "response_length"
         else:
             assert request.action_mask is not None
-            marks = _mask_row(request.action_mask, "action_mask", batch, i, width - 1, "one per column 1..L-1")
+            marks = _mask_row(
+                request.action_mask,
+                "action_mask",
+                batch=batch,
+                i=i,
+                length=width - 1,
+                what="one per column 1..L-1",
+            )
             action_columns = np.flatnonzero(marks) + 1
             start, field = 1, "action_mask"
             padding = action_columns[real[action_columns] == 0]
@@ -182,7 +191,7 @@ def _padded_rows(request: LogprobsRequest) -> list[_Row]:
             )
         rows.append(
             _Row(
-                tokens=ids[i, columns],
+                tokens=matrix[i, columns],
                 actions=position[action_columns].astype(np.int64),
                 slots=(action_columns - start).astype(np.int64),
                 width=width - start,
@@ -200,7 +209,7 @@ def _per_row(value: int | list[int], batch: int, field: str) -> list[int]:
 
 
 def _mask_row(
-    mask: Sequence[Sequence[int]], field: str, batch: int, i: int, length: int, what: str
+    mask: Sequence[Sequence[int]], field: str, *, batch: int, i: int, length: int, what: str
 ) -> IntArray:
     if len(mask) != batch:
         raise InvalidRequest(f"{field} has {len(mask)} rows, input_ids has {batch}", field=field)

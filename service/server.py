@@ -23,7 +23,11 @@ def serve(settings: Settings) -> int:
 
     app = create_app(settings, on_fatal=on_fatal)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=30
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=30,
     )
     server = uvicorn.Server(config)
     server.run()

@@ -64,7 +64,8 @@ def expected(model: Any, request: dict[str, Any]) -> Expected:
         for k, position in enumerate(window):
             if ended or not _is_action(request, i, k, position):
                 continue
-            assert position is not None and position >= 1
+            assert position is not None
+            assert position >= 1
             lp_row[k] = float(logp[position - 1, tokens[position]])
             ent_row[k] = float(-(logp[position - 1].exp() * logp[position - 1]).sum())
             mask_row[k] = 1

@@ -63,6 +63,8 @@ def make(layout: str, rng: random.Random, vocab: int, rows: int = 4, max_len: in
         action_mask = []
         for m in mask:
             first = m.index(1)
-            action_mask.append([int(m[c] == 1 and c != first and rng.random() < 0.7) for c in range(1, width)])
+            action_mask.append(
+                [int(m[c] == 1 and c != first and rng.random() < 0.7) for c in range(1, width)]
+            )
         request["action_mask"] = action_mask
     return _with_options(rng, request, vocab)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +23,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# q, k, v: [N, H, D] packed rows; cu: [S+1] int32; returns [N, Hq, D]
-Kernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float, "int | None", "float | None"],
-    torch.Tensor,
-]
+
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """How one attention call runs over a packed row.
+
+    cu: [S+1] int32 sequence boundaries; max_len: the longest sequence; window: transformers'
+    sliding_window (None: full causal); softcap: attention-logit soft-capping (None: off).
+    """
+
+    cu: torch.Tensor
+    max_len: int
+    scale: float
+    window: int | None
+    softcap: float | None
+
+
+# q: [N, Hq, D], k/v: [N, Hk, D] packed rows -> [N, Hq, D]
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Segments], torch.Tensor]
 
 FAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -42,67 +56,47 @@ class AttentionBackend:
         return f"logprobd_{self.name}"
 
 
-def sdpa_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu: torch.Tensor,
-    max_len: int,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-) -> torch.Tensor:
+def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
     """Reference kernel: exact attention one sequence at a time. O(L_i^2) memory per sequence."""
-    del max_len
     groups = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
-    bounds = cu.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+    for start, end in itertools.pairwise(seg.cu.tolist()):
         qs = q[start:end].transpose(0, 1)  # [Hq, l, D]
         ks = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, l, D]
         vs = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
         length = end - start
         idx = torch.arange(length, device=q.device)
         allowed = idx[None, :] <= idx[:, None]  # [l, l] causal
-        if window is not None and window < length:
-            allowed &= idx[None, :] > idx[:, None] - window
-        if softcap is None:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
+        if seg.window is not None and seg.window < length:
+            allowed &= idx[None, :] > idx[:, None] - seg.window
+        if seg.softcap is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=seg.scale)
         else:
-            scores = torch.matmul(qs, ks.transpose(1, 2)) * scale
-            scores = torch.tanh(scores / softcap) * softcap
+            scores = torch.matmul(qs, ks.transpose(1, 2)) * seg.scale
+            scores = torch.tanh(scores / seg.softcap) * seg.softcap
             scores = scores.masked_fill(~allowed, float("-inf"))
             o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(vs.dtype), vs)
         out[start:end] = o.transpose(0, 1)
     return out
 
 
-def flash_attn_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu: torch.Tensor,
-    max_len: int,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-) -> torch.Tensor:
+def flash_attn_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
     if q.dtype not in FAST_DTYPES:
-        return sdpa_kernel(q, k, v, cu, max_len, scale, window, softcap)
+        return sdpa_kernel(q, k, v, seg)
     from flash_attn import flash_attn_varlen_func
 
     out: torch.Tensor = flash_attn_varlen_func(
         q,
         k,
         v,
-        cu,
-        cu,
-        max_len,
-        max_len,
-        softmax_scale=scale,
+        seg.cu,
+        seg.cu,
+        seg.max_len,
+        seg.max_len,
+        softmax_scale=seg.scale,
         causal=True,
-        window_size=(window - 1, 0) if window is not None else (-1, -1),
-        softcap=softcap or 0.0,
+        window_size=(seg.window - 1, 0) if seg.window is not None else (-1, -1),
+        softcap=seg.softcap or 0.0,
     )
     return out
 
@@ -113,25 +107,17 @@ def _torch_varlen_kernel() -> Kernel:
     params = inspect.signature(varlen_attn).parameters
     native_gqa = "enable_gqa" in params
 
-    def kernel(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu: torch.Tensor,
-        max_len: int,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-    ) -> torch.Tensor:
-        if softcap is not None or q.dtype not in FAST_DTYPES:
-            return sdpa_kernel(q, k, v, cu, max_len, scale, window, softcap)
-        extra: dict[str, Any] = {"window_size": (window - 1 if window is not None else -1, 0)}
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+        if seg.softcap is not None or q.dtype not in FAST_DTYPES:
+            return sdpa_kernel(q, k, v, seg)
+        extra: dict[str, Any] = {"window_size": (seg.window - 1 if seg.window is not None else -1, 0)}
         if native_gqa:
             extra["enable_gqa"] = q.shape[1] != k.shape[1]
         elif q.shape[1] != k.shape[1]:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out: torch.Tensor = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **extra)
+        out = varlen_attn(q, k, v, seg.cu, seg.cu, seg.max_len, seg.max_len, scale=seg.scale, **extra)
+        assert isinstance(out, torch.Tensor)
         return out
 
     return kernel
@@ -163,7 +149,7 @@ def register(backend: AttentionBackend) -> str:
 
     kernel = backend.kernel
 
-    def packed_attention(
+    def packed_attention(  # noqa: PLR0917 (transformers calls it positionally)
         module: torch.nn.Module,
         query: torch.Tensor,  # [B, Hq, S, D]
         key: torch.Tensor,  # [B, Hk, S, D]
@@ -177,16 +163,15 @@ def register(backend: AttentionBackend) -> str:
     ) -> tuple[torch.Tensor, None]:
         del module, attention_mask, dropout  # causality and boundaries come from cu_seq_lens_q
         batch, heads, seq, dim = query.shape
-        cu = kwargs.get("cu_seq_lens_q")
-        max_len = kwargs.get("max_length_q")
+        cu: torch.Tensor | None = kwargs.get("cu_seq_lens_q")
+        max_len = int(kwargs.get("max_length_q") or seq)
         if cu is None:  # an ordinary call (e.g. the self-check): each row is one whole sequence
             cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=query.device)
-            max_len = seq
         q = query.transpose(1, 2).reshape(batch * seq, heads, dim)
         k = key.transpose(1, 2).reshape(batch * seq, key.shape[1], dim)
         v = value.transpose(1, 2).reshape(batch * seq, value.shape[1], dim)
         scale = scaling if scaling is not None else dim**-0.5
-        out = kernel(q, k, v, cu, int(max_len), scale, sliding_window, softcap)
+        out = kernel(q, k, v, Segments(cu, max_len, scale, sliding_window, softcap))
         return out.reshape(batch, seq, heads, dim), None
 
     AttentionInterface.register(backend.implementation, packed_attention)

@@ -47,6 +47,7 @@ class ActionScores:
 
 
 def score_actions(
+    *,
     hidden: torch.Tensor,  # [A, H] final hidden state at t-1 for each action t
     targets: torch.Tensor,  # [A]
     inv_temperature: torch.Tensor,  # [A]

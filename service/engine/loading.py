@@ -62,7 +62,9 @@ def load_model(
     if path is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(DEMO_SEED)
-            model = AutoModelForCausalLM.from_config(demo_config(), attn_implementation=attn, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                demo_config(), attn_implementation=attn, dtype=dtype
+            )
         log.warning("serving the DEMO model %s: random weights, for trying the API only", DEMO_NAME)
         return LoadedModel(_prepare(model, device), name or DEMO_NAME, demo=True)
     if not (path / "config.json").is_file():

@@ -47,6 +47,7 @@ class CausalLM:
         hidden: torch.Tensor = out.last_hidden_state[0]  # [N, H]
         return hidden
 
+    @torch.inference_mode()
     def check_head(self, tokens: torch.Tensor) -> float:
         """Largest |Δ| between the model's own logits and ours on one sequence; raise if too large.
 
@@ -104,19 +105,21 @@ class PackedScorer:
         batch = pack(jobs, self._device)
         hidden = self._policy.hidden(batch)  # [N, H]
         scores = score_actions(
-            hidden.index_select(0, batch.hidden_index),
-            batch.targets,
-            batch.inv_temperature,
-            self._policy.lm_head,
-            self._policy.transform,
-            self._policy.chunk_rows,
-            batch.want_entropy,
+            hidden=hidden.index_select(0, batch.hidden_index),
+            targets=batch.targets,
+            inv_temperature=batch.inv_temperature,
+            lm_head=self._policy.lm_head,
+            transform=self._policy.transform,
+            chunk_rows=self._policy.chunk_rows,
+            want_entropy=batch.want_entropy,
         )
         splits = np.cumsum(batch.actions_per_sequence)[:-1]
         logprobs = np.split(scores.logprobs.cpu().numpy(), splits)
         entropy = np.split(scores.entropy.cpu().numpy(), splits) if scores.entropy is not None else None
         return [
-            SequenceScores(logprobs=logprobs[i], entropy=entropy[i] if entropy and job.return_entropy else None)
+            SequenceScores(
+                logprobs=logprobs[i], entropy=entropy[i] if entropy and job.return_entropy else None
+            )
             for i, job in enumerate(jobs)
         ]
 
@@ -143,7 +146,11 @@ class PackedScorer:
 def _versions() -> dict[str, str]:
     import transformers
 
-    versions = {"service": service.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    versions = {
+        "service": service.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     try:
         import flash_attn
 

@@ -1,0 +1,81 @@
+"""Packed attention kernels against a dense block-diagonal reference; GPU kernels against the CPU one."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from service.engine.attention import Segments, choose_backend, sdpa_kernel
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """One float64 softmax over the whole packed row with an explicit [N, N] mask."""
+    n, heads, _ = q.shape
+    seq_id = torch.repeat_interleave(
+        torch.arange(len(seg.cu) - 1), (seg.cu[1:] - seg.cu[:-1]).long().cpu()
+    ).to(q.device)
+    i = torch.arange(n, device=q.device)
+    allowed = (seq_id[:, None] == seq_id[None, :]) & (i[None, :] <= i[:, None])
+    if seg.window is not None:
+        allowed &= i[None, :] > i[:, None] - seg.window
+    kk = k.double().repeat_interleave(heads // k.shape[1], dim=1)
+    vv = v.double().repeat_interleave(heads // v.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * seg.scale
+    if seg.softcap is not None:
+        scores = torch.tanh(scores / seg.softcap) * seg.softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vv)
+
+
+def make_inputs(
+    lengths: list[int], device: str, dtype: torch.dtype, window: int | None, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Segments]:
+    gen = torch.Generator().manual_seed(sum(lengths))
+    n = sum(lengths)
+    q = torch.randn(n, 8, 32, generator=gen).to(device, dtype)
+    k = torch.randn(n, 2, 32, generator=gen).to(device, dtype)
+    v = torch.randn(n, 2, 32, generator=gen).to(device, dtype)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return q, k, v, Segments(cu, max(lengths), 32**-0.5, window, softcap)
+
+
+CASES = [
+    ([5, 1, 17, 9], None, None),
+    ([12, 30, 3], 4, None),  # sliding window shorter than the sequences
+    ([7, 20], None, 2.0),  # attention-logit soft-capping (Gemma2)
+    ([40, 2, 11], 8, 3.0),
+]
+
+
+@pytest.mark.parametrize(("lengths", "window", "softcap"), CASES)
+def test_sdpa_kernel_matches_dense_reference(
+    lengths: list[int], window: int | None, softcap: float | None
+) -> None:
+    q, k, v, seg = make_inputs(lengths, "cpu", torch.float32, window, softcap)
+    got = sdpa_kernel(q, k, v, seg)
+    torch.testing.assert_close(got.double(), dense_reference(q, k, v, seg), atol=1e-5, rtol=1e-5)
+
+
+def test_auto_backend_on_cpu_is_sdpa() -> None:
+    assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
+    with pytest.raises(RuntimeError, match="CUDA"):
+        choose_backend("torch_varlen", torch.device("cpu"))
+
+
+GPU_BACKENDS = ["torch_varlen"] + (["flash_attn"] if importlib.util.find_spec("flash_attn") else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize(("lengths", "window", "softcap"), CASES)
+def test_gpu_kernel_matches_cpu_twin(
+    backend: str, lengths: list[int], window: int | None, softcap: float | None
+) -> None:
+    kernel = choose_backend(backend, torch.device("cuda")).kernel
+    q, k, v, seg = make_inputs(lengths, "cuda", torch.bfloat16, window, softcap)
+    got = kernel(q, k, v, seg).float()
+    want = dense_reference(q, k, v, seg).float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,57 @@
+"""The chunked lm_head + log-softmax + entropy, the final-logit transform and its self-check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from service.engine.head import LogitTransform, score_actions
+from service.engine.scorer import CausalLM
+from tests import models
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 7, 100])
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=0.5, softcap=1.5)])
+def test_chunked_head_equals_full_log_softmax(chunk_rows: int, transform: LogitTransform) -> None:
+    gen = torch.Generator().manual_seed(chunk_rows)
+    head = torch.nn.Linear(16, 50, bias=False)
+    torch.nn.init.normal_(head.weight, std=0.5, generator=gen)
+    hidden = torch.randn(11, 16, generator=gen)
+    targets = torch.randint(0, 50, (11,), generator=gen)
+    inv_t = 1.0 / torch.tensor([1.0, 0.5, 2.0] * 3 + [1.0, 0.7])
+    got = score_actions(
+        hidden=hidden,
+        targets=targets,
+        inv_temperature=inv_t,
+        lm_head=head,
+        transform=transform,
+        chunk_rows=chunk_rows,
+        want_entropy=True,
+    )
+    logits = head(hidden).double()
+    if transform.softcap:
+        logits = torch.tanh(logits * transform.scale / transform.softcap) * transform.softcap
+    logp = torch.log_softmax(logits * inv_t.double()[:, None], dim=-1)
+    torch.testing.assert_close(got.logprobs.double(), logp.gather(1, targets[:, None])[:, 0], atol=1e-5, rtol=0)
+    assert got.entropy is not None
+    torch.testing.assert_close(got.entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-5, rtol=0)
+
+
+def test_transform_from_config() -> None:
+    assert LogitTransform.from_config(SimpleNamespace()) == LogitTransform()
+    assert LogitTransform.from_config(SimpleNamespace(final_logit_softcapping=30.0)).softcap == 30.0
+    assert LogitTransform.from_config(SimpleNamespace(logit_scale=0.0625)).scale == 0.0625  # Cohere
+    assert LogitTransform.from_config(SimpleNamespace(logits_scaling=4.0)).scale == 0.25  # Granite
+
+
+def test_self_check_catches_an_unreproduced_final_logit_transform(tmp_path: Path) -> None:
+    model = models.build("gemma2")
+    lm = CausalLM(model, chunk_rows=8)
+    tokens = torch.arange(3, 20)
+    assert lm.check_head(tokens) < 1e-4
+    object.__setattr__(lm, "transform", LogitTransform())  # forget Gemma2's soft-capping
+    with pytest.raises(RuntimeError, match="final-logit transform"):
+        lm.check_head(tokens)

@@ -1,0 +1,28 @@
+"""Packing: one row, positions restarting at 0, boundaries, and the rows that predict actions."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from service.engine.packing import pack
+from service.jobs import SequenceJob
+
+
+def test_pack_three_sequences() -> None:
+    jobs = [
+        SequenceJob(np.array([5, 6, 7]), np.array([1, 2]), 1.0, False),
+        SequenceJob(np.array([9, 8]), np.array([], dtype=np.int64), 0.5, True),
+        SequenceJob(np.array([1, 2, 3, 4]), np.array([3]), 2.0, False),
+    ]
+    batch = pack(jobs, torch.device("cpu"))
+    assert batch.input_ids.tolist() == [[5, 6, 7, 9, 8, 1, 2, 3, 4]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert batch.cu_seqlens.tolist() == [0, 3, 5, 9]
+    assert batch.cu_seqlens.dtype == torch.int32
+    assert batch.max_len == 4
+    assert batch.hidden_index.tolist() == [0, 1, 7]  # t-1 of actions 1, 2 (seq 0) and 3 (seq 2)
+    assert batch.targets.tolist() == [6, 7, 4]
+    assert batch.inv_temperature.tolist() == [1.0, 1.0, 0.5]
+    assert batch.actions_per_sequence == [2, 0, 1]
+    assert batch.want_entropy

@@ -1,0 +1,130 @@
+"""The token-budget batcher, over a fake engine: packing, splitting, ordering, failures, the loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
+
+import numpy as np
+import pytest
+
+from service.batcher import Batcher
+from service.errors import EngineFailure
+from service.jobs import SequenceJob, SequenceScores
+from service.metrics import Metrics
+from tests.fakes import FakeEngine, expected_scores
+
+
+def job(length: int, first: int = 0, temperature: float = 1.0) -> SequenceJob:
+    tokens = np.arange(first, first + length, dtype=np.int64)
+    return SequenceJob(tokens, np.arange(1, length, dtype=np.int64), temperature, False)
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+T = TypeVar("T")
+
+
+def run(
+    loop: asyncio.AbstractEventLoop, engine: FakeEngine, budget: int, body: Callable[[Batcher], Awaitable[T]]
+) -> T:
+    async def main() -> T:
+        batcher = Batcher(engine, budget, Metrics())
+        batcher.start()
+        try:
+            return await body(batcher)
+        finally:
+            await batcher.stop()
+
+    return loop.run_until_complete(main())
+
+
+def test_request_larger_than_budget_is_split_and_answered_whole(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine()
+    jobs = [job(n, first=10 * i) for i, n in enumerate([30, 20, 25, 10, 40])]
+    results = run(loop, engine, 50, lambda b: b.score(jobs))
+    assert len(results) == len(jobs)
+    for j, r in zip(jobs, results, strict=True):
+        np.testing.assert_array_equal(r.logprobs, expected_scores(j).logprobs)
+    assert all(sum(batch) <= 50 for batch in engine.batches)
+    assert len(engine.batches) >= 3
+
+
+def test_concurrent_requests_are_merged_and_each_gets_its_own_answers(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    engine = FakeEngine(delay=0.02)
+    requests = [[job(5 + i % 7, first=100 * i + k, temperature=0.5 + i) for k in range(3)] for i in range(12)]
+
+    async def body(batcher: Batcher) -> list[list[SequenceScores]]:
+        return await asyncio.gather(*(batcher.score(r) for r in requests))
+
+    answers = run(loop, engine, 64, body)
+    for request, answer in zip(requests, answers, strict=True):
+        for j, r in zip(request, answer, strict=True):
+            np.testing.assert_array_equal(r.logprobs, expected_scores(j).logprobs)
+    assert max(len(batch) for batch in engine.batches) > 3  # requests were merged
+    assert all(sum(batch) <= 64 for batch in engine.batches)
+    assert engine.threads == {"logprobd-engine_0"}  # one worker thread
+
+
+def test_sequence_longer_than_budget_runs_alone(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine()
+    results = run(loop, engine, 16, lambda b: b.score([job(4), job(40), job(4)]))
+    assert len(results) == 3
+    assert [40] in engine.batches
+
+
+def test_engine_failure_fails_its_requests_only(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine(fail_on_token=999)
+
+    async def body(batcher: Batcher) -> list[SequenceScores]:
+        with pytest.raises(EngineFailure, match="injected failure"):
+            await batcher.score([job(5, first=995)])
+        return await batcher.score([job(5)])
+
+    (good,) = run(loop, engine, 64, body)
+    np.testing.assert_array_equal(good.logprobs, expected_scores(job(5)).logprobs)
+
+
+def test_cancelled_request_never_reaches_the_engine(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine(delay=0.1)
+
+    async def body(batcher: Batcher) -> list[SequenceScores]:
+        first = asyncio.create_task(batcher.score([job(8, first=1)]))
+        await asyncio.sleep(0.02)  # first is now in the engine
+        doomed = asyncio.create_task(batcher.score([job(9, first=500)]))
+        await asyncio.sleep(0)
+        doomed.cancel()
+        last = await batcher.score([job(7, first=2)])
+        await first
+        return last
+
+    run(loop, engine, 64, body)
+    assert all(9 not in b for b in engine.batches)
+
+
+def test_event_loop_keeps_running_during_the_forward(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine(delay=0.3)
+
+    async def body(batcher: Batcher) -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        await batcher.score([job(5)])
+        task.cancel()
+        return ticks
+
+    assert run(loop, engine, 64, body) >= 10
