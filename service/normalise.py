@@ -92,7 +92,7 @@ def _ragged_rows(request: LogprobsRequest) -> list[_Row]:
     batch = len(request.input_ids)
     rows: list[_Row] = []
     for i, ids in enumerate(request.input_ids):
-        tokens = np.asarray(ids, dtype=np.int64)
+        tokens = _int64(ids, "input_ids", i)
         length = len(ids)
         if length == 0:
             raise InvalidRequest(f"input_ids row {i} is empty", field="input_ids", row=i)
@@ -142,7 +142,6 @@ def _padded_rows(request: LogprobsRequest) -> list[_Row]:
             )
     if width == 0:
         raise InvalidRequest("input_ids rows are empty", field="input_ids", row=0)
-    matrix = np.asarray(request.input_ids, dtype=np.int64)  # [B, L]
     rows: list[_Row] = []
     for i in range(batch):
         real = _mask_row(
@@ -184,14 +183,14 @@ def _padded_rows(request: LogprobsRequest) -> list[_Row]:
                 )
         if action_columns.size and action_columns[0] == columns[0]:
             raise InvalidRequest(
-                f"row {i}: column {columns[0]} is the first real token (position 0) and cannot be an "
+                f"{field} row {i}: column {columns[0]} is the first real token (position 0) and cannot be an "
                 "action; the prompt must hold at least one real token",
                 field=field,
                 row=i,
             )
         rows.append(
             _Row(
-                tokens=matrix[i, columns],
+                tokens=_int64([request.input_ids[i][c] for c in columns.tolist()], "input_ids", i),
                 actions=position[action_columns].astype(np.int64),
                 slots=(action_columns - start).astype(np.int64),
                 width=width - start,
@@ -213,7 +212,7 @@ def _mask_row(
 ) -> IntArray:
     if len(mask) != batch:
         raise InvalidRequest(f"{field} has {len(mask)} rows, input_ids has {batch}", field=field)
-    row = np.asarray(mask[i], dtype=np.int64)
+    row = _int64(mask[i], field, i)
     if row.shape[0] != length:
         raise InvalidRequest(
             f"{field} row {i} has length {row.shape[0]}, expected {length} ({what})", field=field, row=i
@@ -224,6 +223,15 @@ def _mask_row(
             f"{field}[{i}][{bad[0]}] is {row[bad[0]]}; only 0 and 1 are allowed", field=field, row=i
         )
     return row
+
+
+def _int64(values: Sequence[int], field: str, i: int) -> IntArray:
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except OverflowError:  # JSON ints are unbounded, numpy's are not
+        raise InvalidRequest(
+            f"{field} row {i} holds a value outside the 64-bit integer range", field=field, row=i
+        ) from None
 
 
 def _check_tokens(tokens: IntArray, i: int, limits: ModelLimits) -> None:
@@ -247,7 +255,9 @@ def _check_tokens(tokens: IntArray, i: int, limits: ModelLimits) -> None:
 def _eos_ids(eos: int | list[int] | None) -> IntArray | None:
     if eos is None:
         return None
-    return np.asarray([eos] if isinstance(eos, int) else eos, dtype=np.int64)
+    ids = [eos] if isinstance(eos, int) else eos
+    top = int(np.iinfo(np.int64).max)  # a larger id is valid JSON but can match no token: drop it
+    return np.asarray([e for e in ids if e <= top], dtype=np.int64)
 
 
 def _eos_cut(action_tokens: IntArray, eos: IntArray | None) -> int:

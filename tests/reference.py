@@ -57,7 +57,7 @@ def expected(model: Any, request: dict[str, Any]) -> Expected:
     for i in range(len(request["input_ids"])):
         tokens, window = _row_tokens_and_window(request, i)
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([tokens])).logits[0].double()  # [L, V]
+            logits = model(input_ids=torch.tensor([tokens], device=model.device)).logits[0].double()  # [L, V]
         logp = torch.log_softmax(logits / temperature, dim=-1)
         lp_row, ent_row, mask_row = [0.0] * len(window), [0.0] * len(window), [0] * len(window)
         ended = False
