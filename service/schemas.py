@@ -41,13 +41,15 @@ class LogprobsRequest(BaseModel):
     response_length: Count | None = Field(
         None, description="Padded layout: the last `response_length` columns are the action window."
     )
-    temperature: float = Field(
+    temperature: Annotated[float, Strict()] = Field(
         1.0, gt=0, allow_inf_nan=False, description="Sampling temperature T: log_softmax(logits / T)."
     )
     eos_token_id: TokenId | list[TokenId] | None = Field(
         None, description="Actions after the first EOS action of a row are dropped (reported as masked)."
     )
-    return_entropy: bool = Field(False, description="Also return the entropy of each action's distribution.")
+    return_entropy: Annotated[bool, Strict()] = Field(
+        False, description="Also return the entropy of each action's distribution."
+    )
 
 
 class Usage(BaseModel):

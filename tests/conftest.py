@@ -38,12 +38,13 @@ def reference_models(model_dirs: dict[str, Path]) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    return {
-        name: AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
-        .to(DEVICE)
-        .eval()
-        for name, path in model_dirs.items()
-    }
+    def load(path: Path) -> Any:
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation="eager", dtype=torch.float32
+        )
+        return model.to(DEVICE).eval()
+
+    return {name: load(path) for name, path in model_dirs.items()}
 
 
 def settings_for(path: Path | None, **overrides: Any) -> Settings:

@@ -66,7 +66,9 @@ def build(name: str, seed: int = 0) -> Any:
     config = configs()[name]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, attn_implementation="eager", dtype=torch.float32
+        )
     return model.eval()
 
 

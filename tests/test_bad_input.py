@@ -41,9 +41,12 @@ def client(model_dirs: dict[str, Path]) -> Iterator[TestClient]:
 
 
 def post(client: TestClient, body: Body) -> httpx.Response:
+    response: httpx.Response
     if isinstance(body, Raw):
-        return client.post("/logprobs", content=body.text, headers={"content-type": "application/json"})
-    return client.post("/logprobs", json=body)
+        response = client.post("/logprobs", content=body.text, headers={"content-type": "application/json"})
+    else:
+        response = client.post("/logprobs", json=body)
+    return response
 
 
 def invalid_count(client: TestClient) -> float:
@@ -136,16 +139,26 @@ BAD: dict[str, tuple[Body, str, int | None]] = {
         0,
     ),
     "action_mask_padded_rows": (padded_mask(action_mask=[P_ACTIONS[0]]), "action_mask", None),
-    "action_mask_padded_first_real": (padded_mask(action_mask=[[0, 1, 1, 1], P_ACTIONS[1]]), "action_mask", 0),
+    "action_mask_padded_first_real": (
+        padded_mask(action_mask=[[0, 1, 1, 1], P_ACTIONS[1]]),
+        "action_mask",
+        0,
+    ),
     "action_mask_split_first_real": (
         padded_mask(input_ids=SPLIT_IDS, attention_mask=SPLIT_MASK, action_mask=[[0, 0, 1, 1], [1, 1, 1, 0]]),
         "action_mask",
         1,
     ),
     "action_mask_padded_padding": (padded_mask(action_mask=[P_ACTIONS[0], [1, 0, 0, 1]]), "action_mask", 1),
-    "action_mask_padded_left_padding": (padded_mask(action_mask=[[1, 0, 1, 1], P_ACTIONS[1]]), "action_mask", 0),
+    "action_mask_padded_left_padding": (
+        padded_mask(action_mask=[[1, 0, 1, 1], P_ACTIONS[1]]),
+        "action_mask",
+        0,
+    ),
     "action_mask_padded_hole": (
-        padded_mask(attention_mask=[[0, 0, 1, 1, 1], [1, 0, 1, 1, 0]], action_mask=[[0, 0, 1, 1], [1, 0, 0, 0]]),
+        padded_mask(
+            attention_mask=[[0, 0, 1, 1, 1], [1, 0, 1, 1, 0]], action_mask=[[0, 0, 1, 1], [1, 0, 0, 0]]
+        ),
         "action_mask",
         1,
     ),
@@ -156,7 +169,9 @@ BAD: dict[str, tuple[Body, str, int | None]] = {
     "response_length_float": (padded(response_length=2.0), "response_length", None),
     "response_length_first_real_row_0": (padded(response_length=3), "response_length", 0),
     "response_length_first_real_row_1": (
-        padded(input_ids=[[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]], attention_mask=[[1] * 5, [0, 0, 0, 1, 1]]),
+        padded(
+            input_ids=[[11, 12, 13, 14, 15], [0, 0, 0, 21, 22]], attention_mask=[[1] * 5, [0, 0, 0, 1, 1]]
+        ),
         "response_length",
         1,
     ),
@@ -179,6 +194,7 @@ BAD: dict[str, tuple[Body, str, int | None]] = {
     "temperature_zero": (ragged(temperature=0), "temperature", None),
     "temperature_negative": (ragged(temperature=-0.5), "temperature", None),
     "temperature_string": (ragged(temperature="hot"), "temperature", None),
+    "temperature_numeric_string": (ragged(temperature="1"), "temperature", None),
     "temperature_nan": (Raw(NAN_BODY % "NaN"), "temperature", None),
     "temperature_infinity": (Raw(NAN_BODY % "Infinity"), "temperature", None),
     "temperature_minus_infinity": (Raw(NAN_BODY % "-Infinity"), "temperature", None),
@@ -268,7 +284,7 @@ def test_good_requests_are_scored(client: TestClient) -> None:
 def test_good_answers_unchanged_after_each_bad_request(client: TestClient) -> None:
     before = invalid_count(client)
     baseline = score_good(client)
-    for name, (body, field, row) in BAD.items():
+    for name, (body, field, _) in BAD.items():
         response = post(client, body)
         assert response.status_code == 422, name
         assert response.json()["error"]["field"] == field, name
@@ -276,43 +292,52 @@ def test_good_answers_unchanged_after_each_bad_request(client: TestClient) -> No
     assert invalid_count(client) == before + len(BAD)
 
 
-def test_bad_requests_concurrent_with_good_ones(client: TestClient) -> None:
-    """One thread sends good requests one at a time (so each is batched alone, as in the baseline:
-    bitwise equal); more threads send good requests together (tolerance); others send bad ones."""
+def send_all_bad(client: TestClient, offset: int) -> list[tuple[httpx.Response, str, int | None]]:
+    cases = list(BAD.values())
+    cases = cases[offset:] + cases[:offset]
+    return [(post(client, body), field, row) for body, field, row in cases]
+
+
+BAD_THREADS = (0, 30, 60)  # each sends every bad case, starting at this offset
+
+
+def test_bad_requests_concurrent_with_one_good_stream_change_nothing(client: TestClient) -> None:
+    """Good requests sent one at a time are batched alone, as in the baseline: answers are bitwise equal."""
     baseline = score_good(client)
     before = invalid_count(client)
-    rounds = 3
+    with ThreadPoolExecutor(max_workers=len(BAD_THREADS) + 1) as pool:
+        bad = [pool.submit(send_all_bad, client, offset) for offset in BAD_THREADS]
+        good = pool.submit(lambda: [score_good(client) for _ in range(4)])
+        good_results = good.result()
+        bad_results = [item for future in bad for item in future.result()]
+    for results in good_results:
+        assert results == baseline
+    for response, field, row in bad_results:
+        check_rejected(response, field, row)
+    assert invalid_count(client) == before + len(BAD_THREADS) * len(BAD)
 
-    def sequential_good() -> list[list[dict[str, Any]]]:
-        return [score_good(client) for _ in range(rounds)]
 
-    def one_good(k: int) -> list[dict[str, Any]]:
+def test_bad_requests_concurrent_with_many_good_streams(client: TestClient) -> None:
+    """Good requests from several threads share micro-batches: equal within the float tolerance."""
+    baseline = score_good(client)
+    before = invalid_count(client)
+
+    def repeat(k: int) -> list[dict[str, Any]]:
         results = []
-        for _ in range(rounds):
+        for _ in range(3):
             response = client.post("/logprobs", json=GOOD[k][0])
             assert response.status_code == 200, response.text
             results.append(response.json())
         return results
 
-    def all_bad(offset: int) -> list[tuple[httpx.Response, str, int | None]]:
-        cases = list(BAD.values())
-        cases = cases[offset:] + cases[:offset]
-        return [(post(client, body), field, row) for body, field, row in cases]
-
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        bad_futures = [pool.submit(all_bad, offset) for offset in (0, 25, 50)]
-        sequential = pool.submit(sequential_good)
-        concurrent = [pool.submit(one_good, k) for k in range(len(GOOD))]
-        bad_results = [item for future in bad_futures for item in future.result()]
-        sequential_results = sequential.result()
-        concurrent_results = [future.result() for future in concurrent]
-
+    with ThreadPoolExecutor(max_workers=len(BAD_THREADS) + len(GOOD)) as pool:
+        bad = [pool.submit(send_all_bad, client, offset) for offset in BAD_THREADS]
+        good = [pool.submit(repeat, k) for k in range(len(GOOD))]
+        good_results = [future.result() for future in good]
+        bad_results = [item for future in bad for item in future.result()]
     for response, field, row in bad_results:
         check_rejected(response, field, row)
-    for results in sequential_results:
-        assert results == baseline
-    for k, results in enumerate(concurrent_results):
-        want = baseline[k]
+    for want, results in zip(baseline, good_results, strict=True):
         for got in results:
             assert got["action_mask"] == want["action_mask"]
             assert got["usage"] == want["usage"]
@@ -322,7 +347,7 @@ def test_bad_requests_concurrent_with_good_ones(client: TestClient) -> None:
                     continue
                 for g, w in zip(got[key], want[key], strict=True):
                     np.testing.assert_allclose(g, w, rtol=0, atol=TOLERANCE)
-    assert invalid_count(client) == before + 3 * len(BAD)
+    assert invalid_count(client) == before + len(BAD_THREADS) * len(BAD)
 
 
 @pytest.mark.parametrize(("max_batch_tokens", "longest"), [(64, 64), (1024, 256)])

@@ -263,7 +263,9 @@ def test_sequence_length_limit_counts_real_tokens() -> None:
     plan = plan_of(limits, input_ids=[[1, 2, 3, 4]], num_actions=1)
     assert plan.input_tokens == 4
     # 6 columns but only 4 real tokens: fits
-    plan = plan_of(limits, input_ids=[[0, 0, 1, 2, 3, 4]], attention_mask=[[0, 0, 1, 1, 1, 1]], response_length=1)
+    plan = plan_of(
+        limits, input_ids=[[0, 0, 1, 2, 3, 4]], attention_mask=[[0, 0, 1, 1, 1, 1]], response_length=1
+    )
     assert plan.input_tokens == 4
     with pytest.raises(InvalidRequest) as raised:
         plan_of(limits, input_ids=[[1, 2], [1, 2, 3, 4, 5]], num_actions=1)

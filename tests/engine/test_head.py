@@ -35,7 +35,9 @@ def test_chunked_head_equals_full_log_softmax(chunk_rows: int, transform: LogitT
     if transform.softcap:
         logits = torch.tanh(logits * transform.scale / transform.softcap) * transform.softcap
     logp = torch.log_softmax(logits * inv_t.double()[:, None], dim=-1)
-    torch.testing.assert_close(got.logprobs.double(), logp.gather(1, targets[:, None])[:, 0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        got.logprobs.double(), logp.gather(1, targets[:, None])[:, 0], atol=1e-5, rtol=0
+    )
     assert got.entropy is not None
     torch.testing.assert_close(got.entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-5, rtol=0)
 

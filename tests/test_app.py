@@ -1,0 +1,110 @@
+"""App lifecycle and the operational routes: health, info, metrics, failures."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.engine import ScoringEngine
+from service.settings import Settings
+from tests.conftest import running, settings_for, wait_ready
+from tests.fakes import FakeEngine
+
+
+def test_demo_model_serves_and_says_it_is_a_demo() -> None:
+    with running(settings_for(None)) as client:
+        info = client.get("/info").json()
+        assert info["demo"] is True
+        assert info["model"] == "logprobd-demo-qwen2"
+        assert info["architecture"] == "Qwen2ForCausalLM"
+        assert info["attention_backend"] == "sdpa"
+        assert set(info["versions"]) >= {"service", "torch", "transformers"}
+        r = client.post("/logprobs", json={"input_ids": [[1, 2, 3, 4]], "num_actions": 2})
+        assert r.status_code == 200
+        body = r.json()
+        assert body["model"] == "logprobd-demo-qwen2"
+        assert len(body["logprobs"][0]) == 2
+        assert all(v < 0 for v in body["logprobs"][0])
+        assert body["usage"] == {"input_tokens": 4, "scored_tokens": 2}
+
+
+def test_ready_only_after_load_and_warm_up() -> None:
+    started = []
+
+    class SlowEngine(FakeEngine):
+        def warm_up(self) -> None:
+            time.sleep(0.5)
+            started.append(True)
+
+    app = create_app(Settings(), engine_factory=lambda _: SlowEngine())
+    with TestClient(app) as client:
+        assert client.get("/health/live").status_code == 200
+        first = client.get("/health/ready")
+        assert first.status_code == 503
+        assert first.json() == {"status": "loading"}
+        assert client.get("/info").status_code == 503
+        scored = client.post("/logprobs", json={"input_ids": [[1, 2]], "num_actions": 1})
+        assert scored.status_code == 503
+        assert scored.json()["error"]["type"] == "not_ready"
+        wait_ready(client)
+        assert started == [True]
+        assert client.get("/metrics").text.count("logprobd_ready 1.0") == 1
+
+
+def test_failed_load_is_reported_and_fatal() -> None:
+    fatal = []
+
+    def broken(_: Settings) -> ScoringEngine:
+        raise FileNotFoundError("no config.json")
+
+    app = create_app(Settings(), engine_factory=broken, on_fatal=lambda: fatal.append(True))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 10
+        while not fatal and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fatal == [True]
+        ready = client.get("/health/ready")
+        assert ready.status_code == 503
+        assert ready.json() == {"status": "failed"}
+
+
+def test_missing_model_directory_fails_the_start(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="failed to start"), running(settings_for(tmp_path / "nowhere")):
+        pass
+
+
+def test_engine_failure_is_a_500_and_the_server_keeps_serving() -> None:
+    app = create_app(Settings(), engine_factory=lambda _: FakeEngine(fail_on_token=7))
+    with TestClient(app) as client:
+        wait_ready(client)
+        bad = client.post("/logprobs", json={"input_ids": [[1, 7, 3]], "num_actions": 2})
+        assert bad.status_code == 500
+        assert bad.json()["error"]["type"] == "engine_failure"
+        good = client.post("/logprobs", json={"input_ids": [[1, 5, 3]], "num_actions": 2})
+        assert good.status_code == 200
+        assert good.json()["logprobs"] == [[-6.0, -5.0]]  # FakeEngine: -(x_t + t)
+        metrics = client.get("/metrics").text
+        assert 'logprobd_requests_total{outcome="engine_failure"} 1.0' in metrics
+        assert 'logprobd_requests_total{outcome="ok"} 1.0' in metrics
+
+
+def test_metrics_count_tokens_and_latencies() -> None:
+    app = create_app(Settings(), engine_factory=lambda _: FakeEngine())
+    with TestClient(app) as client:
+        wait_ready(client)
+        for _ in range(3):
+            r = client.post("/logprobs", json={"input_ids": [[1, 2, 3, 4], [5, 6]], "num_actions": [2, 1]})
+            assert r.status_code == 200
+        text = client.get("/metrics").text
+        assert "logprobd_input_tokens_total 18.0" in text
+        assert "logprobd_scored_tokens_total 9.0" in text
+        assert "logprobd_request_duration_seconds_count 3.0" in text
+        assert "logprobd_forward_duration_seconds_count" in text
+        assert "logprobd_queue_duration_seconds_count 6.0" in text
+        assert "logprobd_batch_tokens_bucket" in text
+        assert "logprobd_queue_requests 0.0" in text
+        assert "logprobd_queue_tokens 0.0" in text
