@@ -1,0 +1,308 @@
+"""The scoring benchmark: the service against the naive and TRL-style peers, in one run.
+
+    python -m benchmarks.run                      # on a GPU host: 0.5B, 1.5B, 7B; writes results/latest.json
+    python -m benchmarks.run --models tiny --device cpu --sequences 8   # CPU smoke test
+
+Per model (random bf16 weights with the real shapes) and per variant: milliseconds (median of
+--reps after a warm-up), tokens/s, fraction of the FLOP floor, peak GPU memory; plus the largest
+|Δ| of the service's scores against a float32 reference on a sample of sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import platform
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import torch
+import uvicorn
+
+from benchmarks import peers
+from benchmarks.workload import SHAPES, Sample, floor_flops, jobs, workload
+from service.app import create_app
+from service.batcher import Batcher
+from service.engine.attention import choose_backend, register
+from service.engine.loading import LoadedModel
+from service.engine.scorer import PackedScorer
+from service.jobs import SequenceScores
+from service.metrics import Metrics
+from service.settings import Settings
+
+CLIENTS = 8
+ACCURACY_SAMPLE = 4
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """Measured dense matmul FLOP/s on this device (the floor's denominator)."""
+    n = 8192 if device.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    seconds = timed(lambda: a @ b, device, reps=20)
+    return 2.0 * n**3 / seconds
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median seconds of fn() after one warm-up call (wall clock between device synchronisations)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type != "cuda":
+        return 0.0
+    sync(device)
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    sync(device)
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def build_model(name: str, dtype: torch.dtype, device: torch.device, attn: str) -> Any:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**SHAPES[name], max_position_embeddings=32768, rope_theta=1e6)
+    with torch.device(device), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)  # type: ignore[no-untyped-call]
+    return model.eval().requires_grad_(False)
+
+
+def non_embedding_params(model: Any) -> int:
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    return int(total - embedding.numel() - (0 if head is embedding else head.numel()))
+
+
+class HttpServer:
+    """The real app under uvicorn on loopback, in this process, serving an already-built engine."""
+
+    def __init__(self, engine: PackedScorer, settings: Settings) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        app = create_app(settings, engine_factory=lambda _: engine)
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        url = f"http://127.0.0.1:{self.port}"
+        for _ in range(6000):
+            try:
+                if httpx.get(f"{url}/health/ready").status_code == 200:
+                    return url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError("server not ready")
+
+    def __exit__(self, *_: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def http_bodies(samples: list[Sample]) -> list[bytes]:
+    per = len(samples) // CLIENTS or 1
+    groups = [samples[i : i + per] for i in range(0, len(samples), per)]
+    return [
+        orjson.dumps({"input_ids": [s.tokens for s in g], "num_actions": [len(s.response) for s in g]})
+        for g in groups
+    ]
+
+
+def score_over_http(url: str, bodies: list[bytes]) -> list[dict[str, Any]]:
+    async def main() -> list[dict[str, Any]]:
+        limits = httpx.Limits(max_connections=len(bodies))
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+            async def one(body: bytes) -> dict[str, Any]:
+                r = await client.post("/logprobs", content=body, headers={"content-type": "application/json"})
+                r.raise_for_status()
+                parsed: dict[str, Any] = orjson.loads(r.content)
+                return parsed
+
+            return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+    return asyncio.run(main())
+
+
+def reference_logprobs(model: Any, samples: list[Sample], device: torch.device) -> list[np.ndarray]:
+    """float32, the model's own forward (sdpa), one unpadded sequence at a time."""
+    out = []
+    with torch.inference_mode():
+        for s in samples:
+            ids = torch.tensor([s.tokens], device=device)
+            logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float(), dim=-1)
+            start = len(s.prompt) - 1
+            targets = ids[0, len(s.prompt) :]
+            out.append(logp[start : start + len(s.response)].gather(1, targets[:, None])[:, 0].cpu().numpy())
+    return out
+
+
+def max_abs_diff(got: list[np.ndarray], want: list[np.ndarray]) -> float:
+    return max(float(np.max(np.abs(g.astype(np.float64) - w))) for g, w in zip(got, want, strict=True))
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
+    dtype = getattr(torch, args.dtype)
+    settings = Settings(device=device.type, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens)
+    backend = choose_backend(args.attention, device)
+    packed_impl = register(backend)
+    model = build_model(name, dtype, device, packed_impl)
+    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
+    engine.warm_up()
+    samples = workload(int(SHAPES[name]["vocab_size"]), sequences=args.sequences)
+    tokens = sum(len(s.tokens) for s in samples)
+    floor_s = floor_flops(SHAPES[name], non_embedding_params(model), samples) / rate
+    variants: dict[str, dict[str, float]] = {}
+
+    def record(variant: str, fn: Callable[[], object]) -> None:
+        seconds = timed(fn, device, args.reps)
+        variants[variant] = {
+            "ms": seconds * 1e3,
+            "tokens_per_s": tokens / seconds,
+            "floor_fraction": floor_s / seconds,
+            "peak_memory_gib": peak_memory(fn, device),
+        }
+        print(
+            f"  {name} {variant:>6}: {seconds * 1e3:9.1f} ms  {floor_s / seconds:6.1%} of floor", flush=True
+        )
+
+    model.set_attn_implementation("sdpa")
+    naive_scores = peers.naive(model, samples[:ACCURACY_SAMPLE], device)
+    record("naive", lambda: peers.naive(model, samples, device))
+    record("trl", lambda: peers.trl(model, samples, device))
+    model.set_attn_implementation(packed_impl)
+
+    the_jobs = jobs(samples)
+    loop = asyncio.new_event_loop()
+    batcher = Batcher(engine, args.max_batch_tokens, Metrics())
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.call_soon(batcher.start)
+    engine_scores: list[SequenceScores] = loop.run_until_complete(batcher.score(the_jobs[:ACCURACY_SAMPLE]))
+    record("engine", lambda: loop.run_until_complete(batcher.score(the_jobs)))
+    loop.run_until_complete(batcher.stop())
+    loop.close()
+
+    with HttpServer(engine, settings) as url:
+        bodies = http_bodies(samples)
+        record("http", lambda: score_over_http(url, bodies))
+
+    model.float()  # float32 reference: same weights, upcast in place
+    model.set_attn_implementation("sdpa")
+    want = reference_logprobs(model, samples[:ACCURACY_SAMPLE], device)
+    result = {
+        "tokens": tokens,
+        "action_tokens": sum(len(s.response) for s in samples),
+        "floor_ms": floor_s * 1e3,
+        "variants": variants,
+        "floor_fraction_http": variants["http"]["floor_fraction"],
+        "floor_fraction_engine": variants["engine"]["floor_fraction"],
+        "speedup_vs_naive": variants["naive"]["ms"] / variants["http"]["ms"],
+        "peak_memory_vs_naive": (
+            variants["http"]["peak_memory_gib"] / variants["naive"]["peak_memory_gib"]
+            if variants["naive"]["peak_memory_gib"]
+            else None
+        ),
+        "http_overhead": (variants["http"]["ms"] - variants["engine"]["ms"]) / variants["http"]["ms"],
+        "max_abs_diff_bf16": max_abs_diff([s.logprobs for s in engine_scores], want),
+        "max_abs_diff_bf16_naive_peer": max_abs_diff(naive_scores, want),
+    }
+    del model, engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        "| model | variant | ms | tokens/s | floor | peak GiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in results["models"].items():
+        for variant, v in r["variants"].items():
+            lines.append(
+                f"| {name} | {variant} | {v['ms']:.1f} | {v['tokens_per_s']:,.0f} | "
+                f"{v['floor_fraction']:.1%} | {v['peak_memory_gib']:.1f} |"
+            )
+    lines += [
+        "",
+        "| model | floor ms | HTTP floor | engine floor | × naive | memory / naive | HTTP overhead | max abs Δ bf16 "
+        "(service / naive peer) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in results["models"].items():
+        mem = r["peak_memory_vs_naive"]
+        lines.append(
+            f"| {name} | {r['floor_ms']:.1f} | {r['floor_fraction_http']:.1%} | {r['floor_fraction_engine']:.1%} | "
+            f"{r['speedup_vs_naive']:.2f} | {'n/a' if mem is None else f'{mem:.1%}'} | {r['http_overhead']:.1%} | "
+            f"{r['max_abs_diff_bf16']:.3g} / {r['max_abs_diff_bf16_naive_peer']:.3g} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "latest.json")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    import transformers
+
+    rate = matmul_rate(device, getattr(torch, args.dtype))
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "date": dt.date.today().isoformat(),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": sys.version.split()[0],
+        },
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "matmul_tflops": rate / 1e12,
+        "models": {},
+    }
+    print(f"{results['device']}: measured {args.dtype} matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    for name in args.models:
+        results["models"][name] = bench_model(name, args, device, rate)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
