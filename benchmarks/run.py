@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import gc
 import json
 import platform
 import socket
@@ -235,9 +236,6 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         "max_abs_diff_bf16": max_abs_diff([s.logprobs for s in engine_scores], want),
         "max_abs_diff_bf16_naive_peer": max_abs_diff(naive_scores, want),
     }
-    del model, engine
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return result
 
 
@@ -298,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{results['device']}: measured {args.dtype} matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     for name in args.models:
         results["models"][name] = bench_model(name, args, device, rate)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
     print(table(results))
