@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 from fastapi.testclient import TestClient
@@ -45,6 +45,18 @@ def reference_models(model_dirs: dict[str, Path]) -> dict[str, Any]:
         return model.to(DEVICE).eval()
 
     return {name: load(path) for name, path in model_dirs.items()}
+
+
+class Reply(Protocol):
+    """A TestClient response: httpx's or httpx2's, whichever starlette uses in this environment."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def text(self) -> str: ...
+
+    def json(self) -> Any: ...
 
 
 def settings_for(path: Path | None, **overrides: Any) -> Settings:

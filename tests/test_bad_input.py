@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.conftest import TOLERANCE, running, settings_for
+from tests.conftest import TOLERANCE, Reply, running, settings_for
 
 VOCAB = 96
 MAX_BATCH_TOKENS = 64
@@ -40,8 +39,8 @@ def client(model_dirs: dict[str, Path]) -> Iterator[TestClient]:
         yield c
 
 
-def post(client: TestClient, body: Body) -> httpx.Response:
-    response: httpx.Response
+def post(client: TestClient, body: Body) -> Reply:
+    response: Reply
     if isinstance(body, Raw):
         response = client.post("/logprobs", content=body.text, headers={"content-type": "application/json"})
     else:
@@ -224,7 +223,7 @@ BAD: dict[str, tuple[Body, str, int | None]] = {
 }
 
 
-def check_rejected(response: httpx.Response, field: str, row: int | None) -> None:
+def check_rejected(response: Reply, field: str, row: int | None) -> None:
     assert response.status_code == 422, response.text
     body = response.json()
     assert set(body) == {"error"}
@@ -292,7 +291,7 @@ def test_good_answers_unchanged_after_each_bad_request(client: TestClient) -> No
     assert invalid_count(client) == before + len(BAD)
 
 
-def send_all_bad(client: TestClient, offset: int) -> list[tuple[httpx.Response, str, int | None]]:
+def send_all_bad(client: TestClient, offset: int) -> list[tuple[Reply, str, int | None]]:
     cases = list(BAD.values())
     cases = cases[offset:] + cases[:offset]
     return [(post(client, body), field, row) for body, field, row in cases]

@@ -52,8 +52,18 @@ class AttentionBackend:
 
     @property
     def implementation(self) -> str:
-        """The name registered with transformers' AttentionInterface."""
-        return f"logprobd_{self.name}"
+        """The name registered with transformers' AttentionInterface.
+
+        Free of "sdpa" and "flash": transformers treats names containing those as its own kernels.
+        """
+        return _IMPLEMENTATION[self.name]
+
+
+_IMPLEMENTATION = {
+    "flash_attn": "logprobd_fa2_varlen",
+    "torch_varlen": "logprobd_torch_varlen",
+    "sdpa": "logprobd_exact",
+}
 
 
 def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:

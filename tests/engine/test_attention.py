@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from service.engine.attention import Segments, choose_backend, sdpa_kernel
+from service.engine.attention import AttentionBackend, Segments, choose_backend, sdpa_kernel
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
@@ -79,3 +79,11 @@ def test_gpu_kernel_matches_cpu_twin(
     got = kernel(q, k, v, seg).float()
     want = dense_reference(q, k, v, seg).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["flash_attn", "torch_varlen", "sdpa"])
+def test_registered_names_do_not_impersonate_transformers_kernels(name: str) -> None:
+    # transformers routes any implementation named "*sdpa*" or "*flash*" through its own checks
+    implementation = AttentionBackend(name, sdpa_kernel).implementation
+    assert "sdpa" not in implementation
+    assert "flash" not in implementation
