@@ -62,6 +62,7 @@ class Sample:
 
 def workload(
     vocab: int,
+    *,
     sequences: int = 64,
     prompt_range: tuple[int, int] = (256, 1024),
     response_mean: float = 250.0,
