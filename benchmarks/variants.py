@@ -33,7 +33,7 @@ def measure(model: Any, name: str, budget: int, chunk: int, reps: int) -> tuple[
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
     the_jobs = jobs(workload(int(SHAPES[name]["vocab_size"])))
     loop = asyncio.new_event_loop()
-    batcher = Batcher(engine, budget, Metrics())
+    batcher = Batcher(engine, budget, Metrics(), wait_s=settings.batch_wait_ms / 1e3)
     loop.call_soon(batcher.start)
     run = lambda: loop.run_until_complete(batcher.score(the_jobs))  # noqa: E731
     seconds = timed(run, device, reps)

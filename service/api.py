@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from service.errors import NotReady
 from service.metrics import CONTENT_TYPE
 from service.normalise import normalise
 from service.response import render
-from service.schemas import ErrorBody, Health, Info, LogprobsRequest, LogprobsResponse
+from service.schemas import ErrorBody, Health, Info, LogprobsRequest, LogprobsResponse, parse_request
 from service.state import ServiceState
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -29,10 +29,19 @@ def build_router(state: ServiceState) -> APIRouter:
     router = APIRouter()
     metrics = state.metrics
 
-    @router.post("/logprobs", response_model=LogprobsResponse, responses=ERRORS)
-    async def logprobs(request: LogprobsRequest) -> Response:
+    # the body is parsed from raw bytes by parse_request (one Rust pass), so it is declared here
+    body_schema = {"application/json": {"schema": LogprobsRequest.model_json_schema()}}
+
+    @router.post(
+        "/logprobs",
+        response_model=LogprobsResponse,
+        responses=ERRORS,
+        openapi_extra={"requestBody": {"required": True, "content": body_schema}},
+    )
+    async def logprobs(http: Request) -> Response:
         """Per-token log-probs (and entropy) of the action tokens of each row."""
         started = time.perf_counter()
+        request = parse_request(await http.body())
         serving = state.require_serving()
         plan = normalise(request, serving.limits)
         metrics.queue_requests.inc()
@@ -71,6 +80,7 @@ def build_router(state: ServiceState) -> APIRouter:
             dtype=i.dtype,
             device=i.device,
             attention_backend=i.attention_backend,
+            kernels=i.kernels,
             vocab_size=i.vocab_size,
             max_positions=i.max_positions,
             max_batch_tokens=state.settings.max_batch_tokens,

@@ -7,7 +7,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,7 +16,7 @@ import service
 from service.api import build_router
 from service.batcher import Batcher
 from service.engine import ScoringEngine, load_engine
-from service.errors import InvalidRequest, ServiceError, status_for
+from service.errors import ServiceError, from_pydantic, status_for
 from service.metrics import Metrics
 from service.normalise import ModelLimits
 from service.settings import Settings
@@ -74,7 +73,7 @@ async def _start(
             on_fatal()
         return
     info = engine.info
-    batcher = Batcher(engine, settings.max_batch_tokens, state.metrics)
+    batcher = Batcher(engine, settings.max_batch_tokens, state.metrics, wait_s=settings.batch_wait_ms / 1e3)
     batcher.start()
     limits = ModelLimits(
         vocab_size=info.vocab_size, max_sequence_tokens=min(info.max_positions, settings.max_batch_tokens)
@@ -106,37 +105,7 @@ def _install_error_handlers(app: FastAPI, state: ServiceState) -> None:
 
     async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return reply(_from_validation(exc))
+        return reply(from_pydantic(exc.errors()))
 
     app.add_exception_handler(ServiceError, on_service_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
-
-
-# fields with one entry per input row: an index into them is the row at fault
-_ROW_FIELDS = frozenset({"input_ids", "attention_mask", "action_mask", "num_actions"})
-
-
-def _from_validation(exc: RequestValidationError) -> InvalidRequest:
-    """The first pydantic error, as an InvalidRequest naming the field and, when known, the row."""
-    errors = exc.errors()
-    first = errors[0]
-    if first.get("type") == "json_invalid":  # loc is ("body", character offset), not a field
-        at = [part for part in first.get("loc", ()) if isinstance(part, int)]
-        reason = first.get("ctx", {}).get("error", "")
-        where = f" at character {at[0]}" if at else ""
-        return InvalidRequest(f"body: not valid JSON{where} ({reason})", field="body")
-
-    def path(error: Any) -> list[str | int]:
-        """Field name then list indices; drops "body" and union branch tags ("list[constrained-int]")."""
-        loc = [part for part in error.get("loc", ()) if part != "body"]
-        return loc[:1] + [part for part in loc[1:] if isinstance(part, int)]
-
-    # a union field (num_actions, eos_token_id) gives one error per branch; the deepest names the entry
-    same_field = [error for error in errors if path(error)[:1] == path(first)[:1]]
-    chosen = max(same_field, key=lambda error: len(path(error)))
-    loc = path(chosen)
-    field = str(loc[0]) if loc else "body"
-    row = loc[1] if len(loc) > 1 and isinstance(loc[1], int) and field in _ROW_FIELDS else None
-    where = field + "".join(f"[{part}]" for part in loc[1:])
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return InvalidRequest(f"{where}: {chosen.get('msg', 'invalid')}{more}", field=field, row=row)

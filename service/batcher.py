@@ -32,11 +32,15 @@ class _Pending:
 
 
 class Batcher:
-    def __init__(self, engine: ScoringEngine, max_batch_tokens: int, metrics: Metrics) -> None:
+    def __init__(
+        self, engine: ScoringEngine, max_batch_tokens: int, metrics: Metrics, *, wait_s: float = 0.0
+    ) -> None:
         self._engine = engine
         self._budget = max_batch_tokens
+        self._wait_s = wait_s  # collation window when the engine is idle and the queue under budget
         self._metrics = metrics
         self._queue: deque[_Pending] = deque()
+        self._queued_tokens = 0
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprobd-engine")
         self._worker: asyncio.Task[None] | None = None
@@ -54,7 +58,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         pending = [_Pending(job, loop.create_future()) for job in jobs]
         self._queue.extend(pending)
-        self._metrics.queue_tokens.inc(sum(job.num_tokens for job in jobs))
+        self._queued(sum(job.num_tokens for job in jobs))
         self._wake.set()
         try:
             return list(await asyncio.gather(*(p.future for p in pending)))
@@ -68,6 +72,10 @@ class Batcher:
             while not self._queue:
                 self._wake.clear()
                 await self._wake.wait()
+            if self._queued_tokens < self._budget:  # let requests sent together share a micro-batch
+                delay = self._queue[0].enqueued + self._wait_s - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
             batch = self._take()
             if not batch:
                 continue
@@ -92,6 +100,10 @@ class Batcher:
                 if not p.future.done():
                     p.future.set_result(result)
 
+    def _queued(self, tokens: int) -> None:
+        self._queued_tokens += tokens
+        self._metrics.queue_tokens.set(self._queued_tokens)
+
     def _take(self) -> list[_Pending]:
         """Pop queued sequences in order while they fit the token budget (at least one)."""
         batch: list[_Pending] = []
@@ -100,12 +112,12 @@ class Batcher:
             head = self._queue[0]
             if head.future.done():  # cancelled: its client is gone
                 self._queue.popleft()
-                self._metrics.queue_tokens.dec(head.job.num_tokens)
+                self._queued(-head.job.num_tokens)
                 continue
             if batch and tokens + head.job.num_tokens > self._budget:
                 break
             self._queue.popleft()
-            self._metrics.queue_tokens.dec(head.job.num_tokens)
+            self._queued(-head.job.num_tokens)
             batch.append(head)
             tokens += head.job.num_tokens
         return batch

@@ -5,6 +5,7 @@ Every failure a client can see is one of these; `status_for` is the only place t
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -59,3 +60,32 @@ def status_for(error: ServiceError) -> int:
         if cls in _STATUS:
             return _STATUS[cls]
     return 500
+
+
+# fields with one entry per input row: an index into them is the row at fault
+_ROW_FIELDS = frozenset({"input_ids", "attention_mask", "action_mask", "num_actions"})
+
+
+def from_pydantic(errors: Sequence[Mapping[str, Any]]) -> InvalidRequest:
+    """The first pydantic validation error, as an InvalidRequest naming the field and, when known, the row."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":  # not a field: the body is not JSON
+        at = [part for part in first.get("loc", ()) if isinstance(part, int)]
+        where = f" at character {at[0]}" if at else ""
+        reason = first.get("ctx", {}).get("error") or first.get("msg", "")
+        return InvalidRequest(f"body: not valid JSON{where} ({reason})", field="body")
+
+    def path(error: Mapping[str, Any]) -> list[str | int]:
+        """Field name then list indices; drops "body" and union branch tags ("list[constrained-int]")."""
+        loc = [part for part in error.get("loc", ()) if part != "body"]
+        return loc[:1] + [part for part in loc[1:] if isinstance(part, int)]
+
+    # a union field (num_actions, eos_token_id) gives one error per branch; the deepest names the entry
+    same_field = [error for error in errors if path(error)[:1] == path(first)[:1]]
+    chosen = max(same_field, key=lambda error: len(path(error)))
+    loc = path(chosen)
+    field = str(loc[0]) if loc else "body"
+    row = loc[1] if len(loc) > 1 and isinstance(loc[1], int) and field in _ROW_FIELDS else None
+    where = field + "".join(f"[{part}]" for part in loc[1:])
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return InvalidRequest(f"{where}: {chosen.get('msg', 'invalid')}{more}", field=field, row=row)

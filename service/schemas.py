@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+
+from service.errors import from_pydantic
 
 TokenId = Annotated[int, Strict(), Field(ge=0)]
 Count = Annotated[int, Strict(), Field(ge=0)]
@@ -52,6 +54,14 @@ class LogprobsRequest(BaseModel):
     )
 
 
+def parse_request(raw: bytes) -> LogprobsRequest:
+    """Parse and validate a JSON body in one pass (pydantic's Rust parser, no intermediate dicts)."""
+    try:
+        return LogprobsRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_pydantic(exc.errors()) from None
+
+
 class Usage(BaseModel):
     input_tokens: int = Field(description="Real (non-padding) tokens in the request.")
     scored_tokens: int = Field(description="Action tokens scored, after the EOS policy.")
@@ -89,6 +99,7 @@ class Info(BaseModel):
     dtype: str
     device: str
     attention_backend: str
+    kernels: str = Field(description='Fused decoder kernels in use ("liger" or "none").')
     vocab_size: int
     max_positions: int
     max_batch_tokens: int

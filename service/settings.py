@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attn", "torch_varlen", "sdpa"]
+Kernels = Literal["auto", "liger", "none"]
 
 
 class Settings(BaseSettings):
@@ -37,8 +38,18 @@ class Settings(BaseSettings):
         description="Packed attention kernel. auto: flash_attn if importable, else torch_varlen on cuda; "
         "sdpa (one call per sequence) on cpu or where the kernels cannot run.",
     )
+    kernels: Kernels = Field(
+        "auto",
+        description="Fused decoder kernels. auto: liger-kernel's RMSNorm/RoPE/SwiGLU on cuda if importable.",
+    )
     max_batch_tokens: int = Field(
         16384, ge=16, description="Token budget of one packed micro-batch; also the longest sequence."
+    )
+    batch_wait_ms: float = Field(
+        5.0,
+        ge=0,
+        description="When the GPU is idle, wait up to this long after a request arrives for others to join "
+        "its micro-batch.",
     )
     logits_chunk_rows: int = Field(
         1024, ge=1, description="Rows of [rows, vocab] logits materialised at once by the lm_head."

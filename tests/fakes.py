@@ -27,6 +27,7 @@ class FakeEngine:
             dtype="float32",
             device="cpu",
             attention_backend="none",
+            kernels="none",
             vocab_size=1000,
             max_positions=4096,
             versions={},

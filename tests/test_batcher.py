@@ -128,3 +128,26 @@ def test_event_loop_keeps_running_during_the_forward(loop: asyncio.AbstractEvent
         return ticks
 
     assert run(loop, engine, 64, body) >= 10
+
+
+@pytest.mark.parametrize(("wait_s", "merged"), [(0.0, False), (0.2, True)])
+def test_requests_sent_together_share_a_micro_batch_within_the_wait(
+    loop: asyncio.AbstractEventLoop, wait_s: float, merged: bool
+) -> None:
+    engine = FakeEngine()
+
+    async def body(batcher: Batcher) -> None:
+        first = asyncio.create_task(batcher.score([job(5)]))
+        await asyncio.sleep(0.02)  # the second request arrives 20 ms after the first
+        await asyncio.gather(first, batcher.score([job(6)]))
+
+    async def main() -> None:
+        batcher = Batcher(engine, 64, Metrics(), wait_s=wait_s)
+        batcher.start()
+        try:
+            await body(batcher)
+        finally:
+            await batcher.stop()
+
+    loop.run_until_complete(main())
+    assert engine.batches == ([[5, 6]] if merged else [[5], [6]])

@@ -17,6 +17,7 @@ class EngineInfo:
     dtype: str
     device: str
     attention_backend: str
+    kernels: str
     vocab_size: int
     max_positions: int
     versions: dict[str, str]

@@ -19,6 +19,7 @@ import service
 from service.engine.attention import AttentionBackend, choose_backend, register
 from service.engine.base import EngineInfo
 from service.engine.head import LogitTransform, score_actions
+from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype
 from service.engine.packing import PackedBatch, pack
 from service.jobs import SequenceJob, SequenceScores
@@ -70,7 +71,12 @@ class CausalLM:
 
 class PackedScorer:
     def __init__(
-        self, loaded: LoadedModel, device: torch.device, backend: AttentionBackend, settings: Settings
+        self,
+        loaded: LoadedModel,
+        device: torch.device,
+        backend: AttentionBackend,
+        settings: Settings,
+        kernels: str = "none",
     ) -> None:
         self._policy = CausalLM(loaded.model, settings.logits_chunk_rows)
         self._device = device
@@ -83,6 +89,7 @@ class PackedScorer:
             dtype=str(loaded.model.dtype).removeprefix("torch."),
             device=str(device),
             attention_backend=backend.name,
+            kernels=kernels,
             vocab_size=self._policy.vocab_size,
             max_positions=int(getattr(text_config, "max_position_embeddings", 0) or 0) or 1 << 30,
             versions=_versions(),
@@ -94,7 +101,8 @@ class PackedScorer:
         dtype = resolve_dtype(settings.dtype, device)
         backend = choose_backend(settings.attention, device)
         loaded = load_model(settings.model, settings.model_name, dtype, device, register(backend))
-        return cls(loaded, device, backend, settings)
+        kernels = apply_fused_kernels(loaded.model, settings.kernels, device)
+        return cls(loaded, device, backend, settings, kernels)
 
     @property
     def info(self) -> EngineInfo:
