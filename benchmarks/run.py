@@ -38,6 +38,7 @@ from benchmarks.workload import SHAPES, Sample, floor_flops, jobs, workload
 from service.app import create_app
 from service.batcher import Batcher
 from service.engine.attention import choose_backend, register
+from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel
 from service.engine.scorer import PackedScorer
 from service.jobs import SequenceScores
@@ -180,8 +181,6 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     backend = choose_backend(args.attention, device)
     packed_impl = register(backend)
     model = build_model(name, dtype, device, packed_impl)
-    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
-    engine.warm_up()
     samples = workload(int(SHAPES[name]["vocab_size"]), sequences=args.sequences)
     tokens = sum(len(s.tokens) for s in samples)
     floor_s = floor_flops(SHAPES[name], non_embedding_params(model), samples) / rate
@@ -203,7 +202,15 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     naive_scores = peers.naive(model, samples[:ACCURACY_SAMPLE], device)
     record("naive", lambda: peers.naive(model, samples, device))
     record("trl", lambda: peers.trl(model, samples, device))
+    # float32 reference (the model's own sdpa forward, one sequence at a time): same weights upcast
+    # in place and back (bf16 -> fp32 -> bf16 is exact), before any fused kernel is patched in
+    model.float()
+    want = reference_logprobs(model, samples[:ACCURACY_SAMPLE], device)
+    model.to(dtype)
     model.set_attn_implementation(packed_impl)
+    kernels = apply_fused_kernels(model, args.kernels, device)  # after the peers: they stay plain HF
+    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings, kernels)
+    engine.warm_up()
 
     the_jobs = jobs(samples)
     loop = asyncio.new_event_loop()
@@ -226,10 +233,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         }
         print(f"  {name}   http: {seconds * 1e3:9.1f} ms  {floor_s / seconds:6.1%} of floor", flush=True)
 
-    model.float()  # float32 reference: same weights, upcast in place
-    model.set_attn_implementation("sdpa")
-    want = reference_logprobs(model, samples[:ACCURACY_SAMPLE], device)
     result = {
+        "kernels": kernels,
         "tokens": tokens,
         "action_tokens": sum(len(s.response) for s in samples),
         "floor_ms": floor_s * 1e3,
@@ -283,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention", default="auto")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "liger", "none"])
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=16384)

@@ -23,7 +23,7 @@ from service.engine.scorer import PackedScorer
 from service.metrics import Metrics
 from service.settings import Settings
 
-CONFIGS = [(16384, 1024), (16384, 256), (32768, 256), (8192, 256), (65536, 256)]
+CONFIGS = [(16384, 1024), (16384, 256), (32768, 256)]
 
 
 def measure(model: Any, name: str, budget: int, chunk: int, reps: int) -> tuple[float, float]:
@@ -45,7 +45,7 @@ def measure(model: Any, name: str, budget: int, chunk: int, reps: int) -> tuple[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"])
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
     device = torch.device("cuda")
