@@ -206,7 +206,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     # in place and back (bf16 -> fp32 -> bf16 is exact), before any fused kernel is patched in
     model.float()
     want = reference_logprobs(model, samples[:ACCURACY_SAMPLE], device)
-    model.to(dtype)
+    for p in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay float32
+        p.data = p.data.to(dtype)
     model.set_attn_implementation(packed_impl)
     kernels = apply_fused_kernels(model, args.kernels, device)  # after the peers: they stay plain HF
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings, kernels)
@@ -252,6 +253,25 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         "max_abs_diff_bf16_naive_peer": max_abs_diff(naive_scores, want),
     }
     return result
+
+
+def isolated(name: str, argv: list[str]) -> dict[str, Any]:
+    keep: list[str] = []
+    skip = False
+    for arg in argv:  # drop --models and --output with their values
+        if arg in ("--models", "--output"):
+            skip = True
+            continue
+        if skip and not arg.startswith("--"):
+            continue
+        skip = False
+        keep.append(arg)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "one.json"
+        cmd = [sys.executable, "-m", "benchmarks.run", *keep, "--models", name, "--output", str(out)]
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+        model_result: dict[str, Any] = json.loads(out.read_text())["models"][name]
+        return model_result
 
 
 def table(results: dict[str, Any]) -> str:
@@ -312,10 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"{results['device']}: measured {args.dtype} matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     for name in args.models:
-        results["models"][name] = bench_model(name, args, device, rate)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        if len(args.models) == 1:
+            results["models"][name] = bench_model(name, args, device, rate)
+        else:  # one process per model: nothing one model patches or caches reaches the next
+            results["models"][name] = isolated(name, argv if argv is not None else sys.argv[1:])
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
     print(table(results))

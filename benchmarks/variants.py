@@ -1,14 +1,16 @@
-"""Engine variants, measured side by side in one run (`python -m benchmarks.variants`): what pays.
+"""Engine variants, measured one configuration set per process: what pays.
 
-For each model: the service's engine in-process on the benchmark workload with different token
-budgets, lm_head chunk sizes and (optionally) liger-kernel's fused RMSNorm/SwiGLU/RoPE.
+    python -m benchmarks.variants --model qwen2.5-1.5b --kernels none
+    python -m benchmarks.variants --model qwen2.5-1.5b --kernels liger [--liger-rope]
+
+The service's engine in-process on the benchmark workload, for several token budgets and lm_head
+chunk sizes; `--liger-rope` also installs liger's RoPE (module-wide, so not used by the service).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import sys
 from typing import Any
 
@@ -18,12 +20,13 @@ from benchmarks.run import build_model, peak_memory, timed
 from benchmarks.workload import SHAPES, jobs, workload
 from service.batcher import Batcher
 from service.engine.attention import choose_backend, register
+from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel
 from service.engine.scorer import PackedScorer
 from service.metrics import Metrics
 from service.settings import Settings
 
-CONFIGS = [(16384, 1024), (16384, 256), (32768, 256)]
+CONFIGS = [(16384, 1024), (16384, 512), (16384, 256), (32768, 512), (8192, 512)]
 
 
 def measure(model: Any, name: str, budget: int, chunk: int, reps: int) -> tuple[float, float]:
@@ -33,7 +36,7 @@ def measure(model: Any, name: str, budget: int, chunk: int, reps: int) -> tuple[
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
     the_jobs = jobs(workload(int(SHAPES[name]["vocab_size"])))
     loop = asyncio.new_event_loop()
-    batcher = Batcher(engine, budget, Metrics(), wait_s=settings.batch_wait_ms / 1e3)
+    batcher = Batcher(engine, budget, Metrics())
     loop.call_soon(batcher.start)
     run = lambda: loop.run_until_complete(batcher.score(the_jobs))  # noqa: E731
     seconds = timed(run, device, reps)
@@ -45,30 +48,25 @@ def measure(model: Any, name: str, budget: int, chunk: int, reps: int) -> tuple[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"])
+    parser.add_argument("--model", default="qwen2.5-1.5b")
+    parser.add_argument("--kernels", default="none", choices=["none", "liger"])
+    parser.add_argument("--liger-rope", action="store_true")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    impl = register(choose_backend("auto", device))
-    for name in args.models:
-        model = build_model(name, torch.bfloat16, device, impl)
-        for budget, chunk in CONFIGS:
-            ms, peak = measure(model, name, budget, chunk, args.reps)
-            print(
-                f"{name} budget={budget:6d} chunk={chunk:5d}: {ms:8.1f} ms  peak {peak:5.1f} GiB", flush=True
-            )
-        if importlib.util.find_spec("liger_kernel"):
-            from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+    model = build_model(args.model, torch.bfloat16, device, register(choose_backend("auto", device)))
+    label = apply_fused_kernels(model, args.kernels, device)
+    if args.liger_rope:
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
 
-            apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False, model=model)  # fmt: skip
-            for budget, chunk in CONFIGS[1:3]:
-                ms, peak = measure(model, name, budget, chunk, args.reps)
-                print(
-                    f"{name} +liger budget={budget:6d} chunk={chunk:5d}: {ms:8.1f} ms  peak {peak:5.1f} GiB"
-                )
-        del model
-        torch.cuda.empty_cache()
+        apply_liger_kernel_to_qwen2(rope=True, rms_norm=False, swiglu=False, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)  # fmt: skip
+        label += "+rope"
+    for budget, chunk in CONFIGS:
+        ms, peak = measure(model, args.model, budget, chunk, args.reps)
+        print(
+            f"{args.model} kernels={label:10s} budget={budget:6d} chunk={chunk:5d}: {ms:8.1f} ms  peak {peak:5.1f} GiB"
+        )
     return 0
 
 

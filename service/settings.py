@@ -52,6 +52,6 @@ class Settings(BaseSettings):
         "its micro-batch.",
     )
     logits_chunk_rows: int = Field(
-        1024, ge=1, description="Rows of [rows, vocab] logits materialised at once by the lm_head."
+        512, ge=1, description="Rows of [rows, vocab] logits materialised at once by the lm_head."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")

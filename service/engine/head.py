@@ -33,10 +33,11 @@ class LogitTransform:
         return cls(scale=scale, softcap=float(softcap) if softcap else None)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Applied in place: `logits` is a float32 temporary of the head."""
         if self.scale != 1.0:
-            logits = logits * self.scale
+            logits.mul_(self.scale)
         if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
 
@@ -61,8 +62,8 @@ def score_actions(
     entropy = torch.empty_like(logprobs) if want_entropy else None
     for start in range(0, rows, chunk_rows):
         end = min(start + chunk_rows, rows)
-        z = transform(lm_head(hidden[start:end]).float())  # [c, V] float32
-        z = z * inv_temperature[start:end, None]
+        z = transform(lm_head(hidden[start:end]).float())  # [c, V] float32, modified in place below
+        z.mul_(inv_temperature[start:end, None])
         lse = torch.logsumexp(z, dim=-1)  # [c]
         logprobs[start:end] = z.gather(1, targets[start:end, None]).squeeze(1) - lse
         if entropy is not None:

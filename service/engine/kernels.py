@@ -1,8 +1,10 @@
-"""Optional fused decoder kernels: liger-kernel's Triton RMSNorm, RoPE and SwiGLU/GeGLU.
+"""Optional fused decoder kernels: liger-kernel's Triton RMSNorm and SwiGLU/GeGLU MLP.
 
 They replace memory-bound chains of elementwise ops; on CUDA only, for the architectures liger
-patches. Measured on an H200 (BENCHMARKS.md): 23% less engine time at Qwen2.5-1.5B, none at 7B.
-The model's head is untouched (no fused cross-entropy: logprobd runs its own head).
+patches (BENCHMARKS.md has what they save). Only the given model instance is patched: liger also
+rebinds names in the transformers modeling module (for models built later, and RoPE), which is
+undone here so that no other model in the process (a reference, a test model) changes behind its
+back. The model's head is untouched (no fused cross-entropy: logprobd runs its own head).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -17,7 +20,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _WANTED = {
-    "rope": True,
+    "rope": False,  # liger's RoPE can only be installed module-wide
     "rms_norm": True,
     "swiglu": True,
     "geglu": True,
@@ -39,8 +42,13 @@ def apply_fused_kernels(model: Any, setting: str, device: torch.device) -> str:
             )
         return "none"
     params = inspect.signature(patch).parameters
+    modeling = sys.modules[type(model).__module__]
+    before = dict(vars(modeling))
     patch(model=model, **{k: v for k, v in _WANTED.items() if k in params})
-    log.info("liger-kernel fused RMSNorm/RoPE/MLP applied to %s", model_type)
+    for name, value in before.items():  # keep the patch on this instance only
+        if getattr(modeling, name, None) is not value:
+            setattr(modeling, name, value)
+    log.info("liger-kernel fused RMSNorm and MLP applied to this %s model", model_type)
     return "liger"
 
 

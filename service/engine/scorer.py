@@ -56,7 +56,7 @@ class CausalLM:
         """
         own = self.model(input_ids=tokens[None], use_cache=False).logits[0].float()  # [L, V]
         hidden = self.decoder(input_ids=tokens[None], use_cache=False).last_hidden_state[0]
-        ours = self.transform(self.lm_head(hidden).float())
+        ours = self.transform(self.lm_head(hidden).float())  # [L, V]
         rtol, atol = _SELF_CHECK_TOL[hidden.dtype]
         delta = float((own - ours).abs().max())
         bound = rtol * float(own.abs().max()) + atol
