@@ -64,9 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         label += "+rope"
     for budget, chunk in CONFIGS:
         ms, peak = measure(model, args.model, budget, chunk, args.reps)
-        print(
-            f"{args.model} kernels={label:10s} budget={budget:6d} chunk={chunk:5d}: {ms:8.1f} ms  peak {peak:5.1f} GiB"
-        )
+        config = f"kernels={label:10s} budget={budget:6d} chunk={chunk:5d}"
+        print(f"{args.model} {config}: {ms:8.1f} ms  peak {peak:5.1f} GiB", flush=True)
     return 0
 
 
