@@ -41,6 +41,7 @@ class Batcher:
         self._metrics = metrics
         self._queue: deque[_Pending] = deque()
         self._queued_tokens = 0
+        self._last_batch_done = 0.0
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprobd-engine")
         self._worker: asyncio.Task[None] | None = None
@@ -72,10 +73,7 @@ class Batcher:
             while not self._queue:
                 self._wake.clear()
                 await self._wake.wait()
-            if self._queued_tokens < self._budget:  # let requests sent together share a micro-batch
-                delay = self._queue[0].enqueued + self._wait_s - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+            await self._collate()
             batch = self._take()
             if not batch:
                 continue
@@ -86,19 +84,39 @@ class Batcher:
             try:
                 results = await loop.run_in_executor(self._executor, self._engine.score, jobs)
             except Exception as exc:  # a failed forward fails its requests, never the server
+                self._last_batch_done = time.perf_counter()
                 log.exception("micro-batch of %d sequences failed", len(jobs))
                 failure = EngineFailure(f"scoring failed: {type(exc).__name__}: {exc}")
                 for p in batch:
                     if not p.future.done():
                         p.future.set_exception(failure)
                 continue
-            self._metrics.forward_seconds.observe(time.perf_counter() - started)
+            self._last_batch_done = time.perf_counter()
+            self._metrics.forward_seconds.observe(self._last_batch_done - started)
             self._metrics.batch_tokens.observe(sum(job.num_tokens for job in jobs))
             self._metrics.batch_sequences.observe(len(jobs))
             self._metrics.sequences.inc(len(jobs))
             for p, result in zip(batch, results, strict=True):
                 if not p.future.done():
                     p.future.set_result(result)
+
+    async def _collate(self) -> None:
+        """Let requests sent together share a micro-batch: wait, at most `wait_s` after the oldest
+        queued sequence arrived, until the queue holds a full budget. Work left over from an earlier
+        micro-batch (queued while the engine was busy) goes at once."""
+        oldest = self._queue[0].enqueued
+        if oldest < self._last_batch_done:
+            return
+        deadline = oldest + self._wait_s
+        while self._queued_tokens < self._budget:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except TimeoutError:
+                return
 
     def _queued(self, tokens: int) -> None:
         self._queued_tokens += tokens

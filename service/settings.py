@@ -51,6 +51,11 @@ class Settings(BaseSettings):
         description="When the GPU is idle, wait up to this long after a request arrives for others to join "
         "its micro-batch.",
     )
+    mlp_chunk_tokens: int = Field(
+        4096,
+        ge=0,
+        description="Run decoder MLPs over at most this many tokens at a time (0: off); saves memory.",
+    )
     logits_chunk_rows: int = Field(
         512, ge=1, description="Rows of [rows, vocab] logits materialised at once by the lm_head."
     )

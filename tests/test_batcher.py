@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
@@ -34,8 +35,18 @@ T = TypeVar("T")
 def run(
     loop: asyncio.AbstractEventLoop, engine: FakeEngine, budget: int, body: Callable[[Batcher], Awaitable[T]]
 ) -> T:
+    return run_with_wait(loop, engine, budget, 0.0, body)
+
+
+def run_with_wait(
+    loop: asyncio.AbstractEventLoop,
+    engine: FakeEngine,
+    budget: int,
+    wait_s: float,
+    body: Callable[[Batcher], Awaitable[T]],
+) -> T:
     async def main() -> T:
-        batcher = Batcher(engine, budget, Metrics())
+        batcher = Batcher(engine, budget, Metrics(), wait_s=wait_s)
         batcher.start()
         try:
             return await body(batcher)
@@ -141,13 +152,18 @@ def test_requests_sent_together_share_a_micro_batch_within_the_wait(
         await asyncio.sleep(0.02)  # the second request arrives 20 ms after the first
         await asyncio.gather(first, batcher.score([job(6)]))
 
-    async def main() -> None:
-        batcher = Batcher(engine, 64, Metrics(), wait_s=wait_s)
-        batcher.start()
-        try:
-            await body(batcher)
-        finally:
-            await batcher.stop()
-
-    loop.run_until_complete(main())
+    run_with_wait(loop, engine, 64, wait_s, body)
     assert engine.batches == ([[5, 6]] if merged else [[5], [6]])
+
+
+def test_collation_stops_waiting_once_the_budget_is_full(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine()
+
+    async def body(batcher: Batcher) -> float:
+        start = time.perf_counter()
+        await asyncio.gather(batcher.score([job(30)]), batcher.score([job(40)]))
+        return time.perf_counter() - start
+
+    elapsed = run_with_wait(loop, engine, 64, 5.0, body)
+    assert elapsed < 1.0  # not the 5 s window: 70 queued tokens already exceed the budget of 64
+    assert engine.batches == [[30], [40]]

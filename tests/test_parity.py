@@ -73,3 +73,16 @@ def test_report_worst_difference() -> None:
     if target:
         Path(target).write_text(json.dumps({"dtype": DTYPE, "max_abs_diff": _worst}, indent=2))
     assert all(v <= TOLERANCE for v in _worst.values())
+
+
+@pytest.mark.parametrize("name", models.ARCHITECTURES)
+def test_chunked_mlp_changes_no_score(
+    name: str, model_dirs: dict[str, Path], reference_models: dict[str, Any]
+) -> None:
+    """MLPs run over 5 tokens at a time: the packed row is split mid-sequence, scores stay exact."""
+    rng = random.Random(f"chunked-{name}")
+    request = make("ragged_action_mask", rng, models.VOCAB, rows=4)
+    with running(settings_for(model_dirs[name], mlp_chunk_tokens=5)) as client:
+        body = client.post("/logprobs", json=request).json()
+    want = expected(reference_models[name], request)
+    assert _max_diff(body["logprobs"], want.logprobs) <= TOLERANCE

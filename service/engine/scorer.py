@@ -18,6 +18,7 @@ import torch
 import service
 from service.engine.attention import AttentionBackend, choose_backend, register
 from service.engine.base import EngineInfo
+from service.engine.chunking import chunk_mlps
 from service.engine.head import LogitTransform, score_actions
 from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -102,6 +103,7 @@ class PackedScorer:
         backend = choose_backend(settings.attention, device)
         loaded = load_model(settings.model, settings.model_name, dtype, device, register(backend))
         kernels = apply_fused_kernels(loaded.model, settings.kernels, device)
+        chunk_mlps(loaded.model, settings.mlp_chunk_tokens)  # after the kernels: wraps their MLP
         return cls(loaded, device, backend, settings, kernels)
 
     @property
