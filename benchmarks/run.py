@@ -38,6 +38,7 @@ from benchmarks.workload import SHAPES, Sample, floor_flops, jobs, workload
 from service.app import create_app
 from service.batcher import Batcher
 from service.engine.attention import choose_backend, register
+from service.engine.chunking import chunk_mlps
 from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel
 from service.engine.scorer import PackedScorer
@@ -210,6 +211,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         p.data = p.data.to(dtype)
     model.set_attn_implementation(packed_impl)
     kernels = apply_fused_kernels(model, args.kernels, device)  # after the peers: they stay plain HF
+    chunk_mlps(model, settings.mlp_chunk_tokens)
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings, kernels)
     engine.warm_up()
 

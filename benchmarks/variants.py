@@ -20,6 +20,7 @@ from benchmarks.run import build_model, peak_memory, timed
 from benchmarks.workload import SHAPES, jobs, workload
 from service.batcher import Batcher
 from service.engine.attention import choose_backend, register
+from service.engine.chunking import chunk_mlps
 from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel
 from service.engine.scorer import PackedScorer
@@ -51,11 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="qwen2.5-1.5b")
     parser.add_argument("--kernels", default="none", choices=["none", "liger"])
     parser.add_argument("--liger-rope", action="store_true")
+    parser.add_argument("--mlp-chunk-tokens", type=int, default=0)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     model = build_model(args.model, torch.bfloat16, device, register(choose_backend("auto", device)))
     label = apply_fused_kernels(model, args.kernels, device)
+    if chunk_mlps(model, args.mlp_chunk_tokens):
+        label += f"+mlp{args.mlp_chunk_tokens}"
     if args.liger_rope:
         from liger_kernel.transformers import apply_liger_kernel_to_qwen2
 
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         label += "+rope"
     for budget, chunk in CONFIGS:
         ms, peak = measure(model, args.model, budget, chunk, args.reps)
-        config = f"kernels={label:10s} budget={budget:6d} chunk={chunk:5d}"
+        config = f"kernels={label:18s} budget={budget:6d} chunk={chunk:5d}"
         print(f"{args.model} {config}: {ms:8.1f} ms  peak {peak:5.1f} GiB", flush=True)
     return 0
 
