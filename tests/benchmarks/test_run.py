@@ -1,0 +1,43 @@
+"""CPU smoke test of the GPU benchmark: the same code end to end on a tiny model, float32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.run import main
+from benchmarks.workload import SHAPES, floor_flops, workload
+
+
+def test_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "latest.json"
+    argv = ["--models", "tiny", "--device", "cpu", "--dtype", "float32", "--sequences", "8", "--reps", "1"]
+    assert main([*argv, "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {"device", "date", "versions", "matmul_tflops"} <= set(result)
+    tiny = result["models"]["tiny"]
+    assert set(tiny["variants"]) == {"naive", "trl", "engine", "http"}
+    for key in ("floor_fraction_http", "floor_fraction_engine", "speedup_vs_naive", "http_overhead"):
+        assert isinstance(tiny[key], float)
+    assert tiny["floor_fraction_engine"] > 0
+    assert tiny["max_abs_diff_bf16"] < 1e-4  # float32 here: the service equals the reference
+    assert tiny["max_abs_diff_bf16_naive_peer"] < 1e-4
+
+
+def test_workload_follows_the_issue() -> None:
+    samples = workload(1000, sequences=64)
+    assert len(samples) == 64
+    assert all(256 <= len(s.prompt) <= 1024 for s in samples)
+    assert all(16 <= len(s.response) <= 1024 for s in samples)
+    assert samples == workload(1000, sequences=64)  # fixed seed
+    mean = sum(len(s.response) for s in samples) / 64
+    assert 150 < mean < 350
+
+
+def test_floor_counts_each_term() -> None:
+    samples = workload(512, sequences=2)
+    shape = SHAPES["tiny"]
+    tokens = sum(len(s.tokens) for s in samples)
+    actions = sum(len(s.response) for s in samples)
+    attention = sum(2.0 * 2 * 64 * len(s.tokens) ** 2 for s in samples)
+    assert floor_flops(shape, 1000, samples) == 2.0 * 1000 * tokens + 2.0 * 512 * 64 * actions + attention
