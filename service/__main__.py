@@ -18,7 +18,10 @@ def _parser() -> argparse.ArgumentParser:
         choices = get_args(field.annotation) or None
         if choices and not all(isinstance(c, str) for c in choices):
             choices = None
-        kind: Any = int if field.annotation is int else Path if name == "model" else str
+        annotation = field.annotation
+        kind: Any = (
+            Path if Path in get_args(annotation) else annotation if annotation in (int, float) else str
+        )
         serve.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from service.diagnostics import rollout_mismatch
 from service.errors import NotReady
 from service.metrics import CONTENT_TYPE
 from service.normalise import normalise
 from service.response import render
-from service.schemas import ErrorBody, Health, Info, LogprobsRequest, LogprobsResponse, parse_request
+from service.schemas import (
+    ErrorBody,
+    Health,
+    Info,
+    LogprobsRequest,
+    LogprobsResponse,
+    ModelSummary,
+    parse_request,
+)
 from service.state import ServiceState
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -49,7 +59,10 @@ def build_router(state: ServiceState) -> APIRouter:
             scores = await serving.batcher.score(plan.jobs)
         finally:
             metrics.queue_requests.dec()
-        body = render(plan, scores, serving.info.model)
+        rollout = rollout_mismatch([s.logprobs for s in scores], plan.rollout) if plan.rollout else None
+        if rollout is not None:
+            metrics.observe_rollout(rollout)
+        body = render(plan, scores, serving.info.model, rollout)
         metrics.requests.labels("ok").inc()
         metrics.input_tokens.inc(plan.input_tokens)
         metrics.scored_tokens.inc(plan.scored_tokens)
@@ -85,6 +98,7 @@ def build_router(state: ServiceState) -> APIRouter:
             max_positions=i.max_positions,
             max_batch_tokens=state.settings.max_batch_tokens,
             versions=i.versions,
+            models=[ModelSummary(**dataclasses.asdict(m)) for m in i.models],
         )
 
     @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})

@@ -32,9 +32,12 @@ def create_app(
     *,
     engine_factory: EngineFactory = load_engine,
     on_fatal: Callable[[], None] | None = None,
+    state: ServiceState | None = None,
 ) -> FastAPI:
-    """Build the app; nothing is loaded until it starts. `on_fatal` runs if the model fails to load."""
-    state = ServiceState(settings=settings, metrics=Metrics())
+    """Build the app; nothing is loaded until it starts. `on_fatal` runs if the model fails to load.
+    `state` is what the routes share (a fresh one by default); the server passes its own to drain."""
+    if state is None:
+        state = ServiceState(settings=settings, metrics=Metrics())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -76,7 +79,10 @@ async def _start(
     batcher = Batcher(engine, settings.max_batch_tokens, state.metrics, wait_s=settings.batch_wait_ms / 1e3)
     batcher.start()
     limits = ModelLimits(
-        vocab_size=info.vocab_size, max_sequence_tokens=min(info.max_positions, settings.max_batch_tokens)
+        vocab_size=info.vocab_size,
+        max_sequence_tokens=min(info.max_positions, settings.max_batch_tokens),
+        has_critic="critic" in info.roles,
+        has_reference="reference" in info.roles,
     )
     state.serving = Serving(info=info, limits=limits, batcher=batcher)
     state.metrics.ready.set(1)

@@ -26,6 +26,8 @@ class SequenceJob:
     actions: IntArray
     temperature: float
     return_entropy: bool
+    return_values: bool = False
+    return_ref: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -34,7 +36,9 @@ class SequenceJob:
 
 @dataclass(frozen=True, slots=True)
 class SequenceScores:
-    """Scores of one SequenceJob, aligned with its `actions`: [A] float32 each."""
+    """Scores of one SequenceJob, aligned with its `actions`: [A] float32 each (None: not asked)."""
 
     logprobs: FloatArray
     entropy: FloatArray | None
+    values: FloatArray | None = None
+    ref_logprobs: FloatArray | None = None

@@ -5,9 +5,13 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import Info as InfoMetric
 
+from service.schemas import RolloutMismatch
+
 PREFIX = "logprobd"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 19))  # 16 .. 262144
+MISMATCH_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+FRACTION_BUCKETS = (0.0, 1e-4, 1e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -48,12 +52,43 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
             registry=r,
         )
+        self.rollout_abs_diff = Histogram(
+            f"{PREFIX}_rollout_abs_diff",
+            "Per request: mean |logprob - rollout_logprob| over its action tokens.",
+            buckets=MISMATCH_BUCKETS,
+            registry=r,
+        )
+        self.rollout_max_abs_diff = Histogram(
+            f"{PREFIX}_rollout_max_abs_diff",
+            "Per request: max |logprob - rollout_logprob| over its action tokens.",
+            buckets=MISMATCH_BUCKETS,
+            registry=r,
+        )
+        self.rollout_kl = Histogram(
+            f"{PREFIX}_rollout_kl_k3",
+            "Per request: mean k3 KL estimate between the scores and the rollout log-probs.",
+            buckets=MISMATCH_BUCKETS,
+            registry=r,
+        )
+        self.rollout_ratio_outside = Histogram(
+            f"{PREFIX}_rollout_ratio_outside_fraction",
+            "Per request: fraction of action tokens whose ratio exp(logprob - rollout) is outside [0.5, 2].",
+            buckets=FRACTION_BUCKETS,
+            registry=r,
+        )
         self.queue_requests = Gauge(
             f"{PREFIX}_queue_requests", "Requests waiting for or in scoring.", registry=r
         )
         self.queue_tokens = Gauge(f"{PREFIX}_queue_tokens", "Tokens waiting in the queue.", registry=r)
         self.ready = Gauge(f"{PREFIX}_ready", "1 once the model is loaded and warmed up.", registry=r)
         self.model_info = InfoMetric(f"{PREFIX}_model", "The model being served.", registry=r)
+
+    def observe_rollout(self, rollout: RolloutMismatch) -> None:
+        if rollout.tokens:
+            self.rollout_abs_diff.observe(rollout.mean_abs_diff)
+            self.rollout_max_abs_diff.observe(rollout.max_abs_diff)
+            self.rollout_kl.observe(rollout.mean_kl_k3)
+            self.rollout_ratio_outside.observe(rollout.ratio_outside_fraction)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.errors import InvalidRequest
-from service.jobs import IntArray, SequenceJob
+from service.jobs import FloatArray, IntArray, SequenceJob
 from service.schemas import LogprobsRequest
 
 
@@ -20,6 +20,8 @@ from service.schemas import LogprobsRequest
 class ModelLimits:
     vocab_size: int
     max_sequence_tokens: int
+    has_critic: bool = False
+    has_reference: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,8 @@ class RowWindow:
 class ScoringPlan:
     jobs: list[SequenceJob]
     windows: list[RowWindow]
+    kl_estimator: str = "k1"
+    rollout: list[FloatArray] | None = None  # per job, aligned with its actions
 
     @property
     def input_tokens(self) -> int:
@@ -63,6 +67,7 @@ def normalise(request: LogprobsRequest, limits: ModelLimits) -> ScoringPlan:
             f"give exactly one of num_actions, action_mask, response_length (got {found})",
             field=given[1] if len(given) > 1 else "num_actions",
         )
+    _check_models(request, limits)
     rows = _padded_rows(request) if request.attention_mask is not None else _ragged_rows(request)
     eos = _eos_ids(request.eos_token_id)
     jobs: list[SequenceJob] = []
@@ -76,10 +81,43 @@ def normalise(request: LogprobsRequest, limits: ModelLimits) -> ScoringPlan:
                 actions=row.actions[:keep],
                 temperature=request.temperature,
                 return_entropy=request.return_entropy,
+                return_values=request.return_values,
+                return_ref=request.return_ref_logprobs,
             )
         )
         windows.append(RowWindow(width=row.width, slots=row.slots[:keep]))
-    return ScoringPlan(jobs=jobs, windows=windows)
+    rollout = _rollout(request.rollout_logprobs, windows) if request.rollout_logprobs is not None else None
+    return ScoringPlan(jobs=jobs, windows=windows, kl_estimator=request.kl_estimator, rollout=rollout)
+
+
+def _check_models(request: LogprobsRequest, limits: ModelLimits) -> None:
+    if request.return_values and not limits.has_critic:
+        raise InvalidRequest(
+            "return_values needs a critic: this server was started without --critic", field="return_values"
+        )
+    if request.return_ref_logprobs and not limits.has_reference:
+        raise InvalidRequest(
+            "return_ref_logprobs needs a reference model: this server was started without --ref-model",
+            field="return_ref_logprobs",
+        )
+
+
+def _rollout(rows: list[list[float]], windows: list[RowWindow]) -> list[FloatArray]:
+    """The rollout log-probs of each row's actions; rows are laid out like the response's."""
+    if len(rows) != len(windows):
+        raise InvalidRequest(
+            f"rollout_logprobs has {len(rows)} rows, the request has {len(windows)}", field="rollout_logprobs"
+        )
+    out = []
+    for i, (row, window) in enumerate(zip(rows, windows, strict=True)):
+        if len(row) != window.width:
+            raise InvalidRequest(
+                f"rollout_logprobs row {i} has {len(row)} entries; its action window has {window.width}",
+                field="rollout_logprobs",
+                row=i,
+            )
+        out.append(np.asarray(row, dtype=np.float32)[window.slots])
+    return out
 
 
 def _ragged_rows(request: LogprobsRequest) -> list[_Row]:

@@ -2,34 +2,57 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import orjson
 
-from service.jobs import SequenceScores
+from service.diagnostics import kl
+from service.jobs import FloatArray, SequenceScores
 from service.normalise import ScoringPlan
+from service.schemas import RolloutMismatch
 
 
-def render(plan: ScoringPlan, scores: list[SequenceScores], model: str) -> bytes:
-    """JSON body of a LogprobsResponse. Non-action entries of a window are exactly 0.0."""
-    want_entropy = any(job.return_entropy for job in plan.jobs)
-    logprobs, entropy, masks = [], [], []
-    for window, score in zip(plan.windows, scores, strict=True):
+def _rows(plan: ScoringPlan, per_job: Sequence[FloatArray | None]) -> list[FloatArray]:
+    """Scatter each job's per-action values into a zero row as wide as its window."""
+    rows = []
+    for window, values in zip(plan.windows, per_job, strict=True):
         row = np.zeros(window.width, dtype=np.float32)
-        row[window.slots] = score.logprobs
-        logprobs.append(row)
+        if values is not None:
+            row[window.slots] = values
+        rows.append(row)
+    return rows
+
+
+def render(
+    plan: ScoringPlan, scores: list[SequenceScores], model: str, rollout: RolloutMismatch | None = None
+) -> bytes:
+    """JSON body of a LogprobsResponse. Non-action entries of a window are exactly 0.0."""
+    job = plan.jobs[0]  # the options are the request's, the same for every job
+    masks = []
+    for window in plan.windows:
         mask = np.zeros(window.width, dtype=np.int8)
         mask[window.slots] = 1
         masks.append(mask)
-        if want_entropy:
-            ent = np.zeros(window.width, dtype=np.float32)
-            if score.entropy is not None:
-                ent[window.slots] = score.entropy
-            entropy.append(ent)
-    body = {
+    body: dict[str, Any] = {
         "model": model,
-        "logprobs": logprobs,
-        "entropy": entropy if want_entropy else None,
+        "logprobs": _rows(plan, [s.logprobs for s in scores]),
+        "entropy": _rows(plan, [s.entropy for s in scores]) if job.return_entropy else None,
+        "values": _rows(plan, [s.values for s in scores]) if job.return_values else None,
+        "ref_logprobs": None,
+        "kl": None,
+        "rollout": rollout.model_dump() if rollout is not None else None,
         "action_mask": masks,
         "usage": {"input_tokens": plan.input_tokens, "scored_tokens": plan.scored_tokens},
     }
+    if job.return_ref:
+        body["ref_logprobs"] = _rows(plan, [s.ref_logprobs for s in scores])
+        body["kl"] = _rows(
+            plan,
+            [
+                kl(s.logprobs, s.ref_logprobs, plan.kl_estimator) if s.ref_logprobs is not None else None
+                for s in scores
+            ],
+        )
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -6,7 +6,7 @@ These check types and single-field bounds. Rules that relate fields to each othe
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
@@ -49,6 +49,24 @@ class LogprobsRequest(BaseModel):
     eos_token_id: TokenId | list[TokenId] | None = Field(
         None, description="Actions after the first EOS action of a row are dropped (reported as masked)."
     )
+    return_values: Annotated[bool, Strict()] = Field(
+        False,
+        description="Also return the critic's values head(h_{t-1}) (needs a server started with --critic).",
+    )
+    return_ref_logprobs: Annotated[bool, Strict()] = Field(
+        False,
+        description="Also return the reference model's log-probs and the per-token KL (needs --ref-model).",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1",
+        description="KL estimator of `kl`, with r = logprob - ref_logprob: k1 = r, k2 = r²/2, "
+        "k3 = exp(-r) - 1 + r (Schulman).",
+    )
+    rollout_logprobs: list[list[Annotated[float, Strict(), Field(allow_inf_nan=False)]]] | None = Field(
+        None,
+        description="The log-probs the inference engine reported at sampling time, laid out like the "
+        "response's rows; the response then carries training-inference mismatch statistics.",
+    )
     return_entropy: Annotated[bool, Strict()] = Field(
         False, description="Also return the entropy of each action's distribution."
     )
@@ -67,12 +85,28 @@ class Usage(BaseModel):
     scored_tokens: int = Field(description="Action tokens scored, after the EOS policy.")
 
 
+class RolloutMismatch(BaseModel):
+    """Over the request's action tokens, with d = logprob - rollout_logprob."""
+
+    tokens: int
+    mean_abs_diff: float = Field(description="mean |d|")
+    max_abs_diff: float = Field(description="max |d|")
+    mean_kl_k3: float = Field(description="mean of exp(-d) - 1 + d")
+    ratio_outside_fraction: float = Field(
+        description="fraction of tokens whose ratio exp(d) is outside [0.5, 2]"
+    )
+
+
 class LogprobsResponse(BaseModel):
     """Every row is aligned to the request's action window; non-action entries are 0.0."""
 
     model: str
     logprobs: list[list[float]]
     entropy: list[list[float]] | None = None
+    values: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
+    kl: list[list[float]] | None = None
+    rollout: RolloutMismatch | None = None
     action_mask: list[list[int]] = Field(description="The mask actually applied, after the EOS policy.")
     usage: Usage
 
@@ -92,6 +126,14 @@ class Health(BaseModel):
     status: str
 
 
+class ModelSummary(BaseModel):
+    role: str = Field(description="policy, reference or critic")
+    name: str
+    architecture: str
+    parameters: int
+    memory_bytes: int
+
+
 class Info(BaseModel):
     model: str
     demo: bool = Field(description="True when serving the built-in random-weight demo model.")
@@ -104,3 +146,4 @@ class Info(BaseModel):
     max_positions: int
     max_batch_tokens: int
     versions: dict[str, str]
+    models: list[ModelSummary] = Field(description="Every model loaded, with its memory.")

@@ -26,6 +26,14 @@ class Settings(BaseSettings):
         description="Local Hugging Face causal-LM directory (config.json + safetensors). "
         "Unset: serve the built-in random-weight demo model.",
     )
+    critic: Path | None = Field(
+        None,
+        description="Critic checkpoint (OpenRLHF, verl/HF token-classification or TRL value-head format); "
+        "enables return_values.",
+    )
+    ref_model: Path | None = Field(
+        None, description="Frozen reference policy directory; enables return_ref_logprobs and kl."
+    )
     model_name: str | None = Field(
         None, description="Name reported in responses and /info; defaults to the directory name."
     )
@@ -58,5 +66,11 @@ class Settings(BaseSettings):
     )
     logits_chunk_rows: int = Field(
         512, ge=1, description="Rows of [rows, vocab] logits materialised at once by the lm_head."
+    )
+    drain_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="On SIGTERM, report draining (readiness and new requests 503) for this long while "
+        "in-flight requests go on, so load balancers stop routing here; then shut down and exit 0.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")

@@ -20,7 +20,7 @@ class Expected:
     action_mask: list[list[int]]
 
 
-def _row_tokens_and_window(request: dict[str, Any], i: int) -> tuple[list[int], list[int | None]]:
+def row_tokens_and_window(request: dict[str, Any], i: int) -> tuple[list[int], list[int | None]]:
     """Real tokens of row i, and for each window entry the position it refers to (None: padding)."""
     ids = request["input_ids"][i]
     if "attention_mask" not in request:
@@ -55,7 +55,7 @@ def expected(model: Any, request: dict[str, Any]) -> Expected:
     eos_set = set([eos] if isinstance(eos, int) else eos or [])
     out = Expected([], [], [])
     for i in range(len(request["input_ids"])):
-        tokens, window = _row_tokens_and_window(request, i)
+        tokens, window = row_tokens_and_window(request, i)
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([tokens], device=model.device)).logits[0].double()  # [L, V]
         logp = torch.log_softmax(logits / temperature, dim=-1)

@@ -10,6 +10,17 @@ from service.jobs import SequenceJob, SequenceScores
 
 
 @dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """One model of the engine: its role (policy, reference, critic) and what it costs."""
+
+    role: str
+    name: str
+    architecture: str
+    parameters: int
+    memory_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineInfo:
     model: str
     demo: bool
@@ -21,6 +32,11 @@ class EngineInfo:
     vocab_size: int
     max_positions: int
     versions: dict[str, str]
+    models: tuple[ModelInfo, ...] = ()
+
+    @property
+    def roles(self) -> frozenset[str]:
+        return frozenset(m.role for m in self.models)
 
 
 class ScoringEngine(Protocol):

@@ -55,7 +55,13 @@ def demo_config() -> Any:
 
 
 def load_model(
-    path: Path | None, name: str | None, dtype: torch.dtype, device: torch.device, attn: str
+    path: Path | None,
+    name: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn: str,
+    *,
+    role: str = "policy",
 ) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
@@ -68,7 +74,7 @@ def load_model(
         log.warning("serving the DEMO model %s: random weights, for trying the API only", DEMO_NAME)
         return LoadedModel(_prepare(model, device), name or DEMO_NAME, demo=True)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a model directory: no config.json")
+        raise FileNotFoundError(f"{role} {path} is not a model directory: no config.json")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = AutoModelForCausalLM.from_pretrained(
         str(path),
@@ -78,7 +84,7 @@ def load_model(
         use_safetensors=True,
         trust_remote_code=False,
     )
-    log.info("loaded %s from %s", type(model).__name__, path)
+    log.info("loaded %s %s from %s", role, type(model).__name__, path)
     return LoadedModel(_prepare(model, device), name or path.resolve().name, demo=False)
 
 

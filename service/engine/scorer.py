@@ -1,8 +1,8 @@
 """PackedScorer: the ScoringEngine over one packed row per micro-batch.
 
-A micro-batch is packed once (tokens, positions, boundaries, action indices); each model that
-scores it (today the policy; later a critic or reference model beside it) runs its decoder over the
-same PackedBatch and its own head on the action positions only.
+A micro-batch is packed once (tokens, positions, boundaries, action indices); every model the batch
+asks for (the policy always; the reference policy and the critic when a sequence wants them) runs
+its decoder over that same PackedBatch and its own head on the action positions only.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,13 +18,14 @@ import torch
 
 import service
 from service.engine.attention import AttentionBackend, choose_backend, register
-from service.engine.base import EngineInfo
+from service.engine.base import EngineInfo, ModelInfo
 from service.engine.chunking import chunk_mlps
-from service.engine.head import LogitTransform, score_actions
+from service.engine.critic import Critic, load_critic
+from service.engine.head import ActionScores, LogitTransform, score_actions
 from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype
 from service.engine.packing import PackedBatch, pack
-from service.jobs import SequenceJob, SequenceScores
+from service.jobs import FloatArray, SequenceJob, SequenceScores
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,17 @@ class CausalLM:
         hidden: torch.Tensor = out.last_hidden_state[0]  # [N, H]
         return hidden
 
+    def logprobs(self, batch: PackedBatch, want_entropy: bool) -> ActionScores:
+        return score_actions(
+            hidden=self.hidden(batch).index_select(0, batch.hidden_index),
+            targets=batch.targets,
+            inv_temperature=batch.inv_temperature,
+            lm_head=self.lm_head,
+            transform=self.transform,
+            chunk_rows=self.chunk_rows,
+            want_entropy=want_entropy,
+        )
+
     @torch.inference_mode()
     def check_head(self, tokens: torch.Tensor) -> float:
         """Largest |Δ| between the model's own logits and ours on one sequence; raise if too large.
@@ -70,6 +83,11 @@ class CausalLM:
         return delta
 
 
+def _critic_values(critic: Critic, batch: PackedBatch) -> torch.Tensor:
+    hidden = critic.decoder(**batch.forward_kwargs()).last_hidden_state[0]  # [N, H]
+    return critic.head(hidden.index_select(0, batch.hidden_index))  # [A] float32: head(h_{t-1})
+
+
 class PackedScorer:
     def __init__(
         self,
@@ -78,11 +96,28 @@ class PackedScorer:
         backend: AttentionBackend,
         settings: Settings,
         kernels: str = "none",
+        *,
+        reference: LoadedModel | None = None,
+        critic: Critic | None = None,
     ) -> None:
         self._policy = CausalLM(loaded.model, settings.logits_chunk_rows)
+        self._reference = CausalLM(reference.model, settings.logits_chunk_rows) if reference else None
+        self._critic = critic
         self._device = device
         config = loaded.model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab = self._policy.vocab_size
+        if self._reference is not None and self._reference.vocab_size != vocab:
+            raise ValueError(
+                f"reference model vocabulary {self._reference.vocab_size} differs from the policy's {vocab}"
+            )
+        if critic is not None:
+            vocab = min(vocab, int(critic.decoder.get_input_embeddings().num_embeddings))
+        models = [_model_info("policy", loaded.name, loaded.model)]
+        if reference is not None:
+            models.append(_model_info("reference", reference.name, reference.model))
+        if critic is not None:
+            models.append(_model_info("critic", f"critic ({critic.head.format} value head)", critic.decoder))
         self._info = EngineInfo(
             model=loaded.name,
             demo=loaded.demo,
@@ -91,9 +126,10 @@ class PackedScorer:
             device=str(device),
             attention_backend=backend.name,
             kernels=kernels,
-            vocab_size=self._policy.vocab_size,
+            vocab_size=vocab,
             max_positions=int(getattr(text_config, "max_position_embeddings", 0) or 0) or 1 << 30,
             versions=_versions(),
+            models=tuple(models),
         )
 
     @classmethod
@@ -101,10 +137,21 @@ class PackedScorer:
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
         backend = choose_backend(settings.attention, device)
-        loaded = load_model(settings.model, settings.model_name, dtype, device, register(backend))
-        kernels = apply_fused_kernels(loaded.model, settings.kernels, device)
-        chunk_mlps(loaded.model, settings.mlp_chunk_tokens)  # after the kernels: wraps their MLP
-        return cls(loaded, device, backend, settings, kernels)
+        attn = register(backend)
+
+        def prepare(model: Any) -> str:
+            kernels = apply_fused_kernels(model, settings.kernels, device)
+            chunk_mlps(model, settings.mlp_chunk_tokens)  # after the kernels: wraps their MLP
+            return kernels
+
+        loaded = load_model(settings.model, settings.model_name, dtype, device, attn)
+        kernels = prepare(loaded.model)
+        reference = None
+        if settings.ref_model is not None:
+            reference = load_model(settings.ref_model, None, dtype, device, attn, role="reference")
+            prepare(reference.model)
+        critic = _load_critic(settings.critic, dtype, device, attn, prepare)
+        return cls(loaded, device, backend, settings, kernels, reference=reference, critic=critic)
 
     @property
     def info(self) -> EngineInfo:
@@ -113,44 +160,76 @@ class PackedScorer:
     @torch.inference_mode()
     def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
         batch = pack(jobs, self._device)
-        hidden = self._policy.hidden(batch)  # [N, H]
-        scores = score_actions(
-            hidden=hidden.index_select(0, batch.hidden_index),
-            targets=batch.targets,
-            inv_temperature=batch.inv_temperature,
-            lm_head=self._policy.lm_head,
-            transform=self._policy.transform,
-            chunk_rows=self._policy.chunk_rows,
-            want_entropy=batch.want_entropy,
-        )
         splits = np.cumsum(batch.actions_per_sequence)[:-1]
-        logprobs = np.split(scores.logprobs.cpu().numpy(), splits)
-        entropy = np.split(scores.entropy.cpu().numpy(), splits) if scores.entropy is not None else None
+
+        def per_sequence(values: torch.Tensor | None) -> list[FloatArray] | None:
+            return None if values is None else np.split(values.float().cpu().numpy(), splits)
+
+        policy = self._policy.logprobs(batch, batch.want_entropy)
+        ref = None
+        if self._reference is not None and any(job.return_ref for job in jobs):
+            ref = self._reference.logprobs(batch, want_entropy=False).logprobs
+        values = None
+        if self._critic is not None and any(job.return_values for job in jobs):
+            values = _critic_values(self._critic, batch)
+        lp, ent = per_sequence(policy.logprobs), per_sequence(policy.entropy)
+        rf, vl = per_sequence(ref), per_sequence(values)
+        assert lp is not None
         return [
             SequenceScores(
-                logprobs=logprobs[i], entropy=entropy[i] if entropy and job.return_entropy else None
+                logprobs=lp[i],
+                entropy=ent[i] if ent is not None and job.return_entropy else None,
+                values=vl[i] if vl is not None and job.return_values else None,
+                ref_logprobs=rf[i] if rf is not None and job.return_ref else None,
             )
             for i, job in enumerate(jobs)
         ]
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run the kernels once and check the head reproduces the model's own final logits."""
+        """Run every model's kernels once and check the heads reproduce the models' own final logits."""
         rng = random.Random(0)
         vocab = self._info.vocab_size
-        lengths = [min(64, self._info.max_positions) for _ in range(4)]
+        n = min(64, self._info.max_positions)
         jobs = [
             SequenceJob(
                 tokens=np.asarray([rng.randrange(vocab) for _ in range(n)], dtype=np.int64),
                 actions=np.arange(1, n, dtype=np.int64),
                 temperature=1.0,
                 return_entropy=True,
+                return_values=self._critic is not None,
+                return_ref=self._reference is not None,
             )
-            for n in lengths
+            for _ in range(4)
         ]
         self.score(jobs)
-        delta = self._policy.check_head(torch.from_numpy(jobs[0].tokens).to(self._device))
+        tokens = torch.from_numpy(jobs[0].tokens).to(self._device)
+        delta = self._policy.check_head(tokens)
+        if self._reference is not None:
+            delta = max(delta, self._reference.check_head(tokens))
         log.info("warm-up done; head self-check max |Δ logits| = %.3g", delta)
+
+
+def _load_critic(
+    path: Path | None, dtype: torch.dtype, device: torch.device, attn: str, prepare: Any
+) -> Critic | None:
+    if path is None:
+        return None
+    critic = load_critic(path, dtype, device, attn)
+    prepare(critic.decoder)
+    return critic
+
+
+def _model_info(role: str, name: str, model: Any) -> ModelInfo:
+    params = list(model.parameters())
+    return ModelInfo(
+        role=role,
+        name=name,
+        architecture=type(model).__name__,
+        parameters=sum(p.numel() for p in params),
+        memory_bytes=sum(p.numel() * p.element_size() for p in params)
+        + sum(b.numel() * b.element_size() for b in model.buffers()),
+    )
 
 
 def _versions() -> dict[str, str]:

@@ -1,0 +1,48 @@
+"""KL estimators and training-inference mismatch statistics, over action tokens (numpy, float64)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from service.jobs import FloatArray
+from service.schemas import RolloutMismatch
+
+LN2 = float(np.log(2.0))
+
+
+def kl(logprobs: FloatArray, base: FloatArray, estimator: str) -> FloatArray:
+    """Per-token KL estimate of the policy against `base` (Schulman's k1, k2, k3), r = logp - base."""
+    r = logprobs.astype(np.float64) - base.astype(np.float64)
+    if estimator == "k1":
+        out = r
+    elif estimator == "k2":
+        out = 0.5 * r * r
+    elif estimator == "k3":
+        out = np.expm1(-r) + r
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}")
+    return out.astype(np.float32)
+
+
+def rollout_mismatch(logprobs: Sequence[FloatArray], rollout: Sequence[FloatArray]) -> RolloutMismatch:
+    """How far the scores are from what the inference engine reported, over all action tokens."""
+    if not logprobs:
+        return RolloutMismatch(
+            tokens=0, mean_abs_diff=0.0, max_abs_diff=0.0, mean_kl_k3=0.0, ratio_outside_fraction=0.0
+        )
+    ours = np.concatenate(logprobs).astype(np.float64)
+    theirs = np.concatenate(rollout).astype(np.float64)
+    if ours.size == 0:
+        return RolloutMismatch(
+            tokens=0, mean_abs_diff=0.0, max_abs_diff=0.0, mean_kl_k3=0.0, ratio_outside_fraction=0.0
+        )
+    d = ours - theirs
+    return RolloutMismatch(
+        tokens=int(d.size),
+        mean_abs_diff=float(np.abs(d).mean()),
+        max_abs_diff=float(np.abs(d).max()),
+        mean_kl_k3=float((np.expm1(-d) + d).mean()),
+        ratio_outside_fraction=float((np.abs(d) > LN2).mean()),
+    )
