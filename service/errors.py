@@ -20,6 +20,9 @@ class ServiceError(Exception):
         self.field = field
         self.row = row
 
+    def headers(self) -> dict[str, str]:
+        return {}
+
     def body(self) -> dict[str, Any]:
         error: dict[str, Any] = {"type": self.kind, "message": self.message}
         if self.field is not None:
@@ -33,6 +36,44 @@ class InvalidRequest(ServiceError):
     """The request is well-formed JSON but asks for something that cannot be scored."""
 
     kind = "invalid_request"
+
+
+class PayloadTooLarge(ServiceError):
+    """Over a size limit of the server (body bytes, sequences or tokens per request); names the limit."""
+
+    kind = "payload_too_large"
+
+
+class SequenceTooLarge(ServiceError):
+    """One sequence does not fit in accelerator memory even alone."""
+
+    kind = "sequence_too_large"
+
+
+class Unauthorized(ServiceError):
+    kind = "unauthorized"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class Overloaded(ServiceError):
+    """The queue holds more tokens than the server accepts; try again after `retry_after` seconds."""
+
+    kind = "overloaded"
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
+class DeadlineExceeded(ServiceError):
+    """The request waited longer than its deadline; its unscored work was dropped."""
+
+    kind = "deadline_exceeded"
 
 
 class NotReady(ServiceError):
@@ -49,6 +90,11 @@ class EngineFailure(ServiceError):
 
 _STATUS: dict[type[ServiceError], int] = {
     InvalidRequest: 422,
+    PayloadTooLarge: 413,
+    SequenceTooLarge: 413,
+    Unauthorized: 401,
+    Overloaded: 429,
+    DeadlineExceeded: 504,
     NotReady: 503,
     EngineFailure: 500,
     ServiceError: 500,

@@ -8,16 +8,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from service.engine.base import EngineInfo
+from service.engine.base import EngineInfo, OutOfMemory
 from service.jobs import SequenceJob, SequenceScores
 
 
 class FakeEngine:
     """logprob of action t = -(x_t + t) / T; entropy = t. Records every micro-batch it sees."""
 
-    def __init__(self, delay: float = 0.0, fail_on_token: int | None = None) -> None:
+    def __init__(
+        self, delay: float = 0.0, fail_on_token: int | None = None, oom_over_tokens: int | None = None
+    ) -> None:
         self.delay = delay
         self.fail_on_token = fail_on_token
+        self.oom_over_tokens = oom_over_tokens  # raise OutOfMemory on larger micro-batches
         self.batches: list[list[int]] = []  # token count of each sequence, per micro-batch
         self.threads: set[str] = set()
         self.info = EngineInfo(
@@ -43,6 +46,8 @@ class FakeEngine:
             time.sleep(self.delay)
         if self.fail_on_token is not None and any(self.fail_on_token in job.tokens for job in jobs):
             raise RuntimeError("injected failure")
+        if self.oom_over_tokens is not None and sum(job.num_tokens for job in jobs) > self.oom_over_tokens:
+            raise OutOfMemory("injected out-of-memory")
         return [expected_scores(job) for job in jobs]
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from service.batcher import Batcher
-from service.errors import EngineFailure
+from service.errors import EngineFailure, Overloaded, SequenceTooLarge
 from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
 from tests.fakes import FakeEngine, expected_scores
@@ -167,3 +167,51 @@ def test_collation_stops_waiting_once_the_budget_is_full(loop: asyncio.AbstractE
     elapsed = run_with_wait(loop, engine, 64, 5.0, body)
     assert elapsed < 1.0  # not the 5 s window: 70 queued tokens already exceed the budget of 64
     assert engine.batches == [[30], [40]]
+
+
+def test_out_of_memory_splits_the_micro_batch_until_it_fits(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine(oom_over_tokens=50)
+    jobs = [job(30, first=1), job(30, first=100), job(30, first=200)]
+    results = run(loop, engine, 100, lambda b: b.score(jobs))
+    for j, r in zip(jobs, results, strict=True):
+        np.testing.assert_array_equal(r.logprobs, expected_scores(j).logprobs)
+    assert engine.batches == [[30, 30, 30], [30], [30, 30], [30], [30]]
+
+
+def test_only_a_sequence_that_cannot_fit_alone_fails(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine(oom_over_tokens=50)
+
+    async def body(batcher: Batcher) -> list[SequenceScores]:
+        big = asyncio.create_task(batcher.score([job(60)]))
+        small = asyncio.create_task(batcher.score([job(20, first=7)]))
+        with pytest.raises(SequenceTooLarge, match="60 tokens"):
+            await big
+        return await small
+
+    (small,) = run(loop, engine, 100, body)
+    np.testing.assert_array_equal(small.logprobs, expected_scores(job(20, first=7)).logprobs)
+
+
+def test_queue_over_its_token_cap_answers_overloaded_with_retry_after(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    engine = FakeEngine(delay=0.2)
+
+    async def main() -> tuple[int, list[list[int]]]:
+        batcher = Batcher(engine, 64, Metrics(), max_queued_tokens=50)
+        batcher.start()
+        try:
+            first = asyncio.create_task(batcher.score([job(40)]))
+            await asyncio.sleep(0.05)  # first is in the engine; the queue is empty
+            second = asyncio.create_task(batcher.score([job(40, first=1)]))
+            await asyncio.sleep(0)
+            with pytest.raises(Overloaded, match="max_queued_tokens") as raised:
+                await batcher.score([job(40, first=2)])
+            await asyncio.gather(first, second)
+            return raised.value.retry_after, engine.batches
+        finally:
+            await batcher.stop()
+
+    retry_after, batches = loop.run_until_complete(main())
+    assert retry_after >= 1
+    assert batches == [[40], [40]]  # the refused request never queued

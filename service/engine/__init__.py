@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from service.engine.base import EngineInfo, ModelInfo, ScoringEngine
+from service.engine.base import EngineInfo, ModelInfo, OutOfMemory, ScoringEngine
 
 if TYPE_CHECKING:
     from service.settings import Settings
 
-__all__ = ["EngineInfo", "ModelInfo", "ScoringEngine", "load_engine"]
+__all__ = ["EngineInfo", "ModelInfo", "OutOfMemory", "ScoringEngine", "load_engine"]
 
 
 def load_engine(settings: Settings) -> ScoringEngine:

@@ -39,6 +39,13 @@ class EngineInfo:
         return frozenset(m.role for m in self.models)
 
 
+class OutOfMemory(RuntimeError):
+    """The accelerator ran out of memory on a micro-batch; the engine has released what it could.
+
+    The batcher answers by splitting the micro-batch and retrying the halves.
+    """
+
+
 class ScoringEngine(Protocol):
     """What the batcher needs: score one packed micro-batch. Called from one worker thread only."""
 

@@ -18,7 +18,7 @@ import torch
 
 import service
 from service.engine.attention import AttentionBackend, choose_backend, register
-from service.engine.base import EngineInfo, ModelInfo
+from service.engine.base import EngineInfo, ModelInfo, OutOfMemory
 from service.engine.chunking import chunk_mlps
 from service.engine.critic import Critic, load_critic
 from service.engine.head import ActionScores, LogitTransform, score_actions
@@ -157,8 +157,17 @@ class PackedScorer:
     def info(self) -> EngineInfo:
         return self._info
 
-    @torch.inference_mode()
     def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
+        try:
+            return self._score(jobs)
+        except torch.OutOfMemoryError as exc:
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+            tokens = sum(job.num_tokens for job in jobs)
+            raise OutOfMemory(f"out of memory on {len(jobs)} sequences, {tokens} tokens") from exc
+
+    @torch.inference_mode()
+    def _score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
         batch = pack(jobs, self._device)
         splits = np.cumsum(batch.actions_per_sequence)[:-1]
 
