@@ -6,11 +6,14 @@ import dataclasses
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from service.auth import ApiKeys
 from service.diagnostics import rollout_mismatch
 from service.errors import NotReady
+from service.http_io import answer_or_give_up, read_body
 from service.metrics import CONTENT_TYPE
 from service.normalise import normalise
 from service.response import render
@@ -28,16 +31,34 @@ from service.state import ServiceState
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text}
     for status, text in [
+        (401, "No valid API key (when the server has keys)"),
+        (
+            413,
+            "Over a size limit of the server (body, rows or tokens per request, or a sequence that "
+            "does not fit in accelerator memory); the message names it",
+        ),
         (422, "Invalid request; `field` and `row` name the culprit"),
+        (429, "The queue is full; retry after the `Retry-After` header's seconds"),
         (500, "Scoring failed"),
-        (503, "Model not loaded or warming up"),
+        (503, "Model not loaded, warming up, or draining"),
+        (504, "The request's deadline passed; its unscored work was dropped"),
     ]
 }
 
 
 def build_router(state: ServiceState) -> APIRouter:
-    router = APIRouter()
-    metrics = state.metrics
+    metrics, settings = state.metrics, state.settings
+    keys = ApiKeys.from_settings(settings)
+    bearer = HTTPBearer(auto_error=False, description="An API key, when the server is configured with some.")
+
+    async def authorized(
+        http: Request,
+        _: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008 (documents the scheme)
+    ) -> None:
+        keys.check(http.headers.get("authorization"))
+
+    guarded = [Depends(authorized)] if keys.enabled else []
+    router = APIRouter(dependencies=guarded if settings.auth_all_routes else [])
 
     # the body is parsed from raw bytes by parse_request (one Rust pass), so it is declared here
     body_schema = {"application/json": {"schema": LogprobsRequest.model_json_schema()}}
@@ -47,16 +68,18 @@ def build_router(state: ServiceState) -> APIRouter:
         response_model=LogprobsResponse,
         responses=ERRORS,
         openapi_extra={"requestBody": {"required": True, "content": body_schema}},
+        dependencies=guarded,
     )
     async def logprobs(http: Request) -> Response:
         """Per-token log-probs (and entropy) of the action tokens of each row."""
         started = time.perf_counter()
-        request = parse_request(await http.body())
+        request = parse_request(await read_body(http, settings.max_body_bytes))
         serving = state.require_serving()
         plan = normalise(request, serving.limits)
         metrics.queue_requests.inc()
         try:
-            scores = await serving.batcher.score(plan.jobs)
+            timeout = request.timeout_s or settings.request_timeout_s
+            scores = await answer_or_give_up(http, serving.batcher.score(plan.jobs), timeout)
         finally:
             metrics.queue_requests.dec()
         rollout = rollout_mismatch([s.logprobs for s in scores], plan.rollout) if plan.rollout else None

@@ -76,13 +76,22 @@ async def _start(
             on_fatal()
         return
     info = engine.info
-    batcher = Batcher(engine, settings.max_batch_tokens, state.metrics, wait_s=settings.batch_wait_ms / 1e3)
+    batcher = Batcher(
+        engine,
+        settings.max_batch_tokens,
+        state.metrics,
+        wait_s=settings.batch_wait_ms / 1e3,
+        max_queued_tokens=settings.max_queued_tokens,
+    )
     batcher.start()
     limits = ModelLimits(
         vocab_size=info.vocab_size,
         max_sequence_tokens=min(info.max_positions, settings.max_batch_tokens),
         has_critic="critic" in info.roles,
         has_reference="reference" in info.roles,
+        max_request_sequences=settings.max_request_sequences,
+        max_request_tokens=settings.max_request_tokens,
+        max_timeout_s=settings.max_request_timeout_s,
     )
     state.serving = Serving(info=info, limits=limits, batcher=batcher)
     state.metrics.ready.set(1)
@@ -103,7 +112,7 @@ async def _start(
 def _install_error_handlers(app: FastAPI, state: ServiceState) -> None:
     def reply(error: ServiceError) -> JSONResponse:
         state.metrics.requests.labels(error.kind).inc()
-        return JSONResponse(error.body(), status_code=status_for(error))
+        return JSONResponse(error.body(), status_code=status_for(error), headers=error.headers())
 
     async def on_service_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ServiceError)

@@ -76,6 +76,12 @@ class DeadlineExceeded(ServiceError):
     kind = "deadline_exceeded"
 
 
+class ClientDisconnected(ServiceError):
+    """The client went away before its answer; its unscored work was dropped. Counted, never sent."""
+
+    kind = "client_disconnected"
+
+
 class NotReady(ServiceError):
     """The model is not loaded or warmed up yet, or the service is shutting down."""
 
@@ -95,6 +101,7 @@ _STATUS: dict[type[ServiceError], int] = {
     Unauthorized: 401,
     Overloaded: 429,
     DeadlineExceeded: 504,
+    ClientDisconnected: 499,
     NotReady: 503,
     EngineFailure: 500,
     ServiceError: 500,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.errors import InvalidRequest
+from service.errors import InvalidRequest, PayloadTooLarge
 from service.jobs import FloatArray, IntArray, SequenceJob
 from service.schemas import LogprobsRequest
 
@@ -22,6 +22,9 @@ class ModelLimits:
     max_sequence_tokens: int
     has_critic: bool = False
     has_reference: bool = False
+    max_request_sequences: int | None = None
+    max_request_tokens: int | None = None
+    max_timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,7 @@ def normalise(request: LogprobsRequest, limits: ModelLimits) -> ScoringPlan:
             field=given[1] if len(given) > 1 else "num_actions",
         )
     _check_models(request, limits)
+    _check_size(request, limits)
     rows = _padded_rows(request) if request.attention_mask is not None else _ragged_rows(request)
     eos = _eos_ids(request.eos_token_id)
     jobs: list[SequenceJob] = []
@@ -88,6 +92,34 @@ def normalise(request: LogprobsRequest, limits: ModelLimits) -> ScoringPlan:
         windows.append(RowWindow(width=row.width, slots=row.slots[:keep]))
     rollout = _rollout(request.rollout_logprobs, windows) if request.rollout_logprobs is not None else None
     return ScoringPlan(jobs=jobs, windows=windows, kl_estimator=request.kl_estimator, rollout=rollout)
+
+
+def _check_size(request: LogprobsRequest, limits: ModelLimits) -> None:
+    """Request-size limits of the server: 413 naming the limit (422 for a deadline over the cap)."""
+    rows = len(request.input_ids)
+    if limits.max_request_sequences is not None and rows > limits.max_request_sequences:
+        raise PayloadTooLarge(
+            f"{rows} rows; this server takes at most {limits.max_request_sequences} per request "
+            "(max_request_sequences)",
+            field="input_ids",
+        )
+    if limits.max_request_tokens is not None:
+        if request.attention_mask is not None:
+            tokens = sum(sum(1 for m in row if m) for row in request.attention_mask)
+        else:
+            tokens = sum(len(row) for row in request.input_ids)
+        if tokens > limits.max_request_tokens:
+            raise PayloadTooLarge(
+                f"{tokens} tokens; this server takes at most {limits.max_request_tokens} per request "
+                "(max_request_tokens)",
+                field="input_ids",
+            )
+    cap = limits.max_timeout_s
+    if cap is not None and request.timeout_s is not None and request.timeout_s > cap:
+        raise InvalidRequest(
+            f"timeout_s {request.timeout_s} is over this server's cap of {limits.max_timeout_s} s",
+            field="timeout_s",
+        )
 
 
 def _check_models(request: LogprobsRequest, limits: ModelLimits) -> None:

@@ -67,6 +67,13 @@ class LogprobsRequest(BaseModel):
         description="The log-probs the inference engine reported at sampling time, laid out like the "
         "response's rows; the response then carries training-inference mismatch statistics.",
     )
+    timeout_s: Annotated[float, Strict()] | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Deadline of this request in seconds (default and cap: server settings); past it, "
+        "504 and its unscored work is dropped.",
+    )
     return_entropy: Annotated[bool, Strict()] = Field(
         False, description="Also return the entropy of each action's distribution."
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -72,5 +72,28 @@ class Settings(BaseSettings):
         ge=0,
         description="On SIGTERM, report draining (readiness and new requests 503) for this long while "
         "in-flight requests go on, so load balancers stop routing here; then shut down and exit 0.",
+    )
+    max_body_bytes: int = Field(64 << 20, ge=1024, description="Largest request body accepted (413 past it).")
+    max_request_sequences: int = Field(4096, ge=1, description="Most rows in one request (413 past it).")
+    max_request_tokens: int = Field(
+        1 << 20, ge=1, description="Most real tokens one request may hold (413 past it)."
+    )
+    max_queued_tokens: int = Field(
+        1 << 21,
+        ge=1,
+        description="Tokens the queue may hold; a request that would pass it gets 429 with Retry-After.",
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Default deadline of a scoring request (504 past it, its work dropped)."
+    )
+    max_request_timeout_s: float = Field(
+        3600.0, gt=0, description="Largest deadline a request may ask for with `timeout_s`."
+    )
+    api_keys: SecretStr | None = Field(
+        None, description="Comma-separated bearer API keys; set, scoring routes answer 401 without one."
+    )
+    api_keys_file: Path | None = Field(None, description="File of bearer API keys, one per line.")
+    auth_all_routes: bool = Field(
+        False, description="Also require a key on /health/*, /info and /metrics (open by default)."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
