@@ -28,11 +28,11 @@ serve: install  ## run the server (demo model unless LOGPROBD_MODEL or ARGS="--m
 test: lint typecheck pytest  ## every gate: ruff, mypy --strict, the test suite
 
 lint: install
-	$(PY) -m ruff check service tests benchmarks
-	$(PY) -m ruff format --check service tests benchmarks
+	$(PY) -m ruff check service tests benchmarks examples
+	$(PY) -m ruff format --check service tests benchmarks examples
 
 typecheck: install
-	$(PY) -m mypy service tests benchmarks
+	$(PY) -m mypy service tests benchmarks examples
 
 pytest: install
 	$(PY) -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'

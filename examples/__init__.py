@@ -1,0 +1,1 @@
+"""Runnable examples of using logprobd from a trainer (`python -m examples.<name>`)."""

@@ -1,0 +1,21 @@
+"""logprobd's Python client: `Client` and `AsyncClient` over one server or a set of replicas.
+
+Imports httpx and nothing of the server, so a trainer can use it beside its own stack. The torch
+adapters for OpenRLHF, verl and TRL live in `service.client.adapters`, which imports torch.
+"""
+
+from service.client._async import AsyncClient
+from service.client._sync import Client
+from service.client.errors import LogprobdConnectionError, LogprobdError
+from service.client.retry import RetryPolicy
+from service.client.wire import Scores, Usage
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "LogprobdConnectionError",
+    "LogprobdError",
+    "RetryPolicy",
+    "Scores",
+    "Usage",
+]

@@ -1,0 +1,146 @@
+"""What the sync and async clients share: their settings, one attempt's outcome, the final merge.
+
+Both clients run the same loop per chunk: lease a replica, post, and on failure either raise or
+back off and try again; only the sleeping and the HTTP calls differ between them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from service import __version__
+from service.client.errors import LogprobdError, from_response, from_transport
+from service.client.retry import RETRYABLE_ERRORS, RetryPolicy, parse_retry_after
+from service.client.sharding import Chunk, merge, split
+from service.client.wire import Scores
+
+Timeout = float | httpx.Timeout
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    urls: tuple[str, ...]
+    headers: dict[str, str]
+    timeout: httpx.Timeout
+    max_chunk_tokens: int
+    max_chunk_rows: int
+    max_concurrency: int
+    retry: RetryPolicy
+
+    @classmethod
+    def create(
+        cls,
+        base_url: str | Sequence[str],
+        *,
+        api_key: str | None,
+        timeout: Timeout,
+        max_chunk_tokens: int,
+        max_chunk_rows: int,
+        max_concurrency: int,
+        retry: RetryPolicy | None,
+    ) -> ClientConfig:
+        urls = (base_url,) if isinstance(base_url, str) else tuple(base_url)
+        if not urls:
+            raise ValueError("give a base URL or a list of replica URLs")
+        if min(max_chunk_tokens, max_chunk_rows, max_concurrency) < 1:
+            raise ValueError("max_chunk_tokens, max_chunk_rows and max_concurrency must be >= 1")
+        headers = {"content-type": "application/json", "user-agent": f"logprobd-client/{__version__}"}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        return cls(
+            urls=tuple(url.rstrip("/") for url in urls),
+            headers=headers,
+            timeout=timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout, connect=10.0),
+            max_chunk_tokens=max_chunk_tokens,
+            max_chunk_rows=max_chunk_rows,
+            max_concurrency=max_concurrency,
+            retry=retry or RetryPolicy(),
+        )
+
+    def chunks(self, body: Mapping[str, Any]) -> list[Chunk]:
+        return split(
+            body,
+            max_chunk_tokens=self.max_chunk_tokens,
+            max_chunk_rows=self.max_chunk_rows,
+            min_chunks=len(self.urls),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """An attempt that got no usable answer."""
+
+    error: LogprobdError
+    retryable: bool
+    retry_after: float | None
+
+
+def encode(chunk: Chunk) -> bytes:
+    """The chunk's body once, reused by every attempt."""
+    return json.dumps(chunk.body, separators=(",", ":")).encode()
+
+
+def reply_body(response: httpx.Response) -> dict[str, Any]:
+    """The JSON object of a 200 response."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise LogprobdError(
+            f"a 200 response that is not a JSON object: {response.text[:200]!r}",
+            status=response.status_code,
+            error_type="bad_response",
+            url=str(response.url),
+        )
+    return body
+
+
+def response_failure(response: httpx.Response, chunk: Chunk, policy: RetryPolicy) -> Failure:
+    return Failure(
+        error=from_response(response, chunk_start=chunk.start),
+        retryable=response.status_code in policy.statuses,
+        retry_after=parse_retry_after(response.headers.get("retry-after")),
+    )
+
+
+def transport_failure(exc: httpx.TransportError, url: str) -> Failure:
+    error = from_transport(exc, url)
+    error.__cause__ = exc
+    return Failure(error=error, retryable=isinstance(exc, RETRYABLE_ERRORS), retry_after=None)
+
+
+def give_up_unless_retryable(failure: Failure, attempt: int, policy: RetryPolicy) -> None:
+    """Raise the failure's error if it cannot pass or attempt `attempt` (0-based) was the last."""
+    if not failure.retryable or attempt + 1 >= policy.max_attempts:
+        failure.error.attempts = attempt + 1
+        raise failure.error
+
+
+def finish(chunks: Sequence[Chunk], replies: Sequence[Mapping[str, Any]]) -> Scores:
+    """The caller's Scores from the chunks' replies; replicas must all serve the same model."""
+    models = sorted({str(reply.get("model")) for reply in replies})
+    if len(models) > 1:
+        raise LogprobdError(
+            f"replicas serve different models ({', '.join(models)}); one batch must be scored by one model",
+            status=None,
+            error_type="replica_mismatch",
+        )
+    try:
+        merged = merge(replies)
+    except ValueError as exc:
+        raise LogprobdError(str(exc), status=None, error_type="bad_response") from None
+    scores = Scores.from_body(merged)
+    expected = chunks[-1].stop if chunks else 0
+    if len(scores.logprobs) != expected:
+        raise LogprobdError(
+            f"the server returned {len(scores.logprobs)} rows for {expected}",
+            status=None,
+            error_type="bad_response",
+        )
+    return scores

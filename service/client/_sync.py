@@ -1,0 +1,183 @@
+"""`Client`: the blocking client. Chunks of one call go out concurrently on a thread pool."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from service.client._common import (
+    ClientConfig,
+    Timeout,
+    encode,
+    finish,
+    give_up_unless_retryable,
+    reply_body,
+    response_failure,
+    transport_failure,
+)
+from service.client.errors import LogprobdError
+from service.client.replicas import ReplicaPool
+from service.client.retry import RetryPolicy
+from service.client.sharding import Chunk
+from service.client.wire import IntRows, Scores, ToList, build_body
+
+
+class Client:
+    """A logprobd client for one server or a set of replicas serving the same model.
+
+    `score` splits a batch into chunks of whole rows (at most `max_chunk_rows` rows and
+    `max_chunk_tokens` real tokens each, and at least one chunk per replica), sends up to
+    `max_concurrency` at once to the least loaded replicas, retries what may pass (`retry`), and
+    returns the rows in the caller's order. Any other error raises `LogprobdError`. Thread-safe;
+    close it (or use `with`) to free its connections and threads.
+    """
+
+    def __init__(
+        self,
+        base_url: str | Sequence[str],
+        *,
+        api_key: str | None = None,
+        timeout: Timeout = 300.0,
+        max_chunk_tokens: int = 16384,
+        max_chunk_rows: int = 512,
+        max_concurrency: int = 8,
+        retry: RetryPolicy | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.config = ClientConfig.create(
+            base_url,
+            api_key=api_key,
+            timeout=timeout,
+            max_chunk_tokens=max_chunk_tokens,
+            max_chunk_rows=max_chunk_rows,
+            max_concurrency=max_concurrency,
+            retry=retry,
+        )
+        self._pool = ReplicaPool(self.config.urls)
+        self._rng = random.Random()
+        self._http = httpx.Client(
+            headers=self.config.headers, timeout=self.config.timeout, transport=transport
+        )
+        self._threads = ThreadPoolExecutor(max_concurrency, thread_name_prefix="logprobd-client")
+
+    def score(
+        self,
+        input_ids: IntRows,
+        *,
+        attention_mask: IntRows | None = None,
+        num_actions: int | Sequence[int] | ToList | None = None,
+        action_mask: IntRows | None = None,
+        response_length: int | None = None,
+        temperature: float = 1.0,
+        eos_token_id: int | Sequence[int] | ToList | None = None,
+        return_entropy: bool = False,
+        **options: Any,
+    ) -> Scores:
+        """Score a batch in any of the four layouts of SEMANTICS.md; `options` are sent as they are."""
+        body = build_body(
+            input_ids,
+            attention_mask=attention_mask,
+            num_actions=num_actions,
+            action_mask=action_mask,
+            response_length=response_length,
+            temperature=temperature,
+            eos_token_id=eos_token_id,
+            return_entropy=return_entropy,
+            options=options,
+        )
+        return self.score_request(body)
+
+    def score_request(self, body: Mapping[str, Any]) -> Scores:
+        """Score a ready-made request body (JSON-able, as `POST /logprobs` takes it)."""
+        chunks = self.config.chunks(body)
+        if len(chunks) == 1:
+            return finish(chunks, [self._send(chunks[0])])
+        futures = [self._threads.submit(self._send, chunk) for chunk in chunks]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f in done and f.exception() is not None]
+        if failed:
+            for future in pending:
+                future.cancel()
+            raise _first_error(failed)
+        return finish(chunks, [f.result() for f in futures])
+
+    def info(self) -> dict[str, Any]:
+        """`GET /info` of the first replica that answers."""
+        last: Exception | None = None
+        for url in self.config.urls:
+            try:
+                response = self._http.get(f"{url}/info")
+            except httpx.TransportError as exc:
+                last = exc
+                continue
+            if response.status_code == 200:
+                info: dict[str, Any] = response.json()
+                return info
+            last = LogprobdError(response.text, status=response.status_code, error_type="http_error", url=url)
+        raise LogprobdError(
+            f"no replica answered /info ({last})", status=None, error_type="connection_error"
+        ) from last
+
+    def wait_ready(self, timeout: float = 300.0, interval: float = 0.5) -> None:
+        """Block until every replica's `/health/ready` is 200; TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        waiting = list(self.config.urls)
+        while waiting:
+            waiting = [url for url in waiting if not self._is_ready(url)]
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {timeout} s: {', '.join(waiting)}")
+            if waiting:
+                time.sleep(interval)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True, cancel_futures=True)
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _is_ready(self, url: str) -> bool:
+        try:
+            return self._http.get(f"{url}/health/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def _send(self, chunk: Chunk) -> dict[str, Any]:
+        content = encode(chunk)
+        policy = self.config.retry
+        for attempt in range(policy.max_attempts):
+            lease = self._pool.acquire()
+            try:
+                if lease.wait:
+                    time.sleep(lease.wait)
+                try:
+                    response = self._http.post(f"{lease.replica.url}/logprobs", content=content)
+                except httpx.TransportError as exc:
+                    failure = transport_failure(exc, lease.replica.url)
+                else:
+                    if response.status_code == 200:
+                        return reply_body(response)
+                    failure = response_failure(response, chunk, policy)
+            finally:
+                self._pool.release(lease.replica)
+            give_up_unless_retryable(failure, attempt, policy)
+            self._pool.back_off(lease.replica, policy.delay(attempt, failure.retry_after, self._rng))
+        raise AssertionError("unreachable: the last attempt raises")
+
+
+def _first_error(failed: list[Future[dict[str, Any]]]) -> BaseException:
+    """The error of the earliest failed chunk (futures are in chunk order)."""
+    error = failed[0].exception()
+    assert error is not None
+    return error

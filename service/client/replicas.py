@@ -1,0 +1,59 @@
+"""Which replica gets the next chunk: the least loaded among those not backing off, in turn.
+
+Shared by every call of one client (and by its threads), so chunks of concurrent calls spread too.
+A replica that answered 429/503 or could not be reached is skipped until its back-off ends, unless
+every replica is backing off, in which case the caller waits for the first one to come back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Replica:
+    url: str
+    in_flight: int = 0  # chunks leased to it and not yet released
+    ready_at: float = 0.0  # time.monotonic() before which it is not tried
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One attempt's replica; `wait` seconds to sleep before sending (0 unless all are backing off)."""
+
+    replica: Replica
+    wait: float
+
+
+class ReplicaPool:
+    def __init__(self, urls: tuple[str, ...]) -> None:
+        if not urls:
+            raise ValueError("give at least one replica URL")
+        self.replicas = [Replica(url) for url in urls]
+        self._lock = threading.Lock()
+        self._turn = 0  # round-robin tie-break among equally loaded replicas
+
+    def acquire(self) -> Lease:
+        with self._lock:
+            now = time.monotonic()
+            n = len(self.replicas)
+
+            def rank(i: int) -> tuple[float, int, int]:
+                r = self.replicas[i]
+                return max(0.0, r.ready_at - now), r.in_flight, (i - self._turn) % n
+
+            chosen = min(range(n), key=rank)
+            self._turn = (chosen + 1) % n
+            replica = self.replicas[chosen]
+            replica.in_flight += 1
+            return Lease(replica, max(0.0, replica.ready_at - now))
+
+    def release(self, replica: Replica) -> None:
+        with self._lock:
+            replica.in_flight -= 1
+
+    def back_off(self, replica: Replica, seconds: float) -> None:
+        with self._lock:
+            replica.ready_at = max(replica.ready_at, time.monotonic() + seconds)

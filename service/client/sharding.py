@@ -1,0 +1,110 @@
+"""Split one request body into chunks of whole rows, and merge the chunks' responses back in order.
+
+Every layout splits by rows: a padded chunk keeps its rows' full width (attention_mask and
+action_mask rows travel with them, response_length stays global), a ragged chunk its rows'
+`num_actions` entries when that is a list; `rollout_logprobs` rows, and any other field that is a
+list of lists, travel with their rows too. Scalar fields (temperature, eos_token_id, flags) go to
+every chunk unchanged. A body whose per-row fields disagree on the row count is never split, so
+the server reports that error against the caller's own rows.
+
+Responses merge by the same rule: per-row lists are concatenated; `usage` counts are summed;
+`rollout` statistics (over action tokens) are recombined exactly: token counts summed, maxima
+maxed, means weighted by tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# request fields with one entry per row (besides any list of lists, which is per row by its shape)
+ROW_FIELDS = ("input_ids", "attention_mask", "action_mask", "num_actions", "rollout_logprobs")
+SUMMED = frozenset({"usage"})  # response objects of counts
+TOKEN_STATISTICS = frozenset({"rollout"})  # response objects of statistics over `tokens` action tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Rows `start .. stop-1` of the caller's batch, as a complete request body."""
+
+    start: int
+    stop: int
+    body: dict[str, Any]
+
+
+def split(
+    body: Mapping[str, Any], *, max_chunk_tokens: int, max_chunk_rows: int, min_chunks: int
+) -> list[Chunk]:
+    """Contiguous chunks of about equal real-token counts: at least `min_chunks` (when there are that
+    many rows), each of at most `max_chunk_rows` rows and `max_chunk_tokens` real tokens (unless one
+    row alone is longer)."""
+    per_row = _row_fields(body)
+    n_rows = len(body.get("input_ids") or ())
+    if n_rows == 0 or any(len(body[name]) != n_rows for name in per_row):
+        return [Chunk(0, n_rows, dict(body))]
+    tokens = [max(1, n) for n in _real_tokens(body)]
+    total = sum(tokens)
+    k = max(min(min_chunks, n_rows), math.ceil(total / max_chunk_tokens))
+    # each row goes to the k-th part its token midpoint falls in; then parts are cut to the limits
+    bounds: list[tuple[int, int]] = []
+    start, held, part, before = 0, 0, 0, 0
+    for i, n in enumerate(tokens):
+        row_part = min(k - 1, (2 * before + n) * k // (2 * total))
+        if i > start and (row_part != part or held + n > max_chunk_tokens or i - start == max_chunk_rows):
+            bounds.append((start, i))
+            start, held = i, 0
+        part, held, before = row_part, held + n, before + n
+    bounds.append((start, n_rows))
+    return [Chunk(a, b, {**body, **{name: body[name][a:b] for name in per_row}}) for a, b in bounds]
+
+
+def merge(replies: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One response body from the chunks' bodies, in chunk order. ValueError for an object field
+    this client does not know how to combine, when the chunks disagree on it."""
+    first = replies[0]
+    merged: dict[str, Any] = {}
+    for key, value in first.items():
+        values = [reply.get(key) for reply in replies]
+        if isinstance(value, list):
+            merged[key] = [row for v in values for row in v or ()]
+        elif isinstance(value, dict) and key in SUMMED:
+            merged[key] = {k: sum(v[k] for v in values if v) for k in value}
+        elif isinstance(value, dict) and key in TOKEN_STATISTICS:
+            merged[key] = _token_statistics([v for v in values if v])
+        elif isinstance(value, dict) and any(v != value for v in values):
+            raise ValueError(f"the chunks' `{key}` objects differ and this client cannot combine them")
+        else:
+            merged[key] = value
+    return merged
+
+
+def _token_statistics(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Statistics over disjoint sets of tokens, as if taken over their union."""
+    tokens = sum(int(p["tokens"]) for p in parts)
+    merged: dict[str, Any] = {"tokens": tokens}
+    for name in parts[0]:
+        if name == "tokens":
+            continue
+        if name.startswith("max_"):
+            merged[name] = max(float(p[name]) for p in parts)
+        else:
+            merged[name] = sum(float(p[name]) * int(p["tokens"]) for p in parts) / tokens if tokens else 0.0
+    return merged
+
+
+def _row_fields(body: Mapping[str, Any]) -> list[str]:
+    def per_row(name: str, value: Any) -> bool:
+        if not isinstance(value, list | tuple):
+            return False
+        return name in ROW_FIELDS or (bool(value) and all(isinstance(row, list | tuple) for row in value))
+
+    return [name for name, value in body.items() if per_row(name, value)]
+
+
+def _real_tokens(body: Mapping[str, Any]) -> list[int]:
+    mask = body.get("attention_mask")
+    if isinstance(mask, list):
+        return [sum(1 for m in row if m) for row in mask]
+    return [len(row) for row in body["input_ids"]]

@@ -1,0 +1,95 @@
+"""The wire format of `POST /logprobs`, seen from the client: request bodies in, `Scores` out.
+
+Plain Python lists only; anything with a `.tolist()` (numpy arrays, torch tensors) is converted
+here, so the rest of the client never imports numpy or torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+# response fields this client names; any other field the server adds lands in Scores.extra
+_KNOWN = frozenset({"model", "logprobs", "entropy", "action_mask", "usage"})
+
+
+@runtime_checkable
+class ToList(Protocol):
+    """A numpy array or torch tensor."""
+
+    def tolist(self) -> Any: ...
+
+
+IntRows = Sequence[Sequence[int]] | ToList
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    input_tokens: int
+    scored_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """One response, rows in request order, each aligned to its row's action window (SEMANTICS.md).
+
+    `extra` holds per-row fields this client version does not name yet (e.g. values, ref log-probs
+    or KL once the server returns them), merged across chunks like the others.
+    """
+
+    model: str
+    logprobs: list[list[float]]
+    action_mask: list[list[int]]
+    usage: Usage
+    entropy: list[list[float]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Scores:
+        usage = body["usage"]
+        return cls(
+            model=body["model"],
+            logprobs=body["logprobs"],
+            action_mask=body["action_mask"],
+            usage=Usage(input_tokens=usage["input_tokens"], scored_tokens=usage["scored_tokens"]),
+            entropy=body.get("entropy"),
+            extra={k: v for k, v in body.items() if k not in _KNOWN},
+        )
+
+
+def rows(value: IntRows) -> list[list[int]]:
+    listed = value.tolist() if isinstance(value, ToList) else value
+    return [list(row) for row in listed]
+
+
+def build_body(
+    input_ids: IntRows,
+    *,
+    attention_mask: IntRows | None,
+    num_actions: int | Sequence[int] | ToList | None,
+    action_mask: IntRows | None,
+    response_length: int | None,
+    temperature: float,
+    eos_token_id: int | Sequence[int] | ToList | None,
+    return_entropy: bool,
+    options: Mapping[str, Any],
+) -> dict[str, Any]:
+    """A request body; fields left None are left out, `options` (future flags) are passed through."""
+    body: dict[str, Any] = {"input_ids": rows(input_ids), "temperature": float(temperature)}
+    if attention_mask is not None:
+        body["attention_mask"] = rows(attention_mask)
+    if num_actions is not None:
+        listed = num_actions.tolist() if isinstance(num_actions, ToList) else num_actions
+        body["num_actions"] = listed if isinstance(listed, int) else list(listed)
+    if action_mask is not None:
+        body["action_mask"] = rows(action_mask)
+    if response_length is not None:
+        body["response_length"] = int(response_length)
+    if eos_token_id is not None:
+        eos = eos_token_id.tolist() if isinstance(eos_token_id, ToList) else eos_token_id
+        body["eos_token_id"] = eos if isinstance(eos, int) else list(eos)
+    if return_entropy:
+        body["return_entropy"] = True
+    body.update(options)
+    return body
