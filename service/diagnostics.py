@@ -27,22 +27,19 @@ def kl(logprobs: FloatArray, base: FloatArray, estimator: str) -> FloatArray:
 
 
 def rollout_mismatch(logprobs: Sequence[FloatArray], rollout: Sequence[FloatArray]) -> RolloutMismatch:
-    """How far the scores are from what the inference engine reported, over all action tokens."""
-    if not logprobs:
+    """How far the scores are from what the inference engine reported, over all action tokens.
+
+    The rollout sampled the tokens, so the k3 estimate is of KL(rollout || policy): exp(d) - 1 - d.
+    """
+    d = np.concatenate([np.zeros(0), *logprobs]) - np.concatenate([np.zeros(0), *rollout])  # float64
+    if d.size == 0:
         return RolloutMismatch(
             tokens=0, mean_abs_diff=0.0, max_abs_diff=0.0, mean_kl_k3=0.0, ratio_outside_fraction=0.0
         )
-    ours = np.concatenate(logprobs).astype(np.float64)
-    theirs = np.concatenate(rollout).astype(np.float64)
-    if ours.size == 0:
-        return RolloutMismatch(
-            tokens=0, mean_abs_diff=0.0, max_abs_diff=0.0, mean_kl_k3=0.0, ratio_outside_fraction=0.0
-        )
-    d = ours - theirs
     return RolloutMismatch(
         tokens=int(d.size),
         mean_abs_diff=float(np.abs(d).mean()),
         max_abs_diff=float(np.abs(d).max()),
-        mean_kl_k3=float((np.expm1(-d) + d).mean()),
+        mean_kl_k3=float((np.expm1(d) - d).mean()),  # KL(rollout || policy): the rollout sampled them
         ratio_outside_fraction=float((np.abs(d) > LN2).mean()),
     )

@@ -66,7 +66,7 @@ class Metrics:
         )
         self.rollout_kl = Histogram(
             f"{PREFIX}_rollout_kl_k3",
-            "Per request: mean k3 KL estimate between the scores and the rollout log-probs.",
+            "Per request: mean k3 estimate of KL(rollout || policy), exp(d) - 1 - d, d = logprob - rollout.",
             buckets=MISMATCH_BUCKETS,
             registry=r,
         )

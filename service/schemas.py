@@ -98,7 +98,7 @@ class RolloutMismatch(BaseModel):
     tokens: int
     mean_abs_diff: float = Field(description="mean |d|")
     max_abs_diff: float = Field(description="max |d|")
-    mean_kl_k3: float = Field(description="mean of exp(-d) - 1 + d")
+    mean_kl_k3: float = Field(description="mean of exp(d) - 1 - d: k3 estimate of KL(rollout || policy)")
     ratio_outside_fraction: float = Field(
         description="fraction of tokens whose ratio exp(d) is outside [0.5, 2]"
     )

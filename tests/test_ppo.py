@@ -109,7 +109,7 @@ def test_one_request_returns_everything(
     if d:
         assert stats["mean_abs_diff"] == pytest.approx(np.mean(np.abs(d)), abs=1e-4)
         assert stats["max_abs_diff"] == pytest.approx(np.max(np.abs(d)), abs=1e-4)
-        assert stats["mean_kl_k3"] == pytest.approx(np.mean([math.expm1(-x) + x for x in d]), abs=1e-3)
+        assert stats["mean_kl_k3"] == pytest.approx(np.mean([math.expm1(x) - x for x in d]), abs=1e-3)
         outside = np.mean([not (0.5 <= math.exp(x) <= 2.0) for x in d])
         assert stats["ratio_outside_fraction"] == pytest.approx(outside, abs=1e-9)
 

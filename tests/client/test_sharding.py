@@ -92,7 +92,7 @@ def test_rollout_statistics_merge_as_over_the_union_of_tokens() -> None:
             "tokens": int(d.size),
             "mean_abs_diff": float(np.abs(d).mean()),
             "max_abs_diff": float(np.abs(d).max()),
-            "mean_kl_k3": float((np.expm1(-d) + d).mean()),
+            "mean_kl_k3": float((np.expm1(d) - d).mean()),
             "ratio_outside_fraction": float((np.abs(d) > np.log(2)).mean()),
         }
 

@@ -1,0 +1,108 @@
+"""What the deploy tests share: the Helm chart rendered offline (helm-python-sdk: Helm's Go SDK in a
+wheel, no helm binary) with each CI values file, the app's GET routes, and PromQL parsed into the
+series names it reads (promql-parser)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import promql_parser
+import yaml
+from starlette.routing import Match
+
+from service.app import create_app
+from service.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "logprobd"
+VALUES_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
+KUBE_VERSION = "1.30.0"
+RELEASE, NAMESPACE = "rl", "train"
+
+Manifest = dict[str, Any]
+
+
+_ROUTES = create_app(Settings()).routes
+
+
+def serves_get(path: str) -> bool:
+    """Whether the app answers GET `path` with one of its routes (asked the way Starlette routes)."""
+    scope = {"type": "http", "method": "GET", "path": path, "root_path": ""}
+    return any(route.matches(scope)[0] == Match.FULL for route in _ROUTES)
+
+
+def values_of(path: Path) -> dict[str, Any]:
+    values: dict[str, Any] = yaml.safe_load(path.read_text()) or {}
+    return values
+
+
+@functools.cache
+def _rendered(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    with helm.Chart.load(CHART) as chart:
+        values = values_of(path)
+        return chart.render(values, name=RELEASE, namespace=NAMESPACE), chart.merge_values(values)
+
+
+def render(path: Path) -> list[Manifest]:
+    """Every object the chart renders with this values file (NOTES.txt and empty templates left out)."""
+    templates, _ = _rendered(path)
+    return [
+        doc
+        for name, text in sorted(templates.items())
+        if name.endswith(".yaml")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+
+
+def merged_values(path: Path) -> dict[str, Any]:
+    """The chart's defaults coalesced with the file, as an install would use them."""
+    return _rendered(path)[1]
+
+
+def notes(path: Path) -> str:
+    return _rendered(path)[0][f"{CHART.name}/templates/NOTES.txt"]
+
+
+def only(manifests: list[Manifest], kind: str) -> Manifest:
+    found = [m for m in manifests if m["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def kinds(manifests: list[Manifest]) -> set[str]:
+    return {m["kind"] for m in manifests}
+
+
+def container(manifests: list[Manifest]) -> dict[str, Any]:
+    pod = only(manifests, "Deployment")["spec"]["template"]["spec"]
+    (main,) = pod["containers"]
+    result: dict[str, Any] = main
+    return result
+
+
+def env_of(manifests: list[Manifest]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container(manifests).get("env", [])}
+
+
+# Grafana's range variables, replaced by a duration so that a dashboard query parses as PromQL
+_GRAFANA_RANGES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The series names `expr` selects. Parses it as PromQL: a syntax error raises ValueError."""
+    for variable, duration in _GRAFANA_RANGES.items():
+        expr = expr.replace(variable, duration)
+    names: set[str] = set()
+
+    def visit(node: promql_parser.Expr) -> bool:
+        if isinstance(node, promql_parser.VectorSelector):
+            assert node.name, f"a selector without a metric name in {expr!r}"
+            names.add(node.name)
+        return True
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return names

