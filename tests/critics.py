@@ -50,7 +50,9 @@ def save(fmt: str, directory: Path, seed: int = 3) -> Path:
         )
         return _save(directory, {**backbone, f"{OPENRLHF_PREFIX}.weight": head}, config)
     if fmt == "token_classification":
-        config.update(architectures=["Qwen2ForTokenClassification"], num_labels=1)
+        config.update(
+            architectures=["Qwen2ForTokenClassification"], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}
+        )
         return _save(directory, {**backbone, "score.weight": head, "score.bias": bias}, config)
     if fmt == "trl":
         tensors = {**lm.state_dict(), "v_head.summary.weight": head, "v_head.summary.bias": bias}
