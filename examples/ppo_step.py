@@ -1,18 +1,20 @@
-"""One PPO-style experience step with logprobd: old log-probs of a rollout, then GAE advantages.
+"""One PPO-style experience step with logprobd: old log-probs, reference log-probs, KL and critic
+values of a rollout in one request, then KL-shaped token rewards and GAE advantages.
 
     make serve                                   # in another shell: the demo model on :8000
-    python -m examples.ppo_step --url http://127.0.0.1:8000 [--api-key KEY]
+    # or: python -m service serve --model ACTOR --ref-model SFT --critic CRITIC
+    python -m examples.ppo_step --url http://127.0.0.1:8000 [--api-key KEY] [--kl-estimator k3]
 
 The rollout is random tokens in OpenRLHF's layout (left-padded prompts, right-padded responses,
-`action_mask` [B, L-1] about columns 1..L-1); in a trainer it comes from generation. The old
-log-probs come from logprobd through the OpenRLHF adapter, exactly as `Actor.forward` computes them.
+`action_mask` [B, L-1] about columns 1..L-1); in a trainer it comes from generation. Everything
+comes from logprobd through the OpenRLHF adapter, aligned as OpenRLHF's own forwards give it:
+`action_log_probs`, and, when the server was started with them (`/info` lists each model's role),
+`base_action_log_probs` and `kl` from `--ref-model` (`return_ref_log_probs=True`) and the critic's
+`values` from `--critic` (`return_values=True`), all [B, L-1].
 
-Reference log-probs and critic values come from the critic issue's server options (`--ref-model`,
-`--critic`; request flags `return_ref_logprobs`, `return_values`), which the adapters do not map to
-framework tensors yet and a plain `make serve` does not have. So this step uses what every server
-has: the reference policy is the policy itself (KL = 0) and the critic a zero baseline, so the
-advantages are plain discounted returns. On a server with them, `client.score(...,
-return_ref_logprobs=True, return_values=True)` already returns their rows (in `Scores.extra`).
+A server without a reference model (a plain `make serve`) scores the reference as the policy
+itself (KL = 0); one without a critic gives a zero baseline, so the advantages are plain
+discounted returns.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,9 +43,16 @@ class Rollout:
 
 @dataclass(frozen=True)
 class Experience:
-    old_log_probs: torch.Tensor  # [B, L-1], 0.0 off the action mask
-    advantages: torch.Tensor  # [B, L-1], whitened over the actions
-    returns: torch.Tensor  # [B, L-1]
+    """[B, L-1] tensors, 0.0 off the action mask."""
+
+    old_log_probs: torch.Tensor
+    ref_log_probs: torch.Tensor  # the server's reference model, or the policy itself
+    kl: torch.Tensor  # the server's per-token KL estimate, or 0.0 without a reference model
+    values: torch.Tensor  # the server's critic, or 0.0 without one
+    advantages: torch.Tensor  # whitened over the actions
+    returns: torch.Tensor
+    critic: bool  # values came from a critic
+    reference: bool  # ref_log_probs and kl came from a reference model
 
 
 def random_rollout(vocab_size: int, batch: int = 4, seed: int = 0) -> Rollout:
@@ -63,15 +73,11 @@ def random_rollout(vocab_size: int, batch: int = 4, seed: int = 0) -> Rollout:
 
 
 def token_rewards(
-    rewards: torch.Tensor,
-    log_probs: torch.Tensor,
-    ref_log_probs: torch.Tensor,
-    mask: torch.Tensor,
-    kl_coef: float,
+    rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
 ) -> torch.Tensor:
-    """Per-action reward: -kl_coef * (log p - log p_ref) everywhere, plus the sequence reward at its
-    last action (OpenRLHF's `compute_reward` with the k1 estimator)."""
-    shaped = -kl_coef * (log_probs - ref_log_probs) * mask
+    """Per-action reward: -kl_coef * kl everywhere, plus the sequence reward at its last action
+    (OpenRLHF's `compute_reward`)."""
+    shaped = -kl_coef * kl * mask
     last = mask.shape[1] - 1 - mask.long().flip(-1).argmax(-1)  # [B] column of each row's last action
     return shaped.scatter_add(1, last[:, None], rewards[:, None].to(shaped.dtype))
 
@@ -98,18 +104,52 @@ def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
+def model_roles(info: dict[str, Any]) -> set[str]:
+    """The roles of the models a server's `/info` lists: `policy`, and `reference` (`--ref-model`) and
+    `critic` (`--critic`) when it was started with them."""
+    return {str(model["role"]) for model in info.get("models", [])}
+
+
 def ppo_experience(
-    client: Client, rollout: Rollout, *, temperature: float = 1.0, kl_coef: float = 0.01
+    client: Client,
+    rollout: Rollout,
+    *,
+    temperature: float = 1.0,
+    kl_coef: float = 0.01,
+    kl_estimator: str = "k1",
+    roles: set[str] | None = None,
 ) -> Experience:
+    """Score the rollout in one request and compute GAE; `roles` default to the server's own."""
+    roles = model_roles(client.info()) if roles is None else roles
     mask = rollout.action_mask.float()
-    old = openrlhf_log_probs(
-        client, rollout.sequences, rollout.attention_mask, rollout.action_mask, temperature=temperature
-    ).log_probs
-    ref = old.clone()  # the critic issue: `return_ref_logprobs=True` (a reference model on the server)
-    values = torch.zeros_like(old)  # the critic issue: `return_values=True` (the critic's value head)
-    rewards = token_rewards(rollout.rewards, old, ref, mask, kl_coef)
+    scores = openrlhf_log_probs(
+        client,
+        rollout.sequences,
+        rollout.attention_mask,
+        rollout.action_mask,
+        temperature=temperature,
+        return_values="critic" in roles,
+        return_ref_log_probs="reference" in roles,
+        kl_estimator=kl_estimator,
+    )
+    old = scores.log_probs
+    if scores.ref_log_probs is not None and scores.kl is not None:
+        ref, kl = scores.ref_log_probs, scores.kl
+    else:  # no reference model: the policy is its own reference
+        ref, kl = old.clone(), torch.zeros_like(old)
+    values = scores.values if scores.values is not None else torch.zeros_like(old)
+    rewards = token_rewards(rollout.rewards, kl, mask, kl_coef)
     advantages, returns = gae(rewards, values, mask, gamma=1.0, lam=0.95)
-    return Experience(old_log_probs=old, advantages=whiten(advantages, mask), returns=returns)
+    return Experience(
+        old_log_probs=old,
+        ref_log_probs=ref,
+        kl=kl,
+        values=values,
+        advantages=whiten(advantages, mask),
+        returns=returns,
+        critic=scores.values is not None,
+        reference=scores.ref_log_probs is not None,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,15 +160,21 @@ def main(argv: list[str] | None = None) -> int:
         "--url", default="http://127.0.0.1:8000", help="logprobd base URL (or comma-separated)"
     )
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--kl-estimator", choices=("k1", "k2", "k3"), default="k1")
     args = parser.parse_args(argv)
     with Client(args.url.split(","), api_key=args.api_key) as client:
         client.wait_ready(timeout=600)
-        rollout = random_rollout(int(client.info()["vocab_size"]))
-        step = ppo_experience(client, rollout)
+        info = client.info()
+        rollout = random_rollout(int(info["vocab_size"]))
+        step = ppo_experience(client, rollout, kl_estimator=args.kl_estimator, roles=model_roles(info))
     mask = rollout.action_mask
     summary = {
         "actions": int(mask.sum()),
+        "critic": step.critic,
+        "reference": step.reference,
         "mean_old_log_prob": float(step.old_log_probs[mask].mean()),
+        "mean_kl": float(step.kl[mask].mean()),
+        "mean_value": float(step.values[mask].mean()),
         "mean_return": float(step.returns[mask].mean()),
         "advantage_std": float(step.advantages[mask].std()),
     }

@@ -8,7 +8,7 @@ from service.client._async import AsyncClient
 from service.client._sync import Client
 from service.client.errors import LogprobdConnectionError, LogprobdError
 from service.client.retry import RetryPolicy
-from service.client.wire import Scores, Usage
+from service.client.wire import RolloutStats, Scores, Usage
 
 __all__ = [
     "AsyncClient",
@@ -16,6 +16,7 @@ __all__ = [
     "LogprobdConnectionError",
     "LogprobdError",
     "RetryPolicy",
+    "RolloutStats",
     "Scores",
     "Usage",
 ]

@@ -1,29 +1,70 @@
 """Tensors in, request bodies out, and responses back to tensors: the layout work of the adapters.
 
 One `Plan` per framework call: the padded-layout body of SEMANTICS.md built from the framework's
-tensors, and which columns of the server's action window the framework's output keeps.
+tensors, and which columns of the server's action window the framework's output keeps. Every
+per-token output (log-probs, entropy, values, reference log-probs, KL) is a row of that same window,
+so one slice aligns them all.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from service.client._async import AsyncClient
 from service.client._sync import Client
-from service.client.wire import Scores
+from service.client.errors import LogprobdError
+from service.client.wire import RolloutStats, Scores
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+# request fields an adapter fills from its own arguments; in `**options` they would contradict them
+_OWN_FIELDS = {
+    "input_ids": "the adapter's token tensor",
+    "action_mask": "the adapter's layout arguments",
+    "num_actions": "the adapter's layout arguments",
+    "response_length": "the adapter's layout arguments",
+    "return_ref_logprobs": "return_ref_log_probs=True",
+    "rollout_logprobs": "rollout_log_probs=, a tensor shaped like the output",
+}
 
 
 @dataclass(frozen=True, slots=True)
 class TensorScores:
-    """Float32 tensors `[B, W]` on the caller's device, aligned as the framework aligns its output."""
+    """Float32 tensors `[B, W]` on the caller's device, aligned as the framework aligns its output.
+
+    Every tensor has the shape and alignment of `log_probs` and is exactly 0.0 where `action_mask`
+    is False; the optional ones are None unless the call asked for them.
+    """
 
     log_probs: torch.Tensor
     entropy: torch.Tensor | None  # when asked for, else None
     action_mask: torch.Tensor  # bool: the entries the server scored
+    values: torch.Tensor | None = None  # the critic's head(h_{t-1}) for action t (`return_values`)
+    ref_log_probs: torch.Tensor | None = None  # the reference model's log-probs (`return_ref_log_probs`)
+    kl: torch.Tensor | None = None  # per-token KL estimate of `kl_estimator` (`return_ref_log_probs`)
+    rollout: RolloutStats | None = None  # mismatch statistics (when `rollout_log_probs` was given)
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """What a call asks for beyond the log-probs."""
+
+    entropy: bool = False
+    values: bool = False
+    ref_log_probs: bool = False
+    kl_estimator: str = "k1"
+    rollout_log_probs: torch.Tensor | None = None  # shaped like the framework's output
+
+    def __post_init__(self) -> None:
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)} (verl's low_var_kl is k3, "
+                f"its kl k1, its mse k2), got {self.kl_estimator!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +74,7 @@ class Plan:
     body: dict[str, Any]
     keep: int  # the framework's output is the last `keep` columns of the server's window
     device: torch.device
+    asked: Asked
     entropy_body: dict[str, Any] | None = None  # entropy asked at another temperature (OpenRLHF)
 
     def run(self, client: Client) -> TensorScores:
@@ -52,11 +94,31 @@ class Plan:
             full = torch.tensor(rows, dtype=dtype)  # [B, W]
             return full[:, full.shape[1] - self.keep :].to(self.device)
 
+        def returned(name: str, asked: bool) -> Any:
+            if not asked:
+                return None
+            value = scores.extra.get(name)
+            if value is None:
+                raise LogprobdError(
+                    f"the request asked for `{name}` and the response has none",
+                    status=None,
+                    error_type="bad_response",
+                )
+            return value
+
         entropy = (entropy_scores or scores).entropy
+        values = returned("values", self.asked.values)
+        ref_log_probs = returned("ref_logprobs", self.asked.ref_log_probs)
+        kl = returned("kl", self.asked.ref_log_probs)
+        rollout = returned("rollout", self.asked.rollout_log_probs is not None)
         return TensorScores(
             log_probs=tensor(scores.logprobs, torch.float32),
             entropy=None if entropy is None else tensor(entropy, torch.float32),
             action_mask=tensor(scores.action_mask, torch.bool),
+            values=None if values is None else tensor(values, torch.float32),
+            ref_log_probs=None if ref_log_probs is None else tensor(ref_log_probs, torch.float32),
+            kl=None if kl is None else tensor(kl, torch.float32),
+            rollout=None if rollout is None else RolloutStats.from_body(rollout),
         )
 
 
@@ -66,7 +128,7 @@ def openrlhf_plan(
     action_mask: torch.Tensor,
     *,
     temperature: float,
-    entropy: bool,
+    asked: Asked,
     options: dict[str, Any],
 ) -> Plan:
     batch, length = _check_padded(sequences, attention_mask)
@@ -75,16 +137,26 @@ def openrlhf_plan(
             f"action_mask must be [B, A] with A <= L-1 = {length - 1}, got {list(action_mask.shape)}"
         )
     actions = action_mask.shape[1]
+    mask = action_mask.detach().cpu().bool()
     window = torch.zeros(batch, length - 1, dtype=torch.int64)  # [B, L-1]: column j+1 is an action
-    window[:, length - 1 - actions :] = action_mask.detach().cpu().to(torch.int64)
-    # OpenRLHF takes the entropy of the logits before dividing them by the temperature
-    separate = entropy and temperature != 1.0
-    body = _body(
-        sequences, attention_mask, temperature=temperature, entropy=entropy and not separate, options=options
-    )
+    window[:, length - 1 - actions :] = mask.to(torch.int64)
+    # OpenRLHF takes the entropy of the logits before dividing them by the temperature: a second
+    # request at T = 1 that asks for nothing else
+    separate = asked.entropy and temperature != 1.0
+    main = replace(asked, entropy=asked.entropy and not separate)
+    body = _body(sequences, attention_mask, temperature=temperature, asked=main, options=options)
     body["action_mask"] = window.tolist()
-    entropy_body = {**body, "temperature": 1.0, "return_entropy": True} if separate else None
-    return Plan(body=body, keep=actions, device=sequences.device, entropy_body=entropy_body)
+    if asked.rollout_log_probs is not None:
+        rollout = torch.zeros(batch, length - 1, dtype=torch.float32)
+        rollout[:, length - 1 - actions :] = _rollout(asked.rollout_log_probs, mask, "action_mask")
+        body["rollout_logprobs"] = rollout.tolist()
+    entropy_body = None
+    if separate:
+        entropy_body = _body(
+            sequences, attention_mask, temperature=1.0, asked=Asked(entropy=True), options=options
+        )
+        entropy_body["action_mask"] = body["action_mask"]
+    return Plan(body=body, keep=actions, device=sequences.device, asked=asked, entropy_body=entropy_body)
 
 
 def verl_plan(
@@ -93,7 +165,7 @@ def verl_plan(
     responses: torch.Tensor,
     *,
     temperature: float,
-    entropy: bool,
+    asked: Asked,
     options: dict[str, Any],
 ) -> Plan:
     batch, length = _check_padded(input_ids, attention_mask)
@@ -102,9 +174,9 @@ def verl_plan(
         raise ValueError(f"responses must be [B, R] with R < {length}, got {list(responses.shape)}")
     if not torch.equal(input_ids[:, length - r :].cpu(), responses.cpu()):
         raise ValueError("responses must be the last R columns of input_ids, as verl lays them out")
-    body = _body(input_ids, attention_mask, temperature=temperature, entropy=entropy, options=options)
-    body["response_length"] = r
-    return Plan(body=body, keep=r, device=input_ids.device)
+    return _last_columns_plan(
+        input_ids, attention_mask, r, temperature=temperature, asked=asked, options=options, named="responses"
+    )
 
 
 def trl_plan(
@@ -113,15 +185,53 @@ def trl_plan(
     logits_to_keep: int,
     *,
     temperature: float,
-    entropy: bool,
+    asked: Asked,
     options: dict[str, Any],
 ) -> Plan:
     _, length = _check_padded(input_ids, attention_mask)
     if not 0 <= logits_to_keep < length:
         raise ValueError(f"logits_to_keep must be in [0, {length}), got {logits_to_keep}")
-    body = _body(input_ids, attention_mask, temperature=temperature, entropy=entropy, options=options)
-    body["response_length"] = int(logits_to_keep)
-    return Plan(body=body, keep=int(logits_to_keep), device=input_ids.device)
+    c = int(logits_to_keep)
+    return _last_columns_plan(
+        input_ids,
+        attention_mask,
+        c,
+        temperature=temperature,
+        asked=asked,
+        options=options,
+        named="logits_to_keep",
+    )
+
+
+def _last_columns_plan(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    r: int,
+    *,
+    temperature: float,
+    asked: Asked,
+    options: dict[str, Any],
+    named: str,
+) -> Plan:
+    """verl and TRL: the window is the last `r` columns, and so is the framework's output."""
+    body = _body(input_ids, attention_mask, temperature=temperature, asked=asked, options=options)
+    body["response_length"] = r
+    if asked.rollout_log_probs is not None:
+        real = attention_mask.detach().cpu()[:, attention_mask.shape[1] - r :].bool()
+        body["rollout_logprobs"] = _rollout(asked.rollout_log_probs, real, named).tolist()
+    return Plan(body=body, keep=r, device=input_ids.device, asked=asked)
+
+
+def _rollout(rollout: torch.Tensor, mask: torch.Tensor, named: str) -> torch.Tensor:
+    """The caller's rollout log-probs on the CPU, float32; entries off `mask` (never actions) are
+    sent as 0.0, so padding filled with NaN or -inf does not make the request invalid."""
+    if rollout.shape != mask.shape:
+        raise ValueError(
+            f"rollout_log_probs must be shaped like the output, {list(mask.shape)} (from {named}), "
+            f"got {list(rollout.shape)}"
+        )
+    values = rollout.detach().cpu().to(torch.float32)
+    return torch.where(mask, values, torch.zeros_like(values))
 
 
 def _check_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[int, int]:
@@ -138,15 +248,23 @@ def _body(
     attention_mask: torch.Tensor,
     *,
     temperature: float,
-    entropy: bool,
+    asked: Asked,
     options: dict[str, Any],
 ) -> dict[str, Any]:
+    for name in options:
+        if name in _OWN_FIELDS:
+            raise TypeError(f"`{name}` is set by the adapter; give it as {_OWN_FIELDS[name]}")
     body: dict[str, Any] = {
         "input_ids": input_ids.detach().cpu().tolist(),
         "attention_mask": attention_mask.detach().cpu().to(torch.int64).tolist(),
         "temperature": float(temperature),
         **options,
     }
-    if entropy:
+    if asked.entropy:
         body["return_entropy"] = True
+    if asked.values:
+        body["return_values"] = True
+    if asked.ref_log_probs:
+        body["return_ref_logprobs"] = True
+        body["kl_estimator"] = asked.kl_estimator
     return body

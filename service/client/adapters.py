@@ -15,6 +15,31 @@ the framework's in-process forward returns them:
 
 verl and TRL leave unspecified values where their mask is 0 and mask them in every loss; here those
 entries are exactly 0.0. Each sync function has an `_async` twin taking an `AsyncClient`.
+
+Everything PPO needs, from the same request (a server started with `--critic` / `--ref-model`):
+
+- `return_values=True` -> `TensorScores.values`: the critic's value head on its hidden state at
+  `t-1` for the action at column `t`, i.e. entry for entry the same alignment as `log_probs`. That is
+  how each framework slices its critic: OpenRLHF's `CriticModel.forward` takes `head(h)[:, :-1]`
+  then the last A columns (its `values`, `[B, A]`, like `action_log_probs`); verl's
+  `DataParallelPPOCritic._forward_micro_batch` takes `values[:, -R - 1 : -1]` (its `values`,
+  `[B, R]`, masked by response_mask); TRL's `PPOTrainer` takes `full_value[:, context_length - 1 :
+  -1]` (`[B, C]`). OpenRLHF critics saved with `normalize_reward` give `(v - mean) / std`, as
+  OpenRLHF's forward does.
+- `return_ref_log_probs=True` -> `TensorScores.ref_log_probs` (OpenRLHF `base_action_log_probs`,
+  verl `ref_log_prob`, TRL `ref_per_token_logps`), computed by the reference model at the call's
+  temperature, as the three frameworks do; and `TensorScores.kl`, with r = log_probs -
+  ref_log_probs, by `kl_estimator`: `k1` = r, `k2` = r²/2, `k3` = exp(-r) - 1 + r (OpenRLHF's
+  `compute_approx_kl` k1/k2/k3; verl's `kl_penalty` kl/mse/low_var_kl, except that verl clamps
+  low_var_kl to [-10, 10] and the server does not; TRL GRPO's `per_token_kl` is k3).
+- `rollout_log_probs=` the log-probs the inference engine reported at sampling time, shaped like the
+  output (OpenRLHF `[B, A]` like `action_mask`, verl `[B, R]` like `responses`, TRL `[B, C]`);
+  entries off the mask are not sent. `TensorScores.rollout` then carries the server's
+  training-inference mismatch statistics over the scored actions (`RolloutStats`).
+
+`values`, `ref_log_probs` and `kl` are float32, shaped, placed and masked exactly like `log_probs`
+(0.0 where `action_mask` is False), and None unless asked for. Other keyword arguments (`timeout_s`,
+`eos_token_id`, ...) are sent as they are; request fields the adapter fills itself are refused there.
 """
 
 from __future__ import annotations
@@ -24,10 +49,12 @@ from typing import Any
 import torch
 
 from service.client._async import AsyncClient
-from service.client._plans import TensorScores, openrlhf_plan, trl_plan, verl_plan
+from service.client._plans import Asked, TensorScores, openrlhf_plan, trl_plan, verl_plan
 from service.client._sync import Client
+from service.client.wire import RolloutStats
 
 __all__ = [
+    "RolloutStats",
     "TensorScores",
     "openrlhf_log_probs",
     "openrlhf_log_probs_async",
@@ -46,16 +73,18 @@ def openrlhf_log_probs(
     *,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    return_values: bool = False,
+    return_ref_log_probs: bool = False,
+    kl_estimator: str = "k1",
+    rollout_log_probs: torch.Tensor | None = None,
     **options: Any,
 ) -> TensorScores:
-    """OpenRLHF's action log-probs `[B, A]` for `sequences` `[B, L]` (any padding side)."""
+    """OpenRLHF's action log-probs `[B, A]` for `sequences` `[B, L]` (any padding side); with
+    `return_values` / `return_ref_log_probs` also the critic's `values` and the reference's
+    `base_action_log_probs` (`ref_log_probs`) and `kl`, each `[B, A]` like the log-probs."""
+    asked = Asked(return_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = openrlhf_plan(
-        sequences,
-        attention_mask,
-        action_mask,
-        temperature=temperature,
-        entropy=return_entropy,
-        options=options,
+        sequences, attention_mask, action_mask, temperature=temperature, asked=asked, options=options
     )
     return plan.run(client)
 
@@ -68,15 +97,15 @@ async def openrlhf_log_probs_async(
     *,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    return_values: bool = False,
+    return_ref_log_probs: bool = False,
+    kl_estimator: str = "k1",
+    rollout_log_probs: torch.Tensor | None = None,
     **options: Any,
 ) -> TensorScores:
+    asked = Asked(return_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = openrlhf_plan(
-        sequences,
-        attention_mask,
-        action_mask,
-        temperature=temperature,
-        entropy=return_entropy,
-        options=options,
+        sequences, attention_mask, action_mask, temperature=temperature, asked=asked, options=options
     )
     return await plan.run_async(client)
 
@@ -89,16 +118,18 @@ def verl_log_probs(
     *,
     temperature: float,
     calculate_entropy: bool = False,
+    return_values: bool = False,
+    return_ref_log_probs: bool = False,
+    kl_estimator: str = "k1",
+    rollout_log_probs: torch.Tensor | None = None,
     **options: Any,
 ) -> TensorScores:
-    """verl's `[B, R]` log-probs (and entropy) of `input_ids` `[B, P+R]` ending in `responses` `[B, R]`."""
+    """verl's `[B, R]` log-probs (and entropy) of `input_ids` `[B, P+R]` ending in `responses` `[B, R]`;
+    with `return_values` / `return_ref_log_probs` also the critic's `values` and the reference's
+    `ref_log_prob` (`ref_log_probs`) and `kl`, each `[B, R]`."""
+    asked = Asked(calculate_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = verl_plan(
-        input_ids,
-        attention_mask,
-        responses,
-        temperature=temperature,
-        entropy=calculate_entropy,
-        options=options,
+        input_ids, attention_mask, responses, temperature=temperature, asked=asked, options=options
     )
     return plan.run(client)
 
@@ -111,15 +142,15 @@ async def verl_log_probs_async(
     *,
     temperature: float,
     calculate_entropy: bool = False,
+    return_values: bool = False,
+    return_ref_log_probs: bool = False,
+    kl_estimator: str = "k1",
+    rollout_log_probs: torch.Tensor | None = None,
     **options: Any,
 ) -> TensorScores:
+    asked = Asked(calculate_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = verl_plan(
-        input_ids,
-        attention_mask,
-        responses,
-        temperature=temperature,
-        entropy=calculate_entropy,
-        options=options,
+        input_ids, attention_mask, responses, temperature=temperature, asked=asked, options=options
     )
     return await plan.run_async(client)
 
@@ -132,16 +163,18 @@ def trl_log_probs(
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    return_values: bool = False,
+    return_ref_log_probs: bool = False,
+    kl_estimator: str = "k1",
+    rollout_log_probs: torch.Tensor | None = None,
     **options: Any,
 ) -> TensorScores:
-    """TRL GRPO's per-token log-probs `[B, C]` of the last C = `logits_to_keep` columns of `input_ids`."""
+    """TRL GRPO's per-token log-probs `[B, C]` of the last C = `logits_to_keep` columns of `input_ids`;
+    with `return_ref_log_probs` also `ref_per_token_logps` (`ref_log_probs`) and `kl` (GRPO uses
+    `kl_estimator="k3"`), with `return_values` the critic's `values` (TRL PPO), each `[B, C]`."""
+    asked = Asked(compute_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = trl_plan(
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        temperature=temperature,
-        entropy=compute_entropy,
-        options=options,
+        input_ids, attention_mask, logits_to_keep, temperature=temperature, asked=asked, options=options
     )
     return plan.run(client)
 
@@ -154,14 +187,14 @@ async def trl_log_probs_async(
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    return_values: bool = False,
+    return_ref_log_probs: bool = False,
+    kl_estimator: str = "k1",
+    rollout_log_probs: torch.Tensor | None = None,
     **options: Any,
 ) -> TensorScores:
+    asked = Asked(compute_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = trl_plan(
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        temperature=temperature,
-        entropy=compute_entropy,
-        options=options,
+        input_ids, attention_mask, logits_to_keep, temperature=temperature, asked=asked, options=options
     )
     return await plan.run_async(client)

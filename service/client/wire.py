@@ -31,11 +31,34 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class RolloutStats:
+    """The response's `rollout` object: training-inference mismatch over the request's action tokens,
+    with d = logprob - rollout_logprob (a request with `rollout_logprobs` gets it)."""
+
+    tokens: int
+    mean_abs_diff: float  # mean |d|
+    max_abs_diff: float  # max |d|
+    mean_kl_k3: float  # mean k3 estimate of the KL between rollout and policy (README, "The API")
+    ratio_outside_fraction: float  # share of tokens whose ratio exp(d) is outside [0.5, 2]
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> RolloutStats:
+        return cls(
+            tokens=int(body["tokens"]),
+            mean_abs_diff=float(body["mean_abs_diff"]),
+            max_abs_diff=float(body["max_abs_diff"]),
+            mean_kl_k3=float(body["mean_kl_k3"]),
+            ratio_outside_fraction=float(body["ratio_outside_fraction"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Scores:
     """One response, rows in request order, each aligned to its row's action window (SEMANTICS.md).
 
-    `extra` holds per-row fields this client version does not name yet (e.g. values, ref log-probs
-    or KL once the server returns them), merged across chunks like the others.
+    `extra` holds the response fields this class does not name (`values`, `ref_logprobs`, `kl`,
+    `rollout`, and any the server adds later), merged across chunks like the others; the torch
+    adapters turn them into tensors and `RolloutStats`.
     """
 
     model: str

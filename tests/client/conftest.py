@@ -1,8 +1,9 @@
 """Real logprobd servers on loopback (uvicorn in a thread) for the client tests, and scripted faults.
 
 Servers are session-scoped: a qwen2 pair (two replicas of one checkpoint, for sharding), a gemma2
-one (final-logit soft-capping) and a qwen2 one that wants an API key, all on the tiny checkpoints
-of tests/models.py.
+one (final-logit soft-capping), a qwen2 one that wants an API key, and qwen2 ones with a critic
+(`--critic`, one per critic format asked for) and a reference model (`--ref-model`, another qwen2
+of another seed), all on the tiny checkpoints of tests/models.py and tests/critics.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,10 @@ import pytest
 import uvicorn
 
 from service.app import create_app
-from tests.conftest import settings_for
+from tests import critics, models
+from tests.conftest import DEVICE, settings_for
+
+REF_SEED = 7  # the reference policy: the qwen2 architecture, other weights than the policy's
 
 
 def free_port() -> int:
@@ -85,6 +90,51 @@ def keyed_server(model_dirs: dict[str, Path]) -> Iterator[str]:
     """A qwen2 server that wants `Authorization: Bearer sk-client-test` on its scoring route."""
     with serving(model_dirs["qwen2"], api_keys="sk-client-test") as url:
         yield url
+
+
+@dataclass(frozen=True)
+class PpoServer:
+    """A qwen2 policy server with a critic and a reference model."""
+
+    url: str
+    critic_format: str  # one of tests.critics.FORMATS
+    critic_dir: Path
+
+
+@pytest.fixture(scope="session")
+def ref_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.save("qwen2", tmp_path_factory.mktemp("ref") / "qwen2-ref", seed=REF_SEED)
+
+
+@pytest.fixture(scope="session")
+def ref_model(ref_dir: Path) -> Any:
+    """The reference checkpoint as the per-sequence reference runs it: eager, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        ref_dir, attn_implementation="eager", dtype=torch.float32
+    )
+    return model.to(DEVICE).eval()
+
+
+def with_critics(*formats: str) -> pytest.MarkDecorator:
+    """Run a test against `ppo_server` once per critic format (tests.critics.FORMATS)."""
+    return pytest.mark.parametrize("ppo_server", formats, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def ppo_server(
+    request: pytest.FixtureRequest,
+    model_dirs: dict[str, Path],
+    ref_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[PpoServer]:
+    """`--critic` of the format `with_critics` names (default: OpenRLHF's) and `--ref-model`."""
+    fmt: str = getattr(request, "param", "openrlhf")
+    critic_dir = critics.save(fmt, tmp_path_factory.mktemp("critic") / fmt)
+    with serving(model_dirs["qwen2"], critic=critic_dir, ref_model=ref_dir) as url:
+        yield PpoServer(url=url, critic_format=fmt, critic_dir=critic_dir)
 
 
 @pytest.fixture

@@ -9,17 +9,24 @@ code (read, not imported): the HF model's own forward on the padded batch, float
   `logits_to_keep=C+1`, logits[:, :-1][:, -C:] / T gathered at input_ids[:, -C:]; entropy of those.
 
 Like the frameworks themselves, these leave whatever the model gives where the mask is 0.
+
+For what a PPO server adds (critic values, reference log-probs, KL), `by_column` is the per-sequence
+reference of SEMANTICS.md instead: each unpadded sequence scored alone (the policy's and the
+reference model's own forward; values `head(h_{t-1})` read straight from the critic's safetensors by
+`tests.critics.expected_values`), every score placed at the column of the token it scores; `kl` is
+k1/k2/k3 of Schulman's note. A framework's output is then the columns it keeps.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests import models
+from tests import critics, models
 
 LAYOUTS = ("left", "right", "split")
 
@@ -120,3 +127,42 @@ def _gather(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+@dataclass(frozen=True)
+class ByColumn:
+    """Per-sequence reference scores `[B, L]` (float64), each at the column of the token it scores;
+    0.0 at padding and at each row's first real token, which nothing scores."""
+
+    log_probs: torch.Tensor
+    ref_log_probs: torch.Tensor
+    values: torch.Tensor
+
+
+def sequence_log_probs(model: Any, tokens: list[int], temperature: float) -> list[float]:
+    """log_softmax(z_{t-1} / T)[x_t] for t = 1..L-1, the model's own forward on the one sequence."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens], device=model.device)).logits[0].double().cpu()
+    logp = torch.log_softmax(logits[:-1] / temperature, dim=-1)
+    return [float(v) for v in logp.gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1)]
+
+
+def by_column(batch: Batch, policy: Any, reference: Any, critic_dir: Path, temperature: float) -> ByColumn:
+    shape = batch.input_ids.shape
+    lp, ref, values = (torch.zeros(shape, dtype=torch.float64) for _ in range(3))
+    for i in range(shape[0]):
+        columns = batch.attention_mask[i].nonzero().flatten().tolist()
+        tokens = batch.input_ids[i, columns].tolist()
+        per_lp = sequence_log_probs(policy, tokens, temperature)  # index t-1: the token at position t
+        per_ref = sequence_log_probs(reference, tokens, temperature)
+        per_value = critics.expected_values(critic_dir, tokens)  # index t-1: head(h_{t-1}), action t
+        for t in range(1, len(tokens)):
+            c = columns[t]
+            lp[i, c], ref[i, c], values[i, c] = per_lp[t - 1], per_ref[t - 1], per_value[t - 1]
+    return ByColumn(lp, ref, values)
+
+
+def kl(lp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """k1 = r, k2 = r²/2, k3 = exp(-r) - 1 + r, with r = lp - ref."""
+    r = lp - ref
+    return {"k1": r, "k2": r * r / 2, "k3": torch.expm1(-r) + r}[estimator]
