@@ -7,13 +7,18 @@ runs on (default cpu / float32 / auto); the reference is always float32 eager on
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
+import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from service.app import create_app
@@ -75,6 +80,42 @@ def wait_ready(client: TestClient, timeout: float = 120.0) -> None:
             raise RuntimeError("the app failed to start")
         time.sleep(0.05)
     raise TimeoutError("the app did not become ready")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def loopback(app: FastAPI, timeout: float = 60.0, log_level: str = "warning") -> Iterator[str]:
+    """`app` under a real uvicorn on a free loopback port, once ready; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                ready = httpx.get(f"{url}/health/ready")
+            except httpx.TransportError:
+                pass
+            else:
+                if ready.status_code == 200:
+                    break
+                if ready.json().get("status") == "failed":
+                    raise RuntimeError("the server failed to start (see the captured log)")
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not become ready")
+            time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 @contextmanager

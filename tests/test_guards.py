@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -11,12 +9,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.settings import Settings
-from tests.conftest import Reply, wait_ready
+from tests.conftest import Reply, loopback, wait_ready
 from tests.fakes import FakeEngine
 
 
@@ -111,23 +108,8 @@ def test_out_of_memory_fails_only_the_sequence_that_cannot_fit() -> None:
 
 @pytest.fixture
 def live_server(slow: FakeEngine) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(Settings(batch_wait_ms=0), engine_factory=lambda _: slow)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/health/ready").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    with loopback(create_app(Settings(batch_wait_ms=0), engine_factory=lambda _: slow)) as url:
+        yield url
 
 
 def test_client_that_disconnects_has_its_queued_work_dropped(live_server: str, slow: FakeEngine) -> None:

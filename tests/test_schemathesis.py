@@ -3,17 +3,12 @@ whatever schemathesis generates, no 5xx and every response conforms to the docum
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import schemathesis
-import uvicorn
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -22,7 +17,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from service.app import create_app
-from tests.conftest import settings_for
+from tests.conftest import loopback, settings_for
 
 SCHEMA = schemathesis.openapi.from_path(Path(__file__).resolve().parents[1] / "openapi.yaml")
 
@@ -36,24 +31,9 @@ def not_a_server_error(
 
 @pytest.fixture(scope="module")
 def base_url(model_dirs: dict[str, Path]) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     app = create_app(settings_for(model_dirs["qwen2"], max_request_tokens=4096, max_body_bytes=1 << 20))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health/ready").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=30)
+    with loopback(app) as url:
+        yield url
 
 
 @SCHEMA.parametrize()

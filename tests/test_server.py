@@ -4,9 +4,6 @@ padding side, batch neighbours, and however many requests arrive at once."""
 from __future__ import annotations
 
 import random
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,45 +12,19 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 from service.app import create_app
 from tests import models
-from tests.conftest import TOLERANCE, settings_for
+from tests.conftest import TOLERANCE, loopback, settings_for
 from tests.reference import expected
 
 PAD = 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def server(model_dirs: dict[str, Path]) -> Iterator[str]:
-    port = _free_port()
-    app = create_app(settings_for(model_dirs["gemma2"], max_batch_tokens=96))
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health/ready").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    else:
-        raise TimeoutError("server did not become ready")
-    yield url
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with loopback(create_app(settings_for(model_dirs["gemma2"], max_batch_tokens=96))) as url:
+        yield url
 
 
 def _sequence(rng: random.Random) -> tuple[list[int], int]:

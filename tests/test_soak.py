@@ -13,8 +13,6 @@ import json
 import os
 import random
 import resource
-import socket
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -25,11 +23,10 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 from service.app import create_app
 from tests import models
-from tests.conftest import TOLERANCE, settings_for
+from tests.conftest import TOLERANCE, loopback, settings_for
 from tests.reference import expected
 from tests.requests import LAYOUTS, make
 
@@ -46,26 +43,9 @@ def _rss_mib() -> float:
 
 @pytest.fixture(scope="module")
 def server(model_dirs: dict[str, Path]) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     settings = settings_for(model_dirs["qwen2"], max_body_bytes=MAX_BODY, max_batch_tokens=256)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="error")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health/ready").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=30)
+    with loopback(create_app(settings), log_level="error") as url:
+        yield url
 
 
 @dataclass

@@ -9,9 +9,6 @@ of another seed), all on the tiny checkpoints of tests/models.py and tests/criti
 from __future__ import annotations
 
 import re
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,51 +17,19 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from service.app import create_app
 from tests import critics, models
-from tests.conftest import DEVICE, settings_for
+from tests.conftest import DEVICE, free_port, loopback, settings_for
 
 REF_SEED = 7  # the reference policy: the qwen2 architecture, other weights than the policy's
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @contextmanager
 def serving(model: Path, **settings: Any) -> Iterator[str]:
     """A real logprobd on a free loopback port, ready; yields its base URL."""
-    port = free_port()
-    app = create_app(settings_for(model, **settings))
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            ready = httpx.get(f"{url}/health/ready")
-        except httpx.TransportError:
-            pass
-        else:
-            if ready.status_code == 200:
-                break
-            if ready.json().get("status") == "failed":
-                raise RuntimeError(f"the server of {model.name} failed to start (see the captured log)")
-        if time.monotonic() > deadline:
-            raise TimeoutError("server did not become ready")
-        time.sleep(0.05)
-    try:
+    with loopback(create_app(settings_for(model, **settings))) as url:
         yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="session")
