@@ -56,10 +56,12 @@ def _kl(logp: float, ref: float, estimator: str) -> float:
     return {"k1": r, "k2": 0.5 * r * r, "k3": math.expm1(-r) + r}[estimator]
 
 
-def _close(got: list[list[float]], want: list[list[float]], tol: float = TOLERANCE) -> None:
+def _close(
+    got: list[list[float]], want: list[list[float]], tol: float = TOLERANCE, rtol: float = 0.0
+) -> None:
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, atol=tol, rtol=0)
+        np.testing.assert_allclose(g, w, atol=tol, rtol=rtol)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -94,7 +96,8 @@ def test_one_request_returns_everything(
             for a, b, c in zip(logprobs, ref, policy.action_mask, strict=True)
         ]
 
-    _close(body["kl"], kl_rows(body["logprobs"], body["ref_logprobs"]), tol=1e-4)  # the estimator itself
+    # the estimator itself, on the float32 numbers it returned (k3 can reach hundreds in bf16)
+    _close(body["kl"], kl_rows(body["logprobs"], body["ref_logprobs"]), tol=1e-4, rtol=1e-5)
     if DTYPE == "float32":  # and, in float32, against the independent reference
         _close(body["kl"], kl_rows(policy.logprobs, reference.logprobs), tol=1e-3)
 
