@@ -64,6 +64,26 @@ class Reply(Protocol):
     def json(self) -> Any: ...
 
 
+REF_SEED = 7  # the reference policy: the qwen2 architecture, other weights than the policy's
+
+
+@pytest.fixture(scope="session")
+def ref_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.save("qwen2", tmp_path_factory.mktemp("ref") / "qwen2-ref", seed=REF_SEED)
+
+
+@pytest.fixture(scope="session")
+def ref_model(ref_dir: Path) -> Any:
+    """The reference checkpoint as the per-sequence reference runs it: eager, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        ref_dir, attn_implementation="eager", dtype=torch.float32
+    )
+    return model.to(DEVICE).eval()
+
+
 def settings_for(path: Path | None, **overrides: Any) -> Settings:
     values: dict[str, Any] = {"model": path, "device": DEVICE, "dtype": DTYPE, "attention": ATTENTION}
     values.update(overrides)

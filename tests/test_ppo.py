@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from fastapi.testclient import TestClient
 
 from service.engine.critic import find_value_head
@@ -19,23 +18,6 @@ from tests import critics, models
 from tests.conftest import DTYPE, TOLERANCE, running, settings_for
 from tests.reference import expected, row_tokens_and_window
 from tests.requests import LAYOUTS, make
-
-REF_SEED = 7
-
-
-@pytest.fixture(scope="module")
-def ref_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return models.save("qwen2", tmp_path_factory.mktemp("ref") / "qwen2-ref", seed=REF_SEED)
-
-
-@pytest.fixture(scope="module")
-def ref_model(ref_dir: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        ref_dir, attn_implementation="eager", dtype=torch.float32
-    )
-    return model.eval()
 
 
 @pytest.fixture(scope="module", params=critics.FORMATS)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from service.engine.loading import from_local, prepare, require_model_dir
+
 log = logging.getLogger(__name__)
 
 
@@ -111,22 +113,14 @@ def load_critic(path: Path, dtype: torch.dtype, device: torch.device, attn: str)
     """The critic's decoder (no LM head) and its value head, on `device`."""
     from transformers import AutoConfig, AutoModel
 
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"critic {path} is not a model directory: no config.json")
+    require_model_dir(path, "critic")
     raw = json.loads((path / "config.json").read_text())
     config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     head = find_value_head(path, raw, int(config.hidden_size))
-    decoder = AutoModel.from_pretrained(
-        str(path),
-        config=config,
-        dtype=dtype,
-        attn_implementation=attn,
-        local_files_only=True,
-        use_safetensors=True,
-        trust_remote_code=False,
+    decoder = prepare(
+        from_local(AutoModel, path, role="critic", dtype=dtype, attn=attn, config=config), device
     )
-    decoder.eval().requires_grad_(False)
     log.info("loaded critic %s (%s value head) from %s", type(decoder).__name__, head.format, path)
     moved = ValueHead(
         head.format,
@@ -135,4 +129,4 @@ def load_critic(path: Path, dtype: torch.dtype, device: torch.device, attn: str)
         head.shift,
         head.scale,
     )
-    return Critic(decoder.to(device), moved)
+    return Critic(decoder, moved)

@@ -72,23 +72,36 @@ def load_model(
                 demo_config(), attn_implementation=attn, dtype=dtype
             )
         log.warning("serving the DEMO model %s: random weights, for trying the API only", DEMO_NAME)
-        return LoadedModel(_prepare(model, device), name or DEMO_NAME, demo=True)
+        return LoadedModel(prepare(model, device), name or DEMO_NAME, demo=True)
+    model = from_local(AutoModelForCausalLM, path, role=role, dtype=dtype, attn=attn)
+    log.info("loaded %s %s from %s", role, type(model).__name__, path)
+    return LoadedModel(prepare(model, device), name or path.resolve().name, demo=False)
+
+
+def require_model_dir(path: Path, role: str) -> None:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{role} {path} is not a model directory: no config.json")
+
+
+def from_local(
+    auto_class: Any, path: Path, *, role: str, dtype: torch.dtype, attn: str, **kwargs: Any
+) -> Any:
+    """`auto_class.from_pretrained` on a local directory only: safetensors, no remote code, no hub."""
+    require_model_dir(path, role)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = AutoModelForCausalLM.from_pretrained(
+    return auto_class.from_pretrained(
         str(path),
         dtype=dtype,
         attn_implementation=attn,
         local_files_only=True,
         use_safetensors=True,
         trust_remote_code=False,
+        **kwargs,
     )
-    log.info("loaded %s %s from %s", role, type(model).__name__, path)
-    return LoadedModel(_prepare(model, device), name or path.resolve().name, demo=False)
 
 
-def _prepare(model: Any, device: torch.device) -> Any:
+def prepare(model: Any, device: torch.device) -> Any:
+    """Inference only: eval mode, no gradients, on `device`."""
     model.eval()
     model.requires_grad_(False)
     return model.to(device)

@@ -19,10 +19,8 @@ import httpx
 import pytest
 
 from service.app import create_app
-from tests import critics, models
-from tests.conftest import DEVICE, free_port, loopback, settings_for
-
-REF_SEED = 7  # the reference policy: the qwen2 architecture, other weights than the policy's
+from tests import critics
+from tests.conftest import free_port, loopback, settings_for
 
 
 @contextmanager
@@ -64,23 +62,6 @@ class PpoServer:
     url: str
     critic_format: str  # one of tests.critics.FORMATS
     critic_dir: Path
-
-
-@pytest.fixture(scope="session")
-def ref_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return models.save("qwen2", tmp_path_factory.mktemp("ref") / "qwen2-ref", seed=REF_SEED)
-
-
-@pytest.fixture(scope="session")
-def ref_model(ref_dir: Path) -> Any:
-    """The reference checkpoint as the per-sequence reference runs it: eager, float32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        ref_dir, attn_implementation="eager", dtype=torch.float32
-    )
-    return model.to(DEVICE).eval()
 
 
 def with_critics(*formats: str) -> pytest.MarkDecorator:
