@@ -220,7 +220,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     batcher = Batcher(engine, args.max_batch_tokens, Metrics(), wait_s=settings.batch_wait_ms / 1e3)
     loop.run_until_complete(asyncio.sleep(0))
     loop.call_soon(batcher.start)
-    engine_scores: list[SequenceScores] = loop.run_until_complete(batcher.score(the_jobs[:ACCURACY_SAMPLE]))
+    engine_scores: list[SequenceScores] = loop.run_until_complete(
+        batcher.score(the_jobs[:ACCURACY_SAMPLE])
+    ).scores
     record("engine", lambda: loop.run_until_complete(batcher.score(the_jobs)))
     loop.run_until_complete(batcher.stop())
     loop.close()

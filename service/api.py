@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from service.admin import build_admin_router
 from service.auth import ApiKeys
 from service.diagnostics import rollout_mismatch
 from service.errors import NotReady
@@ -32,6 +33,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text}
     for status, text in [
         (401, "No valid API key (when the server has keys)"),
+        (409, "The request pins weights this replica does not serve; the body names both versions"),
         (
             413,
             "Over a size limit of the server (body, rows or tokens per request, or a sequence that "
@@ -79,13 +81,14 @@ def build_router(state: ServiceState) -> APIRouter:
         metrics.queue_requests.inc()
         try:
             timeout = request.timeout_s or settings.request_timeout_s
-            scores = await answer_or_give_up(http, serving.batcher.score(plan.jobs), timeout)
+            scored = await answer_or_give_up(http, serving.batcher.score(plan.jobs, plan.pins), timeout)
         finally:
             metrics.queue_requests.dec()
+        scores = scored.scores
         rollout = rollout_mismatch([s.logprobs for s in scores], plan.rollout) if plan.rollout else None
         if rollout is not None:
             metrics.observe_rollout(rollout)
-        body = render(plan, scores, serving.info.model, rollout)
+        body = render(plan, scores, serving.info.model, scored.versions, rollout)
         metrics.requests.labels("ok").inc()
         metrics.input_tokens.inc(plan.input_tokens)
         metrics.scored_tokens.inc(plan.scored_tokens)
@@ -122,6 +125,8 @@ def build_router(state: ServiceState) -> APIRouter:
             max_batch_tokens=state.settings.max_batch_tokens,
             versions=i.versions,
             models=[ModelSummary(**dataclasses.asdict(m)) for m in i.models],
+            weights_version=state.serving.reloader.weights["policy"].version,
+            weights=state.serving.reloader.serving(),
         )
 
     @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
@@ -129,4 +134,5 @@ def build_router(state: ServiceState) -> APIRouter:
         """Prometheus metrics."""
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    router.include_router(build_admin_router(state, bearer))
     return router

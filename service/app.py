@@ -19,6 +19,7 @@ from service.engine import ScoringEngine, load_engine
 from service.errors import ServiceError, from_pydantic, status_for
 from service.metrics import Metrics
 from service.normalise import ModelLimits
+from service.reload import Reloader
 from service.settings import Settings
 from service.state import ServiceState, Serving
 
@@ -49,6 +50,7 @@ def create_app(
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             if state.serving is not None:
+                await state.serving.reloader.stop()
                 await state.serving.batcher.stop()
 
     app = FastAPI(
@@ -93,7 +95,8 @@ async def _start(
         max_request_tokens=settings.max_request_tokens,
         max_timeout_s=settings.max_request_timeout_s,
     )
-    state.serving = Serving(info=info, limits=limits, batcher=batcher)
+    reloader = Reloader(engine, batcher, state.metrics, settings)
+    state.serving = Serving(info=info, limits=limits, batcher=batcher, reloader=reloader)
     state.metrics.ready.set(1)
     state.metrics.model_info.info(
         {"model": info.model, "architecture": info.architecture, "dtype": info.dtype, "demo": str(info.demo)}

@@ -1,15 +1,28 @@
 """Optional bearer API keys: from LOGPROBD_API_KEYS and/or a file, compared in constant time.
 
-Keys are never logged or echoed. With no key configured, every route is open.
+Keys are never logged or echoed. With no API key configured, the scoring routes are open; the admin
+routes (weight reload) need an admin key, and are off (403) when none is configured.
 """
 
 from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import SecretStr
 
 from service.errors import Unauthorized
 from service.settings import Settings
+
+
+def _read(inline: SecretStr | None, file: Path | None) -> tuple[bytes, ...]:
+    keys: list[str] = []
+    if inline is not None:
+        keys += inline.get_secret_value().split(",")
+    if file is not None:
+        keys += file.read_text().splitlines()
+    return tuple(k.strip().encode() for k in keys if k.strip())
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,12 +31,14 @@ class ApiKeys:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ApiKeys:
-        keys: list[str] = []
-        if settings.api_keys is not None:
-            keys += settings.api_keys.get_secret_value().split(",")
-        if settings.api_keys_file is not None:
-            keys += settings.api_keys_file.read_text().splitlines()
-        return cls(tuple(k.strip().encode() for k in keys if k.strip()))
+        """The keys of the scoring routes: the API keys, plus the admin keys when there are API keys."""
+        keys = _read(settings.api_keys, settings.api_keys_file)
+        return cls(keys + _read(settings.admin_api_keys, settings.admin_api_keys_file) if keys else ())
+
+    @classmethod
+    def admin(cls, settings: Settings) -> ApiKeys:
+        """The keys of /admin/*: admin keys only. None configured: the admin routes are off."""
+        return cls(_read(settings.admin_api_keys, settings.admin_api_keys_file))
 
     @property
     def enabled(self) -> bool:

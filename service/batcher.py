@@ -4,6 +4,12 @@ One worker task pulls as many queued sequences as fit in `max_batch_tokens` and 
 engine on a single dedicated thread, so the event loop keeps serving while the forward runs.
 Requests larger than the budget are split across micro-batches; a request is answered when all its
 sequences are scored. Sequences whose request was cancelled are skipped before they reach the engine.
+
+New weights are applied between micro-batches, at a barrier: once a swap is waiting, only requests
+that have started (some of their sequences scored) get more micro-batches; when none is left open,
+the engine applies the weights, and the requests still queued start on them. So every request runs
+on one set of weights, which it reports; a request pinned to another version fails with 409 before
+any of its sequences runs.
 """
 
 from __future__ import annotations
@@ -13,22 +19,54 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from service.engine.base import OutOfMemory, ScoringEngine
-from service.errors import EngineFailure, Overloaded, SequenceTooLarge
+from service.engine.base import OutOfMemory, ScoringEngine, StagedWeights, WeightsState
+from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
 from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """A request's scores, in order, and the weights version of every model it ran on."""
+
+    scores: list[SequenceScores]
+    versions: Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """New weights in service: how long they waited for the barrier and how long scoring paused."""
+
+    state: WeightsState
+    wait_seconds: float
+    pause_seconds: float
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    pins: Mapping[str, str]
+    futures: list[asyncio.Future[SequenceScores]] = field(default_factory=list)
+    versions: Mapping[str, str] | None = None  # set when its first sequence goes to the engine
+
+
 @dataclass(slots=True, eq=False)
 class _Pending:
     job: SequenceJob
     future: asyncio.Future[SequenceScores]
+    request: _Request
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(slots=True, eq=False)
+class _Swap:
+    staged: StagedWeights
+    future: asyncio.Future[Applied]
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -49,6 +87,8 @@ class Batcher:
         self._wait_s = wait_s  # collation window when the engine is idle and the queue under budget
         self._metrics = metrics
         self._queue: deque[_Pending] = deque()
+        self._swaps: deque[_Swap] = deque()
+        self._versions: Mapping[str, str] = {t: w.version for t, w in engine.weights.items()}
         self._queued_tokens = 0
         self._last_batch_done = 0.0
         self._wake = asyncio.Event()
@@ -64,9 +104,17 @@ class Batcher:
             await asyncio.gather(self._worker, return_exceptions=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    async def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
-        """Scores of `jobs`, in order. Raises Overloaded (nothing queued) past `max_queued_tokens`;
+    @property
+    def versions(self) -> Mapping[str, str]:
+        """The weights version of every model, as the next request to start will see them."""
+        return self._versions
+
+    async def score(self, jobs: Sequence[SequenceJob], pins: Mapping[str, str] | None = None) -> Scored:
+        """Scores of `jobs`, in order, all from one set of weights. Raises Overloaded (nothing queued)
+        past `max_queued_tokens`, VersionMismatch when `pins` (model -> version) are not what runs;
         cancelling the call drops its sequences that have not reached the engine."""
+        request = _Request(pins or {})
+        _check_pins(request.pins, self._versions)
         tokens = sum(job.num_tokens for job in jobs)
         if self._max_queued is not None and self._queue and self._queued_tokens + tokens > self._max_queued:
             speed = self._tokens_per_s or float(self._budget)
@@ -76,23 +124,37 @@ class Batcher:
                 retry_after=max(1, min(60, math.ceil(self._queued_tokens / speed))),
             )
         loop = asyncio.get_running_loop()
-        pending = [_Pending(job, loop.create_future()) for job in jobs]
-        self._queue.extend(pending)
+        request.futures = [loop.create_future() for _ in jobs]
+        self._queue.extend(_Pending(job, f, request) for job, f in zip(jobs, request.futures, strict=True))
         self._queued(tokens)
         self._wake.set()
         try:
-            return list(await asyncio.gather(*(p.future for p in pending)))
+            scores = list(await asyncio.gather(*request.futures))
         finally:
-            for p in pending:
-                p.future.cancel()  # no-op once done; drops what has not reached the engine
+            for f in request.futures:  # drop what has not reached the engine; retrieve every failure
+                if not f.cancel() and not f.cancelled():
+                    f.exception()
+        assert request.versions is not None
+        return Scored(scores, request.versions)
+
+    async def apply(self, staged: StagedWeights) -> Applied:
+        """Put staged weights in service at the next barrier (see the module docstring)."""
+        swap = _Swap(staged, asyncio.get_running_loop().create_future())
+        self._swaps.append(swap)
+        self._wake.set()
+        return await swap.future
 
     async def _run(self) -> None:
         while True:
-            while not self._queue:
+            while not self._queue and not self._swaps:
                 self._wake.clear()
                 await self._wake.wait()
-            await self._collate()
-            batch = self._take()
+            if self._swaps and not self._open():
+                await self._apply(self._swaps.popleft())
+                continue
+            if not self._swaps:
+                await self._collate()
+            batch = self._take(only_started=bool(self._swaps))
             if not batch:
                 continue
             started = time.perf_counter()
@@ -137,11 +199,15 @@ class Batcher:
             if not p.future.done():
                 p.future.set_result(result)
 
+    @classmethod
+    def _fail(cls, batch: list[_Pending], error: Exception) -> None:
+        cls._fail_futures([p.future for p in batch], error)
+
     @staticmethod
-    def _fail(batch: list[_Pending], error: Exception) -> None:
-        for p in batch:
-            if not p.future.done():
-                p.future.set_exception(error)
+    def _fail_futures(futures: list[asyncio.Future[SequenceScores]], error: Exception) -> None:
+        for future in futures:
+            if not future.done():
+                future.set_exception(error)
 
     async def _collate(self) -> None:
         """Let requests sent together share a micro-batch: wait, at most `wait_s` after the oldest
@@ -165,20 +231,65 @@ class Batcher:
         self._queued_tokens += tokens
         self._metrics.queue_tokens.set(self._queued_tokens)
 
-    def _take(self) -> list[_Pending]:
-        """Pop queued sequences in order while they fit the token budget (at least one)."""
+    def _open(self) -> bool:
+        """Whether a started request still has queued sequences (the barrier is not reached)."""
+        return any(p.request.versions is not None and not p.future.done() for p in self._queue)
+
+    async def _apply(self, swap: _Swap) -> None:
+        if swap.future.done():  # its caller is gone
+            return
+        started = time.perf_counter()
+        try:
+            state = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._engine.apply, swap.staged
+            )
+        except Exception as exc:
+            log.critical("applying weights failed; the served weights may be partly replaced", exc_info=exc)
+            swap.future.set_exception(EngineFailure(f"applying weights failed: {type(exc).__name__}: {exc}"))
+            return
+        self._versions = {t: w.version for t, w in self._engine.weights.items()}
+        done = time.perf_counter()
+        if not swap.future.done():
+            swap.future.set_result(Applied(state, started - swap.enqueued, done - started))
+
+    def _take(self, only_started: bool) -> list[_Pending]:
+        """Pop queued sequences in order while they fit the token budget (at least one). A request
+        starts, on the current weights, when its first sequence is taken; with `only_started`
+        (a swap is waiting) only sequences of started requests are taken."""
         batch: list[_Pending] = []
+        rest: deque[_Pending] = deque()
         tokens = 0
         while self._queue:
-            head = self._queue[0]
-            if head.future.done():  # cancelled: its client is gone
-                self._queue.popleft()
-                self._queued(-head.job.num_tokens)
+            p = self._queue.popleft()
+            if not p.future.done() and p.request.versions is None and not only_started:
+                self._start(p.request)
+            if p.future.done():  # cancelled (its client is gone) or refused (pinned to other weights)
+                self._queued(-p.job.num_tokens)
                 continue
-            if batch and tokens + head.job.num_tokens > self._budget:
+            if only_started and p.request.versions is None:
+                rest.append(p)
+                continue
+            if batch and tokens + p.job.num_tokens > self._budget:
+                rest.append(p)
                 break
-            self._queue.popleft()
-            self._queued(-head.job.num_tokens)
-            batch.append(head)
-            tokens += head.job.num_tokens
+            self._queued(-p.job.num_tokens)
+            batch.append(p)
+            tokens += p.job.num_tokens
+        rest.extend(self._queue)
+        self._queue = rest
         return batch
+
+    def _start(self, request: _Request) -> None:
+        try:
+            _check_pins(request.pins, self._versions)
+        except VersionMismatch as exc:
+            self._fail_futures(request.futures, exc)
+            return
+        request.versions = self._versions
+
+
+def _check_pins(pins: Mapping[str, str], versions: Mapping[str, str]) -> None:
+    for target, wanted in pins.items():
+        serving = versions.get(target)
+        if serving != wanted:
+            raise VersionMismatch(target=target, requested=wanted, serving=serving)

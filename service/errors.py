@@ -82,6 +82,50 @@ class ClientDisconnected(ServiceError):
     kind = "client_disconnected"
 
 
+class VersionMismatch(ServiceError):
+    """The request pinned weights this replica does not serve (any more, or yet)."""
+
+    kind = "weights_version_mismatch"
+
+    def __init__(self, *, target: str, requested: str, serving: str | None) -> None:
+        pin = "weights_version" if target == "policy" else f"{_PIN_PREFIX[target]}_weights_version"
+        super().__init__(
+            f"{pin}: the request pins {target} weights {requested!r}, this replica serves {serving!r}",
+            field=pin,
+        )
+        self.target = target
+        self.requested = requested
+        self.serving = serving
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["error"].update(
+            target=self.target, requested_version=self.requested, serving_version=self.serving
+        )
+        return body
+
+
+_PIN_PREFIX = {"reference": "ref", "critic": "critic"}
+
+
+class ReloadConflict(ServiceError):
+    """Another weight reload is under way; one runs at a time."""
+
+    kind = "reload_in_progress"
+
+
+class WeightsRefused(ServiceError):
+    """The checkpoint cannot replace the served weights; they keep serving."""
+
+    kind = "weights_rejected"
+
+
+class Forbidden(ServiceError):
+    """The route is switched off on this server."""
+
+    kind = "forbidden"
+
+
 class NotReady(ServiceError):
     """The model is not loaded or warmed up yet, or the service is shutting down."""
 
@@ -99,6 +143,10 @@ _STATUS: dict[type[ServiceError], int] = {
     PayloadTooLarge: 413,
     SequenceTooLarge: 413,
     Unauthorized: 401,
+    Forbidden: 403,
+    VersionMismatch: 409,
+    ReloadConflict: 409,
+    WeightsRefused: 422,
     Overloaded: 429,
     DeadlineExceeded: 504,
     ClientDisconnected: 499,

@@ -82,6 +82,30 @@ class Metrics:
         self.queue_tokens = Gauge(f"{PREFIX}_queue_tokens", "Tokens waiting in the queue.", registry=r)
         self.ready = Gauge(f"{PREFIX}_ready", "1 once the model is loaded and warmed up.", registry=r)
         self.model_info = InfoMetric(f"{PREFIX}_model", "The model being served.", registry=r)
+        self.weights_version = Gauge(
+            f"{PREFIX}_weights_version",
+            "1 for the weights version each model (policy, reference, critic) serves now.",
+            ["target", "version"],
+            registry=r,
+        )
+        self.weights_reloads = Counter(
+            f"{PREFIX}_weights_reloads",
+            "Weight reloads by model and outcome (applied, rejected, failed).",
+            ["target", "outcome"],
+            registry=r,
+        )
+        self.weights_reload_seconds = Histogram(
+            f"{PREFIX}_weights_reload_duration_seconds",
+            "Time from a reload's request to its weights serving.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.weights_pause_seconds = Histogram(
+            f"{PREFIX}_weights_pause_seconds",
+            "Time scoring paused between micro-batches while new weights were applied.",
+            buckets=(0.0001, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=r,
+        )
 
     def observe_rollout(self, rollout: RolloutMismatch) -> None:
         if rollout.tokens:

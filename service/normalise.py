@@ -7,7 +7,7 @@ that a request can break raises InvalidRequest naming the field and the row.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,6 +41,7 @@ class ScoringPlan:
     windows: list[RowWindow]
     kl_estimator: str = "k1"
     rollout: list[FloatArray] | None = None  # per job, aligned with its actions
+    pins: dict[str, str] = field(default_factory=dict)  # model -> the weights version the request requires
 
     @property
     def input_tokens(self) -> int:
@@ -91,7 +92,9 @@ def normalise(request: LogprobsRequest, limits: ModelLimits) -> ScoringPlan:
         )
         windows.append(RowWindow(width=row.width, slots=row.slots[:keep]))
     rollout = _rollout(request.rollout_logprobs, windows) if request.rollout_logprobs is not None else None
-    return ScoringPlan(jobs=jobs, windows=windows, kl_estimator=request.kl_estimator, rollout=rollout)
+    return ScoringPlan(
+        jobs=jobs, windows=windows, kl_estimator=request.kl_estimator, rollout=rollout, pins=_pins(request)
+    )
 
 
 def _check_size(request: LogprobsRequest, limits: ModelLimits) -> None:
@@ -132,6 +135,23 @@ def _check_models(request: LogprobsRequest, limits: ModelLimits) -> None:
             "return_ref_logprobs needs a reference model: this server was started without --ref-model",
             field="return_ref_logprobs",
         )
+    if request.critic_weights_version is not None and not limits.has_critic:
+        raise InvalidRequest(
+            "critic_weights_version pins a critic: this server has none", field="critic_weights_version"
+        )
+    if request.ref_weights_version is not None and not limits.has_reference:
+        raise InvalidRequest(
+            "ref_weights_version pins a reference model: this server has none", field="ref_weights_version"
+        )
+
+
+def _pins(request: LogprobsRequest) -> dict[str, str]:
+    pins = {
+        "policy": request.weights_version,
+        "reference": request.ref_weights_version,
+        "critic": request.critic_weights_version,
+    }
+    return {target: version for target, version in pins.items() if version is not None}
 
 
 def _rollout(rows: list[list[float]], windows: list[RowWindow]) -> list[FloatArray]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,9 +26,14 @@ def _rows(plan: ScoringPlan, per_job: Sequence[FloatArray | None]) -> list[Float
 
 
 def render(
-    plan: ScoringPlan, scores: list[SequenceScores], model: str, rollout: RolloutMismatch | None = None
+    plan: ScoringPlan,
+    scores: list[SequenceScores],
+    model: str,
+    versions: Mapping[str, str],
+    rollout: RolloutMismatch | None = None,
 ) -> bytes:
-    """JSON body of a LogprobsResponse. Non-action entries of a window are exactly 0.0."""
+    """JSON body of a LogprobsResponse. Non-action entries of a window are exactly 0.0; `versions`
+    are the weights (model -> version) the request ran on."""
     job = plan.jobs[0]  # the options are the request's, the same for every job
     masks = []
     for window in plan.windows:
@@ -45,6 +50,9 @@ def render(
         "rollout": rollout.model_dump() if rollout is not None else None,
         "action_mask": masks,
         "usage": {"input_tokens": plan.input_tokens, "scored_tokens": plan.scored_tokens},
+        "weights_version": versions["policy"],
+        "ref_weights_version": versions["reference"] if job.return_ref else None,
+        "critic_weights_version": versions["critic"] if job.return_values else None,
     }
     if job.return_ref:
         body["ref_logprobs"] = _rows(plan, [s.ref_logprobs for s in scores])

@@ -6,12 +6,14 @@ These check types and single-field bounds. Rules that relate fields to each othe
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from service.errors import from_pydantic
+from service.settings import ReloadMode, Version
 
+Body = TypeVar("Body", bound=BaseModel)
 TokenId = Annotated[int, Strict(), Field(ge=0)]
 Count = Annotated[int, Strict(), Field(ge=0)]
 Flag = Annotated[int, Strict()]
@@ -77,12 +79,24 @@ class LogprobsRequest(BaseModel):
     return_entropy: Annotated[bool, Strict()] = Field(
         False, description="Also return the entropy of each action's distribution."
     )
+    weights_version: Version | None = Field(
+        None,
+        description="Pin the policy weights: if this replica serves another version, 409 and nothing is "
+        "scored. Use it for old log-probs, which must come from the weights that sampled the rollouts.",
+    )
+    ref_weights_version: Version | None = Field(None, description="Pin the reference model's weights (409).")
+    critic_weights_version: Version | None = Field(None, description="Pin the critic's weights (409).")
 
 
 def parse_request(raw: bytes) -> LogprobsRequest:
     """Parse and validate a JSON body in one pass (pydantic's Rust parser, no intermediate dicts)."""
+    return parse_body(LogprobsRequest, raw)
+
+
+def parse_body(model: type[Body], raw: bytes) -> Body:
+    """`model` from a JSON body; any error is an InvalidRequest naming the field (422)."""
     try:
-        return LogprobsRequest.model_validate_json(raw)
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         raise from_pydantic(exc.errors()) from None
 
@@ -116,6 +130,13 @@ class LogprobsResponse(BaseModel):
     rollout: RolloutMismatch | None = None
     action_mask: list[list[int]] = Field(description="The mask actually applied, after the EOS policy.")
     usage: Usage
+    weights_version: str = Field(description="Version of the policy weights that produced every score.")
+    ref_weights_version: str | None = Field(
+        None, description="Version of the reference weights (with ref_logprobs)."
+    )
+    critic_weights_version: str | None = Field(
+        None, description="Version of the critic weights (with values)."
+    )
 
 
 class ErrorDetail(BaseModel):
@@ -123,6 +144,11 @@ class ErrorDetail(BaseModel):
     message: str
     field: str | None = None
     row: int | None = None
+    target: str | None = Field(None, description="weights_version_mismatch: the pinned model.")
+    requested_version: str | None = Field(None, description="weights_version_mismatch: the pinned version.")
+    serving_version: str | None = Field(
+        None, description="weights_version_mismatch: what this replica serves."
+    )
 
 
 class ErrorBody(BaseModel):
@@ -141,6 +167,72 @@ class ModelSummary(BaseModel):
     memory_bytes: int
 
 
+Target = Literal["policy", "reference", "critic"]
+
+
+class WeightsUpdate(BaseModel):
+    """Serve new weights for one model, without a restart (POST /admin/weights)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="Local path, as the server sees it, of a safetensors checkpoint of the same "
+        "architecture: a model directory (config.json + *.safetensors, sharded or not) or one "
+        ".safetensors file.",
+    )
+    version: Version = Field(
+        description="Label of the new weights; responses report it, requests may pin it."
+    )
+    target: Target = Field("policy", description="Which model to reload.")
+    mode: ReloadMode | None = Field(
+        None,
+        description="swap: stage a second copy on the device, then rebind; copy: stage on the host, then "
+        "copy in place between micro-batches; auto: swap when there is room. Default: the server's "
+        "reload_mode.",
+    )
+    wait: Annotated[bool, Strict()] = Field(
+        True, description="Answer once the weights serve (200) or were refused (422); false: 202 at once."
+    )
+
+
+class WeightsInfo(BaseModel):
+    """The weights one model serves."""
+
+    version: str
+    source: str = Field(description="The checkpoint they came from.")
+    mode: str = Field(description="initial, swap or copy: how they were put in service.")
+    loaded_at: float = Field(description="Unix time they began serving.")
+    reloads: int = Field(description="Reloads of this model since the start.")
+
+
+class ReloadStatus(BaseModel):
+    """One weight reload, under way or finished."""
+
+    target: Target
+    version: str
+    path: str
+    state: Literal["loading", "done", "unchanged", "rejected", "failed"] = Field(
+        description="rejected: the checkpoint was refused (422) and the old weights keep serving; failed: "
+        "the server could not apply it (500)."
+    )
+    mode: str | None = Field(None, description="swap or copy, once chosen.")
+    bytes: int | None = Field(None, description="Bytes of weights staged.")
+    started_at: float = Field(description="Unix time the reload was asked for.")
+    stage_seconds: float | None = Field(None, description="Reading, checking and placing the checkpoint.")
+    wait_seconds: float | None = Field(None, description="Waiting for the requests in flight to finish.")
+    pause_seconds: float | None = Field(None, description="Scoring paused while the weights were applied.")
+    error: str | None = Field(None, description="Why the reload failed; the old weights keep serving.")
+
+
+class WeightsReport(BaseModel):
+    """GET /admin/weights: what every model serves, and the latest reload of each."""
+
+    weights: dict[str, WeightsInfo]
+    reloads: dict[str, ReloadStatus]
+
+
 class Info(BaseModel):
     model: str
     demo: bool = Field(description="True when serving the built-in random-weight demo model.")
@@ -154,3 +246,7 @@ class Info(BaseModel):
     max_batch_tokens: int
     versions: dict[str, str]
     models: list[ModelSummary] = Field(description="Every model loaded, with its memory.")
+    weights_version: str = Field(description="Version of the policy weights now serving.")
+    weights: dict[str, WeightsInfo] = Field(
+        description="The weights every model serves (policy, reference, critic)."
+    )

@@ -7,15 +7,17 @@ line wins).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, StringConstraints
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attn", "torch_varlen", "sdpa"]
 Kernels = Literal["auto", "liger", "none"]
+ReloadMode = Literal["auto", "copy", "swap"]
+Version = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:+/@-]+$")]
 
 
 class Settings(BaseSettings):
@@ -93,6 +95,32 @@ class Settings(BaseSettings):
         None, description="Comma-separated bearer API keys; set, scoring routes answer 401 without one."
     )
     api_keys_file: Path | None = Field(None, description="File of bearer API keys, one per line.")
+    admin_api_keys: SecretStr | None = Field(
+        None,
+        description="Comma-separated bearer keys for /admin/* (weight reload); unset, /admin/* answers 403. "
+        "Admin keys are also accepted on the scoring routes.",
+    )
+    admin_api_keys_file: Path | None = Field(None, description="File of admin bearer keys, one per line.")
+    weights_version: Version = Field(
+        "initial", description="Version label of the policy weights loaded at start (reported per response)."
+    )
+    ref_weights_version: Version = Field(
+        "initial", description="Version label of the reference weights at start."
+    )
+    critic_weights_version: Version = Field(
+        "initial", description="Version label of the critic weights at start."
+    )
+    reload_mode: ReloadMode = Field(
+        "auto",
+        description="How POST /admin/weights applies new weights. swap: stage a second copy on the device, "
+        "then rebind (no pause); copy: stage in host memory, then copy in place between micro-batches (no "
+        "second device copy); auto: swap when the device has room, else copy.",
+    )
+    reload_roots: str | None = Field(
+        None,
+        description="Colon-separated directories that reload paths must lie under (after resolving links); "
+        "unset: any local path.",
+    )
     auth_all_routes: bool = Field(
         False, description="Also require a key on /health/*, /info and /metrics (open by default)."
     )

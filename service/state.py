@@ -9,6 +9,7 @@ from service.engine.base import EngineInfo
 from service.errors import NotReady
 from service.metrics import Metrics
 from service.normalise import ModelLimits
+from service.reload import Reloader
 from service.settings import Settings
 
 
@@ -19,6 +20,7 @@ class Serving:
     info: EngineInfo
     limits: ModelLimits
     batcher: Batcher
+    reloader: Reloader
 
 
 @dataclass(slots=True)

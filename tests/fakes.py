@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from service.engine.base import EngineInfo, OutOfMemory
+from service.engine.base import (
+    EngineInfo,
+    OutOfMemory,
+    ReloadOrder,
+    StagedWeights,
+    WeightsRejected,
+    WeightsState,
+)
 from service.jobs import SequenceJob, SequenceScores
 
 
+@dataclass(frozen=True, slots=True)
+class FakeStaged:
+    order: ReloadOrder
+    mode: str
+    nbytes: int
+    shift: float
+
+
 class FakeEngine:
-    """logprob of action t = -(x_t + t) / T; entropy = t. Records every micro-batch it sees."""
+    """logprob of action t = -(x_t + t) / T - shift; entropy = t. Records every micro-batch it sees.
+
+    Weights: a checkpoint path ending in a number N is weights whose shift is N; one ending in
+    "corrupt" is refused. `stage_delay` makes staging slow.
+    """
 
     def __init__(
         self, delay: float = 0.0, fail_on_token: int | None = None, oom_over_tokens: int | None = None
@@ -21,6 +42,10 @@ class FakeEngine:
         self.delay = delay
         self.fail_on_token = fail_on_token
         self.oom_over_tokens = oom_over_tokens  # raise OutOfMemory on larger micro-batches
+        self.stage_delay = 0.0
+        self.shift = 0.0
+        self.applied_between: list[int] = []  # micro-batches seen before each apply
+        self._weights = {"policy": WeightsState("policy", "initial", "fake", "initial", time.time())}
         self.batches: list[list[int]] = []  # token count of each sequence, per micro-batch
         self.threads: set[str] = set()
         self.info = EngineInfo(
@@ -48,9 +73,37 @@ class FakeEngine:
             raise RuntimeError("injected failure")
         if self.oom_over_tokens is not None and sum(job.num_tokens for job in jobs) > self.oom_over_tokens:
             raise OutOfMemory("injected out-of-memory")
-        return [expected_scores(job) for job in jobs]
+        return [expected_scores(job, self.shift) for job in jobs]
+
+    @property
+    def weights(self) -> Mapping[str, WeightsState]:
+        return self._weights
+
+    def stage(self, order: ReloadOrder) -> StagedWeights:
+        time.sleep(self.stage_delay)
+        if order.path.name == "corrupt":
+            raise WeightsRejected(f"{order.path}: unreadable")
+        mode = "copy" if order.mode == "auto" else order.mode
+        return FakeStaged(order, mode, 8, float(order.path.name))
+
+    def apply(self, staged: StagedWeights) -> WeightsState:
+        assert isinstance(staged, FakeStaged)
+        self.threads.add(threading.current_thread().name)
+        self.applied_between.append(len(self.batches))
+        self.shift = staged.shift
+        old = self._weights["policy"]
+        state = dataclasses.replace(
+            old,
+            version=staged.order.version,
+            source=str(staged.order.path),
+            mode=staged.mode,
+            reloads=old.reloads + 1,
+        )
+        self._weights = {"policy": state}
+        return state
 
 
-def expected_scores(job: SequenceJob) -> SequenceScores:
+def expected_scores(job: SequenceJob, shift: float = 0.0) -> SequenceScores:
     values = -(job.tokens[job.actions] + job.actions).astype(np.float32) / np.float32(job.temperature)
+    values -= np.float32(shift)
     return SequenceScores(logprobs=values, entropy=job.actions.astype(np.float32))

@@ -22,6 +22,10 @@ def job(length: int, first: int = 0, temperature: float = 1.0) -> SequenceJob:
     return SequenceJob(tokens, np.arange(1, length, dtype=np.int64), temperature, False)
 
 
+async def scores(batcher: Batcher, jobs: list[SequenceJob]) -> list[SequenceScores]:
+    return (await batcher.score(jobs)).scores
+
+
 @pytest.fixture
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
@@ -59,7 +63,7 @@ def run_with_wait(
 def test_request_larger_than_budget_is_split_and_answered_whole(loop: asyncio.AbstractEventLoop) -> None:
     engine = FakeEngine()
     jobs = [job(n, first=10 * i) for i, n in enumerate([30, 20, 25, 10, 40])]
-    results = run(loop, engine, 50, lambda b: b.score(jobs))
+    results = run(loop, engine, 50, lambda b: scores(b, jobs))
     assert len(results) == len(jobs)
     for j, r in zip(jobs, results, strict=True):
         np.testing.assert_array_equal(r.logprobs, expected_scores(j).logprobs)
@@ -74,7 +78,7 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_answers(
     requests = [[job(5 + i % 7, first=100 * i + k, temperature=0.5 + i) for k in range(3)] for i in range(12)]
 
     async def body(batcher: Batcher) -> list[list[SequenceScores]]:
-        return await asyncio.gather(*(batcher.score(r) for r in requests))
+        return await asyncio.gather(*(scores(batcher, r) for r in requests))
 
     answers = run(loop, engine, 64, body)
     for request, answer in zip(requests, answers, strict=True):
@@ -87,7 +91,7 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_answers(
 
 def test_sequence_longer_than_budget_runs_alone(loop: asyncio.AbstractEventLoop) -> None:
     engine = FakeEngine()
-    results = run(loop, engine, 16, lambda b: b.score([job(4), job(40), job(4)]))
+    results = run(loop, engine, 16, lambda b: scores(b, [job(4), job(40), job(4)]))
     assert len(results) == 3
     assert [40] in engine.batches
 
@@ -97,8 +101,8 @@ def test_engine_failure_fails_its_requests_only(loop: asyncio.AbstractEventLoop)
 
     async def body(batcher: Batcher) -> list[SequenceScores]:
         with pytest.raises(EngineFailure, match="injected failure"):
-            await batcher.score([job(5, first=995)])
-        return await batcher.score([job(5)])
+            await scores(batcher, [job(5, first=995)])
+        return await scores(batcher, [job(5)])
 
     (good,) = run(loop, engine, 64, body)
     np.testing.assert_array_equal(good.logprobs, expected_scores(job(5)).logprobs)
@@ -108,12 +112,12 @@ def test_cancelled_request_never_reaches_the_engine(loop: asyncio.AbstractEventL
     engine = FakeEngine(delay=0.1)
 
     async def body(batcher: Batcher) -> list[SequenceScores]:
-        first = asyncio.create_task(batcher.score([job(8, first=1)]))
+        first = asyncio.create_task(scores(batcher, [job(8, first=1)]))
         await asyncio.sleep(0.02)  # first is now in the engine
-        doomed = asyncio.create_task(batcher.score([job(9, first=500)]))
+        doomed = asyncio.create_task(scores(batcher, [job(9, first=500)]))
         await asyncio.sleep(0)
         doomed.cancel()
-        last = await batcher.score([job(7, first=2)])
+        last = await scores(batcher, [job(7, first=2)])
         await first
         return last
 
@@ -134,7 +138,7 @@ def test_event_loop_keeps_running_during_the_forward(loop: asyncio.AbstractEvent
                 ticks += 1
 
         task = asyncio.create_task(ticker())
-        await batcher.score([job(5)])
+        await scores(batcher, [job(5)])
         task.cancel()
         return ticks
 
@@ -148,9 +152,9 @@ def test_requests_sent_together_share_a_micro_batch_within_the_wait(
     engine = FakeEngine()
 
     async def body(batcher: Batcher) -> None:
-        first = asyncio.create_task(batcher.score([job(5)]))
+        first = asyncio.create_task(scores(batcher, [job(5)]))
         await asyncio.sleep(0.02)  # the second request arrives 20 ms after the first
-        await asyncio.gather(first, batcher.score([job(6)]))
+        await asyncio.gather(first, scores(batcher, [job(6)]))
 
     run_with_wait(loop, engine, 64, wait_s, body)
     assert engine.batches == ([[5, 6]] if merged else [[5], [6]])
@@ -161,7 +165,7 @@ def test_collation_stops_waiting_once_the_budget_is_full(loop: asyncio.AbstractE
 
     async def body(batcher: Batcher) -> float:
         start = time.perf_counter()
-        await asyncio.gather(batcher.score([job(30)]), batcher.score([job(40)]))
+        await asyncio.gather(scores(batcher, [job(30)]), scores(batcher, [job(40)]))
         return time.perf_counter() - start
 
     elapsed = run_with_wait(loop, engine, 64, 5.0, body)
@@ -172,7 +176,7 @@ def test_collation_stops_waiting_once_the_budget_is_full(loop: asyncio.AbstractE
 def test_out_of_memory_splits_the_micro_batch_until_it_fits(loop: asyncio.AbstractEventLoop) -> None:
     engine = FakeEngine(oom_over_tokens=50)
     jobs = [job(30, first=1), job(30, first=100), job(30, first=200)]
-    results = run(loop, engine, 100, lambda b: b.score(jobs))
+    results = run(loop, engine, 100, lambda b: scores(b, jobs))
     for j, r in zip(jobs, results, strict=True):
         np.testing.assert_array_equal(r.logprobs, expected_scores(j).logprobs)
     assert engine.batches == [[30, 30, 30], [30], [30, 30], [30], [30]]
@@ -182,8 +186,8 @@ def test_only_a_sequence_that_cannot_fit_alone_fails(loop: asyncio.AbstractEvent
     engine = FakeEngine(oom_over_tokens=50)
 
     async def body(batcher: Batcher) -> list[SequenceScores]:
-        big = asyncio.create_task(batcher.score([job(60)]))
-        small = asyncio.create_task(batcher.score([job(20, first=7)]))
+        big = asyncio.create_task(scores(batcher, [job(60)]))
+        small = asyncio.create_task(scores(batcher, [job(20, first=7)]))
         with pytest.raises(SequenceTooLarge, match="60 tokens"):
             await big
         return await small
@@ -201,12 +205,12 @@ def test_queue_over_its_token_cap_answers_overloaded_with_retry_after(
         batcher = Batcher(engine, 64, Metrics(), max_queued_tokens=50)
         batcher.start()
         try:
-            first = asyncio.create_task(batcher.score([job(40)]))
+            first = asyncio.create_task(scores(batcher, [job(40)]))
             await asyncio.sleep(0.05)  # first is in the engine; the queue is empty
-            second = asyncio.create_task(batcher.score([job(40, first=1)]))
+            second = asyncio.create_task(scores(batcher, [job(40, first=1)]))
             await asyncio.sleep(0)
             with pytest.raises(Overloaded, match="max_queued_tokens") as raised:
-                await batcher.score([job(40, first=2)])
+                await scores(batcher, [job(40, first=2)])
             await asyncio.gather(first, second)
             return raised.value.retry_after, engine.batches
         finally:

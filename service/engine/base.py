@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Literal, Protocol
 
 from service.jobs import SequenceJob, SequenceScores
+
+Target = Literal["policy", "reference", "critic"]
+ReloadMode = Literal["auto", "copy", "swap"]
 
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """One model of the engine: its role (policy, reference, critic) and what it costs."""
 
-    role: str
+    role: Target
     name: str
     architecture: str
     parameters: int
@@ -39,6 +43,48 @@ class EngineInfo:
         return frozenset(m.role for m in self.models)
 
 
+@dataclass(frozen=True, slots=True)
+class WeightsState:
+    """Which weights one model serves, and how they arrived.
+
+    mode: "initial" (loaded at start), "swap" (staged on the device beside the old weights, then
+    the parameters rebound) or "copy" (staged in host memory, then copied into the parameters in place).
+    """
+
+    target: Target
+    version: str
+    source: str
+    mode: str
+    loaded_at: float  # unix time they began serving
+    reloads: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadOrder:
+    target: Target
+    path: Path
+    version: str
+    mode: ReloadMode = "auto"
+
+
+class WeightsRejected(ValueError):
+    """The checkpoint cannot replace the served weights (unreadable, another architecture or shape,
+    non-finite values, no room); the served weights are untouched."""
+
+
+class StagedWeights(Protocol):
+    """New weights read, checked and placed, ready to apply between micro-batches."""
+
+    @property
+    def order(self) -> ReloadOrder: ...
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 class OutOfMemory(RuntimeError):
     """The accelerator ran out of memory on a micro-batch; the engine has released what it could.
 
@@ -47,11 +93,22 @@ class OutOfMemory(RuntimeError):
 
 
 class ScoringEngine(Protocol):
-    """What the batcher needs: score one packed micro-batch. Called from one worker thread only."""
+    """What the batcher needs: score one packed micro-batch, and swap weights between micro-batches.
+
+    `score` and `apply` are called from the one engine thread only; `stage` from a loader thread,
+    while `score` runs.
+    """
 
     @property
     def info(self) -> EngineInfo: ...
 
+    @property
+    def weights(self) -> Mapping[str, WeightsState]: ...
+
     def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]: ...
 
     def warm_up(self) -> None: ...
+
+    def stage(self, order: ReloadOrder) -> StagedWeights: ...
+
+    def apply(self, staged: StagedWeights) -> WeightsState: ...

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from service.engine.loading import from_local, prepare, require_model_dir
+from service.engine.checkpoint import read_tensor, tensor_files
+from service.engine.loading import from_local, prepare, require_model_dir, text_config
 
 log = logging.getLogger(__name__)
 
@@ -44,29 +44,18 @@ class ValueHead:
             values = (values - self.shift) / self.scale
         return values
 
-
-def _tensors(path: Path) -> dict[str, Path]:
-    """Every tensor name in the checkpoint and the safetensors file that holds it."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
-    names: dict[str, Path] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            names.update(dict.fromkeys(f.keys(), file))
-    return names
+    def to(self, device: torch.device) -> ValueHead:
+        bias = self.bias.to(device) if self.bias is not None else None
+        return ValueHead(self.format, self.weight.to(device), bias, self.shift, self.scale)
 
 
 def _read(files: dict[str, Path], name: str) -> torch.Tensor:
-    with safe_open(str(files[name]), framework="pt") as f:
-        tensor: torch.Tensor = f.get_tensor(name)
-    return tensor.float()
+    return read_tensor(files, name).float()
 
 
 def find_value_head(path: Path, config: dict[str, Any], hidden_size: int) -> ValueHead:
     """Recognise the checkpoint's value-head format, or fail with what was looked for."""
-    files = _tensors(path)
+    files = tensor_files(path)
     architectures = config.get("architectures") or []
     if "v_head.summary.weight" in files:
         head = ValueHead(
@@ -109,24 +98,22 @@ class Critic:
     head: ValueHead
 
 
-def load_critic(path: Path, dtype: torch.dtype, device: torch.device, attn: str) -> Critic:
-    """The critic's decoder (no LM head) and its value head, on `device`."""
-    from transformers import AutoConfig, AutoModel
-
+def read_value_head(path: Path, hidden_size: int, device: torch.device) -> ValueHead:
+    """The value head of the critic checkpoint directory `path`, on `device`."""
     require_model_dir(path, "critic")
     raw = json.loads((path / "config.json").read_text())
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head = find_value_head(path, raw, int(config.hidden_size))
+    return find_value_head(path, raw, hidden_size).to(device)
+
+
+def load_critic(path: Path, dtype: torch.dtype, device: torch.device, attn: str) -> Critic:
+    """The critic's decoder (no LM head) and its value head, on `device`."""
+    from transformers import AutoModel
+
+    require_model_dir(path, "critic")
+    config = text_config(path)
+    head = read_value_head(path, int(config.hidden_size), device)
     decoder = prepare(
         from_local(AutoModel, path, role="critic", dtype=dtype, attn=attn, config=config), device
     )
     log.info("loaded critic %s (%s value head) from %s", type(decoder).__name__, head.format, path)
-    moved = ValueHead(
-        head.format,
-        head.weight.to(device),
-        head.bias.to(device) if head.bias is not None else None,
-        head.shift,
-        head.scale,
-    )
-    return Critic(decoder, moved)
+    return Critic(decoder, head)

@@ -83,6 +83,14 @@ def require_model_dir(path: Path, role: str) -> None:
         raise FileNotFoundError(f"{role} {path} is not a model directory: no config.json")
 
 
+def text_config(path: Path) -> Any:
+    """The checkpoint's transformers config (its text part, for multimodal wrappers); local only."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def from_local(
     auto_class: Any, path: Path, *, role: str, dtype: torch.dtype, attn: str, **kwargs: Any
 ) -> Any:

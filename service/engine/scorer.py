@@ -7,9 +7,11 @@ its decoder over that same PackedBatch and its own head on the action positions 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +19,23 @@ import numpy as np
 import torch
 
 import service
+from service.engine import weights
 from service.engine.attention import AttentionBackend, choose_backend, register
-from service.engine.base import EngineInfo, ModelInfo, OutOfMemory
+from service.engine.base import (
+    EngineInfo,
+    ModelInfo,
+    OutOfMemory,
+    ReloadOrder,
+    StagedWeights,
+    Target,
+    WeightsRejected,
+    WeightsState,
+)
 from service.engine.chunking import chunk_mlps
-from service.engine.critic import Critic, load_critic
+from service.engine.critic import Critic, load_critic, read_value_head
 from service.engine.head import ActionScores, LogitTransform, score_actions
 from service.engine.kernels import apply_fused_kernels
-from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype
+from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype, text_config
 from service.engine.packing import PackedBatch, pack
 from service.jobs import FloatArray, SequenceJob, SequenceScores
 from service.settings import Settings
@@ -105,7 +117,7 @@ class PackedScorer:
         self._critic = critic
         self._device = device
         config = loaded.model.config
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
         vocab = self._policy.vocab_size
         if self._reference is not None and self._reference.vocab_size != vocab:
             raise ValueError(
@@ -127,10 +139,20 @@ class PackedScorer:
             attention_backend=backend.name,
             kernels=kernels,
             vocab_size=vocab,
-            max_positions=int(getattr(text_config, "max_position_embeddings", 0) or 0) or 1 << 30,
+            max_positions=int(getattr(text, "max_position_embeddings", 0) or 0) or 1 << 30,
             versions=_versions(),
             models=tuple(models),
         )
+        now = time.time()
+        initial = {
+            "policy": (settings.weights_version, settings.model or loaded.name),
+            "reference": (settings.ref_weights_version, settings.ref_model),
+            "critic": (settings.critic_weights_version, settings.critic),
+        }
+        self._weights: dict[str, WeightsState] = {
+            m.role: WeightsState(m.role, initial[m.role][0], str(initial[m.role][1]), "initial", now)
+            for m in models
+        }
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PackedScorer:
@@ -156,6 +178,65 @@ class PackedScorer:
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    @property
+    def weights(self) -> Mapping[str, WeightsState]:
+        return self._weights
+
+    def stage(self, order: ReloadOrder) -> StagedWeights:
+        """Read, check and place new weights for `order.target`; the served ones are untouched."""
+        module, prefix, head = self._reloadable(order.target), "", None
+        if order.target == "critic":
+            assert self._critic is not None
+            prefix = f"{module.base_model_prefix}."
+            if not order.path.is_dir():
+                raise WeightsRejected(f"{order.path}: a critic reload needs the checkpoint directory")
+            try:
+                head = read_value_head(order.path, int(module.config.hidden_size), self._device)
+            except (OSError, ValueError) as exc:
+                raise WeightsRejected(str(exc)) from exc
+        served = (
+            module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
+        )
+        weights.check_config(order.path, served, text_config)
+        mode = weights.choose_mode(order.mode, weights.module_bytes(module), self._device)
+        return weights.stage(
+            dataclasses.replace(order, mode=mode),
+            module,
+            prefix=prefix,
+            allow_extra=lambda name: bool(prefix) and not name.startswith(prefix),  # the critic's heads
+            extra=head,
+        )
+
+    def apply(self, staged: StagedWeights) -> WeightsState:
+        """Serve the staged weights from the next micro-batch on. Engine thread only."""
+        assert isinstance(staged, weights.Staged)
+        target = staged.order.target
+        weights.apply(staged)
+        if target == "critic":
+            assert self._critic is not None
+            assert staged.extra is not None
+            self._critic = Critic(self._critic.decoder, staged.extra)
+        state = WeightsState(
+            target,
+            staged.order.version,
+            str(staged.order.path),
+            staged.mode,
+            time.time(),
+            self._weights[target].reloads + 1,
+        )
+        self._weights = {**self._weights, target: state}
+        return state
+
+    def _reloadable(self, target: Target) -> Any:
+        model = {
+            "policy": self._policy.model,
+            "reference": self._reference.model if self._reference else None,
+            "critic": self._critic.decoder if self._critic else None,
+        }[target]
+        if model is None:
+            raise WeightsRejected(f"this server has no {target} model to reload")
+        return model
 
     def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
         try:
@@ -229,7 +310,7 @@ def _load_critic(
     return critic
 
 
-def _model_info(role: str, name: str, model: Any) -> ModelInfo:
+def _model_info(role: Target, name: str, model: Any) -> ModelInfo:
     params = list(model.parameters())
     return ModelInfo(
         role=role,
