@@ -38,18 +38,18 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: models.save(name, root / name) for name in models.ARCHITECTURES}
 
 
-@pytest.fixture(scope="session")
-def reference_models(model_dirs: dict[str, Path]) -> dict[str, Any]:
+def eager(path: Path) -> Any:
+    """The checkpoint as the per-sequence reference runs it: eager attention, float32."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    def load(path: Path) -> Any:
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            path, attn_implementation="eager", dtype=torch.float32
-        )
-        return model.to(DEVICE).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    return model.to(DEVICE).eval()
 
-    return {name: load(path) for name, path in model_dirs.items()}
+
+@pytest.fixture(scope="session")
+def reference_models(model_dirs: dict[str, Path]) -> dict[str, Any]:
+    return {name: eager(path) for name, path in model_dirs.items()}
 
 
 class Reply(Protocol):
@@ -74,14 +74,24 @@ def ref_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def ref_model(ref_dir: Path) -> Any:
-    """The reference checkpoint as the per-sequence reference runs it: eager, float32."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    return eager(ref_dir)
 
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        ref_dir, attn_implementation="eager", dtype=torch.float32
-    )
-    return model.to(DEVICE).eval()
+
+VERSION_SEEDS = {"v10": 10, "v11": 11, "v12": 12}  # policy weights a trainer might push, in turn
+
+
+@pytest.fixture(scope="session")
+def weight_versions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Checkpoints of the same qwen2 model with other weights, by version label."""
+    root = tmp_path_factory.mktemp("versions")
+    return {
+        version: models.save("qwen2", root / version, seed=seed) for version, seed in VERSION_SEEDS.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def version_models(weight_versions: dict[str, Path]) -> dict[str, Any]:
+    return {version: eager(path) for version, path in weight_versions.items()}
 
 
 def settings_for(path: Path | None, **overrides: Any) -> Settings:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 import pytest
 
-from service.batcher import Batcher
-from service.errors import EngineFailure, Overloaded, SequenceTooLarge
+from service.batcher import Applied, Batcher, Scored
+from service.engine.base import ReloadOrder, WeightsState
+from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
 from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
 from tests.fakes import FakeEngine, expected_scores
@@ -219,3 +221,92 @@ def test_queue_over_its_token_cap_answers_overloaded_with_retry_after(
     retry_after, batches = loop.run_until_complete(main())
     assert retry_after >= 1
     assert batches == [[40], [40]]  # the refused request never queued
+
+
+def _order(shift: int, version: str) -> ReloadOrder:
+    return ReloadOrder("policy", Path(f"/weights/{shift}"), version)
+
+
+def _assert_scored_on(result: Scored, jobs: list[SequenceJob], shift: float, version: str) -> None:
+    assert result.versions == {"policy": version}
+    for got, j in zip(result.scores, jobs, strict=True):
+        np.testing.assert_array_equal(got.logprobs, expected_scores(j, shift).logprobs)
+
+
+def test_weights_swap_waits_for_started_requests_and_queued_ones_start_on_the_new(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    engine = FakeEngine(delay=0.03)
+    split = [job(10, first=i) for i in range(4)]  # budget 16: four micro-batches
+    later = [job(10, first=50 + i) for i in range(2)]
+
+    async def body(batcher: Batcher) -> tuple[Scored, Scored, Applied]:
+        first = asyncio.create_task(batcher.score(split))
+        await asyncio.sleep(0.01)  # its first micro-batch is in the engine
+        second = asyncio.create_task(batcher.score(later))  # queued, not started
+        await asyncio.sleep(0)
+        applied = await batcher.apply(engine.stage(_order(5, "v5")))
+        return await first, await second, applied
+
+    first, second, applied = run(loop, engine, 16, body)
+    _assert_scored_on(first, split, 0.0, "initial")
+    _assert_scored_on(second, later, 5.0, "v5")
+    assert engine.applied_between == [4]  # after all of the started request, before the queued one
+    assert applied.state.version == "v5"
+    assert applied.wait_seconds > 0.05  # it waited for three more micro-batches
+    assert engine.threads == {"logprobd-engine_0"}  # applied on the engine thread
+
+
+def test_swap_with_nothing_in_flight_applies_at_once(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine()
+
+    async def body(batcher: Batcher) -> tuple[Applied, Scored]:
+        applied = await batcher.apply(engine.stage(_order(2, "v2")))
+        return applied, await batcher.score([job(6)])
+
+    applied, result = run(loop, engine, 16, body)
+    assert applied.state.version == "v2"
+    _assert_scored_on(result, [job(6)], 2.0, "v2")
+
+
+def test_pins_get_409_never_a_mixed_answer(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine(delay=0.03)
+    split = [job(10, first=i) for i in range(3)]
+
+    async def body(batcher: Batcher) -> tuple[Scored, BaseException | Scored, Scored]:
+        running = asyncio.create_task(batcher.score(split, {"policy": "initial"}))
+        await asyncio.sleep(0.01)
+        # queued pinned to the old weights: by the time it would start, they are gone
+        stale = asyncio.create_task(batcher.score([job(8)], {"policy": "initial"}))
+        await asyncio.sleep(0)
+        await batcher.apply(engine.stage(_order(7, "v7")))
+        with pytest.raises(VersionMismatch) as at_admission:
+            await batcher.score([job(8)], {"policy": "initial"})
+        assert at_admission.value.serving == "v7"
+        fresh = await batcher.score([job(8)], {"policy": "v7"})
+        (stale_result,) = await asyncio.gather(stale, return_exceptions=True)
+        return await running, stale_result, fresh
+
+    first, stale, fresh = run(loop, engine, 16, body)
+    _assert_scored_on(first, split, 0.0, "initial")
+    assert isinstance(stale, VersionMismatch)
+    assert (stale.target, stale.requested, stale.serving) == ("policy", "initial", "v7")
+    assert stale.body()["error"]["serving_version"] == "v7"
+    _assert_scored_on(fresh, [job(8)], 7.0, "v7")
+    assert engine.batches == [[10], [10], [10], [8]]  # the stale request never reached the engine
+
+
+def test_a_failed_apply_fails_the_reload_not_the_server(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine()
+
+    def broken(staged: object) -> WeightsState:
+        raise RuntimeError("device fell off")
+
+    engine.apply = broken  # type: ignore[method-assign]
+
+    async def body(batcher: Batcher) -> Scored:
+        with pytest.raises(EngineFailure, match="device fell off"):
+            await batcher.apply(engine.stage(_order(1, "v1")))
+        return await batcher.score([job(5)])
+
+    _assert_scored_on(run(loop, engine, 16, body), [job(5)], 0.0, "initial")
