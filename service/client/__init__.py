@@ -7,6 +7,7 @@ adapters for OpenRLHF, verl and TRL live in `service.client.adapters`, which imp
 from service.client._async import AsyncClient
 from service.client._sync import Client
 from service.client.errors import LogprobdConnectionError, LogprobdError
+from service.client.replicas import resolve_replicas
 from service.client.retry import RetryPolicy
 from service.client.wire import RolloutStats, Scores, Usage
 
@@ -19,4 +20,5 @@ __all__ = [
     "RolloutStats",
     "Scores",
     "Usage",
+    "resolve_replicas",
 ]

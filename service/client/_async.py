@@ -17,9 +17,12 @@ from service.client._common import (
     encode,
     finish,
     give_up_unless_retryable,
+    reload_failures,
     reply_body,
     response_failure,
+    serving_version,
     transport_failure,
+    weights_request,
 )
 from service.client.errors import LogprobdError
 from service.client.replicas import ReplicaPool
@@ -136,6 +139,62 @@ class AsyncClient:
                 raise TimeoutError(f"not ready after {timeout} s: {', '.join(waiting)}")
             if waiting:
                 await asyncio.sleep(interval)
+
+    async def update_weights(
+        self,
+        path: str,
+        version: str,
+        *,
+        target: str = "policy",
+        mode: str | None = None,
+        admin_key: str | None = None,
+        timeout: float = 600.0,
+    ) -> dict[str, dict[str, Any]]:
+        """See `Client.update_weights`."""
+        body, headers = weights_request(path, version, target, mode, admin_key)
+
+        async def post(url: str) -> httpx.Response | httpx.TransportError:
+            try:
+                return await self._http.post(
+                    f"{url}/admin/weights", json=body, headers=headers, timeout=timeout
+                )
+            except httpx.TransportError as exc:
+                return exc
+
+        replies = await asyncio.gather(*(post(url) for url in self.config.urls))
+        outcomes = dict(zip(self.config.urls, replies, strict=True))
+        failure = reload_failures(outcomes)
+        if failure is not None:
+            raise failure
+        await self.wait_for_version(version, target=target, timeout=timeout)
+        return {
+            url: reply_body(response)
+            for url, response in outcomes.items()
+            if isinstance(response, httpx.Response)
+        }
+
+    async def wait_for_version(
+        self, version: str, *, target: str = "policy", timeout: float = 600.0, interval: float = 0.5
+    ) -> None:
+        """See `Client.wait_for_version`."""
+        deadline = time.monotonic() + timeout
+        waiting = list(self.config.urls)
+        while waiting:
+            versions = await asyncio.gather(*(self._version_of(url, target) for url in waiting))
+            waiting = [url for url, v in zip(waiting, versions, strict=True) if v != version]
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"not serving {target} {version!r} after {timeout} s: {', '.join(waiting)}"
+                )
+            if waiting:
+                await asyncio.sleep(interval)
+
+    async def _version_of(self, url: str, target: str) -> str | None:
+        try:
+            response = await self._http.get(f"{url}/info")
+        except httpx.TransportError:
+            return None
+        return serving_version(response.json(), target) if response.status_code == 200 else None
 
     async def aclose(self) -> None:
         await self._http.aclose()

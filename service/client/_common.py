@@ -17,7 +17,7 @@ from service import __version__
 from service.client.errors import LogprobdError, from_response, from_transport
 from service.client.retry import RETRYABLE_ERRORS, RetryPolicy, parse_retry_after
 from service.client.sharding import Chunk, merge, split
-from service.client.wire import Scores
+from service.client.wire import VERSIONS, Scores
 
 Timeout = float | httpx.Timeout
 
@@ -131,6 +131,15 @@ def finish(chunks: Sequence[Chunk], replies: Sequence[Mapping[str, Any]]) -> Sco
             status=None,
             error_type="replica_mismatch",
         )
+    for key in VERSIONS:
+        versions = sorted({str(reply[key]) for reply in replies if reply.get(key) is not None})
+        if len(versions) > 1:
+            raise LogprobdError(
+                f"replicas answered with different {key}s ({', '.join(versions)}): the batch would mix "
+                "weights. Pin `weights_version`, or `update_weights` on every replica first",
+                status=None,
+                error_type="replica_mismatch",
+            )
     try:
         merged = merge(replies)
     except ValueError as exc:
@@ -144,3 +153,40 @@ def finish(chunks: Sequence[Chunk], replies: Sequence[Mapping[str, Any]]) -> Sco
             error_type="bad_response",
         )
     return scores
+
+
+def weights_request(
+    path: str, version: str, target: str, mode: str | None, admin_key: str | None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The body and headers of `POST /admin/weights` (wait until the weights serve)."""
+    body: dict[str, Any] = {"path": path, "version": version, "target": target, "wait": True}
+    if mode is not None:
+        body["mode"] = mode
+    return body, ({"authorization": f"Bearer {admin_key}"} if admin_key else {})
+
+
+def reload_failures(outcomes: Mapping[str, httpx.Response | httpx.TransportError]) -> LogprobdError | None:
+    """One error naming every replica whose reload did not answer 200, or None."""
+    errors = [
+        from_transport(o, url) if isinstance(o, httpx.TransportError) else from_response(o)
+        for url, o in outcomes.items()
+        if not (isinstance(o, httpx.Response) and o.status_code == 200)
+    ]
+    if not errors:
+        return None
+    detail = "; ".join(f"{e.url}: {e.message}" for e in errors)
+    first = errors[0]
+    return LogprobdError(
+        f"{len(errors)} of {len(outcomes)} replicas did not reload: {detail}",
+        status=first.status,
+        error_type=first.type,
+        field=first.field,
+        url=first.url,
+    )
+
+
+def serving_version(info: Mapping[str, Any], target: str) -> str | None:
+    """The version a replica's `/info` says `target` serves."""
+    weights = info.get("weights") or {}
+    entry = weights.get(target) if isinstance(weights, dict) else None
+    return str(entry["version"]) if isinstance(entry, dict) and "version" in entry else None

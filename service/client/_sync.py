@@ -17,9 +17,12 @@ from service.client._common import (
     encode,
     finish,
     give_up_unless_retryable,
+    reload_failures,
     reply_body,
     response_failure,
+    serving_version,
     transport_failure,
+    weights_request,
 )
 from service.client.errors import LogprobdError
 from service.client.replicas import ReplicaPool
@@ -135,6 +138,55 @@ class Client:
             if waiting:
                 time.sleep(interval)
 
+    def update_weights(
+        self,
+        path: str,
+        version: str,
+        *,
+        target: str = "policy",
+        mode: str | None = None,
+        admin_key: str | None = None,
+        timeout: float = 600.0,
+    ) -> dict[str, dict[str, Any]]:
+        """Reload `target` from `path` (as every replica sees it) on every replica at once, and
+        return once all serve `version`: {replica URL: its reload status}. Raises LogprobdError
+        naming each replica that refused or failed (the others then serve `version`; calling again
+        is safe: a replica already serving it answers "unchanged")."""
+        body, headers = weights_request(path, version, target, mode, admin_key)
+
+        def post(url: str) -> httpx.Response | httpx.TransportError:
+            try:
+                return self._http.post(f"{url}/admin/weights", json=body, headers=headers, timeout=timeout)
+            except httpx.TransportError as exc:
+                return exc
+
+        outcomes = dict(zip(self.config.urls, self._threads.map(post, self.config.urls), strict=True))
+        failure = reload_failures(outcomes)
+        if failure is not None:
+            raise failure
+        self.wait_for_version(version, target=target, timeout=timeout)
+        return {
+            url: reply_body(response)
+            for url, response in outcomes.items()
+            if isinstance(response, httpx.Response)
+        }
+
+    def wait_for_version(
+        self, version: str, *, target: str = "policy", timeout: float = 600.0, interval: float = 0.5
+    ) -> None:
+        """Block until every replica's `/info` says `target` serves `version` (replicas that follow a
+        version file, or reloads started elsewhere); TimeoutError naming the laggards."""
+        deadline = time.monotonic() + timeout
+        waiting = list(self.config.urls)
+        while waiting:
+            waiting = [url for url in waiting if self._version_of(url, target) != version]
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"not serving {target} {version!r} after {timeout} s: {', '.join(waiting)}"
+                )
+            if waiting:
+                time.sleep(interval)
+
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)
         self._http.close()
@@ -146,6 +198,13 @@ class Client:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    def _version_of(self, url: str, target: str) -> str | None:
+        try:
+            response = self._http.get(f"{url}/info")
+        except httpx.TransportError:
+            return None
+        return serving_version(response.json(), target) if response.status_code == 200 else None
 
     def _is_ready(self, url: str) -> bool:
         try:

@@ -7,9 +7,12 @@ every replica is backing off, in which case the caller waits for the first one t
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from dataclasses import dataclass
+
+from service.client.errors import LogprobdConnectionError
 
 
 @dataclass(slots=True)
@@ -57,3 +60,22 @@ class ReplicaPool:
     def back_off(self, replica: Replica, seconds: float) -> None:
         with self._lock:
             replica.ready_at = max(replica.ready_at, time.monotonic() + seconds)
+
+
+def resolve_replicas(host: str, port: int, *, scheme: str = "http") -> list[str]:
+    """Base URLs of every address `host` resolves to, sorted: behind a headless Kubernetes Service
+    (clusterIP: None) that is one per ready pod, so a trainer can reach every replica (to update all
+    their weights) rather than whichever one a load balancer picks."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise LogprobdConnectionError(
+            f"cannot resolve {host}: {exc}", status=None, error_type="connection_error"
+        ) from exc
+    urls = {
+        f"{scheme}://[{address[0]}]:{port}"
+        if family == socket.AF_INET6
+        else f"{scheme}://{address[0]}:{port}"
+        for family, _, _, _, address in infos
+    }
+    return sorted(urls)

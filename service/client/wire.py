@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 # response fields this client names; any other field the server adds lands in Scores.extra
-_KNOWN = frozenset({"model", "logprobs", "entropy", "action_mask", "usage"})
+_KNOWN = frozenset({"model", "logprobs", "entropy", "action_mask", "usage", "weights_version"})
+VERSIONS = ("weights_version", "ref_weights_version", "critic_weights_version")
 
 
 @runtime_checkable
@@ -56,9 +57,11 @@ class RolloutStats:
 class Scores:
     """One response, rows in request order, each aligned to its row's action window (SEMANTICS.md).
 
-    `extra` holds the response fields this class does not name (`values`, `ref_logprobs`, `kl`,
-    `rollout`, and any the server adds later), merged across chunks like the others; the torch
-    adapters turn them into tensors and `RolloutStats`.
+    `weights_version` is the policy weights that produced every score (one version, whichever
+    replicas answered). `extra` holds the response fields this class does not name (`values`,
+    `ref_logprobs`, `kl`, `rollout`, `ref_weights_version`, `critic_weights_version`, and any the
+    server adds later), merged across chunks like the others; the torch adapters turn them into
+    tensors and `RolloutStats`.
     """
 
     model: str
@@ -66,6 +69,7 @@ class Scores:
     action_mask: list[list[int]]
     usage: Usage
     entropy: list[list[float]] | None = None
+    weights_version: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -77,6 +81,7 @@ class Scores:
             action_mask=body["action_mask"],
             usage=Usage(input_tokens=usage["input_tokens"], scored_tokens=usage["scored_tokens"]),
             entropy=body.get("entropy"),
+            weights_version=body.get("weights_version"),
             extra={k: v for k, v in body.items() if k not in _KNOWN},
         )
 
