@@ -21,6 +21,7 @@ from service.schemas import ReloadStatus, WeightsInfo, WeightsUpdate
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
+OUTCOMES = ("applied", "rejected", "failed")
 
 
 class Reloader:
@@ -35,6 +36,8 @@ class Reloader:
         self.reloads: dict[str, ReloadStatus] = {}  # the latest reload of each model
         for target, state in engine.weights.items():
             metrics.weights_version.labels(target, state.version).set(1)
+            for outcome in OUTCOMES:  # exported at 0 from the start, so rate() and alerts see them
+                metrics.weights_reloads.labels(target, outcome)
 
     @property
     def weights(self) -> Mapping[str, WeightsState]:

@@ -73,6 +73,15 @@ def only(manifests: list[Manifest], kind: str) -> Manifest:
     return found[0]
 
 
+def services(manifests: list[Manifest]) -> tuple[Manifest, Manifest | None]:
+    """The load-balanced Service and the headless one (None when turned off)."""
+    found = [m for m in manifests if m["kind"] == "Service"]
+    headless = [m for m in found if m["spec"].get("clusterIP") == "None"]
+    (main,) = [m for m in found if m not in headless]
+    assert len(headless) <= 1
+    return main, headless[0] if headless else None
+
+
 def kinds(manifests: list[Manifest]) -> set[str]:
     return {m["kind"] for m in manifests}
 

@@ -34,6 +34,7 @@ from tests.deploy.chart import (
     only,
     render,
     serves_get,
+    services,
     values_of,
 )
 
@@ -216,17 +217,24 @@ def test_probes_hit_real_routes_on_the_container_port(values_file: Path) -> None
 @values_files
 def test_service_monitor_and_ingress_reach_the_container(values_file: Path) -> None:
     manifests = render(values_file)
-    deployment, svc = only(manifests, "Deployment"), only(manifests, "Service")
+    deployment, (svc, headless) = only(manifests, "Deployment"), services(manifests)
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= pod_labels.items()
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     (svc_port,) = svc["spec"]["ports"]
     assert svc_port["targetPort"] in {p["name"] for p in container(manifests)["ports"]}
+    assert headless is not None
+    assert headless["spec"]["selector"].items() <= pod_labels.items()
+    assert headless["spec"]["ports"][0]["targetPort"] == svc_port["targetPort"]
     pdb = only(manifests, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     if "ServiceMonitor" in kinds(manifests):
         monitor = only(manifests, "ServiceMonitor")
         assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+        # each pod scraped once: the headless Service's endpoints are not selected again
+        assert (
+            not monitor["spec"]["selector"]["matchLabels"].items() <= headless["metadata"]["labels"].items()
+        )
         for endpoint in monitor["spec"]["endpoints"]:
             assert endpoint["port"] == svc_port["name"]
             assert serves_get(endpoint["path"])
@@ -360,7 +368,7 @@ def test_example_proxies_outlast_the_service_limits() -> None:
     the service accepts by default."""
     files = {p.stem: p for p in VALUES_FILES}
     defaults = Settings()
-    service_annotations = only(render(files["loadbalancer-autoscaling-pvc-values"]), "Service")["metadata"]
+    service_annotations = services(render(files["loadbalancer-autoscaling-pvc-values"]))[0]["metadata"]
     idle = service_annotations["annotations"][
         "service.beta.kubernetes.io/aws-load-balancer-connection-idle-timeout"
     ]
@@ -370,3 +378,27 @@ def test_example_proxies_outlast_the_service_limits() -> None:
     body = ingress["nginx.ingress.kubernetes.io/proxy-body-size"]
     assert body.endswith("m")
     assert int(body[:-1]) << 20 >= defaults.max_body_bytes
+
+
+def test_weight_reload_values_wire_admin_keys_checkpoints_and_versions() -> None:
+    """Reload on: the admin-key file, the reload mode and roots are settings the service knows, the
+    checkpoints claim is mounted read-only where the roots point, and the version label is set."""
+    manifests = render(CHART / "ci" / "weights-reload-values.yaml")
+    env = env_of(manifests)
+    main = container(manifests)
+    mounts = {m["name"]: m for m in main["volumeMounts"]}
+    assert env["LOGPROBD_RELOAD_MODE"] == "copy"
+    assert env["LOGPROBD_WEIGHTS_VERSION"] == "step-0"
+    assert mounts["checkpoints"] == {"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": True}
+    assert env["LOGPROBD_RELOAD_ROOTS"] == "/checkpoints"
+    keys_dir, _, key = env["LOGPROBD_ADMIN_API_KEYS_FILE"].rpartition("/")
+    assert mounts["admin-keys"]["mountPath"] == keys_dir
+    volumes = {v["name"]: v for v in only(manifests, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["admin-keys"]["secret"]["items"] == [{"key": key, "path": key}]
+    assert volumes["checkpoints"]["persistentVolumeClaim"] == {
+        "claimName": "rl-checkpoints",
+        "readOnly": True,
+    }
+    Settings(reload_mode=env["LOGPROBD_RELOAD_MODE"], weights_version=env["LOGPROBD_WEIGHTS_VERSION"])
+    default_env = env_of(render(CHART / "ci" / "default-values.yaml"))
+    assert "LOGPROBD_ADMIN_API_KEYS_FILE" not in default_env  # reload stays off unless asked
