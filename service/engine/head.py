@@ -2,6 +2,9 @@
 
 Never builds a [tokens, vocab] tensor: at most [chunk_rows, vocab] logits exist at once, and only
 rows that predict an action are computed. Does not rely on `logits_to_keep`-style model kwargs.
+Each chunk is one fused log-softmax over float32 logits (upcast inside the kernel when there is
+nothing to apply first): a chunk's logits are the head's largest tensors, so every extra pass over
+them (an upcast copy, a temperature multiply, logsumexp's temporaries) costs memory bandwidth.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ class LogitTransform:
         softcap = getattr(config, "final_logit_softcapping", None)
         return cls(scale=scale, softcap=float(softcap) if softcap else None)
 
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """Applied in place: `logits` is a float32 temporary of the head."""
         if self.scale != 1.0:
@@ -51,7 +58,7 @@ def score_actions(
     *,
     hidden: torch.Tensor,  # [A, H] final hidden state at t-1 for each action t
     targets: torch.Tensor,  # [A]
-    inv_temperature: torch.Tensor,  # [A]
+    inv_temperature: torch.Tensor | None,  # [A]; None: every T is 1
     lm_head: torch.nn.Module,
     transform: LogitTransform,
     chunk_rows: int,
@@ -62,11 +69,14 @@ def score_actions(
     entropy = torch.empty_like(logprobs) if want_entropy else None
     for start in range(0, rows, chunk_rows):
         end = min(start + chunk_rows, rows)
-        z = transform(lm_head(hidden[start:end]).float())  # [c, V] float32, modified in place below
-        z.mul_(inv_temperature[start:end, None])
-        lse = torch.logsumexp(z, dim=-1)  # [c]
-        logprobs[start:end] = z.gather(1, targets[start:end, None]).squeeze(1) - lse
+        z = lm_head(hidden[start:end])  # [c, V] in the model's dtype
+        if inv_temperature is not None or not transform.identity:
+            z = transform(z.float())  # float32 temporary, modified in place
+            if inv_temperature is not None:
+                z.mul_(inv_temperature[start:end, None])
+        logp = torch.log_softmax(z, dim=-1, dtype=torch.float32)  # [c, V] float32
+        del z
+        logprobs[start:end] = logp.gather(1, targets[start:end, None]).squeeze(1)
         if entropy is not None:
-            p = torch.exp(z - lse[:, None])
-            entropy[start:end] = lse - (p * z).sum(dim=-1)
+            entropy[start:end] = torch.special.entr(logp.exp_()).sum(dim=-1)  # -Σ p·log p
     return ActionScores(logprobs=logprobs, entropy=entropy)

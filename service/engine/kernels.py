@@ -1,10 +1,11 @@
-"""Optional fused decoder kernels: liger-kernel's Triton RMSNorm and SwiGLU/GeGLU MLP.
+"""Optional fused decoder kernels: liger-kernel's Triton RMSNorm, SwiGLU/GeGLU MLP and RoPE.
 
 They replace memory-bound chains of elementwise ops; on CUDA only, for the architectures liger
 patches (BENCHMARKS.md has what they save). Only the given model instance is patched: liger also
-rebinds names in the transformers modeling module (for models built later, and RoPE), which is
-undone here so that no other model in the process (a reference, a test model) changes behind its
-back. The model's head is untouched (no fused cross-entropy: logprobd runs its own head).
+rebinds names in the transformers modeling module (for models built later), which is undone here so
+that no other model in the process (a reference, a test model) changes behind its back. liger can
+only install RoPE module-wide, so its RoPE kernel goes in through rope.py's per-instance dispatch.
+The model's head is untouched (no fused cross-entropy: logprobd runs its own head).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import Any
 
 import torch
 
+from service.engine.rope import fuse_rope
+
 log = logging.getLogger(__name__)
 
 _WANTED = {
-    "rope": False,  # liger's RoPE can only be installed module-wide
+    "rope": False,  # module-wide in liger: installed per instance below instead
     "rms_norm": True,
     "swiglu": True,
     "geglu": True,
@@ -48,7 +51,11 @@ def apply_fused_kernels(model: Any, setting: str, device: torch.device) -> str:
     for name, value in before.items():  # keep the patch on this instance only
         if getattr(modeling, name, None) is not value:
             setattr(modeling, name, value)
-    log.info("liger-kernel fused RMSNorm and MLP applied to this %s model", model_type)
+    fused = "RMSNorm and MLP"
+    rope = params.get("rope")  # liger fuses RoPE by default only where its kernel fits the architecture
+    if rope is not None and rope.default is True and fuse_rope(model, _liger_rope()):
+        fused = "RMSNorm, MLP and RoPE"
+    log.info("liger-kernel fused %s applied to this %s model", fused, model_type)
     return "liger"
 
 
@@ -58,3 +65,12 @@ def _liger_patch(model_type: str) -> Any:
     import liger_kernel.transformers as liger
 
     return getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
+
+
+def _liger_rope() -> Any:
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+        return liger_rotary_pos_emb(q, k, cos, sin)  # rotates q and k in place
+
+    return rope

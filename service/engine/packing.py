@@ -19,7 +19,7 @@ class PackedBatch:
     cu_seqlens:              [S+1] int32 boundaries; max_len the longest sequence
     hidden_index:            [A] index in N of the position t-1 that predicts each action t
     targets:                 [A] the action token ids
-    inv_temperature:         [A] float32, 1 / T of each action's request
+    inv_temperature:         [A] float32, 1 / T of each action's request; None when every T is 1
     """
 
     input_ids: torch.Tensor
@@ -28,7 +28,7 @@ class PackedBatch:
     max_len: int
     hidden_index: torch.Tensor
     targets: torch.Tensor
-    inv_temperature: torch.Tensor
+    inv_temperature: torch.Tensor | None
     actions_per_sequence: list[int]
     want_entropy: bool
 
@@ -69,7 +69,7 @@ def pack(jobs: Sequence[SequenceJob], device: torch.device) -> PackedBatch:
         max_len=int(lengths.max()),
         hidden_index=to(action_index - 1),
         targets=to(tokens[action_index]),
-        inv_temperature=to(inv_temperature),
+        inv_temperature=None if all(job.temperature == 1.0 for job in jobs) else to(inv_temperature),
         actions_per_sequence=[int(job.actions.shape[0]) for job in jobs],
         want_entropy=any(job.return_entropy for job in jobs),
     )

@@ -42,6 +42,33 @@ def test_chunked_head_equals_full_log_softmax(chunk_rows: int, transform: LogitT
     torch.testing.assert_close(got.entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unit_temperature_head_equals_full_log_softmax(dtype: torch.dtype) -> None:
+    """No temperature and no transform: the log-softmax upcasts the head's own logits in one op."""
+    gen = torch.Generator().manual_seed(7)
+    head = torch.nn.Linear(16, 300, bias=False)
+    torch.nn.init.normal_(head.weight, std=0.5, generator=gen)
+    head = head.to(dtype)
+    hidden = torch.randn(13, 16, generator=gen).to(dtype)
+    targets = torch.randint(0, 300, (13,), generator=gen)
+    got = score_actions(
+        hidden=hidden,
+        targets=targets,
+        inv_temperature=None,
+        lm_head=head,
+        transform=LogitTransform(),
+        chunk_rows=5,
+        want_entropy=True,
+    )
+    logp = torch.log_softmax(head(hidden).double(), dim=-1)  # the same model-dtype logits, in float64
+    assert got.logprobs.dtype == torch.float32
+    torch.testing.assert_close(
+        got.logprobs.double(), logp.gather(1, targets[:, None])[:, 0], atol=1e-5, rtol=0
+    )
+    assert got.entropy is not None
+    torch.testing.assert_close(got.entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-5, rtol=0)
+
+
 def test_transform_from_config() -> None:
     assert LogitTransform.from_config(SimpleNamespace()) == LogitTransform()
     assert LogitTransform.from_config(SimpleNamespace(final_logit_softcapping=30.0)).softcap == 30.0

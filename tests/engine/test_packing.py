@@ -23,6 +23,12 @@ def test_pack_three_sequences() -> None:
     assert batch.max_len == 4
     assert batch.hidden_index.tolist() == [0, 1, 7]  # t-1 of actions 1, 2 (seq 0) and 3 (seq 2)
     assert batch.targets.tolist() == [6, 7, 4]
+    assert batch.inv_temperature is not None
     assert batch.inv_temperature.tolist() == [1.0, 1.0, 0.5]
     assert batch.actions_per_sequence == [2, 0, 1]
     assert batch.want_entropy
+
+
+def test_unit_temperature_needs_no_scaling() -> None:
+    jobs = [SequenceJob(np.array([5, 6, 7]), np.array([1, 2]), 1.0, False)] * 2
+    assert pack(jobs, torch.device("cpu")).inv_temperature is None
