@@ -5,7 +5,9 @@
 
 Per model (random bf16 weights with the real shapes) and per variant: milliseconds (median of
 --reps after a warm-up), tokens/s, fraction of the FLOP floor, peak GPU memory; plus the largest
-|Δ| of the service's scores against a float32 reference on a sample of sequences.
+|Δ| of the service's scores against a float32 reference on a sample of sequences. Over HTTP the 8
+clients are 8 connections of one client process (`http`, the figure the targets use) and, beside
+it, 8 client processes with one request each (`http_8proc`); see client.py.
 """
 
 from __future__ import annotations
@@ -144,12 +146,12 @@ def http_bodies(samples: list[Sample]) -> list[bytes]:
     ]
 
 
-def http_seconds(url: str, bodies: list[bytes], reps: int) -> float:
-    """Median wall seconds of all bodies sent at once, by a client in another process."""
+def http_seconds(url: str, bodies: list[bytes], reps: int, mode: str = "asyncio") -> float:
+    """Median wall seconds of all bodies sent at once, by clients in other processes (client.py)."""
     with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
         f.write(b"\n".join(bodies))
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.client", url, f.name, str(reps)],
+        [sys.executable, "-m", "benchmarks.client", url, f.name, str(reps), "--mode", mode],
         capture_output=True,
         text=True,
         check=True,
@@ -237,9 +239,19 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             "peak_memory_gib": peak_memory(lambda: http_seconds(url, bodies, 1), device),
         }
         print(f"  {name}   http: {seconds * 1e3:9.1f} ms  {floor_s / seconds:6.1%} of floor", flush=True)
+        # the same load from 8 client processes, one request each
+        seconds = http_seconds(url, bodies, args.reps, mode="processes")
+        variants["http_8proc"] = {
+            "ms": seconds * 1e3,
+            "tokens_per_s": tokens / seconds,
+            "floor_fraction": floor_s / seconds,
+            "peak_memory_gib": variants["http"]["peak_memory_gib"],  # the same server work
+        }
+        print(f"  {name} http_8proc: {seconds * 1e3:9.1f} ms  {floor_s / seconds:6.1%} of floor", flush=True)
 
     result = {
         "kernels": kernels,
+        "http_client": f"one client process, {len(http_bodies(samples))} connections (client.py asyncio)",
         "tokens": tokens,
         "action_tokens": sum(len(s.response) for s in samples),
         "floor_ms": floor_s * 1e3,
@@ -253,6 +265,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             else None
         ),
         "http_overhead": (variants["http"]["ms"] - variants["engine"]["ms"]) / variants["http"]["ms"],
+        "http_overhead_8proc_clients": (variants["http_8proc"]["ms"] - variants["engine"]["ms"])
+        / variants["http_8proc"]["ms"],
         "max_abs_diff_bf16": max_abs_diff([s.logprobs for s in engine_scores], want),
         "max_abs_diff_bf16_naive_peer": max_abs_diff(naive_scores, want),
     }
@@ -292,8 +306,8 @@ def table(results: dict[str, Any]) -> str:
     lines += [
         "",
         "| model | floor ms | HTTP floor | engine floor | speed-up vs naive | memory / naive | HTTP overhead "
-        "| max abs Δ bf16 (service / naive peer) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| (8 client processes) | max abs Δ bf16 (service / naive peer) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in results["models"].items():
         mem = r["peak_memory_vs_naive"]
@@ -301,6 +315,7 @@ def table(results: dict[str, Any]) -> str:
             f"| {name} | {r['floor_ms']:.1f} | {r['floor_fraction_http']:.1%} | "
             f"{r['floor_fraction_engine']:.1%} | {r['speedup_vs_naive']:.2f} | "
             f"{'n/a' if mem is None else f'{mem:.1%}'} | {r['http_overhead']:.1%} | "
+            f"{r['http_overhead_8proc_clients']:.1%} | "
             f"{r['max_abs_diff_bf16']:.3g} / {r['max_abs_diff_bf16_naive_peer']:.3g} |"
         )
     return "\n".join(lines)

@@ -1,10 +1,14 @@
 """Engine variants, measured one configuration set per process: what pays.
 
     python -m benchmarks.variants --model qwen2.5-1.5b --kernels none
-    python -m benchmarks.variants --model qwen2.5-1.5b --kernels liger [--liger-rope]
+    python -m benchmarks.variants --model qwen2.5-1.5b --kernels liger [--rope none] [--head previous]
+    python -m benchmarks.variants --model qwen2.5-1.5b --kernels liger --configs 16384:512 --profile
 
 The service's engine in-process on the benchmark workload, for several token budgets and lm_head
-chunk sizes; `--liger-rope` also installs liger's RoPE (module-wide, so not used by the service).
+chunk sizes. `--kernels liger` is what the service applies (RMSNorm, SwiGLU, and RoPE per instance);
+`--rope none` takes the fused RoPE back out; `--head previous` scores with the head as it was before
+the single fused log-softmax (upcast copy, temperature multiply, logsumexp); `--profile` prints
+the CUDA kernels of one round by total time.
 """
 
 from __future__ import annotations
@@ -19,18 +23,50 @@ import torch
 from benchmarks.run import build_model, peak_memory, timed
 from benchmarks.workload import SHAPES, jobs, workload
 from service.batcher import Batcher
+from service.engine import scorer
 from service.engine.attention import choose_backend, register
 from service.engine.chunking import chunk_mlps
+from service.engine.head import ActionScores, LogitTransform
 from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel
+from service.engine.rope import unfuse_rope
 from service.engine.scorer import PackedScorer
 from service.metrics import Metrics
 from service.settings import Settings
 
-CONFIGS = [(16384, 1024), (16384, 512), (16384, 256), (32768, 512), (8192, 512)]
+CONFIGS = ["16384:1024", "16384:512", "16384:256", "32768:512", "8192:512"]
 
 
-def measure(model: Any, name: str, budget: int, chunk: int, reps: int) -> tuple[float, float]:
+def previous_head(
+    *,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    inv_temperature: torch.Tensor | None,
+    lm_head: torch.nn.Module,
+    transform: LogitTransform,
+    chunk_rows: int,
+    want_entropy: bool,
+) -> ActionScores:
+    """The head before this change (commit fa92fd3..2f44f22), for comparison only."""
+    rows = hidden.shape[0]
+    logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+    entropy = torch.empty_like(logprobs) if want_entropy else None
+    inv_t = inv_temperature if inv_temperature is not None else torch.ones_like(logprobs)
+    for start in range(0, rows, chunk_rows):
+        end = min(start + chunk_rows, rows)
+        z = transform(lm_head(hidden[start:end]).float())
+        z.mul_(inv_t[start:end, None])
+        lse = torch.logsumexp(z, dim=-1)
+        logprobs[start:end] = z.gather(1, targets[start:end, None]).squeeze(1) - lse
+        if entropy is not None:
+            p = torch.exp(z - lse[:, None])
+            entropy[start:end] = lse - (p * z).sum(dim=-1)
+    return ActionScores(logprobs=logprobs, entropy=entropy)
+
+
+def measure(
+    model: Any, name: str, budget: int, chunk: int, *, reps: int, profile: bool
+) -> tuple[float, float]:
     device = torch.device("cuda")
     backend = choose_backend("auto", device)
     settings = Settings(device="cuda", dtype="bfloat16", max_batch_tokens=budget, logits_chunk_rows=chunk)
@@ -39,9 +75,20 @@ def measure(model: Any, name: str, budget: int, chunk: int, reps: int) -> tuple[
     loop = asyncio.new_event_loop()
     batcher = Batcher(engine, budget, Metrics())
     loop.call_soon(batcher.start)
-    run = lambda: loop.run_until_complete(batcher.score(the_jobs))  # noqa: E731
+
+    def run() -> object:
+        return loop.run_until_complete(batcher.score(the_jobs))
+
     seconds = timed(run, device, reps)
     peak = peak_memory(run, device)
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     loop.run_until_complete(batcher.stop())
     loop.close()
     return seconds * 1e3, peak
@@ -51,25 +98,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen2.5-1.5b")
     parser.add_argument("--kernels", default="none", choices=["none", "liger"])
-    parser.add_argument("--liger-rope", action="store_true")
+    parser.add_argument("--rope", default="fused", choices=["fused", "none"])
+    parser.add_argument("--head", default="current", choices=["current", "previous"])
     parser.add_argument("--mlp-chunk-tokens", type=int, default=0)
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, help="BUDGET:CHUNK_ROWS ...")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     model = build_model(args.model, torch.bfloat16, device, register(choose_backend("auto", device)))
     label = apply_fused_kernels(model, args.kernels, device)
+    if args.rope == "none" and unfuse_rope(model):
+        label += "-rope"
     if chunk_mlps(model, args.mlp_chunk_tokens):
         label += f"+mlp{args.mlp_chunk_tokens}"
-    if args.liger_rope:
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
-
-        apply_liger_kernel_to_qwen2(rope=True, rms_norm=False, swiglu=False, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)  # fmt: skip
-        label += "+rope"
-    for budget, chunk in CONFIGS:
-        ms, peak = measure(model, args.model, budget, chunk, args.reps)
-        config = f"kernels={label:18s} budget={budget:6d} chunk={chunk:5d}"
-        print(f"{args.model} {config}: {ms:8.1f} ms  peak {peak:5.1f} GiB", flush=True)
+    if args.head == "previous":
+        setattr(scorer, "score_actions", previous_head)  # noqa: B010 (CausalLM looks it up at call time)
+        label += "+prevhead"
+    for config in args.configs:
+        budget, chunk = (int(x) for x in config.split(":"))
+        ms, peak = measure(model, args.model, budget, chunk, reps=args.reps, profile=args.profile)
+        config_label = f"kernels={label:24s} budget={budget:6d} chunk={chunk:5d}"
+        print(f"{args.model} {config_label}: {ms:8.1f} ms  peak {peak:5.1f} GiB", flush=True)
     return 0
 
 

@@ -1,0 +1,135 @@
+"""Where the HTTP overhead goes: a timeline of the server's side of the benchmark's HTTP rounds.
+
+    python -m benchmarks.overhead --model qwen2.5-0.5b [--switch-interval 0.0005]
+
+Runs the engine in-process and then over HTTP (the real app on loopback, clients in another
+process, as benchmarks.run does) and records, in the server's process, when each request is parsed,
+normalised and rendered and when each micro-batch runs in the engine thread. Prints, per variant:
+the micro-batches' total time in the engine (longer over HTTP when the event loop holds the GIL the
+engine thread needs to launch kernels), the gaps between them, how long after the first request
+arrived the first micro-batch started, and how long after the last micro-batch the last answer was
+rendered. `--switch-interval` sets sys.setswitchinterval in the server's process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.run import HttpServer, build_model, http_bodies, http_seconds
+from benchmarks.workload import SHAPES, jobs, workload
+from service import api
+from service.batcher import Batcher
+from service.engine.attention import choose_backend, register
+from service.engine.chunking import chunk_mlps
+from service.engine.kernels import apply_fused_kernels
+from service.engine.loading import LoadedModel
+from service.engine.scorer import PackedScorer
+from service.metrics import Metrics
+from service.settings import Settings
+
+Event = tuple[str, float, float]  # what, start, end (time.perf_counter)
+
+
+def recorded(events: list[Event], what: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            events.append((what, start, time.perf_counter()))
+
+    return wrapper
+
+
+def rounds(events: list[Event], per_round: int) -> list[list[Event]]:
+    """Split the events into rounds: a round starts with every `per_round`-th "start" event."""
+    ordered = sorted(events, key=lambda e: e[1])
+    starts = [e[1] for e in ordered if e[0] in ("start", "parse")][::per_round]
+    out: list[list[Event]] = [[] for _ in starts]
+    for event in ordered:
+        index = max((i for i, t in enumerate(starts) if t <= event[1]), default=0)
+        out[index].append(event)
+    return out
+
+
+def summary(label: str, events: list[Event], per_round: int) -> None:
+    rows = []
+    for r in rounds(events, per_round):
+        batches = [e for e in r if e[0] == "batch"]
+        first = min(e[1] for e in r)
+        busy = sum(e[2] - e[1] for e in batches)
+        gaps = sum(b[1] - a[2] for a, b in itertools.pairwise(batches))
+        renders = [e for e in r if e[0] == "render"]
+        tail = max(e[2] for e in renders) - batches[-1][2] if renders else 0.0
+        host = sum(e[2] - e[1] for e in r if e[0] in ("parse", "normalise", "render"))
+        rows.append(
+            (batches[0][1] - first, busy, gaps, tail, host, max(e[2] for e in r) - first, len(batches))
+        )
+    keep = rows[1:] or rows  # the first round warms up
+    med = [statistics.median(x[i] for x in keep) * 1e3 for i in range(6)]
+    print(
+        f"{label:28s} first batch after {med[0]:6.2f} ms | batches {med[1]:7.2f} ms ({keep[0][6]}) | "
+        f"gaps {med[2]:5.2f} ms | tail {med[3]:5.2f} ms | parse+normalise+render {med[4]:5.2f} ms | "
+        f"span {med[5]:7.2f} ms",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen2.5-0.5b")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--switch-interval", type=float, default=None)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    device = torch.device(args.device)
+    settings = Settings(device=device.type, dtype="bfloat16" if device.type == "cuda" else "float32")
+    backend = choose_backend("auto", device)
+    model = build_model(args.model, getattr(torch, settings.dtype), device, register(backend))
+    kernels = apply_fused_kernels(model, "auto", device)
+    chunk_mlps(model, settings.mlp_chunk_tokens)
+    engine = PackedScorer(LoadedModel(model, args.model, demo=False), device, backend, settings, kernels)
+    engine.warm_up()
+    events: list[Event] = []
+    engine.score = recorded(events, "batch", engine.score)  # type: ignore[method-assign]
+    samples = workload(int(SHAPES[args.model]["vocab_size"]))
+    the_jobs = jobs(samples)
+
+    loop = asyncio.new_event_loop()
+    batcher = Batcher(engine, settings.max_batch_tokens, Metrics(), wait_s=settings.batch_wait_ms / 1e3)
+    loop.call_soon(batcher.start)
+    for _ in range(args.reps + 1):
+        start = time.perf_counter()
+        loop.run_until_complete(batcher.score(the_jobs))
+        events.append(("start", start, start))
+        time.sleep(0.1)
+    loop.run_until_complete(batcher.stop())
+    loop.close()
+    summary("engine in-process", events, 1)
+
+    api.parse_request = recorded(events, "parse", api.parse_request)  # type: ignore[attr-defined]
+    api.normalise = recorded(events, "normalise", api.normalise)  # type: ignore[attr-defined]
+    api.render = recorded(events, "render", api.render)  # type: ignore[attr-defined]
+    bodies = http_bodies(samples)
+    with HttpServer(engine, settings) as url:
+        for mode in ("asyncio", "processes"):
+            events.clear()
+            seconds = http_seconds(url, bodies, args.reps, mode=mode)
+            summary(f"http, client {mode}", events, len(bodies))
+            print(f"{'':28s} client round {seconds * 1e3:.1f} ms", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
