@@ -18,9 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from service.engine.base import ReloadOrder, WeightsRejected
 from service.engine.scorer import PackedScorer
+from service.engine.weights import Staged
 from service.jobs import SequenceJob
 from tests import critics, models
-from tests.conftest import DEVICE, TOLERANCE, eager, settings_for
+from tests.conftest import TOLERANCE, eager, settings_for
 from tests.reference import expected
 
 LENGTHS = (9, 23, 40)
@@ -70,7 +71,8 @@ def test_staged_weights_serve_only_once_applied(
 
     staged = engine.stage(ReloadOrder("policy", checkpoints["v11"], "v11", mode))  # type: ignore[arg-type]
     assert staged.mode == mode
-    assert staged.nbytes == sum(p.numel() * 4 for p in eager(checkpoints["v11"]).model.parameters())
+    served = list(engine._policy.model.parameters())
+    assert staged.nbytes == sum(p.numel() * p.element_size() for p in served)
     _close([s.logprobs for s in engine.score(jobs)], old)  # staged is not serving
     state = engine.apply(staged)
     _close([s.logprobs for s in engine.score(jobs)], new)
@@ -87,9 +89,25 @@ def test_staged_weights_serve_only_once_applied(
     assert engine.weights["policy"].reloads == 2
 
 
-def test_auto_mode_on_cpu_swaps(engine: PackedScorer, checkpoints: dict[str, Path]) -> None:
-    if DEVICE != "cpu":
-        pytest.skip("on CUDA auto depends on free memory")
+@pytest.mark.parametrize("mode", ["copy", "swap"])
+def test_staged_tensors_live_where_the_mode_says(
+    engine: PackedScorer, checkpoints: dict[str, Path], mode: str
+) -> None:
+    """swap stages on the serving device; copy in host memory, pinned when the device is a GPU."""
+    staged = engine.stage(ReloadOrder("policy", checkpoints["v11"], "v11", mode))  # type: ignore[arg-type]
+    assert isinstance(staged, Staged)
+    for slot in staged.slots:
+        assert slot.new.shape == slot.served.shape
+        assert slot.new.dtype == slot.served.dtype
+        if mode == "swap":
+            assert slot.new.device == slot.served.device
+        else:
+            assert slot.new.device.type == "cpu"
+            assert slot.new.is_pinned() == (slot.served.device.type == "cuda")
+
+
+def test_auto_mode_swaps_when_there_is_room(engine: PackedScorer, checkpoints: dict[str, Path]) -> None:
+    # a tiny model: a second copy fits beside the working memory on any device
     assert engine.stage(ReloadOrder("policy", checkpoints["v11"], "v11")).mode == "swap"
 
 
