@@ -126,9 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- |")
     for r in rows:
+        ok = r["correct"] and r["scores_changed"] and r["back_exact"]
         print(
             f"| {r['model']} | {r['mode']} | {r['bytes'] / GIB:.2f} | {r['stage_s']:.2f} | "
-            f"{r['pause_ms']:.1f} | {r['extra_peak_gib']:.2f} | {r['correct'] and r['scores_changed'] and r['back_exact']} | "
+            f"{r['pause_ms']:.1f} | {r['extra_peak_gib']:.2f} | {ok} | "
             f"{r['auto_would_pick']} |"
         )
     if args.output is not None:
