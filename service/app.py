@@ -17,6 +17,7 @@ from service.api import build_router
 from service.batcher import Batcher
 from service.engine import ScoringEngine, load_engine
 from service.errors import ServiceError, from_pydantic, status_for
+from service.follow import follow_version_file
 from service.metrics import Metrics
 from service.normalise import ModelLimits
 from service.reload import Reloader
@@ -50,6 +51,9 @@ def create_app(
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             if state.serving is not None:
+                if state.serving.follower is not None:
+                    state.serving.follower.cancel()
+                    await asyncio.gather(state.serving.follower, return_exceptions=True)
                 await state.serving.reloader.stop()
                 await state.serving.batcher.stop()
 
@@ -96,7 +100,11 @@ async def _start(
         max_timeout_s=settings.max_request_timeout_s,
     )
     reloader = Reloader(engine, batcher, state.metrics, settings)
-    state.serving = Serving(info=info, limits=limits, batcher=batcher, reloader=reloader)
+    follower = None
+    if settings.weights_follow is not None:
+        follow = follow_version_file(reloader, settings.weights_follow, settings.weights_follow_interval_s)
+        follower = asyncio.create_task(follow, name="logprobd-follow")
+    state.serving = Serving(info=info, limits=limits, batcher=batcher, reloader=reloader, follower=follower)
     state.metrics.ready.set(1)
     state.metrics.model_info.info(
         {"model": info.model, "architecture": info.architecture, "dtype": info.dtype, "demo": str(info.demo)}

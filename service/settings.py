@@ -121,6 +121,12 @@ class Settings(BaseSettings):
         description="Colon-separated directories that reload paths must lie under (after resolving links); "
         "unset: any local path.",
     )
+    weights_follow: Path | None = Field(
+        None,
+        description="JSON version file on shared storage ({path, version[, target, mode]} or a list of "
+        "them): reload whatever it names that is not served yet, without an admin request.",
+    )
+    weights_follow_interval_s: float = Field(2.0, gt=0, description="How often to look at weights_follow.")
     auth_all_routes: bool = Field(
         False, description="Also require a key on /health/*, /info and /metrics (open by default)."
     )

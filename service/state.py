@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from service.batcher import Batcher
@@ -21,6 +22,7 @@ class Serving:
     limits: ModelLimits
     batcher: Batcher
     reloader: Reloader
+    follower: asyncio.Task[None] | None = None  # follows settings.weights_follow
 
 
 @dataclass(slots=True)

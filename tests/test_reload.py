@@ -306,3 +306,40 @@ def test_critic_reload_over_http(weight_versions: dict[str, Path], tmp_path: Pat
             want = critics.expected_values(new, row)[-n:]
             np.testing.assert_allclose(after["values"][i], want, atol=TOLERANCE)
         assert client.get("/info").json()["weights"]["critic"]["version"] == "c4"
+
+
+def test_replicas_follow_a_version_file(
+    weight_versions: dict[str, Path], version_models: dict[str, Any], tmp_path: Path
+) -> None:
+    """No admin request: two replicas watch one file; each rewrite is loaded by both, a broken or
+    refused one is logged and the weights stay, and a rewrite after it is loaded again."""
+    file = tmp_path / "weights.json"
+    settings = settings_for(weight_versions["v10"], weights_follow=file, weights_follow_interval_s=0.05)
+
+    def write(content: str) -> None:
+        (tmp_path / "tmp.json").write_text(content)
+        (tmp_path / "tmp.json").replace(file)  # atomically, as a trainer should
+
+    def versions(urls: list[str]) -> list[str]:
+        return [httpx.get(f"{url}/info").json()["weights_version"] for url in urls]
+
+    def until(urls: list[str], version: str) -> None:
+        deadline = time.monotonic() + 20
+        while versions(urls) != [version] * len(urls):
+            assert time.monotonic() < deadline, versions(urls)
+            time.sleep(0.05)
+
+    with loopback(create_app(settings)) as a, loopback(create_app(settings)) as b:
+        assert versions([a, b]) == ["initial", "initial"]
+        write(f'{{"path": "{weight_versions["v11"]}", "version": "v11"}}')
+        until([a, b], "v11")
+        reply = httpx.post(f"{b}/logprobs", json=BODY).json()
+        assert close(reply["logprobs"], expected(version_models["v11"], BODY).logprobs)
+        write("{not json")
+        write(f'[{{"path": "{tmp_path}", "version": "broken"}}]')  # no config.json: refused
+        time.sleep(0.5)
+        assert versions([a, b]) == ["v11", "v11"]
+        write(f'[{{"path": "{weight_versions["v12"]}", "version": "v12", "mode": "copy"}}]')
+        until([a, b], "v12")
+        info = httpx.get(f"{a}/info").json()["weights"]["policy"]
+        assert (info["mode"], info["reloads"]) == ("copy", 2)

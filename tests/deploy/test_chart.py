@@ -391,6 +391,7 @@ def test_weight_reload_values_wire_admin_keys_checkpoints_and_versions() -> None
     assert env["LOGPROBD_WEIGHTS_VERSION"] == "step-0"
     assert mounts["checkpoints"] == {"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": True}
     assert env["LOGPROBD_RELOAD_ROOTS"] == "/checkpoints"
+    assert env["LOGPROBD_WEIGHTS_FOLLOW"].startswith(mounts["checkpoints"]["mountPath"] + "/")
     keys_dir, _, key = env["LOGPROBD_ADMIN_API_KEYS_FILE"].rpartition("/")
     assert mounts["admin-keys"]["mountPath"] == keys_dir
     volumes = {v["name"]: v for v in only(manifests, "Deployment")["spec"]["template"]["spec"]["volumes"]}
