@@ -53,6 +53,7 @@ class Experience:
     returns: torch.Tensor
     critic: bool  # values came from a critic
     reference: bool  # ref_log_probs and kl came from a reference model
+    weights_version: str | None = None  # the policy weights the old log-probs came from
 
 
 def random_rollout(vocab_size: int, batch: int = 4, seed: int = 0) -> Rollout:
@@ -118,10 +119,14 @@ def ppo_experience(
     kl_coef: float = 0.01,
     kl_estimator: str = "k1",
     roles: set[str] | None = None,
+    weights_version: str | None = None,
 ) -> Experience:
-    """Score the rollout in one request and compute GAE; `roles` default to the server's own."""
+    """Score the rollout in one request and compute GAE; `roles` default to the server's own.
+    `weights_version` pins the policy weights that sampled the rollout: old log-probs from any other
+    weights would be wrong, so the server answers 409 (LogprobdError) rather than score them."""
     roles = model_roles(client.info()) if roles is None else roles
     mask = rollout.action_mask.float()
+    pin: dict[str, Any] = {} if weights_version is None else {"weights_version": weights_version}
     scores = openrlhf_log_probs(
         client,
         rollout.sequences,
@@ -131,6 +136,7 @@ def ppo_experience(
         return_values="critic" in roles,
         return_ref_log_probs="reference" in roles,
         kl_estimator=kl_estimator,
+        **pin,
     )
     old = scores.log_probs
     if scores.ref_log_probs is not None and scores.kl is not None:
@@ -149,6 +155,7 @@ def ppo_experience(
         returns=returns,
         critic=scores.values is not None,
         reference=scores.ref_log_probs is not None,
+        weights_version=scores.weights_version,
     )
 
 
@@ -161,15 +168,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--kl-estimator", choices=("k1", "k2", "k3"), default="k1")
+    parser.add_argument(
+        "--weights-version",
+        default=None,
+        help="pin the policy weights that sampled the rollout (409 if not served)",
+    )
     args = parser.parse_args(argv)
     with Client(args.url.split(","), api_key=args.api_key) as client:
         client.wait_ready(timeout=600)
         info = client.info()
         rollout = random_rollout(int(info["vocab_size"]))
-        step = ppo_experience(client, rollout, kl_estimator=args.kl_estimator, roles=model_roles(info))
+        step = ppo_experience(
+            client,
+            rollout,
+            kl_estimator=args.kl_estimator,
+            roles=model_roles(info),
+            weights_version=args.weights_version,
+        )
     mask = rollout.action_mask
     summary = {
         "actions": int(mask.sum()),
+        "weights_version": step.weights_version,
         "critic": step.critic,
         "reference": step.reference,
         "mean_old_log_prob": float(step.old_log_probs[mask].mean()),

@@ -47,6 +47,7 @@ class TensorScores:
     ref_log_probs: torch.Tensor | None = None  # the reference model's log-probs (`return_ref_log_probs`)
     kl: torch.Tensor | None = None  # per-token KL estimate of `kl_estimator` (`return_ref_log_probs`)
     rollout: RolloutStats | None = None  # mismatch statistics (when `rollout_log_probs` was given)
+    weights_version: str | None = None  # the policy weights that produced every score
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,7 @@ class Plan:
             ref_log_probs=None if ref_log_probs is None else tensor(ref_log_probs, torch.float32),
             kl=None if kl is None else tensor(kl, torch.float32),
             rollout=None if rollout is None else RolloutStats.from_body(rollout),
+            weights_version=scores.weights_version,
         )
 
 

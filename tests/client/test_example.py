@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from examples import ppo_step
-from service.client import Client
+from service.client import Client, LogprobdError
 from tests.client import frameworks
 from tests.client.conftest import PpoServer, with_critics
 from tests.client.frameworks import Batch
@@ -58,6 +58,12 @@ def test_a_step_against_a_server(
     assert summary["actions"] > 0
     assert summary["mean_old_log_prob"] < 0
     assert (summary["critic"], summary["reference"]) == (False, False)
+    assert summary["weights_version"] == "initial"
+    assert ppo_step.main(["--url", qwen2_replicas[1], "--weights-version", "initial"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights_version"] == "initial"
+    with pytest.raises(LogprobdError) as stale:  # old log-probs from other weights: refused
+        ppo_step.main(["--url", qwen2_replicas[1], "--weights-version", "step-3"])
+    assert (stale.value.status, stale.value.type) == (409, "weights_version_mismatch")
 
 
 @with_critics("openrlhf")
