@@ -88,7 +88,7 @@ class Batcher:
         self._metrics = metrics
         self._queue: deque[_Pending] = deque()
         self._swaps: deque[_Swap] = deque()
-        self._versions: Mapping[str, str] = {t: w.version for t, w in engine.weights.items()}
+        self._versions = _serving_versions(engine)
         self._queued_tokens = 0
         self._last_batch_done = 0.0
         self._wake = asyncio.Event()
@@ -103,11 +103,6 @@ class Batcher:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
-
-    @property
-    def versions(self) -> Mapping[str, str]:
-        """The weights version of every model, as the next request to start will see them."""
-        return self._versions
 
     async def score(self, jobs: Sequence[SequenceJob], pins: Mapping[str, str] | None = None) -> Scored:
         """Scores of `jobs`, in order, all from one set of weights. Raises Overloaded (nothing queued)
@@ -247,7 +242,7 @@ class Batcher:
             log.critical("applying weights failed; the served weights may be partly replaced", exc_info=exc)
             swap.future.set_exception(EngineFailure(f"applying weights failed: {type(exc).__name__}: {exc}"))
             return
-        self._versions = {t: w.version for t, w in self._engine.weights.items()}
+        self._versions = _serving_versions(self._engine)
         done = time.perf_counter()
         if not swap.future.done():
             swap.future.set_result(Applied(state, started - swap.enqueued, done - started))
@@ -286,6 +281,11 @@ class Batcher:
             self._fail_futures(request.futures, exc)
             return
         request.versions = self._versions
+
+
+def _serving_versions(engine: ScoringEngine) -> Mapping[str, str]:
+    """model -> the version it serves: what a request starting now runs on."""
+    return {target: w.version for target, w in engine.weights.items()}
 
 
 def _check_pins(pins: Mapping[str, str], versions: Mapping[str, str]) -> None:

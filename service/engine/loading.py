@@ -87,7 +87,11 @@ def text_config(path: Path) -> Any:
     """The checkpoint's transformers config (its text part, for multimodal wrappers); local only."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    return text_part(AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False))
+
+
+def text_part(config: Any) -> Any:
+    """The text model's config of a (possibly multimodal) config."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 

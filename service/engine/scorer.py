@@ -35,7 +35,7 @@ from service.engine.chunking import chunk_mlps
 from service.engine.critic import Critic, load_critic, read_value_head
 from service.engine.head import ActionScores, LogitTransform, score_actions
 from service.engine.kernels import apply_fused_kernels
-from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype, text_config
+from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype, text_part
 from service.engine.packing import PackedBatch, pack
 from service.jobs import FloatArray, SequenceJob, SequenceScores
 from service.settings import Settings
@@ -117,7 +117,7 @@ class PackedScorer:
         self._critic = critic
         self._device = device
         config = loaded.model.config
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_part(config)
         vocab = self._policy.vocab_size
         if self._reference is not None and self._reference.vocab_size != vocab:
             raise ValueError(
@@ -195,10 +195,7 @@ class PackedScorer:
                 head = read_value_head(order.path, int(module.config.hidden_size), self._device)
             except (OSError, ValueError) as exc:
                 raise WeightsRejected(str(exc)) from exc
-        served = (
-            module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
-        )
-        weights.check_config(order.path, served, text_config)
+        weights.check_config(order.path, text_part(module.config))
         mode = weights.choose_mode(order.mode, weights.module_bytes(module), self._device)
         return weights.stage(
             dataclasses.replace(order, mode=mode),

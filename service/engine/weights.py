@@ -23,6 +23,7 @@ import torch
 
 from service.engine.base import ReloadMode, ReloadOrder, WeightsRejected
 from service.engine.checkpoint import read_all, tensor_files
+from service.engine.loading import text_config
 
 # config fields that change what a forward computes; any difference is another model
 STRUCTURAL = (
@@ -67,21 +68,24 @@ class _Slot:
 class Staged:
     """New values for every parameter of one module, checked and placed; `extra` is the caller's."""
 
-    order: ReloadOrder
-    mode: str
+    order: ReloadOrder  # its mode is "copy" or "swap", never "auto"
     slots: list[_Slot]
     nbytes: int
     extra: Any = None
 
+    @property
+    def mode(self) -> str:
+        return self.order.mode
 
-def check_config(path: Path, served: Any, load_config: Callable[[Path], Any]) -> None:
+
+def check_config(path: Path, served: Any) -> None:
     """Refuse a checkpoint directory whose config describes another model (a file has no config)."""
     if not (path / "config.json").is_file():
         if path.is_dir():
             raise WeightsRejected(f"{path}: no config.json (a model directory needs one)")
         return
     try:
-        new = load_config(path).to_dict()
+        new = text_config(path).to_dict()
     except Exception as exc:
         raise WeightsRejected(f"{path}/config.json: unreadable ({exc})") from exc
     old = served.to_dict()
@@ -134,7 +138,7 @@ def stage(
         nbytes += new.numel() * new.element_size()
     if side is not None:
         side.synchronize()
-    return Staged(order, order.mode, slots, nbytes, extra)
+    return Staged(order, slots, nbytes, extra)
 
 
 def apply(staged: Staged) -> None:
