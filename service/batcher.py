@@ -252,7 +252,7 @@ class Batcher:
         starts, on the current weights, when its first sequence is taken; with `only_started`
         (a swap is waiting) only sequences of started requests are taken."""
         batch: list[_Pending] = []
-        rest: deque[_Pending] = deque()
+        skipped: list[_Pending] = []  # unstarted requests' sequences passed over while a swap waits
         tokens = 0
         while self._queue:
             p = self._queue.popleft()
@@ -262,16 +262,15 @@ class Batcher:
                 self._queued(-p.job.num_tokens)
                 continue
             if only_started and p.request.versions is None:
-                rest.append(p)
+                skipped.append(p)
                 continue
             if batch and tokens + p.job.num_tokens > self._budget:
-                rest.append(p)
+                self._queue.appendleft(p)
                 break
             self._queued(-p.job.num_tokens)
             batch.append(p)
             tokens += p.job.num_tokens
-        rest.extend(self._queue)
-        self._queue = rest
+        self._queue.extendleft(reversed(skipped))
         return batch
 
     def _start(self, request: _Request) -> None:
