@@ -11,13 +11,15 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.admin import build_admin_router
+from service.arrays import parse_frame, to_frame
 from service.auth import ApiKeys
 from service.diagnostics import rollout_mismatch
 from service.errors import NotReady
+from service.frame import MEDIA_TYPE
 from service.http_io import answer_or_give_up, read_body
 from service.metrics import CONTENT_TYPE
 from service.normalise import normalise
-from service.response import render
+from service.response import answer, render
 from service.schemas import (
     ErrorBody,
     Health,
@@ -48,6 +50,18 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+BINARY = {"type": "string", "format": "binary"}
+FRAME_DOC = (
+    "The same request as a compact frame: the JSON fields, with input_ids, attention_mask, "
+    "action_mask and rollout_logprobs as little-endian arrays (README, 'Compact frames'). Send "
+    f"`Accept: {MEDIA_TYPE}` to get the answer in the same form."
+)
+
+
+def _media_type(header: str | None) -> str:
+    return (header or "").split(";", 1)[0].strip().lower()
+
+
 def build_router(state: ServiceState) -> APIRouter:
     metrics, settings = state.metrics, state.settings
     keys = ApiKeys.from_settings(settings)
@@ -63,19 +77,27 @@ def build_router(state: ServiceState) -> APIRouter:
     router = APIRouter(dependencies=guarded if settings.auth_all_routes else [])
 
     # the body is parsed from raw bytes by parse_request (one Rust pass), so it is declared here
-    body_schema = {"application/json": {"schema": LogprobsRequest.model_json_schema()}}
+    body_schema = {
+        "application/json": {"schema": LogprobsRequest.model_json_schema()},
+        MEDIA_TYPE: {"schema": {**BINARY, "description": FRAME_DOC}},
+    }
 
     @router.post(
         "/logprobs",
         response_model=LogprobsResponse,
-        responses=ERRORS,
+        responses={
+            200: {"content": {MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
+            **ERRORS,
+        },
         openapi_extra={"requestBody": {"required": True, "content": body_schema}},
         dependencies=guarded,
     )
     async def logprobs(http: Request) -> Response:
         """Per-token log-probs (and entropy) of the action tokens of each row."""
         started = time.perf_counter()
-        request = parse_request(await read_body(http, settings.max_body_bytes))
+        raw = await read_body(http, settings.max_body_bytes)
+        framed = _media_type(http.headers.get("content-type")) == MEDIA_TYPE
+        request = parse_frame(raw) if framed else parse_request(raw)
         serving = state.require_serving()
         plan = normalise(request, serving.limits)
         metrics.queue_requests.inc()
@@ -88,12 +110,17 @@ def build_router(state: ServiceState) -> APIRouter:
         rollout = rollout_mismatch([s.logprobs for s in scores], plan.rollout) if plan.rollout else None
         if rollout is not None:
             metrics.observe_rollout(rollout)
-        body = render(plan, scores, serving.info.model, scored.versions, rollout)
+        if MEDIA_TYPE in http.headers.get("accept", ""):
+            body = to_frame(answer(plan, scores, serving.info.model, scored.versions, rollout))
+            media_type = MEDIA_TYPE
+        else:
+            body = render(plan, scores, serving.info.model, scored.versions, rollout)
+            media_type = "application/json"
         metrics.requests.labels("ok").inc()
         metrics.input_tokens.inc(plan.input_tokens)
         metrics.scored_tokens.inc(plan.scored_tokens)
         metrics.request_seconds.observe(time.perf_counter() - started)
-        return Response(body, media_type="application/json")
+        return Response(body, media_type=media_type)
 
     @router.get("/health/live", response_model=Health)
     async def live() -> Health:

@@ -108,7 +108,7 @@ def _check_size(request: LogprobsRequest, limits: ModelLimits) -> None:
         )
     if limits.max_request_tokens is not None:
         if request.attention_mask is not None:
-            tokens = sum(sum(1 for m in row if m) for row in request.attention_mask)
+            tokens = sum(int(np.count_nonzero(row)) for row in request.attention_mask)
         else:
             tokens = sum(len(row) for row in request.input_ids)
         if tokens > limits.max_request_tokens:
@@ -280,13 +280,19 @@ def _padded_rows(request: LogprobsRequest) -> list[_Row]:
             )
         rows.append(
             _Row(
-                tokens=_int64([request.input_ids[i][c] for c in columns.tolist()], "input_ids", i),
+                tokens=_real_tokens(request.input_ids[i], columns, i),
                 actions=position[action_columns].astype(np.int64),
                 slots=(action_columns - start).astype(np.int64),
                 width=width - start,
             )
         )
     return rows
+
+
+def _real_tokens(padded: Sequence[int], columns: IntArray, i: int) -> IntArray:
+    if isinstance(padded, np.ndarray):  # a compact frame's row (arrays.py)
+        return padded[columns].astype(np.int64)
+    return _int64([padded[c] for c in columns.tolist()], "input_ids", i)  # padding may hold any int
 
 
 def _per_row(value: int | list[int], batch: int, field: str) -> list[int]:

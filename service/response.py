@@ -32,12 +32,23 @@ def render(
     versions: Mapping[str, str],
     rollout: RolloutMismatch | None = None,
 ) -> bytes:
-    """JSON body of a LogprobsResponse. Non-action entries of a window are exactly 0.0; `versions`
-    are the weights (model -> version) the request ran on."""
+    """JSON body of a LogprobsResponse (see `answer`)."""
+    return orjson.dumps(answer(plan, scores, model, versions, rollout), option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def answer(
+    plan: ScoringPlan,
+    scores: list[SequenceScores],
+    model: str,
+    versions: Mapping[str, str],
+    rollout: RolloutMismatch | None = None,
+) -> dict[str, Any]:
+    """A LogprobsResponse, its rows as numpy arrays (JSON or a frame writes it). Non-action entries
+    of a window are exactly 0.0; `versions` are the weights (model -> version) the request ran on."""
     job = plan.jobs[0]  # the options are the request's, the same for every job
     masks = []
     for window in plan.windows:
-        mask = np.zeros(window.width, dtype=np.int8)
+        mask = np.zeros(window.width, dtype=np.uint8)
         mask[window.slots] = 1
         masks.append(mask)
     body: dict[str, Any] = {
@@ -63,4 +74,4 @@ def render(
                 for s in scores
             ],
         )
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    return body

@@ -6,9 +6,9 @@ These check types and single-field bounds. Rules that relate fields to each othe
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, create_model
 
 from service.errors import from_pydantic
 from service.settings import ReloadMode, Version
@@ -86,6 +86,17 @@ class LogprobsRequest(BaseModel):
     )
     ref_weights_version: Version | None = Field(None, description="Pin the reference model's weights (409).")
     critic_weights_version: Version | None = Field(None, description="Pin the critic's weights (409).")
+
+
+# the [rows, length] fields: a compact frame (frame.py) carries them as arrays, and the rest, the
+# options, as a JSON object validated by ScoringOptions: the same fields, types and bounds
+ARRAY_FIELDS = ("input_ids", "attention_mask", "action_mask", "rollout_logprobs")
+_OPTIONS: dict[str, Any] = {
+    name: (f.annotation, f) for name, f in LogprobsRequest.model_fields.items() if name not in ARRAY_FIELDS
+}
+ScoringOptions: type[BaseModel] = create_model(
+    "ScoringOptions", __config__=ConfigDict(extra="forbid"), **_OPTIONS
+)
 
 
 def parse_request(raw: bytes) -> LogprobsRequest:

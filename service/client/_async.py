@@ -49,6 +49,7 @@ class AsyncClient:
         max_concurrency: int = 8,
         retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        frames: bool = True,
     ) -> None:
         self.config = ClientConfig.create(
             base_url,
@@ -58,6 +59,7 @@ class AsyncClient:
             max_chunk_rows=max_chunk_rows,
             max_concurrency=max_concurrency,
             retry=retry,
+            frames=frames,
         )
         self._pool = ReplicaPool(self.config.urls)
         self._rng = random.Random()
@@ -214,7 +216,7 @@ class AsyncClient:
             return False
 
     async def _send(self, chunk: Chunk) -> dict[str, Any]:
-        content = encode(chunk)
+        encoded = encode(chunk, self.config.frames)
         policy = self.config.retry
         for attempt in range(policy.max_attempts):
             lease = self._pool.acquire()
@@ -222,7 +224,9 @@ class AsyncClient:
                 if lease.wait:
                     await asyncio.sleep(lease.wait)
                 try:
-                    response = await self._http.post(f"{lease.replica.url}/logprobs", content=content)
+                    response = await self._http.post(
+                        f"{lease.replica.url}/logprobs", content=encoded.content, headers=encoded.headers
+                    )
                 except httpx.TransportError as exc:
                     failure = transport_failure(exc, lease.replica.url)
                 else:

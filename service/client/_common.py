@@ -17,7 +17,8 @@ from service import __version__
 from service.client.errors import LogprobdError, from_response, from_transport
 from service.client.retry import RETRYABLE_ERRORS, RetryPolicy, parse_retry_after
 from service.client.sharding import Chunk, merge, split
-from service.client.wire import VERSIONS, Scores
+from service.client.wire import VERSIONS, Scores, from_frame, to_frame
+from service.frame import MEDIA_TYPE, FrameError
 
 Timeout = float | httpx.Timeout
 
@@ -31,6 +32,7 @@ class ClientConfig:
     max_chunk_rows: int
     max_concurrency: int
     retry: RetryPolicy
+    frames: bool = True  # send and accept compact frames (frame.py); False: JSON both ways
 
     @classmethod
     def create(
@@ -43,6 +45,7 @@ class ClientConfig:
         max_chunk_rows: int,
         max_concurrency: int,
         retry: RetryPolicy | None,
+        frames: bool = True,
     ) -> ClientConfig:
         urls = (base_url,) if isinstance(base_url, str) else tuple(base_url)
         if not urls:
@@ -60,6 +63,7 @@ class ClientConfig:
             max_chunk_rows=max_chunk_rows,
             max_concurrency=max_concurrency,
             retry=retry or RetryPolicy(),
+            frames=frames,
         )
 
     def chunks(self, body: Mapping[str, Any]) -> list[Chunk]:
@@ -80,16 +84,34 @@ class Failure:
     retry_after: float | None
 
 
-def encode(chunk: Chunk) -> bytes:
-    """The chunk's body once, reused by every attempt."""
-    return json.dumps(chunk.body, separators=(",", ":")).encode()
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A chunk's body, encoded once and reused by every attempt, with its headers."""
+
+    content: bytes
+    headers: dict[str, str]
+
+
+def encode(chunk: Chunk, frames: bool) -> Encoded:
+    """A compact frame when asked for and the rows fit one (else JSON: the server names the fault)."""
+    if frames:
+        framed = to_frame(chunk.body)
+        if framed is not None:
+            return Encoded(framed, {"content-type": MEDIA_TYPE, "accept": f"{MEDIA_TYPE}, application/json"})
+    return Encoded(
+        json.dumps(chunk.body, separators=(",", ":")).encode(), {"content-type": "application/json"}
+    )
 
 
 def reply_body(response: httpx.Response) -> dict[str, Any]:
-    """The JSON object of a 200 response."""
+    """The JSON object (or compact frame) of a 200 response, as a dict of Python values."""
+    body: Any
     try:
-        body = response.json()
-    except ValueError:
+        if response.headers.get("content-type", "").startswith(MEDIA_TYPE):
+            body = from_frame(response.content)
+        else:
+            body = response.json()
+    except (ValueError, FrameError):
         body = None
     if not isinstance(body, dict):
         raise LogprobdError(

@@ -38,7 +38,9 @@ class Client:
     `max_chunk_tokens` real tokens each, and at least one chunk per replica), sends up to
     `max_concurrency` at once to the least loaded replicas, retries what may pass (`retry`), and
     returns the rows in the caller's order. Any other error raises `LogprobdError`. Thread-safe;
-    close it (or use `with`) to free its connections and threads.
+    close it (or use `with`) to free its connections and threads. Bodies travel as compact frames
+    (`application/vnd.logprobd.arrays`: the rows as binary arrays, no decimal numbers to write or
+    read); `frames=False` sends and accepts JSON.
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class Client:
         max_concurrency: int = 8,
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
+        frames: bool = True,
     ) -> None:
         self.config = ClientConfig.create(
             base_url,
@@ -61,6 +64,7 @@ class Client:
             max_chunk_rows=max_chunk_rows,
             max_concurrency=max_concurrency,
             retry=retry,
+            frames=frames,
         )
         self._pool = ReplicaPool(self.config.urls)
         self._rng = random.Random()
@@ -213,7 +217,7 @@ class Client:
             return False
 
     def _send(self, chunk: Chunk) -> dict[str, Any]:
-        content = encode(chunk)
+        encoded = encode(chunk, self.config.frames)
         policy = self.config.retry
         for attempt in range(policy.max_attempts):
             lease = self._pool.acquire()
@@ -221,7 +225,9 @@ class Client:
                 if lease.wait:
                     time.sleep(lease.wait)
                 try:
-                    response = self._http.post(f"{lease.replica.url}/logprobs", content=content)
+                    response = self._http.post(
+                        f"{lease.replica.url}/logprobs", content=encoded.content, headers=encoded.headers
+                    )
                 except httpx.TransportError as exc:
                     failure = transport_failure(exc, lease.replica.url)
                 else:

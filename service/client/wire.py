@@ -6,13 +6,23 @@ here, so the rest of the client never imports numpy or torch.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from service.frame import ArraySpec, decode_rows, encode_rows, pack, unpack
+
 # response fields this client names; any other field the server adds lands in Scores.extra
 _KNOWN = frozenset({"model", "logprobs", "entropy", "action_mask", "usage", "weights_version"})
 VERSIONS = ("weights_version", "ref_weights_version", "critic_weights_version")
+# request fields a compact frame carries as arrays, with the dtypes tried in order
+_FRAME_ARRAYS = {
+    "input_ids": ("i4", "i8"),
+    "attention_mask": ("u1", "i8"),
+    "action_mask": ("u1", "i8"),
+    "rollout_logprobs": ("f4",),
+}
 
 
 @runtime_checkable
@@ -120,4 +130,32 @@ def build_body(
     if return_entropy:
         body["return_entropy"] = True
     body.update(options)
+    return body
+
+
+def to_frame(body: Mapping[str, Any]) -> bytes | None:
+    """A request body as a compact frame; None when an array field holds what no dtype takes."""
+    arrays: list[tuple[ArraySpec, bytes]] = []
+    for name, dtypes in _FRAME_ARRAYS.items():
+        rows = body.get(name)
+        if rows is None:
+            continue
+        for dtype in dtypes:
+            try:
+                arrays.append(encode_rows(name, rows, dtype))
+                break
+            except (OverflowError, TypeError):
+                continue
+        else:
+            return None
+    fields = {k: v for k, v in body.items() if k not in _FRAME_ARRAYS}
+    return pack(json.dumps(fields, separators=(",", ":")).encode(), arrays)
+
+
+def from_frame(raw: bytes) -> dict[str, Any]:
+    """A compact-frame answer as the dict its JSON form would parse to."""
+    frame = unpack(raw)
+    body: dict[str, Any] = json.loads(frame.fields)
+    for name, (spec, data) in frame.arrays.items():
+        body[name] = decode_rows(spec, data)
     return body

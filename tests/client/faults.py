@@ -5,7 +5,13 @@ Each request's body is recorded, so a test can count attempts and see what each 
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import httpx
+
+from service.client.wire import from_frame
+from service.frame import MEDIA_TYPE
 
 Step = httpx.Response | type[httpx.TransportError]
 
@@ -58,3 +64,11 @@ def error_reply(status: int, error_type: str, *, retry_after: str | None = None)
     headers = {"retry-after": retry_after} if retry_after is not None else {}
     body = {"error": {"type": error_type, "message": f"scripted {status}"}}
     return httpx.Response(status, json=body, headers=headers)
+
+
+def sent_body(content: bytes, content_type: str = MEDIA_TYPE) -> dict[str, Any]:
+    """A request body the client sent, as a dict, in either encoding."""
+    if content_type.startswith(MEDIA_TYPE):
+        return from_frame(content)
+    body: dict[str, Any] = json.loads(content)
+    return body

@@ -21,6 +21,7 @@ from service.client import adapters as ad
 from service.client._plans import Asked, openrlhf_plan
 from service.client.adapters import TensorScores
 from tests.client.conftest import PpoServer, with_critics
+from tests.client.faults import sent_body
 from tests.client.frameworks import LAYOUTS, Batch, by_column, kl, make_batch
 from tests.conftest import TOLERANCE
 
@@ -243,7 +244,7 @@ def test_adapter_arguments_are_checked(dead_url: str) -> None:
 
 def test_a_response_without_what_was_asked_is_an_error() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
-        rows = json.loads(request.content)["input_ids"]
+        rows = sent_body(request.content, request.headers["content-type"])["input_ids"]
         width = len(rows[0]) - 1
         reply = {
             "model": "m",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
@@ -13,6 +12,7 @@ from service.client import Client
 from service.client.replicas import ReplicaPool
 from service.client.sharding import merge, split
 from tests.client.conftest import requests_ok
+from tests.client.faults import sent_body
 from tests.client.frameworks import make_batch
 from tests.client.test_retry import ragged
 from tests.conftest import TOLERANCE
@@ -152,7 +152,7 @@ def test_future_per_row_fields_pass_through_and_merge_in_order() -> None:
     sent: list[dict[str, Any]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+        body = sent_body(request.content, request.headers["content-type"])
         sent.append(body)
         rows = body["input_ids"]
         reply = {

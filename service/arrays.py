@@ -1,0 +1,102 @@
+"""The compact frame (frame.py) on the server's side: a request in, an answer out, with numpy.
+
+A framed request becomes the same LogprobsRequest a JSON body does: its JSON part is validated by
+the same model (ScoringOptions), and its arrays get the checks the JSON schema gives the list
+fields (token ids >= 0, finite rollout log-probs); their rows are numpy views of the body, which
+normalise.py reads like lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import orjson
+
+from service.errors import InvalidRequest
+from service.frame import ArraySpec, FrameError, pack, unpack
+from service.schemas import ARRAY_FIELDS, LogprobsRequest, ScoringOptions, parse_body
+
+_INTEGER = ("i4", "i8", "u1")
+_DTYPES = {
+    "input_ids": _INTEGER,
+    "attention_mask": _INTEGER,
+    "action_mask": _INTEGER,
+    "rollout_logprobs": ("f4", "f8"),
+}
+# the answer's [rows, window] fields and the dtype each travels in
+RESPONSE_ARRAYS = {
+    "logprobs": "f4",
+    "entropy": "f4",
+    "values": "f4",
+    "ref_logprobs": "f4",
+    "kl": "f4",
+    "action_mask": "u1",
+}
+
+
+def parse_frame(raw: bytes) -> LogprobsRequest:
+    """A LogprobsRequest from a framed body; errors are InvalidRequest naming the field and row."""
+    try:
+        frame = unpack(raw)
+    except FrameError as exc:
+        raise InvalidRequest(str(exc), field=exc.field or "body") from None
+    options = parse_body(ScoringOptions, frame.fields)
+    arrays: dict[str, list[np.ndarray]] = {}
+    for name, (spec, data) in frame.arrays.items():
+        if name not in ARRAY_FIELDS:
+            raise InvalidRequest(
+                f"array {name!r} is not a field of this request; arrays: {', '.join(ARRAY_FIELDS)}",
+                field=name,
+            )
+        if spec.dtype not in _DTYPES[name]:
+            raise InvalidRequest(f"{name}: dtype {spec.dtype}; one of {', '.join(_DTYPES[name])}", field=name)
+        arrays[name] = _rows(spec, data)
+    if not arrays.get("input_ids"):
+        raise InvalidRequest("input_ids: at least one row is required", field="input_ids")
+    _check_ids(arrays["input_ids"])
+    if "rollout_logprobs" in arrays:
+        _check_finite(arrays["rollout_logprobs"])
+    fields: dict[str, Any] = dict(options)
+    fields.update(arrays)
+    return LogprobsRequest.model_construct(options.model_fields_set | set(arrays), **fields)
+
+
+def _rows(spec: ArraySpec, data: memoryview) -> list[np.ndarray]:
+    flat = np.frombuffer(data, dtype=np.dtype(spec.dtype).newbyteorder("<"))
+    return np.split(flat, np.cumsum(spec.lengths[:-1], dtype=np.int64)) if spec.lengths else []
+
+
+def _check_ids(rows: list[np.ndarray]) -> None:
+    for i, row in enumerate(rows):
+        bad = np.flatnonzero(row < 0)
+        if bad.size:
+            raise InvalidRequest(
+                f"input_ids[{i}][{bad[0]}] is {row[bad[0]]}; token ids are >= 0", field="input_ids", row=i
+            )
+
+
+def _check_finite(rows: list[np.ndarray]) -> None:
+    for i, row in enumerate(rows):
+        bad = np.flatnonzero(~np.isfinite(row))
+        if bad.size:
+            raise InvalidRequest(
+                f"rollout_logprobs[{i}][{bad[0]}] is {row[bad[0]]}; log-probs must be finite",
+                field="rollout_logprobs",
+                row=i,
+            )
+
+
+def to_frame(body: Mapping[str, Any]) -> bytes:
+    """An answer (response.py's body: rows as numpy arrays) as one frame."""
+    fields = {k: v for k, v in body.items() if k not in RESPONSE_ARRAYS or v is None}
+    arrays = []
+    for name, dtype in RESPONSE_ARRAYS.items():
+        rows = body.get(name)
+        if rows is None:
+            continue
+        spec = ArraySpec(name, dtype, tuple(len(row) for row in rows))
+        flat = np.concatenate(rows) if rows else np.empty(0)
+        arrays.append((spec, flat.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes()))
+    return pack(orjson.dumps(fields), arrays)
