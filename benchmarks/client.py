@@ -1,10 +1,12 @@
 """HTTP load for the benchmark, outside the server's process (as trainers are): N concurrent POST /logprobs.
 
-    python -m benchmarks.client URL BODIES_FILE REPS [--mode asyncio|processes]
+    python -m benchmarks.client URL BODIES_FILE REPS [--mode asyncio|processes] [--frames]
         -> prints a JSON list of wall seconds per rep
 
-BODIES_FILE holds one JSON request body per line; every round sends all of them at once and ends
-when the last answer is read and parsed. One warm-up round (and the connections) comes first.
+BODIES_FILE holds the request bodies, each after its length (8 bytes, little-endian): JSON, or with
+`--frames` compact frames (service/frame.py), whose answers are asked for and read as frames too.
+Every round sends all of them at once and ends when the last answer is read and parsed. One warm-up
+round (and the connections) comes first.
 
 - `asyncio` (default): one process sends every body over its own connection from one asyncio loop,
   so the client's own per-request work (httpx in Python, about 1 ms a request) is serialised.
@@ -27,32 +29,57 @@ from pathlib import Path
 import httpx
 import orjson
 
-HEADERS = {"content-type": "application/json"}
+from service.client.wire import from_frame
+from service.frame import MEDIA_TYPE
+
+JSON_HEADERS = {"content-type": "application/json"}
+FRAME_HEADERS = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
 START_DELAY_S = 0.05  # from the parent's "go" to the round's start: every process is waiting by then
 
 
-def _post(client: httpx.Client, body: bytes) -> None:
-    r = client.post("/logprobs", content=body, headers=HEADERS)
+def write_bodies(path: Path, bodies: list[bytes]) -> None:
+    path.write_bytes(b"".join(len(b).to_bytes(8, "little") + b for b in bodies))
+
+
+def read_bodies(path: Path) -> list[bytes]:
+    raw, bodies, at = path.read_bytes(), [], 0
+    while at < len(raw):
+        n = int.from_bytes(raw[at : at + 8], "little")
+        bodies.append(raw[at + 8 : at + 8 + n])
+        at += 8 + n
+    return bodies
+
+
+def _parse(content: bytes, frames: bool) -> None:
+    """Read the answer as a trainer would: every number into a Python value."""
+    if frames:
+        from_frame(content)
+    else:
+        orjson.loads(content)
+
+
+def _post(client: httpx.Client, body: bytes, frames: bool) -> None:
+    r = client.post("/logprobs", content=body, headers=FRAME_HEADERS if frames else JSON_HEADERS)
     r.raise_for_status()
-    orjson.loads(r.content)
+    _parse(r.content, frames)
 
 
-def _rank(url: str, body: bytes, conn: Connection) -> None:
+def _rank(url: str, body: bytes, frames: bool, conn: Connection) -> None:
     """One client process: for each start instant received, wait for it, send, report the end."""
     with httpx.Client(base_url=url, timeout=600) as client:
         while (start := conn.recv()) is not None:
             while (left := start - time.perf_counter()) > 0:
                 if left > 0.002:
                     time.sleep(left - 0.002)
-            _post(client, body)
+            _post(client, body, frames)
             conn.send(time.perf_counter())
 
 
-def in_processes(url: str, bodies: list[bytes], reps: int) -> list[float]:
+def in_processes(url: str, bodies: list[bytes], reps: int, frames: bool) -> list[float]:
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in bodies]
     ranks = [
-        ctx.Process(target=_rank, args=(url, body, child), daemon=True)
+        ctx.Process(target=_rank, args=(url, body, frames, child), daemon=True)
         for body, (_, child) in zip(bodies, pipes, strict=True)
     ]
     for p in ranks:
@@ -73,22 +100,22 @@ def in_processes(url: str, bodies: list[bytes], reps: int) -> list[float]:
             p.join(timeout=10)
 
 
-async def _round(client: httpx.AsyncClient, bodies: list[bytes]) -> float:
+async def _round(client: httpx.AsyncClient, bodies: list[bytes], frames: bool) -> float:
     async def one(body: bytes) -> None:
-        r = await client.post("/logprobs", content=body, headers=HEADERS)
+        r = await client.post("/logprobs", content=body, headers=FRAME_HEADERS if frames else JSON_HEADERS)
         r.raise_for_status()
-        orjson.loads(r.content)
+        _parse(r.content, frames)
 
     start = time.perf_counter()
     await asyncio.gather(*(one(b) for b in bodies))
     return time.perf_counter() - start
 
 
-async def _in_asyncio(url: str, bodies: list[bytes], reps: int) -> list[float]:
+async def _in_asyncio(url: str, bodies: list[bytes], reps: int, frames: bool) -> list[float]:
     limits = httpx.Limits(max_connections=len(bodies))
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await _round(client, bodies)  # warm-up (and connections)
-        return [await _round(client, bodies) for _ in range(reps)]
+        await _round(client, bodies, frames)  # warm-up (and connections)
+        return [await _round(client, bodies, frames) for _ in range(reps)]
 
 
 def main(argv: list[str]) -> int:
@@ -97,12 +124,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("bodies", type=Path)
     parser.add_argument("reps", type=int)
     parser.add_argument("--mode", choices=["asyncio", "processes"], default="asyncio")
+    parser.add_argument("--frames", action="store_true", help="the bodies are compact frames")
     args = parser.parse_args(argv)
-    bodies = [line.encode() for line in args.bodies.read_text().splitlines() if line]
+    bodies = read_bodies(args.bodies)
     if args.mode == "processes":
-        seconds = in_processes(args.url, bodies, args.reps)
+        seconds = in_processes(args.url, bodies, args.reps, args.frames)
     else:
-        seconds = asyncio.run(_in_asyncio(args.url, bodies, args.reps))
+        seconds = asyncio.run(_in_asyncio(args.url, bodies, args.reps, args.frames))
     print(json.dumps(seconds))
     return 0
 

@@ -119,14 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     summary("engine in-process", events, 1)
 
     api.parse_request = recorded(events, "parse", api.parse_request)  # type: ignore[attr-defined]
+    api.parse_frame = recorded(events, "parse", api.parse_frame)  # type: ignore[attr-defined]
     api.normalise = recorded(events, "normalise", api.normalise)  # type: ignore[attr-defined]
     api.render = recorded(events, "render", api.render)  # type: ignore[attr-defined]
-    bodies = http_bodies(samples)
+    api.to_frame = recorded(events, "render", api.to_frame)  # type: ignore[attr-defined]
     with HttpServer(engine, settings) as url:
-        for mode in ("asyncio", "processes"):
+        for frames, mode in ((True, "asyncio"), (False, "asyncio"), (True, "processes")):
+            bodies = http_bodies(samples, frames=frames)
             events.clear()
-            seconds = http_seconds(url, bodies, args.reps, mode=mode)
-            summary(f"http, client {mode}", events, len(bodies))
+            seconds = http_seconds(url, bodies, args.reps, mode=mode, frames=frames)
+            summary(f"http {'frames' if frames else 'JSON'}, client {mode}", events, len(bodies))
             print(f"{'':28s} client round {seconds * 1e3:.1f} ms", flush=True)
     return 0
 

@@ -6,8 +6,9 @@
 Per model (random bf16 weights with the real shapes) and per variant: milliseconds (median of
 --reps after a warm-up), tokens/s, fraction of the FLOP floor, peak GPU memory; plus the largest
 |Δ| of the service's scores against a float32 reference on a sample of sequences. Over HTTP the 8
-clients are 8 connections of one client process (`http`, the figure the targets use) and, beside
-it, 8 client processes with one request each (`http_8proc`); see client.py.
+clients are 8 connections of one client process sending compact frames, as logprobd's client does
+(`http`, the figure the targets use); beside it the same in JSON (`http_json`) and 8 client
+processes with one framed request each (`http_8proc`); see client.py.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ import torch
 import uvicorn
 
 from benchmarks import peers
+from benchmarks.client import write_bodies
 from benchmarks.workload import SHAPES, Sample, floor_flops, jobs, workload
 from service.app import create_app
 from service.batcher import Batcher
+from service.client.wire import to_frame
 from service.engine.attention import choose_backend, register
 from service.engine.chunking import chunk_mlps
 from service.engine.kernels import apply_fused_kernels
@@ -137,26 +140,31 @@ class HttpServer:
         self.thread.join(timeout=60)
 
 
-def http_bodies(samples: list[Sample]) -> list[bytes]:
+def http_bodies(samples: list[Sample], frames: bool = True) -> list[bytes]:
+    """The 8 clients' bodies: compact frames (what logprobd's client sends) or JSON."""
     per = len(samples) // CLIENTS or 1
     groups = [samples[i : i + per] for i in range(0, len(samples), per)]
-    return [
-        orjson.dumps({"input_ids": [s.tokens for s in g], "num_actions": [len(s.response) for s in g]})
-        for g in groups
+    bodies = [
+        {"input_ids": [s.tokens for s in g], "num_actions": [len(s.response) for s in g]} for g in groups
     ]
+    if not frames:
+        return [orjson.dumps(body) for body in bodies]
+    framed = [to_frame(body) for body in bodies]
+    assert all(f is not None for f in framed)
+    return [f for f in framed if f is not None]
 
 
-def http_seconds(url: str, bodies: list[bytes], reps: int, mode: str = "asyncio") -> float:
+def http_seconds(
+    url: str, bodies: list[bytes], reps: int, mode: str = "asyncio", frames: bool = True
+) -> float:
     """Median wall seconds of all bodies sent at once, by clients in other processes (client.py)."""
-    with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
-        f.write(b"\n".join(bodies))
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.client", url, f.name, str(reps), "--mode", mode],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    Path(f.name).unlink()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bodies.bin"
+        write_bodies(path, bodies)
+        cmd = [sys.executable, "-m", "benchmarks.client", url, str(path), str(reps), "--mode", mode]
+        out = subprocess.run(
+            [*cmd, "--frames"] if frames else cmd, capture_output=True, text=True, check=True
+        )
     seconds: list[float] = json.loads(out.stdout)
     return statistics.median(seconds)
 
@@ -239,6 +247,15 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             "peak_memory_gib": peak_memory(lambda: http_seconds(url, bodies, 1), device),
         }
         print(f"  {name}   http: {seconds * 1e3:9.1f} ms  {floor_s / seconds:6.1%} of floor", flush=True)
+        # the same bodies in JSON, both ways
+        seconds = http_seconds(url, http_bodies(samples, frames=False), args.reps, frames=False)
+        variants["http_json"] = {
+            "ms": seconds * 1e3,
+            "tokens_per_s": tokens / seconds,
+            "floor_fraction": floor_s / seconds,
+            "peak_memory_gib": variants["http"]["peak_memory_gib"],  # the same server work
+        }
+        print(f"  {name} http_json: {seconds * 1e3:9.1f} ms  {floor_s / seconds:6.1%} of floor", flush=True)
         # the same load from 8 client processes, one request each
         seconds = http_seconds(url, bodies, args.reps, mode="processes")
         variants["http_8proc"] = {
@@ -251,7 +268,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
 
     result = {
         "kernels": kernels,
-        "http_client": f"one client process, {len(http_bodies(samples))} connections (client.py asyncio)",
+        "http_client": f"one client process, {len(http_bodies(samples))} connections (client.py asyncio), "
+        "compact frames both ways (http_json: JSON both ways)",
         "tokens": tokens,
         "action_tokens": sum(len(s.response) for s in samples),
         "floor_ms": floor_s * 1e3,
@@ -265,6 +283,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             else None
         ),
         "http_overhead": (variants["http"]["ms"] - variants["engine"]["ms"]) / variants["http"]["ms"],
+        "http_overhead_json": (variants["http_json"]["ms"] - variants["engine"]["ms"])
+        / variants["http_json"]["ms"],
         "http_overhead_8proc_clients": (variants["http_8proc"]["ms"] - variants["engine"]["ms"])
         / variants["http_8proc"]["ms"],
         "max_abs_diff_bf16": max_abs_diff([s.logprobs for s in engine_scores], want),
@@ -306,8 +326,8 @@ def table(results: dict[str, Any]) -> str:
     lines += [
         "",
         "| model | floor ms | HTTP floor | engine floor | speed-up vs naive | memory / naive | HTTP overhead "
-        "| (8 client processes) | max abs Δ bf16 (service / naive peer) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| (JSON) | (8 client processes) | max abs Δ bf16 (service / naive peer) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in results["models"].items():
         mem = r["peak_memory_vs_naive"]
@@ -315,7 +335,7 @@ def table(results: dict[str, Any]) -> str:
             f"| {name} | {r['floor_ms']:.1f} | {r['floor_fraction_http']:.1%} | "
             f"{r['floor_fraction_engine']:.1%} | {r['speedup_vs_naive']:.2f} | "
             f"{'n/a' if mem is None else f'{mem:.1%}'} | {r['http_overhead']:.1%} | "
-            f"{r['http_overhead_8proc_clients']:.1%} | "
+            f"{r['http_overhead_json']:.1%} | {r['http_overhead_8proc_clients']:.1%} | "
             f"{r['max_abs_diff_bf16']:.3g} / {r['max_abs_diff_bf16_naive_peer']:.3g} |"
         )
     return "\n".join(lines)
