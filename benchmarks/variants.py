@@ -1,20 +1,22 @@
 """Engine variants, measured one configuration set per process: what pays.
 
     python -m benchmarks.variants --model qwen2.5-1.5b --kernels none
-    python -m benchmarks.variants --model qwen2.5-1.5b --kernels liger [--rope none] [--head previous]
+    python -m benchmarks.variants --model qwen2.5-1.5b --kernels liger [--rope none] [--head torch|previous]
     python -m benchmarks.variants --model qwen2.5-1.5b --kernels liger --configs 16384:512 --profile
 
 The service's engine in-process on the benchmark workload, for several token budgets and lm_head
 chunk sizes. `--kernels liger` is what the service applies (RMSNorm, SwiGLU, and RoPE per instance);
-`--rope none` takes the fused RoPE back out; `--head previous` scores with the head as it was before
-the single fused log-softmax (upcast copy, temperature multiply, logsumexp); `--profile` prints
-the CUDA kernels of one round by total time.
+`--rope none` takes the fused RoPE back out; `--head current` is the service's head (the one-pass
+Triton kernel of fused_head.py where it applies), `--head torch` forces its torch log-softmax path,
+`--head previous` scores with the head as it was before the single fused log-softmax (upcast copy,
+temperature multiply, logsumexp); `--profile` prints the CUDA kernels of one round by total time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 from typing import Any
 
@@ -26,7 +28,7 @@ from service.batcher import Batcher
 from service.engine import scorer
 from service.engine.attention import choose_backend, register
 from service.engine.chunking import chunk_mlps
-from service.engine.head import ActionScores, LogitTransform
+from service.engine.head import ActionScores, LogitTransform, score_actions
 from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel
 from service.engine.rope import unfuse_rope
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="qwen2.5-1.5b")
     parser.add_argument("--kernels", default="none", choices=["none", "liger"])
     parser.add_argument("--rope", default="fused", choices=["fused", "none"])
-    parser.add_argument("--head", default="current", choices=["current", "previous"])
+    parser.add_argument("--head", default="current", choices=["current", "torch", "previous"])
     parser.add_argument("--mlp-chunk-tokens", type=int, default=0)
     parser.add_argument("--configs", nargs="+", default=CONFIGS, help="BUDGET:CHUNK_ROWS ...")
     parser.add_argument("--reps", type=int, default=3)
@@ -115,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.head == "previous":
         setattr(scorer, "score_actions", previous_head)  # noqa: B010 (CausalLM looks it up at call time)
         label += "+prevhead"
+    elif args.head == "torch":
+        setattr(scorer, "score_actions", functools.partial(score_actions, fused=False))  # noqa: B010 (as above)
+        label += "+torchhead"
     for config in args.configs:
         budget, chunk = (int(x) for x in config.split(":"))
         ms, peak = measure(model, args.model, budget, chunk, reps=args.reps, profile=args.profile)
