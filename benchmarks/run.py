@@ -158,6 +158,13 @@ def http_seconds(
     url: str, bodies: list[bytes], reps: int, mode: str = "asyncio", frames: bool = True
 ) -> float:
     """Median wall seconds of all bodies sent at once, by clients in other processes (client.py)."""
+    return statistics.median(http_rounds(url, bodies, reps, mode, frames))
+
+
+def http_rounds(
+    url: str, bodies: list[bytes], reps: int, mode: str = "asyncio", frames: bool = True
+) -> list[float]:
+    """Wall seconds of each round of all bodies sent at once (after a warm-up round)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bodies.bin"
         write_bodies(path, bodies)
@@ -166,7 +173,7 @@ def http_seconds(
             [*cmd, "--frames"] if frames else cmd, capture_output=True, text=True, check=True
         )
     seconds: list[float] = json.loads(out.stdout)
-    return statistics.median(seconds)
+    return seconds
 
 
 def reference_logprobs(model: Any, samples: list[Sample], device: torch.device) -> list[np.ndarray]:
@@ -237,37 +244,32 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     loop.run_until_complete(batcher.stop())
     loop.close()
 
+    rounds: dict[str, list[float]] = {}
     with HttpServer(engine, settings) as url:
-        bodies = http_bodies(samples)
-        seconds = http_seconds(url, bodies, args.reps)
-        variants["http"] = {
-            "ms": seconds * 1e3,
-            "tokens_per_s": tokens / seconds,
-            "floor_fraction": floor_s / seconds,
-            "peak_memory_gib": peak_memory(lambda: http_seconds(url, bodies, 1), device),
-        }
-        print(f"  {name}   http: {seconds * 1e3:9.1f} ms  {floor_s / seconds:6.1%} of floor", flush=True)
-        # the same bodies in JSON, both ways
-        seconds = http_seconds(url, http_bodies(samples, frames=False), args.reps, frames=False)
-        variants["http_json"] = {
-            "ms": seconds * 1e3,
-            "tokens_per_s": tokens / seconds,
-            "floor_fraction": floor_s / seconds,
-            "peak_memory_gib": variants["http"]["peak_memory_gib"],  # the same server work
-        }
-        print(f"  {name} http_json: {seconds * 1e3:9.1f} ms  {floor_s / seconds:6.1%} of floor", flush=True)
-        # the same load from 8 client processes, one request each
-        seconds = http_seconds(url, bodies, args.reps, mode="processes")
-        variants["http_8proc"] = {
-            "ms": seconds * 1e3,
-            "tokens_per_s": tokens / seconds,
-            "floor_fraction": floor_s / seconds,
-            "peak_memory_gib": variants["http"]["peak_memory_gib"],  # the same server work
-        }
-        print(f"  {name} http_8proc: {seconds * 1e3:9.1f} ms  {floor_s / seconds:6.1%} of floor", flush=True)
+        framed, plain = http_bodies(samples), http_bodies(samples, frames=False)
+        for variant, bodies, mode in (
+            ("http", framed, "asyncio"),
+            ("http_json", plain, "asyncio"),  # the same bodies in JSON, both ways
+            ("http_8proc", framed, "processes"),  # the same load from 8 client processes, one request each
+        ):
+            rounds[variant] = http_rounds(url, bodies, args.reps, mode, frames=bodies is framed)
+            seconds = statistics.median(rounds[variant])
+            variants[variant] = {
+                "ms": seconds * 1e3,
+                "tokens_per_s": tokens / seconds,
+                "floor_fraction": floor_s / seconds,
+                "peak_memory_gib": peak_memory(lambda: http_seconds(url, framed, 1), device)
+                if variant == "http"
+                else variants["http"]["peak_memory_gib"],  # the same server work
+            }
+            print(
+                f"  {name} {variant:>10}: {seconds * 1e3:9.1f} ms  {floor_s / seconds:6.1%} of floor",
+                flush=True,
+            )
 
     result = {
         "kernels": kernels,
+        "http_rounds_ms": {k: [round(x * 1e3, 1) for x in v] for k, v in rounds.items()},
         "http_client": f"one client process, {len(http_bodies(samples))} connections (client.py asyncio), "
         "compact frames both ways (http_json: JSON both ways)",
         "tokens": tokens,

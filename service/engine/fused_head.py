@@ -66,11 +66,11 @@ def fused_logprobs(
         kernel[(rows,)](
             z,
             z.stride(0),
-            vocab,
             targets.contiguous(),
             s,
             logprobs,
             entropy if entropy is not None else logprobs,  # unwritten when not wanted
+            VOCAB=vocab,  # a constant of the kernel: one compilation per model, and a plain loop bound
             HAS_SCALE=scale is not None,
             ENTROPY=want_entropy,
             BLOCK=min(block, _next_power_of_2(vocab)),
@@ -83,11 +83,11 @@ def fused_logprobs(
 def _logprob_kernel(  # noqa: PLR0917 (a Triton kernel takes its arguments positionally)
     z_ptr: tl.tensor,
     row_stride: tl.tensor,
-    vocab: tl.tensor,
     target_ptr: tl.tensor,
     scale_ptr: tl.tensor,
     logprob_ptr: tl.tensor,
     entropy_ptr: tl.tensor,
+    VOCAB: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     ENTROPY: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -107,11 +107,11 @@ def _logprob_kernel(  # noqa: PLR0917 (a Triton kernel takes its arguments posit
     d = tl.zeros([BLOCK], tl.float32)
     t = tl.zeros([BLOCK], tl.float32)
     cols = tl.arange(0, BLOCK)
-    ahead = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf"))
-    for start in range(0, vocab, BLOCK):
+    ahead = tl.load(row_ptr + cols, mask=cols < VOCAB, other=float("-inf"))
+    for start in range(0, VOCAB, BLOCK):
         x = ahead.to(tl.float32)
         cols = start + BLOCK + tl.arange(0, BLOCK)  # the next block's load is in flight while this one runs
-        ahead = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf"))
+        ahead = tl.load(row_ptr + cols, mask=cols < VOCAB, other=float("-inf"))
         if HAS_SCALE:
             x = x * s
         m_new = tl.maximum(m, tl.max(x, axis=0))
