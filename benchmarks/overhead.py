@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     api.parse_request = recorded(events, "parse", api.parse_request)  # type: ignore[attr-defined]
     api.parse_frame = recorded(events, "parse", api.parse_frame)  # type: ignore[attr-defined]
     api.normalise = recorded(events, "normalise", api.normalise)  # type: ignore[attr-defined]
-    api.render = recorded(events, "render", api.render)  # type: ignore[attr-defined]
+    api.to_json = recorded(events, "render", api.to_json)  # type: ignore[attr-defined]
     api.to_frame = recorded(events, "render", api.to_frame)  # type: ignore[attr-defined]
     with HttpServer(engine, settings) as url:
         for frames, mode in ((True, "asyncio"), (False, "asyncio"), (True, "processes")):

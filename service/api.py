@@ -19,7 +19,7 @@ from service.frame import MEDIA_TYPE
 from service.http_io import answer_or_give_up, read_body
 from service.metrics import CONTENT_TYPE
 from service.normalise import normalise
-from service.response import answer, render
+from service.response import answer, to_json
 from service.schemas import (
     ErrorBody,
     Health,
@@ -110,12 +110,9 @@ def build_router(state: ServiceState) -> APIRouter:
         rollout = rollout_mismatch([s.logprobs for s in scores], plan.rollout) if plan.rollout else None
         if rollout is not None:
             metrics.observe_rollout(rollout)
-        if MEDIA_TYPE in http.headers.get("accept", ""):
-            body = to_frame(answer(plan, scores, serving.info.model, scored.versions, rollout))
-            media_type = MEDIA_TYPE
-        else:
-            body = render(plan, scores, serving.info.model, scored.versions, rollout)
-            media_type = "application/json"
+        answered = answer(plan, scores, serving.info.model, scored.versions, rollout)
+        media_type = MEDIA_TYPE if MEDIA_TYPE in http.headers.get("accept", "") else "application/json"
+        body = to_frame(answered) if media_type == MEDIA_TYPE else to_json(answered)
         metrics.requests.labels("ok").inc()
         metrics.input_tokens.inc(plan.input_tokens)
         metrics.scored_tokens.inc(plan.scored_tokens)

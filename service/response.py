@@ -25,15 +25,9 @@ def _rows(plan: ScoringPlan, per_job: Sequence[FloatArray | None]) -> list[Float
     return rows
 
 
-def render(
-    plan: ScoringPlan,
-    scores: list[SequenceScores],
-    model: str,
-    versions: Mapping[str, str],
-    rollout: RolloutMismatch | None = None,
-) -> bytes:
-    """JSON body of a LogprobsResponse (see `answer`)."""
-    return orjson.dumps(answer(plan, scores, model, versions, rollout), option=orjson.OPT_SERIALIZE_NUMPY)
+def to_json(body: dict[str, Any]) -> bytes:
+    """An answer (see `answer`) as the JSON body of a LogprobsResponse."""
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def answer(
