@@ -247,12 +247,12 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     rounds: dict[str, list[float]] = {}
     with HttpServer(engine, settings) as url:
         framed, plain = http_bodies(samples), http_bodies(samples, frames=False)
-        for variant, bodies, mode in (
-            ("http", framed, "asyncio"),
-            ("http_json", plain, "asyncio"),  # the same bodies in JSON, both ways
-            ("http_8proc", framed, "processes"),  # the same load from 8 client processes, one request each
+        for variant, frames, mode in (
+            ("http", True, "asyncio"),
+            ("http_json", False, "asyncio"),  # the same bodies in JSON, both ways
+            ("http_8proc", True, "processes"),  # the same load from 8 client processes, one request each
         ):
-            rounds[variant] = http_rounds(url, bodies, args.reps, mode, frames=bodies is framed)
+            rounds[variant] = http_rounds(url, framed if frames else plain, args.reps, mode, frames)
             seconds = statistics.median(rounds[variant])
             variants[variant] = {
                 "ms": seconds * 1e3,

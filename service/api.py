@@ -86,7 +86,7 @@ def build_router(state: ServiceState) -> APIRouter:
         "/logprobs",
         response_model=LogprobsResponse,
         responses={
-            200: {"content": {MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
+            200: {"content": {MEDIA_TYPE: {"schema": BINARY}}},
             **ERRORS,
         },
         openapi_extra={"requestBody": {"required": True, "content": body_schema}},

@@ -18,7 +18,7 @@ from service.client.errors import LogprobdError, from_response, from_transport
 from service.client.retry import RETRYABLE_ERRORS, RetryPolicy, parse_retry_after
 from service.client.sharding import Chunk, merge, split
 from service.client.wire import VERSIONS, Scores, from_frame, to_frame
-from service.frame import MEDIA_TYPE, FrameError
+from service.frame import MEDIA_TYPE
 
 Timeout = float | httpx.Timeout
 
@@ -111,7 +111,7 @@ def reply_body(response: httpx.Response) -> dict[str, Any]:
             body = from_frame(response.content)
         else:
             body = response.json()
-    except (ValueError, FrameError):
+    except ValueError:  # FrameError is one
         body = None
     if not isinstance(body, dict):
         raise LogprobdError(
