@@ -29,8 +29,6 @@ from benchmarks.workload import SHAPES, jobs, workload
 from service import api
 from service.batcher import Batcher
 from service.engine.attention import choose_backend, register
-from service.engine.chunking import chunk_mlps
-from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel
 from service.engine.scorer import PackedScorer
 from service.metrics import Metrics
@@ -97,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(device=device.type, dtype="bfloat16" if device.type == "cuda" else "float32")
     backend = choose_backend("auto", device)
     model = build_model(args.model, getattr(torch, settings.dtype), device, register(backend))
-    kernels = apply_fused_kernels(model, "auto", device)
-    chunk_mlps(model, settings.mlp_chunk_tokens)
-    engine = PackedScorer(LoadedModel(model, args.model, demo=False), device, backend, settings, kernels)
+    engine = PackedScorer(LoadedModel(model, args.model, demo=False), device, backend, settings)
     engine.warm_up()
     events: list[Event] = []
     engine.score = recorded(events, "batch", engine.score)  # type: ignore[method-assign]

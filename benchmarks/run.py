@@ -43,8 +43,6 @@ from service.app import create_app
 from service.batcher import Batcher
 from service.client.wire import to_frame
 from service.engine.attention import choose_backend, register
-from service.engine.chunking import chunk_mlps
-from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel
 from service.engine.scorer import PackedScorer
 from service.jobs import SequenceScores
@@ -195,7 +193,13 @@ def max_abs_diff(got: list[np.ndarray], want: list[np.ndarray]) -> float:
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
-    settings = Settings(device=device.type, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens)
+    settings = Settings(
+        device=device.type,
+        dtype=args.dtype,
+        max_batch_tokens=args.max_batch_tokens,
+        decoder=args.decoder,
+        kernels=args.kernels,
+    )
     backend = choose_backend(args.attention, device)
     packed_impl = register(backend)
     model = build_model(name, dtype, device, packed_impl)
@@ -227,9 +231,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     for p in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay float32
         p.data = p.data.to(dtype)
     model.set_attn_implementation(packed_impl)
-    kernels = apply_fused_kernels(model, args.kernels, device)  # after the peers: they stay plain HF
-    chunk_mlps(model, settings.mlp_chunk_tokens)
-    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings, kernels)
+    # after the peers: they stay plain HF (the engine fuses weights and may patch modules)
+    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
     engine.warm_up()
 
     the_jobs = jobs(samples)
@@ -268,7 +271,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             )
 
     result = {
-        "kernels": kernels,
+        "decoder": engine.info.decoder,
+        "kernels": engine.info.kernels,
         "http_rounds_ms": {k: [round(x * 1e3, 1) for x in v] for k, v in rounds.items()},
         "http_client": f"one client process, {len(http_bodies(samples))} connections (client.py asyncio), "
         "compact frames both ways (http_json: JSON both ways)",
@@ -349,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention", default="auto")
+    parser.add_argument("--decoder", default="auto", choices=["auto", "fused", "transformers"])
     parser.add_argument("--kernels", default="auto", choices=["auto", "liger", "none"])
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)

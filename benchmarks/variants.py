@@ -1,12 +1,14 @@
 """Engine variants, measured one configuration set per process: what pays.
 
-    python -m benchmarks.variants --model qwen2.5-1.5b --kernels none
-    python -m benchmarks.variants --model qwen2.5-1.5b --kernels liger [--rope none] [--head torch|previous]
-    python -m benchmarks.variants --model qwen2.5-1.5b --kernels liger --configs 16384:512 --profile
+    python -m benchmarks.variants --model qwen2.5-1.5b [--decoder fused] [--kernels auto|none]
+    python -m benchmarks.variants --model qwen2.5-1.5b --decoder transformers --kernels liger [--rope none]
+    python -m benchmarks.variants --model qwen2.5-1.5b --configs 16384:512 --profile [--head torch|previous]
 
 The service's engine in-process on the benchmark workload, for several token budgets and lm_head
-chunk sizes. `--kernels liger` is what the service applies (RMSNorm, SwiGLU, and RoPE per instance);
-`--rope none` takes the fused RoPE back out; `--head current` is the service's head (the one-pass
+chunk sizes. `--decoder fused` (the default, as the service picks for Qwen2) is logprobd's own
+forward, with its Triton kernels unless `--kernels none`; `--decoder transformers --kernels liger`
+is transformers' forward with liger-kernel's RMSNorm, SwiGLU and RoPE; `--rope none` takes that
+fused RoPE back out; `--head current` is the service's head (the one-pass
 Triton kernel of fused_head.py where it applies), `--head torch` forces its torch log-softmax path,
 `--head previous` scores with the head as it was before the single fused log-softmax (upcast copy,
 temperature multiply, logsumexp); `--profile` prints the CUDA kernels of one round by total time.
@@ -27,9 +29,7 @@ from benchmarks.workload import SHAPES, jobs, workload
 from service.batcher import Batcher
 from service.engine import scorer
 from service.engine.attention import choose_backend, register
-from service.engine.chunking import chunk_mlps
 from service.engine.head import ActionScores, LogitTransform, score_actions
-from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel
 from service.engine.rope import unfuse_rope
 from service.engine.scorer import PackedScorer
@@ -67,12 +67,15 @@ def previous_head(
 
 
 def measure(
-    model: Any, name: str, budget: int, chunk: int, *, reps: int, profile: bool
-) -> tuple[float, float]:
+    model: Any, name: str, settings: Settings, *, reps: int, profile: bool, rope: str
+) -> tuple[str, float, float]:
     device = torch.device("cuda")
     backend = choose_backend("auto", device)
-    settings = Settings(device="cuda", dtype="bfloat16", max_batch_tokens=budget, logits_chunk_rows=chunk)
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
+    label = f"{engine.info.decoder}/{engine.info.kernels}"
+    if rope == "none" and unfuse_rope(model):
+        label += "-rope"
+    budget = settings.max_batch_tokens
     the_jobs = jobs(workload(int(SHAPES[name]["vocab_size"])))
     loop = asyncio.new_event_loop()
     batcher = Batcher(engine, budget, Metrics())
@@ -93,27 +96,24 @@ def measure(
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     loop.run_until_complete(batcher.stop())
     loop.close()
-    return seconds * 1e3, peak
+    return label, seconds * 1e3, peak
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen2.5-1.5b")
-    parser.add_argument("--kernels", default="none", choices=["none", "liger"])
+    parser.add_argument("--decoder", default="auto", choices=["auto", "fused", "transformers"])
+    parser.add_argument("--kernels", default="auto", choices=["auto", "none", "liger"])
     parser.add_argument("--rope", default="fused", choices=["fused", "none"])
     parser.add_argument("--head", default="current", choices=["current", "torch", "previous"])
-    parser.add_argument("--mlp-chunk-tokens", type=int, default=0)
+    parser.add_argument("--mlp-chunk-tokens", type=int, default=4096, help="the service's default")
     parser.add_argument("--configs", nargs="+", default=CONFIGS, help="BUDGET:CHUNK_ROWS ...")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     model = build_model(args.model, torch.bfloat16, device, register(choose_backend("auto", device)))
-    label = apply_fused_kernels(model, args.kernels, device)
-    if args.rope == "none" and unfuse_rope(model):
-        label += "-rope"
-    if chunk_mlps(model, args.mlp_chunk_tokens):
-        label += f"+mlp{args.mlp_chunk_tokens}"
+    label = f"+mlp{args.mlp_chunk_tokens}" if args.mlp_chunk_tokens else ""
     if args.head == "previous":
         setattr(scorer, "score_actions", previous_head)  # noqa: B010 (CausalLM looks it up at call time)
         label += "+prevhead"
@@ -122,8 +122,19 @@ def main(argv: list[str] | None = None) -> int:
         label += "+torchhead"
     for config in args.configs:
         budget, chunk = (int(x) for x in config.split(":"))
-        ms, peak = measure(model, args.model, budget, chunk, reps=args.reps, profile=args.profile)
-        config_label = f"kernels={label:24s} budget={budget:6d} chunk={chunk:5d}"
+        settings = Settings(
+            device="cuda",
+            dtype="bfloat16",
+            max_batch_tokens=budget,
+            logits_chunk_rows=chunk,
+            mlp_chunk_tokens=args.mlp_chunk_tokens,
+            decoder=args.decoder,
+            kernels=args.kernels,
+        )
+        engine_label, ms, peak = measure(
+            model, args.model, settings, reps=args.reps, profile=args.profile, rope=args.rope
+        )
+        config_label = f"{engine_label + label:32s} budget={budget:6d} chunk={chunk:5d}"
         print(f"{args.model} {config_label}: {ms:8.1f} ms  peak {peak:5.1f} GiB", flush=True)
     return 0
 

@@ -143,6 +143,7 @@ def build_router(state: ServiceState) -> APIRouter:
             dtype=i.dtype,
             device=i.device,
             attention_backend=i.attention_backend,
+            decoder=i.decoder,
             kernels=i.kernels,
             vocab_size=i.vocab_size,
             max_positions=i.max_positions,

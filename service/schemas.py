@@ -251,7 +251,13 @@ class Info(BaseModel):
     dtype: str
     device: str
     attention_backend: str
-    kernels: str = Field(description='Fused decoder kernels in use ("liger" or "none").')
+    decoder: str = Field(
+        description='The decoder forward: "fused" (logprobd\'s own, Llama-family models) or "transformers".'
+    )
+    kernels: str = Field(
+        description='Fused kernels in use: "triton" (the fused decoder\'s), "liger" (patched into the '
+        'transformers decoder) or "none" (plain torch).'
+    )
     vocab_size: int
     max_positions: int
     max_batch_tokens: int

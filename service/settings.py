@@ -16,6 +16,7 @@ Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attn", "torch_varlen", "sdpa"]
 Kernels = Literal["auto", "liger", "none"]
+Decoder = Literal["auto", "fused", "transformers"]
 ReloadMode = Literal["auto", "copy", "swap"]
 Version = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:+/@-]+$")]
 
@@ -48,9 +49,17 @@ class Settings(BaseSettings):
         description="Packed attention kernel. auto: flash_attn if importable, else torch_varlen on cuda; "
         "sdpa (one call per sequence) on cpu or where the kernels cannot run.",
     )
+    decoder: Decoder = Field(
+        "auto",
+        description="The decoder forward. fused: logprobd's own for Llama, Mistral, Qwen2 and Qwen3 (one "
+        "GEMM for q|k|v and one for gate|up, RoPE in place, GEMMs that add into the residual); transformers: "
+        "the model's own modules, any architecture; auto: fused wherever the model fits (kernels not liger).",
+    )
     kernels: Kernels = Field(
         "auto",
-        description="Fused decoder kernels. auto: liger-kernel's RMSNorm/RoPE/SwiGLU on cuda if importable.",
+        description="Fused kernels. auto: on cuda with triton, the fused decoder's Triton RMSNorm/RoPE/"
+        "SwiGLU, or liger-kernel's for the transformers decoder if importable; liger: liger-kernel's, with "
+        "the transformers decoder; none: plain torch.",
     )
     max_batch_tokens: int = Field(
         16384, ge=16, description="Token budget of one packed micro-batch; also the longest sequence."

@@ -55,6 +55,7 @@ class FakeEngine:
             dtype="float32",
             device="cpu",
             attention_backend="none",
+            decoder="transformers",
             kernels="none",
             vocab_size=1000,
             max_positions=4096,

@@ -32,6 +32,7 @@ class EngineInfo:
     dtype: str
     device: str
     attention_backend: str
+    decoder: str
     kernels: str
     vocab_size: int
     max_positions: int

@@ -10,18 +10,16 @@ the service; on CPU tensors the kernel runs only under Triton's interpreter, whi
 TRITON_INTERPRET=1 in the environment before triton is first imported (triton's own library
 functions are jitted or interpreted then).
 
-triton is imported on first use, never at import time: this module loads on machines without it.
+triton is imported on first use (triton_jit.py), never at import time.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib
-import os
 from typing import Any
 
 import torch
+
+from service.engine import triton_jit
 
 # Not tuned on a GPU yet. Compiled for sm_90 (triton 3.7.1), no spills, at most 80 registers a
 # thread for bf16/fp16 logits (96 for fp32): 5 programs or more fit an SM, so a 512-row chunk runs
@@ -33,11 +31,6 @@ NUM_WARPS = 4
 tl: Any = None  # triton.language, bound on first use; the kernel finds it among this module's globals
 
 
-def available(device: torch.device) -> bool:
-    """True where the service may run the kernel: a CUDA device and an importable triton."""
-    return device.type == "cuda" and _triton() is not None
-
-
 def fused_logprobs(
     z: torch.Tensor,  # [rows, V] logits, float32 / bfloat16 / float16
     targets: torch.Tensor,  # [rows] integer ids in [0, V)
@@ -47,12 +40,8 @@ def fused_logprobs(
     block: int = BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax(s·z)[target] and, if wanted, the entropy of softmax(s·z), per row, in float32."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in {"1", "true", "on", "yes"}
-    if z.device.type != "cuda" and not interpret:
-        raise ValueError(f"fused_logprobs runs on CUDA tensors, or under TRITON_INTERPRET=1; got {z.device}")
-    kernel = _kernel(interpret)
-    if kernel is None:
-        raise RuntimeError("fused_logprobs needs triton, which is not importable")
+    triton_jit.runnable(z)
+    kernel = triton_jit.jit(_logprob_kernel)
     rows, vocab = z.shape
     if z.stride(1) != 1:
         z = z.contiguous()
@@ -61,8 +50,7 @@ def fused_logprobs(
     if rows == 0:
         return logprobs, entropy
     s = scale.to(torch.float32).contiguous() if scale is not None else logprobs  # unread when None
-    on_device = torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext()
-    with on_device:  # triton launches on the current CUDA device, not on the tensors'
+    with triton_jit.on_device(z):
         kernel[(rows,)](
             z,
             z.stride(0),
@@ -73,7 +61,7 @@ def fused_logprobs(
             VOCAB=vocab,  # a constant of the kernel: one compilation per model, and a plain loop bound
             HAS_SCALE=scale is not None,
             ENTROPY=want_entropy,
-            BLOCK=min(block, _next_power_of_2(vocab)),
+            BLOCK=min(block, triton_jit.next_power_of_2(vocab)),
             num_warps=NUM_WARPS,
             enable_fp_fusion=True,  # FMA contraction, as nvcc does for torch's kernels; explicit: no warning
         )
@@ -132,26 +120,3 @@ def _logprob_kernel(  # noqa: PLR0917 (a Triton kernel takes its arguments posit
     tl.store(logprob_ptr + row, (x_target - m) - log_total)
     if ENTROPY:
         tl.store(entropy_ptr + row, log_total - tl.sum(t, axis=0) / total)
-
-
-@functools.cache
-def _triton() -> Any:
-    try:
-        return importlib.import_module("triton")
-    except ImportError:
-        return None
-
-
-@functools.cache
-def _kernel(interpret: bool) -> Any:
-    """The jitted kernel, compiled or interpreted: triton.jit reads TRITON_INTERPRET when it wraps."""
-    global tl  # noqa: PLW0603 (bound once, for the kernel's own name lookups)
-    triton = _triton()
-    if triton is None:
-        return None
-    tl = importlib.import_module("triton.language")
-    return triton.jit(_logprob_kernel)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()

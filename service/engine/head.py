@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from service.engine import fused_head
+from service.engine import fused_head, triton_jit
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ def score_actions(
     transform: LogitTransform,
     chunk_rows: int,
     want_entropy: bool,
-    fused: bool | None = None,  # the Triton kernel; None: where fused_head.available and it fits
+    fused: bool | None = None,  # the Triton kernel; None: where triton_jit.available and it fits
 ) -> ActionScores:
     """Each row's log-prob of its target (and entropy) under softmax(g(z) / T), z = lm_head(hidden).
 
@@ -77,7 +77,7 @@ def score_actions(
     """
     fits = transform.softcap is None and transform.scale > 0.0  # a scale folds into the row multiplier
     if fused is None:
-        fused = fits and fused_head.available(hidden.device)
+        fused = fits and triton_jit.available(hidden.device)
     elif fused and not fits:
         raise ValueError(f"the fused head cannot apply {transform}")
     rows = hidden.shape[0]

@@ -12,14 +12,13 @@ import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 import service
-from service.engine import weights
+from service.engine import decoder, weights
 from service.engine.attention import AttentionBackend, choose_backend, register
 from service.engine.base import (
     EngineInfo,
@@ -33,6 +32,8 @@ from service.engine.base import (
 )
 from service.engine.chunking import chunk_mlps
 from service.engine.critic import Critic, load_critic, read_value_head
+from service.engine.decoder import Decoder
+from service.engine.decoder_ops import Ops
 from service.engine.head import ActionScores, LogitTransform, score_actions
 from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype, text_part
@@ -49,23 +50,18 @@ _SELF_CHECK_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), to
 class CausalLM:
     """A causal LM split into its decoder and its head, so the head runs on action rows only."""
 
-    def __init__(self, model: Any, chunk_rows: int) -> None:
+    def __init__(self, model: Any, forward: Decoder, chunk_rows: int) -> None:
         self.model = model
-        self.decoder = model.base_model
+        self.forward = forward  # over model.base_model
         self.lm_head = model.get_output_embeddings()
         self.transform = LogitTransform.from_config(model.config)
         self.chunk_rows = chunk_rows
         embed_rows = model.get_input_embeddings().num_embeddings
         self.vocab_size = min(int(embed_rows), int(self.lm_head.out_features))
 
-    def hidden(self, batch: PackedBatch) -> torch.Tensor:
-        out = self.decoder(**batch.forward_kwargs())
-        hidden: torch.Tensor = out.last_hidden_state[0]  # [N, H]
-        return hidden
-
     def logprobs(self, batch: PackedBatch, want_entropy: bool) -> ActionScores:
         return score_actions(
-            hidden=self.hidden(batch).index_select(0, batch.hidden_index),
+            hidden=self.forward(batch, batch.hidden_index),
             targets=batch.targets,
             inv_temperature=batch.inv_temperature,
             lm_head=self.lm_head,
@@ -75,13 +71,16 @@ class CausalLM:
         )
 
     @torch.inference_mode()
-    def check_head(self, tokens: torch.Tensor) -> float:
+    def self_check(self, job: SequenceJob, device: torch.device) -> float:
         """Largest |Δ| between the model's own logits and ours on one sequence; raise if too large.
 
-        Catches a model whose forward transforms its final logits in a way LogitTransform misses.
+        Catches a model whose forward transforms its final logits in a way LogitTransform misses,
+        and one whose decoder the fused forward misreads.
         """
-        own = self.model(input_ids=tokens[None], use_cache=False).logits[0].float()  # [L, V]
-        hidden = self.decoder(input_ids=tokens[None], use_cache=False).last_hidden_state[0]
+        batch = pack([job], device)
+        every = torch.arange(batch.num_tokens, device=device)
+        own = self.model(input_ids=batch.input_ids, use_cache=False).logits[0].float()  # [L, V]
+        hidden = self.forward(batch, every)
         ours = self.transform(self.lm_head(hidden).float())  # [L, V]
         rtol, atol = _SELF_CHECK_TOL[hidden.dtype]
         delta = float((own - ours).abs().max())
@@ -89,15 +88,16 @@ class CausalLM:
         if not delta <= bound:
             raise RuntimeError(
                 f"{type(self.model).__name__}: its own forward gives logits that differ from "
-                f"lm_head(hidden) + {self.transform} by {delta:.3g} (allowed {bound:.3g}); it applies a "
-                "final-logit transform logprobd does not reproduce, so its scores would be wrong"
+                f"lm_head(hidden) + {self.transform} with the {self.forward.kind} decoder by {delta:.3g} "
+                f"(allowed {bound:.3g}); logprobd does not reproduce this model's forward (a final-logit "
+                "transform, or a layer the fused decoder misreads: try decoder=transformers), so its "
+                "scores would be wrong"
             )
         return delta
 
 
-def _critic_values(critic: Critic, batch: PackedBatch) -> torch.Tensor:
-    hidden = critic.decoder(**batch.forward_kwargs()).last_hidden_state[0]  # [N, H]
-    return critic.head(hidden.index_select(0, batch.hidden_index))  # [A] float32: head(h_{t-1})
+def _critic_values(critic: Critic, forward: Decoder, batch: PackedBatch) -> torch.Tensor:
+    return critic.head(forward(batch, batch.hidden_index))  # [A] float32: head(h_{t-1})
 
 
 class PackedScorer:
@@ -107,14 +107,24 @@ class PackedScorer:
         device: torch.device,
         backend: AttentionBackend,
         settings: Settings,
-        kernels: str = "none",
         *,
         reference: LoadedModel | None = None,
         critic: Critic | None = None,
     ) -> None:
-        self._policy = CausalLM(loaded.model, settings.logits_chunk_rows)
-        self._reference = CausalLM(reference.model, settings.logits_chunk_rows) if reference else None
+        """Prepare each model's forward per settings.decoder and settings.kernels, and describe them."""
+        ops = Ops.for_device(device, allow_triton=settings.kernels != "none")
+
+        def forward(model: Any, base: Any) -> tuple[Decoder, str]:
+            return _prepare(model, base, settings, backend, ops, device)
+
+        policy_forward, kernels = forward(loaded.model, loaded.model.base_model)
+        self._policy = CausalLM(loaded.model, policy_forward, settings.logits_chunk_rows)
+        self._reference = None
+        if reference is not None:
+            ref_forward, _ = forward(reference.model, reference.model.base_model)
+            self._reference = CausalLM(reference.model, ref_forward, settings.logits_chunk_rows)
         self._critic = critic
+        self._critic_forward = forward(critic.decoder, critic.decoder)[0] if critic is not None else None
         self._device = device
         config = loaded.model.config
         text = text_part(config)
@@ -137,6 +147,7 @@ class PackedScorer:
             dtype=str(loaded.model.dtype).removeprefix("torch."),
             device=str(device),
             attention_backend=backend.name,
+            decoder=policy_forward.kind,
             kernels=kernels,
             vocab_size=vocab,
             max_positions=int(getattr(text, "max_position_embeddings", 0) or 0) or 1 << 30,
@@ -160,20 +171,12 @@ class PackedScorer:
         dtype = resolve_dtype(settings.dtype, device)
         backend = choose_backend(settings.attention, device)
         attn = register(backend)
-
-        def prepare(model: Any) -> str:
-            kernels = apply_fused_kernels(model, settings.kernels, device)
-            chunk_mlps(model, settings.mlp_chunk_tokens)  # after the kernels: wraps their MLP
-            return kernels
-
         loaded = load_model(settings.model, settings.model_name, dtype, device, attn)
-        kernels = prepare(loaded.model)
         reference = None
         if settings.ref_model is not None:
             reference = load_model(settings.ref_model, None, dtype, device, attn, role="reference")
-            prepare(reference.model)
-        critic = _load_critic(settings.critic, dtype, device, attn, prepare)
-        return cls(loaded, device, backend, settings, kernels, reference=reference, critic=critic)
+        critic = load_critic(settings.critic, dtype, device, attn) if settings.critic is not None else None
+        return cls(loaded, device, backend, settings, reference=reference, critic=critic)
 
     @property
     def info(self) -> EngineInfo:
@@ -210,6 +213,11 @@ class PackedScorer:
         assert isinstance(staged, weights.Staged)
         target = staged.order.target
         weights.apply(staged)
+        {
+            "policy": self._policy.forward,
+            "reference": self._reference.forward if self._reference else None,
+            "critic": self._critic_forward,
+        }[target].refresh()  # type: ignore[union-attr]  # a served target has a forward
         if target == "critic":
             assert self._critic is not None
             assert staged.extra is not None
@@ -258,7 +266,8 @@ class PackedScorer:
             ref = self._reference.logprobs(batch, want_entropy=False).logprobs
         values = None
         if self._critic is not None and any(job.return_values for job in jobs):
-            values = _critic_values(self._critic, batch)
+            assert self._critic_forward is not None
+            values = _critic_values(self._critic, self._critic_forward, batch)
         lp, ent = per_sequence(policy.logprobs), per_sequence(policy.entropy)
         rf, vl = per_sequence(ref), per_sequence(values)
         assert lp is not None
@@ -290,21 +299,56 @@ class PackedScorer:
             for _ in range(4)
         ]
         self.score(jobs)
-        tokens = torch.from_numpy(jobs[0].tokens).to(self._device)
-        delta = self._policy.check_head(tokens)
+        delta = self._policy.self_check(jobs[0], self._device)
         if self._reference is not None:
-            delta = max(delta, self._reference.check_head(tokens))
-        log.info("warm-up done; head self-check max |Δ logits| = %.3g", delta)
+            delta = max(delta, self._reference.self_check(jobs[0], self._device))
+        if self._critic is not None and self._critic_forward is not None:
+            check_hidden(self._critic.decoder, self._critic_forward, jobs[0], self._device, "critic")
+        log.info("warm-up done; self-check max |Δ logits| = %.3g", delta)
 
 
-def _load_critic(
-    path: Path | None, dtype: torch.dtype, device: torch.device, attn: str, prepare: Any
-) -> Critic | None:
-    if path is None:
-        return None
-    critic = load_critic(path, dtype, device, attn)
-    prepare(critic.decoder)
-    return critic
+def _prepare(  # noqa: PLR0917
+    model: Any,
+    base: Any,
+    settings: Settings,
+    backend: AttentionBackend,
+    ops: Ops,
+    device: torch.device,
+) -> tuple[Decoder, str]:
+    """The forward of `base` (the decoder of `model`) and the fused kernels it runs: triton|liger|none.
+
+    kernels=liger patches transformers' modules, so it keeps the transformers decoder.
+    """
+    setting = settings.decoder
+    if settings.kernels == "liger":
+        if setting == "fused":
+            raise RuntimeError("kernels=liger patches the transformers decoder, not decoder=fused")
+        setting = "transformers"
+    forward = decoder.build(base, setting, backend.kernel, ops, settings.mlp_chunk_tokens)
+    if forward.kind == "fused":
+        return forward, "triton" if ops.name == "triton" else "none"
+    kernels = apply_fused_kernels(model, settings.kernels, device)
+    chunk_mlps(model, settings.mlp_chunk_tokens)  # after the kernels: wraps their MLP
+    return forward, kernels
+
+
+@torch.inference_mode()
+def check_hidden(base: Any, forward: Decoder, job: SequenceJob, device: torch.device, role: str) -> float:
+    """Largest |Δ| between `forward`'s final hidden states and transformers' on one sequence; raise if
+    past the self-check tolerance (relative to the largest hidden value)."""
+    batch = pack([job], device)
+    every = torch.arange(batch.num_tokens, device=device)
+    own = decoder.TransformersDecoder(base)(batch, every).float()
+    ours = forward(batch, every).float()
+    rtol, atol = _SELF_CHECK_TOL[next(base.parameters()).dtype]
+    delta = float((own - ours).abs().max())
+    bound = rtol * float(own.abs().max()) + atol
+    if not delta <= bound:
+        raise RuntimeError(
+            f"{role}: the {forward.kind} decoder's hidden states differ from transformers' by {delta:.3g} "
+            f"(allowed {bound:.3g}); try decoder=transformers"
+        )
+    return delta
 
 
 def _model_info(role: Target, name: str, model: Any) -> ModelInfo:

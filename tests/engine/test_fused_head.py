@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from service.engine import fused_head
+from service.engine import fused_head, triton_jit
 from service.engine.head import LogitTransform, score_actions
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -135,7 +135,7 @@ def test_cpu_takes_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the fused kernel ran on CPU")
 
     monkeypatch.setattr(fused_head, "fused_logprobs", no_kernel)
-    assert not fused_head.available(torch.device("cpu"))
+    assert not triton_jit.available(torch.device("cpu"))
     hidden, targets, inv_t = head_inputs(11, 50, seed=3)
     head = torch.nn.Linear(16, 50, bias=False)
     run = partial(score_actions, hidden=hidden, targets=targets, inv_temperature=inv_t, lm_head=head)
@@ -165,11 +165,11 @@ def test_soft_capping_cannot_be_forced_onto_the_kernel() -> None:
 
 def test_without_triton_the_kernel_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
-    fused_head._triton.cache_clear()
+    triton_jit.triton.cache_clear()
     try:
-        assert not fused_head.available(torch.device("cuda"))
+        assert not triton_jit.available(torch.device("cuda"))
     finally:
-        fused_head._triton.cache_clear()
+        triton_jit.triton.cache_clear()
 
 
 @pytest.mark.gpu
@@ -189,7 +189,7 @@ def test_kernel_equals_the_torch_path_on_cuda(
 
     fused=None: score_actions must pick the compiled kernel by itself on CUDA.
     """
-    assert fused_head.available(torch.device("cuda")), "CUDA without triton: the fused head is off"
+    assert triton_jit.available(torch.device("cuda")), "CUDA without triton: the fused head is off"
     launches: list[int] = []
     kernel = fused_head.fused_logprobs
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+from service.engine.decoder import TransformersDecoder
 from service.engine.head import LogitTransform, score_actions
 from service.engine.scorer import CausalLM
+from service.jobs import SequenceJob
 from tests import models
 
 
@@ -78,9 +81,10 @@ def test_transform_from_config() -> None:
 
 def test_self_check_catches_an_unreproduced_final_logit_transform(tmp_path: Path) -> None:
     model = models.build("gemma2")
-    lm = CausalLM(model, chunk_rows=8)
-    tokens = torch.arange(3, 20)
-    assert lm.check_head(tokens) < 1e-4
+    lm = CausalLM(model, TransformersDecoder(model.base_model), chunk_rows=8)
+    job = SequenceJob(np.arange(3, 20), np.arange(1, 17), 1.0, False)
+    cpu = torch.device("cpu")
+    assert lm.self_check(job, cpu) < 1e-4
     object.__setattr__(lm, "transform", LogitTransform())  # forget Gemma2's soft-capping
     with pytest.raises(RuntimeError, match="final-logit transform"):
-        lm.check_head(tokens)
+        lm.self_check(job, cpu)

@@ -1,0 +1,261 @@
+"""A decoder's forward over one packed row: transformers' own, or a lean one for Llama-family models.
+
+Both give the final hidden states, normalised, of the rows the heads read (the position before
+each action), and nothing for the other rows.
+
+TransformersDecoder calls the model's forward with the packed-attention kwargs: every architecture.
+
+FusedDecoder computes the same function for Llama, Mistral, Qwen2 and Qwen3 decoders (SiLU MLP, RoPE
+over the whole head, RMSNorm), from the same parameters, in fewer kernels and no per-module Python.
+A layer is:
+
+    h = rms_norm(x)                      x: the residual stream [N, H], in the model's dtype
+    qkv = h @ Wqkv + b                   one GEMM for the three projections
+    rope_(qkv)                           q, k rotated in place (Qwen3: head norms first)
+    o = attention(q, k, v)               the backend's packed kernel on views of qkv
+    x += o @ Wo                          the GEMM accumulates into the residual (no add kernel)
+    h = rms_norm(x)
+    x += swiglu(h @ Wgate|up) @ Wdown    per MLP chunk of rows
+
+The q|k|v and gate|up weights are concatenated once at start, and the model's own parameters become
+views of the concatenations: no second copy, and the transformers forward (the self-check), hot
+reloads in copy mode and state dicts see them as before. A reload in swap mode rebinds parameters;
+`refresh` then copies them into the concatenations and makes them views again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from service.engine.attention import Kernel, Segments
+from service.engine.decoder_ops import HeadNorms, Ops
+from service.engine.packing import PackedBatch
+
+DecoderKind = Literal["fused", "transformers"]
+
+# model_type -> the sliding window a layer's attention applies (transformers' own rule per model)
+_WINDOW: dict[str, Callable[[Any], int | None]] = {
+    "llama": lambda attn: None,
+    "mistral": lambda attn: getattr(attn.config, "sliding_window", None),
+    "qwen2": lambda attn: attn.sliding_window,
+    "qwen3": lambda attn: attn.sliding_window,
+}
+SUPPORTED = tuple(_WINDOW)
+
+
+class Decoder(Protocol):
+    kind: DecoderKind
+
+    def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
+        """[len(rows), H]: the final (normalised) hidden state at each index of `rows` in the row."""
+
+    def refresh(self) -> None:
+        """Take up parameters that a reload rebound."""
+
+
+class TransformersDecoder:
+    kind: DecoderKind = "transformers"
+
+    def __init__(self, decoder: Any) -> None:
+        self.decoder = decoder
+
+    def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
+        hidden: torch.Tensor = self.decoder(**batch.forward_kwargs()).last_hidden_state[0]  # [N, H]
+        return hidden.index_select(0, rows)
+
+    def refresh(self) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class _Concat:
+    """One linear map made of several Linear modules stacked by output rows; their parameters view it."""
+
+    weight: torch.Tensor  # [sum of out_features, in_features]
+    bias: torch.Tensor | None
+    linears: tuple[torch.nn.Linear, ...]
+
+    @classmethod
+    def of(cls, *linears: torch.nn.Linear) -> _Concat:
+        with torch.no_grad():
+            weight = torch.cat([lin.weight for lin in linears])
+            bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+        concat = cls(weight, bias, linears)
+        concat.refresh()
+        return concat
+
+    def refresh(self) -> None:
+        """Make every part's parameters views of the concatenation, copying in any that were rebound."""
+        start = 0
+        with torch.no_grad():
+            for lin in self.linears:
+                end = start + lin.out_features
+                for param, whole in ((lin.weight, self.weight), (lin.bias, self.bias)):
+                    if param is None or whole is None:
+                        continue
+                    part = whole[start:end]
+                    if param.data_ptr() != part.data_ptr():
+                        part.copy_(param)
+                        param.data = part
+                start = end
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(slots=True)
+class _Layer:
+    input_norm: Any  # RMSNorm modules: .weight, .variance_epsilon (read per call: a reload may rebind)
+    qkv: _Concat
+    o_proj: torch.nn.Linear
+    q_norm: Any
+    k_norm: Any
+    post_norm: Any
+    gate_up: _Concat
+    down_proj: torch.nn.Linear
+    window: int | None
+    scale: float
+
+
+class FusedDecoder:
+    kind: DecoderKind = "fused"
+
+    def __init__(self, decoder: Any, attention: Kernel, ops: Ops, mlp_chunk_tokens: int) -> None:
+        reason = unsupported(decoder)
+        if reason is not None:
+            raise ValueError(f"the fused decoder cannot run this model: {reason}")
+        config = decoder.config
+        self.decoder = decoder
+        self.attention = attention
+        self.ops = ops
+        self.chunk = mlp_chunk_tokens if mlp_chunk_tokens > 0 else 1 << 62
+        first = decoder.layers[0].self_attn
+        self.head_dim = int(first.head_dim)
+        self.q_heads = int(config.num_attention_heads)
+        self.k_heads = int(config.num_key_value_heads)
+        window = _WINDOW[str(config.model_type)]
+        self.layers = [
+            _Layer(
+                input_norm=layer.input_layernorm,
+                qkv=_Concat.of(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                o_proj=layer.self_attn.o_proj,
+                q_norm=getattr(layer.self_attn, "q_norm", None),
+                k_norm=getattr(layer.self_attn, "k_norm", None),
+                post_norm=layer.post_attention_layernorm,
+                gate_up=_Concat.of(layer.mlp.gate_proj, layer.mlp.up_proj),
+                down_proj=layer.mlp.down_proj,
+                window=window(layer.self_attn),
+                scale=float(layer.self_attn.scaling),
+            )
+            for layer in decoder.layers[: config.num_hidden_layers]
+        ]
+
+    def refresh(self) -> None:
+        for layer in self.layers:
+            layer.qkv.refresh()
+            layer.gate_up.refresh()
+
+    def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
+        ops, n = self.ops, batch.num_tokens
+        hq, hk, d = self.q_heads, self.k_heads, self.head_dim
+        x = self.decoder.embed_tokens(batch.input_ids[0])  # [N, H] the residual stream
+        cos, sin = self.decoder.rotary_emb(x[None], batch.position_ids)  # [1, N, D] each, x's dtype
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        for layer in self.layers:
+            h = ops.rms_norm(x, layer.input_norm.weight, layer.input_norm.variance_epsilon)
+            qkv = layer.qkv(h)  # [N, (hq + 2·hk)·d]
+            del h
+            norms = None
+            if layer.q_norm is not None:
+                norms = HeadNorms(layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.variance_epsilon)
+            ops.rope_(qkv, cos, sin, hq, hk, d, norms)
+            q = qkv[:, : hq * d].view(n, hq, d)
+            k = qkv[:, hq * d : (hq + hk) * d].view(n, hk, d)
+            v = qkv[:, (hq + hk) * d :].view(n, hk, d)
+            seg = Segments(batch.cu_seqlens, batch.max_len, layer.scale, layer.window, None)
+            attended = self.attention(q, k, v, seg).reshape(n, hq * d)
+            del qkv, q, k, v
+            _accumulate(x, attended, layer.o_proj)
+            del attended
+            h = ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
+            for start in range(0, n, self.chunk):
+                end = min(start + self.chunk, n)
+                _accumulate(x[start:end], ops.swiglu(layer.gate_up(h[start:end])), layer.down_proj)
+            del h
+        norm = self.decoder.norm
+        return ops.rms_norm(x.index_select(0, rows), norm.weight, norm.variance_epsilon)
+
+
+def _accumulate(x: torch.Tensor, a: torch.Tensor, linear: torch.nn.Linear) -> None:
+    """x += linear(a), in place, the GEMM adding into x (one rounding, where transformers has two)."""
+    x.addmm_(a, linear.weight.t())
+    if linear.bias is not None:
+        x.add_(linear.bias)
+
+
+def unsupported(decoder: Any) -> str | None:
+    """Why the fused decoder cannot compute `decoder`'s forward; None when it can."""
+    config: Any = getattr(decoder, "config", None)
+    model_type = str(getattr(config, "model_type", None))
+    if model_type not in _WINDOW:
+        return f"model_type {model_type!r} is not one of {', '.join(SUPPORTED)}"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not silu"
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(decoder, name):
+            return f"{type(decoder).__name__} has no {name}"
+    linear = torch.nn.Linear
+    for i, layer in enumerate(decoder.layers[: config.num_hidden_layers]):
+        attn: Any = getattr(layer, "self_attn", None)
+        mlp: Any = getattr(layer, "mlp", None)
+        parts: list[Any] = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        parts += [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+        if not all(type(p) is linear for p in parts):
+            return f"layer {i}: the projections are not the seven plain Linear modules of a Llama layer"
+        for group in (parts[:3], parts[4:6]):
+            if len({p.bias is None for p in group}) != 1:
+                return f"layer {i}: some projections of a fused group have a bias and some not"
+        norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+        if (getattr(attn, "q_norm", None) is None) != (model_type != "qwen3"):
+            return f"layer {i}: per-head q/k norms do not match {model_type}"
+        if model_type == "qwen3":
+            norms += [attn.q_norm, attn.k_norm]
+        if not all(_is_rms_norm(m) for m in [*norms, decoder.norm]):
+            return f"layer {i}: a norm is not a plain RMSNorm (weight · x / rms)"
+        if int(attn.head_dim) * int(config.num_attention_heads) != attn.q_proj.out_features:
+            return f"layer {i}: q_proj's width is not heads * head_dim"
+    head_dim = int(decoder.layers[0].self_attn.head_dim)
+    probe = torch.zeros(1, 1, 1, device=decoder.norm.weight.device, dtype=decoder.norm.weight.dtype)
+    cos, _ = decoder.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long, device=probe.device))
+    if cos.shape[-1] != head_dim:
+        return f"RoPE covers {cos.shape[-1]} of {head_dim} head dimensions"
+    return None
+
+
+def _is_rms_norm(module: Any) -> bool:
+    """The Llama/Qwen RMSNorm class: weight · (x / rms(x)), no offset, no bias."""
+    return (
+        module is not None
+        and type(module).__name__.endswith("RMSNorm")
+        and hasattr(module, "variance_epsilon")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and getattr(module, "bias", None) is None
+        and type(module).__name__ not in {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
+    )
+
+
+def build(decoder: Any, setting: str, attention: Kernel, ops: Ops, mlp_chunk_tokens: int) -> Decoder:
+    """The forward the `decoder` setting asks for: auto takes the fused one wherever it fits."""
+    if setting == "transformers":
+        return TransformersDecoder(decoder)
+    reason = unsupported(decoder)
+    if reason is None:
+        return FusedDecoder(decoder, attention, ops, mlp_chunk_tokens)
+    if setting == "fused":
+        raise RuntimeError(f"decoder=fused: {reason}")
+    return TransformersDecoder(decoder)
