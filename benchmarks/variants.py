@@ -90,10 +90,15 @@ def measure(
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as profiler
 
-        with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             run()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        grouped = prof.key_averages(group_by_input_shape=True)
+        ops = [e for e in grouped if e.key.startswith(("aten::", "torch_"))]
+        print("torch ops by the GPU time of the kernels they launch (count, ms, input shapes):")
+        for e in sorted(ops, key=lambda e: -e.device_time_total)[:30]:  # which op launches what
+            print(f"  {e.key:40s} {e.count:6d} {e.device_time_total / 1e3:9.2f}  {str(e.input_shapes)[:150]}")
     loop.run_until_complete(batcher.stop())
     loop.close()
     return label, seconds * 1e3, peak

@@ -81,6 +81,30 @@ def test_gpu_kernel_matches_cpu_twin(
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("window", [None, 64])
+def test_gpu_kernel_takes_views_of_a_packed_qkv_row(backend: str, window: int | None) -> None:
+    """The fused decoder passes q, k, v as strided views of one [N, (Hq + 2·Hk)·D] projection,
+    with Qwen2.5-1.5B's heads (12 query heads, 2 key/value heads of 128)."""
+    kernel = choose_backend(backend, torch.device("cuda")).kernel
+    hq, hk, d, lengths = 12, 2, 128, [100, 150, 50]
+    n = sum(lengths)
+    qkv = torch.randn(n, (hq + 2 * hk) * d, generator=torch.Generator().manual_seed(0)).to(
+        "cuda", torch.bfloat16
+    )
+    q = qkv[:, : hq * d].view(n, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(n, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(n, hk, d)
+    cu = torch.tensor([0, 100, 250, 300], dtype=torch.int32, device="cuda")
+    seg = Segments(cu, max(lengths), d**-0.5, window, None)
+    got = kernel(q, k, v, seg)
+    assert torch.equal(got, kernel(q.contiguous(), k.contiguous(), v.contiguous(), seg))
+    want = dense_reference(q, k, v, seg).float()
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("name", ["flash_attn", "torch_varlen", "sdpa"])
 def test_registered_names_do_not_impersonate_transformers_kernels(name: str) -> None:
     # transformers routes any implementation named "*sdpa*" or "*flash*" through its own checks
