@@ -157,6 +157,7 @@ def test_self_check_catches_a_misread_layer() -> None:
 
     with pytest.raises(RuntimeError, match="fused decoder"):
         CausalLM(model, fused, chunk_rows=8).self_check(job, CPU)
+    assert check_hidden(model.base_model, TransformersDecoder(model.base_model), job, CPU, "policy") == 0.0
 
 
 @pytest.mark.parametrize(
