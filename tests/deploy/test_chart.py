@@ -19,7 +19,7 @@ import service
 from service.__main__ import _parser
 from service.errors import ServiceError, status_for
 from service.server import GRACEFUL_SHUTDOWN_S
-from service.settings import Attention, Device, DType, Kernels, Settings
+from service.settings import Attention, Decoder, Device, DType, Kernels, Settings
 from tests.deploy import crds
 from tests.deploy.chart import (
     CHART,
@@ -110,6 +110,7 @@ def test_schema_enums_follow_the_service_settings() -> None:
     assert server["dtype"]["enum"] == list(get_args(DType))
     assert server["device"]["enum"] == list(get_args(Device))
     assert server["attention"]["enum"] == list(get_args(Attention))
+    assert server["decoder"]["enum"] == list(get_args(Decoder))
     assert server["kernels"]["enum"] == list(get_args(Kernels))
     assert server["logLevel"]["enum"] == list(get_args(Settings.model_fields["log_level"].annotation))
 
@@ -120,6 +121,7 @@ def test_chart_defaults_are_the_service_defaults() -> None:
     assert server["port"] == defaults.port
     assert server["dtype"] == defaults.dtype
     assert server["attention"] == defaults.attention
+    assert server["decoder"] == defaults.decoder
     assert server["kernels"] == defaults.kernels
     assert server["maxBatchTokens"] == defaults.max_batch_tokens
     assert server["logLevel"] == defaults.log_level
