@@ -238,14 +238,12 @@ def unsupported(decoder: Any) -> str | None:
 
 
 def _is_rms_norm(module: Any) -> bool:
-    """The Llama/Qwen RMSNorm class: weight · (x / rms(x)), no offset, no bias."""
+    """A Llama/Mistral/Qwen RMSNorm: weight · (x / rms(x)), no bias (not, e.g., a patched LayerNorm)."""
     return (
-        module is not None
-        and type(module).__name__.endswith("RMSNorm")
+        type(module).__name__.endswith("RMSNorm")
         and hasattr(module, "variance_epsilon")
         and isinstance(getattr(module, "weight", None), torch.Tensor)
         and getattr(module, "bias", None) is None
-        and type(module).__name__ not in {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
     )
 
 
