@@ -7,9 +7,6 @@ path with it on CUDA against the per-sequence float32 reference.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +23,9 @@ from service.engine.scorer import PackedScorer, check_hidden
 from service.jobs import SequenceJob
 from service.settings import Settings
 from tests import models
+from tests.engine.interpreter import only_interpreted, run_interpreter_cases
 
 FUSED = ("qwen2", "qwen3", "llama", "mistral")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CPU = torch.device("cpu")
 KERNEL = choose_backend("sdpa", CPU).kernel
 
@@ -187,24 +184,10 @@ def test_liger_and_fused_do_not_go_together(model_dirs: dict[str, Path]) -> None
 
 
 def test_triton_decoder_in_a_fresh_process() -> None:
-    pytest.importorskip("triton", reason="the CPU kernel tests run in Triton's interpreter")
-    if INTERPRETED:
-        pytest.skip("this is the interpreter process")
-    command = [sys.executable, "-m", "pytest", __file__, "--noconftest", "-p", "no:cacheprovider", "-q"]
-    result = subprocess.run(
-        [*command, "-k", "test_interpreter"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
-    assert " passed" in result.stdout
-    assert "skipped" not in result.stdout, result.stdout[-4000:]
+    run_interpreter_cases(__file__)
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 process")
+@only_interpreted
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
 def test_interpreter_triton_ops_equal_torch_ops(name: str) -> None:
     model = packed_model(name)

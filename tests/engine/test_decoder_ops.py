@@ -9,40 +9,19 @@ GPU they are compared with the twins in bf16 and fp16.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from service.engine import decoder_ops
 from service.engine.decoder_ops import HeadNorms, Ops
+from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 process of test_kernel_cases_in_a_fresh_process"
-)
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
 
 
 def test_kernel_cases_in_a_fresh_process() -> None:
-    pytest.importorskip("triton", reason="the CPU kernel tests run in Triton's interpreter")
-    if INTERPRETED:
-        pytest.skip("this is the interpreter process")
-    command = [sys.executable, "-m", "pytest", __file__, "--noconftest", "-p", "no:cacheprovider", "-q"]
-    result = subprocess.run(
-        [*command, "-k", "test_interpreter"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
-    assert " passed" in result.stdout
-    assert "skipped" not in result.stdout, result.stdout[-4000:]
+    run_interpreter_cases(__file__)
 
 
 # ---- independent references: transformers' modules ----------------------------------------------
@@ -139,7 +118,7 @@ def test_kernels_refuse_cpu_tensors_outside_the_interpreter() -> None:
 # ---- Triton kernels (interpreter, float32) ------------------------------------------------------
 
 
-@interpreter
+@only_interpreted
 @pytest.mark.parametrize("hidden", [48, 64, 896])
 def test_interpreter_rms_norm(hidden: int) -> None:
     x = torch.randn(6, hidden) * 3
@@ -149,7 +128,7 @@ def test_interpreter_rms_norm(hidden: int) -> None:
     torch.testing.assert_close(decoder_ops.rms_norm_kernel(strided, w, 1e-5), hf_rms_norm(strided, w, 1e-5))
 
 
-@interpreter
+@only_interpreted
 @pytest.mark.parametrize(("hq", "hk", "d"), [(4, 2, 16), (3, 1, 64), (7, 1, 20)])
 @pytest.mark.parametrize("norm", [False, True])
 def test_interpreter_rope(hq: int, hk: int, d: int, norm: bool) -> None:
@@ -160,7 +139,7 @@ def test_interpreter_rope(hq: int, hk: int, d: int, norm: bool) -> None:
     torch.testing.assert_close(qkv, want, atol=2e-6, rtol=2e-6)
 
 
-@interpreter
+@only_interpreted
 @pytest.mark.parametrize("inner", [24, 1000, 2500])
 def test_interpreter_swiglu(inner: int) -> None:
     gate_up = torch.randn(5, 2 * inner) * 4

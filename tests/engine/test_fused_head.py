@@ -1,17 +1,11 @@
 """The one-pass Triton head (fused_head.py) against float64 references and against the torch head.
 
-On CPU the kernel runs in Triton's interpreter. triton reads TRITON_INTERPRET when it is imported
-(its own tl.sum, tl.zeros, ... are jitted then), and a pytest process has imported it long before
-these tests (transformers imports torch._dynamo, which imports triton). So the `test_interpreter_*`
-tests run in a fresh pytest process started with TRITON_INTERPRET=1 by
-test_kernel_cases_in_a_fresh_process, and skip elsewhere. The GPU tests compare the compiled kernel
-with the torch path on CUDA.
+On CPU the kernel runs in Triton's interpreter (tests/engine/interpreter.py says how); the GPU
+tests compare the compiled kernel with the torch path on CUDA.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from functools import partial
 from typing import Any
@@ -21,29 +15,11 @@ import torch
 
 from service.engine import fused_head, triton_jit
 from service.engine.head import LogitTransform, score_actions
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 process of test_kernel_cases_in_a_fresh_process"
-)
+from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
 
 
 def test_kernel_cases_in_a_fresh_process() -> None:
-    pytest.importorskip("triton", reason="the CPU kernel tests run in Triton's interpreter")
-    if INTERPRETED:
-        pytest.skip("this is the interpreter process")
-    command = [sys.executable, "-m", "pytest", __file__, "--noconftest", "-p", "no:cacheprovider", "-q"]
-    result = subprocess.run(
-        [*command, "-k", "test_interpreter"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
-    assert " passed" in result.stdout
-    assert "skipped" not in result.stdout, result.stdout[-4000:]
+    run_interpreter_cases(__file__)
 
 
 def extreme_logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +43,7 @@ def reference(
     return logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
 
-@interpreter
+@only_interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1000, 4099])
 @pytest.mark.parametrize("temperature", [False, True])
@@ -90,7 +66,7 @@ def test_interpreter_kernel_equals_float64_reference(
         assert entropy is None
 
 
-@interpreter
+@only_interpreted
 def test_interpreter_kernel_on_a_vocabulary_smaller_than_a_block() -> None:
     z, targets = extreme_logits(4, 7, torch.float32, seed=0)
     logprobs, entropy = fused_head.fused_logprobs(z, targets, None, True)
@@ -108,7 +84,7 @@ def head_inputs(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.T
     return hidden, targets, inv_t
 
 
-@interpreter
+@only_interpreted
 @pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=0.25)])
 def test_interpreter_score_actions_equals_the_torch_path(transform: LogitTransform) -> None:
     """The kernel through score_actions: chunks, 1 / T, and a logit scale folded into the multiplier."""
