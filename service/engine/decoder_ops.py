@@ -15,6 +15,7 @@ the kernels under Triton's interpreter against the twins).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,32 +38,18 @@ class HeadNorms:
 
 @dataclass(frozen=True, slots=True)
 class Ops:
-    """The three ops on one backend: "triton" (compiled kernels) or "torch"."""
+    """The three ops on one backend: TRITON (the compiled kernels) or TORCH (their twins)."""
 
     name: str
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # x, weight, eps
+    rope_: Callable[  # qkv, cos, sin, q_heads, k_heads, head_dim, norms; in place
+        [torch.Tensor, torch.Tensor, torch.Tensor, int, int, int, HeadNorms | None], None
+    ]
+    swiglu: Callable[[torch.Tensor], torch.Tensor]  # [N, 2·I] gate|up -> [N, I]
 
-    @classmethod
-    def for_device(cls, device: torch.device, allow_triton: bool = True) -> Ops:
-        return cls("triton" if allow_triton and triton_jit.available(device) else "torch")
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return (rms_norm_kernel if self.name == "triton" else rms_norm_torch)(x, weight, eps)
-
-    def rope_(  # noqa: PLR0917 (one packed row's layout)
-        self,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        q_heads: int,
-        k_heads: int,
-        head_dim: int,
-        norms: HeadNorms | None,
-    ) -> None:
-        fn = rope_kernel_ if self.name == "triton" else rope_torch_
-        fn(qkv, cos, sin, q_heads, k_heads, head_dim, norms)
-
-    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return (swiglu_kernel if self.name == "triton" else swiglu_torch)(gate_up)
+    @staticmethod
+    def for_device(device: torch.device, allow_triton: bool = True) -> Ops:
+        return TRITON if allow_triton and triton_jit.available(device) else TORCH
 
 
 # ---- torch twins: the transformers modules' own arithmetic --------------------------------------
@@ -269,3 +256,7 @@ def _swiglu(
     sigmoid = tl.where(gate >= 0.0, 1.0 / (1.0 + e), e / (1.0 + e))
     act = (gate * sigmoid).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * INNER + cols, (act * up).to(dtype), mask=mask)
+
+
+TORCH = Ops("torch", rms_norm_torch, rope_torch_, swiglu_torch)
+TRITON = Ops("triton", rms_norm_kernel, rope_kernel_, swiglu_kernel)

@@ -17,7 +17,7 @@ import torch
 from service.engine import decoder
 from service.engine.attention import choose_backend, register
 from service.engine.decoder import FusedDecoder, TransformersDecoder
-from service.engine.decoder_ops import Ops
+from service.engine.decoder_ops import TORCH, TRITON
 from service.engine.packing import PackedBatch, pack
 from service.engine.scorer import PackedScorer, check_hidden
 from service.jobs import SequenceJob
@@ -65,7 +65,7 @@ def test_fused_equals_transformers(name: str, chunk: int) -> None:
     rows = torch.tensor([0, 5, 19, 20, 52, 53, 60, batch.num_tokens - 1])
     with torch.inference_mode():
         want = TransformersDecoder(model.base_model)(batch, rows)
-        got = FusedDecoder(model.base_model, KERNEL, Ops("torch"), chunk)(batch, rows)
+        got = FusedDecoder(model.base_model, KERNEL, TORCH, chunk)(batch, rows)
     assert got.shape == want.shape == (8, 64)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -80,14 +80,14 @@ def test_biases_everywhere() -> None:
     batch = batch_of()
     with torch.inference_mode():
         want = TransformersDecoder(model.base_model)(batch, every_row(batch))
-        got = FusedDecoder(model.base_model, KERNEL, Ops("torch"), 4)(batch, every_row(batch))
+        got = FusedDecoder(model.base_model, KERNEL, TORCH, 4)(batch, every_row(batch))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_fusion_keeps_one_copy_of_the_weights() -> None:
     model = packed_model("qwen2")
     before = _storage_bytes(model)
-    fused = FusedDecoder(model.base_model, KERNEL, Ops("torch"), 0)
+    fused = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
     assert _storage_bytes(model) == before
     layer, attn = fused.layers[1], model.base_model.layers[1].self_attn
     assert attn.k_proj.weight.data_ptr() == layer.qkv.weight[attn.q_proj.out_features :].data_ptr()
@@ -103,7 +103,7 @@ def _storage_bytes(model: Any) -> int:
 def test_refresh_takes_up_rebound_parameters() -> None:
     """A swap reload rebinds `param.data`: refresh copies the new values into the concatenations."""
     model, other = packed_model("qwen3"), packed_model("qwen3", seed=1)
-    fused = FusedDecoder(model.base_model, KERNEL, Ops("torch"), 0)
+    fused = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
     batch = batch_of()
     with torch.no_grad():
         for param, new in zip(model.parameters(), other.parameters(), strict=True):
@@ -125,9 +125,9 @@ def test_refresh_takes_up_rebound_parameters() -> None:
 def test_other_architectures_keep_the_transformers_decoder(name: str, reason: str) -> None:
     model = packed_model(name)
     assert reason in str(decoder.unsupported(model.base_model))
-    assert decoder.build(model.base_model, "auto", KERNEL, Ops("torch"), 0).kind == "transformers"
+    assert decoder.build(model.base_model, "auto", KERNEL, TORCH, 0).kind == "transformers"
     with pytest.raises(RuntimeError, match="decoder=fused"):
-        decoder.build(model.base_model, "fused", KERNEL, Ops("torch"), 0)
+        decoder.build(model.base_model, "fused", KERNEL, TORCH, 0)
 
 
 def test_a_misfit_layer_is_named() -> None:
@@ -143,7 +143,7 @@ def test_a_misfit_layer_is_named() -> None:
 def test_self_check_catches_a_misread_layer() -> None:
     """A fused decoder that forgot qwen2's sliding window: the warm-up self-checks refuse it."""
     model = packed_model("qwen2")
-    fused = FusedDecoder(model.base_model, KERNEL, Ops("torch"), 0)
+    fused = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
     job = SequenceJob(np.arange(3, 40), np.arange(1, 37), 1.0, False)
     assert check_hidden(model.base_model, fused, job, CPU, "policy") < 1e-5
     for layer in fused.layers:
@@ -194,6 +194,6 @@ def test_interpreter_triton_ops_equal_torch_ops(name: str) -> None:
     batch = batch_of((9, 14, 5))
     rows = every_row(batch)
     with torch.inference_mode():
-        want = FusedDecoder(model.base_model, KERNEL, Ops("torch"), 4)(batch, rows)
-        got = FusedDecoder(model.base_model, KERNEL, Ops("triton"), 4)(batch, rows)
+        want = FusedDecoder(model.base_model, KERNEL, TORCH, 4)(batch, rows)
+        got = FusedDecoder(model.base_model, KERNEL, TRITON, 4)(batch, rows)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
