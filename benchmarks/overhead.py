@@ -4,11 +4,13 @@
 
 Runs the engine in-process and then over HTTP (the real app on loopback, clients in another
 process, as benchmarks.run does) and records, in the server's process, when each request is parsed,
-normalised and rendered and when each micro-batch runs in the engine thread. Prints, per variant:
-the micro-batches' total time in the engine (longer over HTTP when the event loop holds the GIL the
-engine thread needs to launch kernels), the gaps between them, how long after the first request
-arrived the first micro-batch started, and how long after the last micro-batch the last answer was
-rendered. `--switch-interval` sets sys.setswitchinterval in the server's process.
+normalised and rendered, when each micro-batch is launched in the engine thread and when its scores
+were collected. Prints, per variant: how long after the first request arrived the first micro-batch
+was launched, the host time of the launches (longer over HTTP when the event loop holds the GIL the
+engine thread needs), how long the engine thread sat idle between the end of one launch and the
+next while the results were not all in (the accelerator may run dry then), how long after the last
+collection the last answer was rendered, and the span. `--switch-interval` sets
+sys.setswitchinterval in the server's process.
 """
 
 from __future__ import annotations
@@ -29,12 +31,39 @@ from benchmarks.workload import SHAPES, jobs, workload
 from service import api
 from service.batcher import Batcher
 from service.engine.attention import choose_backend, register
+from service.engine.base import Launched
 from service.engine.loading import LoadedModel
 from service.engine.scorer import PackedScorer
+from service.jobs import SequenceScores
 from service.metrics import Metrics
 from service.settings import Settings
 
 Event = tuple[str, float, float]  # what, start, end (time.perf_counter)
+
+
+class RecordedLaunch:
+    """A launched micro-batch whose `result` records ("collected", wait start, wait end)."""
+
+    def __init__(self, events: list[Event], launched: Launched) -> None:
+        self.events, self.launched = events, launched
+
+    def result(self) -> list[SequenceScores]:
+        start = time.perf_counter()
+        try:
+            return self.launched.result()
+        finally:
+            self.events.append(("collected", start, time.perf_counter()))
+
+
+def recorded_launches(events: list[Event], launch: Callable[[Any], Launched]) -> Callable[[Any], Launched]:
+    def wrapper(the_jobs: Any) -> Launched:
+        start = time.perf_counter()
+        try:
+            return RecordedLaunch(events, launch(the_jobs))
+        finally:
+            events.append(("launch", start, time.perf_counter()))
+
+    return wrapper
 
 
 def recorded(events: list[Event], what: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -62,22 +91,24 @@ def rounds(events: list[Event], per_round: int) -> list[list[Event]]:
 def summary(label: str, events: list[Event], per_round: int) -> None:
     rows = []
     for r in rounds(events, per_round):
-        batches = [e for e in r if e[0] == "batch"]
+        launches = [e for e in r if e[0] == "launch"]
+        last_collected = max(e[2] for e in r if e[0] == "collected")
         first = min(e[1] for e in r)
-        busy = sum(e[2] - e[1] for e in batches)
-        gaps = sum(b[1] - a[2] for a, b in itertools.pairwise(batches))
+        busy = sum(e[2] - e[1] for e in launches)
+        # the engine thread idle between launches before the last collection: nothing new was queued
+        idle = sum(min(b[1], last_collected) - a[2] for a, b in itertools.pairwise(launches))
         renders = [e for e in r if e[0] == "render"]
-        tail = max(e[2] for e in renders) - batches[-1][2] if renders else 0.0
+        tail = max(e[2] for e in renders) - last_collected if renders else 0.0
         host = sum(e[2] - e[1] for e in r if e[0] in ("parse", "normalise", "render"))
         rows.append(
-            (batches[0][1] - first, busy, gaps, tail, host, max(e[2] for e in r) - first, len(batches))
+            (launches[0][1] - first, busy, idle, tail, host, max(e[2] for e in r) - first, len(launches))
         )
     keep = rows[1:] or rows  # the first round warms up
     med = [statistics.median(x[i] for x in keep) * 1e3 for i in range(6)]
     print(
-        f"{label:28s} first batch after {med[0]:6.2f} ms | batches {med[1]:7.2f} ms ({keep[0][6]}) | "
-        f"gaps {med[2]:5.2f} ms | tail {med[3]:5.2f} ms | parse+normalise+render {med[4]:5.2f} ms | "
-        f"span {med[5]:7.2f} ms",
+        f"{label:28s} first launch after {med[0]:6.2f} ms | launches {med[1]:7.2f} ms ({keep[0][6]}) | "
+        f"between launches {med[2]:6.2f} ms | tail {med[3]:5.2f} ms | parse+normalise+render "
+        f"{med[4]:5.2f} ms | span {med[5]:7.2f} ms",
         flush=True,
     )
 
@@ -98,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = PackedScorer(LoadedModel(model, args.model, demo=False), device, backend, settings)
     engine.warm_up()
     events: list[Event] = []
-    engine.score = recorded(events, "batch", engine.score)  # type: ignore[method-assign]
+    engine.launch = recorded_launches(events, engine.launch)  # type: ignore[method-assign,assignment]
     samples = workload(int(SHAPES[args.model]["vocab_size"]))
     the_jobs = jobs(samples)
 

@@ -5,6 +5,11 @@ engine on a single dedicated thread, so the event loop keeps serving while the f
 Requests larger than the budget are split across micro-batches; a request is answered when all its
 sequences are scored. Sequences whose request was cancelled are skipped before they reach the engine.
 
+Micro-batches are pipelined: the engine thread queues a micro-batch's work on the accelerator and
+returns (`launch`); a second thread waits for its scores (`result`) while the engine thread queues the
+next one behind it, so the accelerator does not sit idle while the host packs, collects and answers.
+At most `IN_FLIGHT` micro-batches are launched and not yet collected.
+
 New weights are applied between micro-batches, at a barrier: once a swap is waiting, only requests
 that have started (some of their sequences scored) get more micro-batches; when none is left open,
 the engine applies the weights, and the requests still queued start on them. So every request runs
@@ -23,12 +28,14 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from service.engine.base import OutOfMemory, ScoringEngine, StagedWeights, WeightsState
+from service.engine.base import Launched, OutOfMemory, ScoringEngine, StagedWeights, WeightsState
 from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
 from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+IN_FLIGHT = 2  # one micro-batch on the accelerator, the next queued behind it
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +71,16 @@ class _Pending:
 
 
 @dataclass(slots=True, eq=False)
+class _Flight:
+    """A micro-batch launched on the engine whose scores are not collected yet."""
+
+    batch: list[_Pending]
+    tokens: int
+    launched: float
+    collected: asyncio.Task[None] | None = None
+
+
+@dataclass(slots=True, eq=False)
 class _Swap:
     staged: StagedWeights
     future: asyncio.Future[Applied]
@@ -93,6 +110,8 @@ class Batcher:
         self._last_batch_done = 0.0
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprobd-engine")
+        self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprobd-results")
+        self._flights: deque[_Flight] = deque()  # launched, in launch order
         self._worker: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -102,7 +121,12 @@ class Batcher:
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
+        collecting = [f.collected for f in self._flights if f.collected is not None]
+        for task in collecting:
+            task.cancel()
+        await asyncio.gather(*collecting, return_exceptions=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._collector.shutdown(wait=True, cancel_futures=True)
 
     async def score(self, jobs: Sequence[SequenceJob], pins: Mapping[str, str] | None = None) -> Scored:
         """Scores of `jobs`, in order, all from one set of weights. Raises Overloaded (nothing queued)
@@ -145,9 +169,10 @@ class Batcher:
                 self._wake.clear()
                 await self._wake.wait()
             if self._swaps and not self._open():
+                await self._drain()  # every started request completes on the weights it began on
                 await self._apply(self._swaps.popleft())
                 continue
-            if not self._swaps:
+            if not self._swaps and not self._flights:
                 await self._collate()
             batch = self._take(only_started=bool(self._swaps))
             if not batch:
@@ -155,24 +180,34 @@ class Batcher:
             started = time.perf_counter()
             for p in batch:
                 self._metrics.queue_seconds.observe(started - p.enqueued)
-            await self._forward(batch)
-            self._last_batch_done = time.perf_counter()
+            await self._launch(batch)
+            while len(self._flights) >= IN_FLIGHT:
+                await self._oldest_collected()
 
-    async def _forward(self, batch: list[_Pending]) -> None:
-        """Score one micro-batch; on out-of-memory, split it and retry the halves."""
+    async def _oldest_collected(self) -> None:
+        task = self._flights[0].collected
+        assert task is not None
+        await asyncio.shield(task)  # cancelling the worker must not cancel the collection
+
+    async def _drain(self) -> None:
+        while self._flights:
+            await self._oldest_collected()
+
+    async def _launch(self, batch: list[_Pending]) -> None:
+        """Queue one micro-batch on the engine; on out-of-memory, split it and launch the halves."""
         jobs = [p.job for p in batch]
         tokens = sum(job.num_tokens for job in jobs)
-        started = time.perf_counter()
+        launched = time.perf_counter()
         try:
-            results = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._engine.score, jobs
+            handle = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._engine.launch, jobs
             )
         except OutOfMemory as exc:
             if len(batch) > 1:
                 log.warning("%s; retrying as two halves", exc)
                 half = len(batch) // 2
-                await self._forward(batch[:half])
-                await self._forward(batch[half:])
+                await self._launch(batch[:half])
+                await self._launch(batch[half:])
                 return
             self._fail(
                 batch, SequenceTooLarge(f"a sequence of {tokens} tokens does not fit in accelerator memory")
@@ -182,14 +217,34 @@ class Batcher:
             log.exception("micro-batch of %d sequences failed", len(jobs))
             self._fail(batch, EngineFailure(f"scoring failed: {type(exc).__name__}: {exc}"))
             return
-        seconds = time.perf_counter() - started
+        flight = _Flight(batch, tokens, launched)
+        flight.collected = asyncio.create_task(self._collect(flight, handle), name="logprobd-collect")
+        self._flights.append(flight)
+
+    async def _collect(self, flight: _Flight, handle: Launched) -> None:
+        """Wait (on the results thread) for a launched micro-batch's scores and answer its sequences."""
+        batch = flight.batch
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(self._collector, handle.result)
+        except Exception as exc:  # an error the device reported late fails this micro-batch only
+            log.exception("micro-batch of %d sequences failed", len(batch))
+            self._fail(batch, EngineFailure(f"scoring failed: {type(exc).__name__}: {exc}"))
+            return
+        finally:
+            self._flights.remove(flight)
+        done = time.perf_counter()
+        # the accelerator's time on it: from its launch, or from the end of the one queued before it
+        seconds = done - max(flight.launched, self._last_batch_done)
+        self._last_batch_done = done
         self._tokens_per_s = (
-            0.8 * self._tokens_per_s + 0.2 * tokens / seconds if self._tokens_per_s else tokens / seconds
+            0.8 * self._tokens_per_s + 0.2 * flight.tokens / seconds
+            if self._tokens_per_s
+            else flight.tokens / seconds
         )
         self._metrics.forward_seconds.observe(seconds)
-        self._metrics.batch_tokens.observe(tokens)
-        self._metrics.batch_sequences.observe(len(jobs))
-        self._metrics.sequences.inc(len(jobs))
+        self._metrics.batch_tokens.observe(flight.tokens)
+        self._metrics.batch_sequences.observe(len(batch))
+        self._metrics.sequences.inc(len(batch))
         for p, result in zip(batch, results, strict=True):
             if not p.future.done():
                 p.future.set_result(result)

@@ -70,10 +70,12 @@ class Settings(BaseSettings):
         description="When the GPU is idle, wait up to this long after a request arrives for others to join "
         "its micro-batch.",
     )
-    mlp_chunk_tokens: int = Field(
-        4096,
+    mlp_chunk_tokens: int | None = Field(
+        None,
         ge=0,
-        description="Run decoder MLPs over at most this many tokens at a time (0: off); saves memory.",
+        description="Run decoder MLPs over at most this many tokens at a time (0: all at once); unset: as "
+        "many as keep a chunk's gate|up activations within 640 MiB (all of a 16k-token micro-batch up to "
+        "Qwen2.5-1.5B's width, 8192 tokens at 7B's).",
     )
     logits_chunk_rows: int = Field(
         512, ge=1, description="Rows of [rows, vocab] logits materialised at once by the lm_head."

@@ -29,6 +29,24 @@ class FakeStaged:
     shift: float
 
 
+@dataclass(slots=True)
+class FakeLaunched:
+    number: int  # of the micro-batch, from 1
+    scores: list[SequenceScores]
+    delay: float
+    fail: bool
+    engine: FakeEngine
+
+    def result(self) -> list[SequenceScores]:
+        self.engine.collected_on.add(threading.current_thread().name)
+        if self.delay:
+            time.sleep(self.delay)
+        self.engine.events.append(("collected", self.number))
+        if self.fail:
+            raise RuntimeError("injected device error")
+        return self.scores
+
+
 class FakeEngine:
     """logprob of action t = -(x_t + t) / T - shift; entropy = t. Records every micro-batch it sees.
 
@@ -42,6 +60,9 @@ class FakeEngine:
         self.delay = delay
         self.fail_on_token = fail_on_token
         self.oom_over_tokens = oom_over_tokens  # raise OutOfMemory on larger micro-batches
+        self.fail_late_on_token: int | None = None
+        self.collected_on: set[str] = set()  # the threads that waited for results
+        self.events: list[tuple[str, int]] = []  # ("launch" | "collected" | "apply", micro-batch number)
         self.stage_delay = 0.0
         self.shift = 0.0
         self.applied_between: list[int] = []  # micro-batches seen before each apply
@@ -65,16 +86,23 @@ class FakeEngine:
     def warm_up(self) -> None:
         pass
 
-    def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
+    def launch(self, jobs: Sequence[SequenceJob]) -> FakeLaunched:
+        """Fails or runs out of memory at once, as a real launch does; the `delay` is the device's
+        time, spent in `result`. A token `fail_late_on_token` fails there, as an error the device
+        reports late does."""
         self.threads.add(threading.current_thread().name)
         self.batches.append([job.num_tokens for job in jobs])
-        if self.delay:
-            time.sleep(self.delay)
+        self.events.append(("launch", len(self.batches)))
         if self.fail_on_token is not None and any(self.fail_on_token in job.tokens for job in jobs):
             raise RuntimeError("injected failure")
         if self.oom_over_tokens is not None and sum(job.num_tokens for job in jobs) > self.oom_over_tokens:
             raise OutOfMemory("injected out-of-memory")
-        return [expected_scores(job, self.shift) for job in jobs]
+        late = self.fail_late_on_token is not None and any(self.fail_late_on_token in j.tokens for j in jobs)
+        scores = [expected_scores(job, self.shift) for job in jobs]
+        return FakeLaunched(len(self.batches), scores, self.delay, late, self)
+
+    def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
+        return self.launch(jobs).result()
 
     @property
     def weights(self) -> Mapping[str, WeightsState]:
@@ -91,6 +119,7 @@ class FakeEngine:
         assert isinstance(staged, FakeStaged)
         self.threads.add(threading.current_thread().name)
         self.applied_between.append(len(self.batches))
+        self.events.append(("apply", len(self.batches)))
         self.shift = staged.shift
         old = self._weights["policy"]
         state = dataclasses.replace(

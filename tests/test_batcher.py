@@ -11,7 +11,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
-from service.batcher import Applied, Batcher, Scored
+from service.batcher import IN_FLIGHT, Applied, Batcher, Scored
 from service.engine.base import ReloadOrder, WeightsState
 from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
 from service.jobs import SequenceJob, SequenceScores
@@ -89,6 +89,46 @@ def test_concurrent_requests_are_merged_and_each_gets_its_own_answers(
     assert max(len(batch) for batch in engine.batches) > 3  # requests were merged
     assert all(sum(batch) <= 64 for batch in engine.batches)
     assert engine.threads == {"logprobd-engine_0"}  # one worker thread
+
+
+def test_next_micro_batch_is_launched_before_the_last_is_collected(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine(delay=0.05)
+    jobs = [job(10, first=i) for i in range(5)]  # budget 16: five micro-batches
+    results = run(loop, engine, 16, lambda b: scores(b, jobs))
+    for got, j in zip(results, jobs, strict=True):
+        np.testing.assert_array_equal(got.logprobs, expected_scores(j).logprobs)
+    assert engine.events == [
+        ("launch", 1),
+        ("launch", 2),  # queued behind the first while the device (the delay) works on it
+        ("collected", 1),
+        ("launch", 3),
+        ("collected", 2),
+        ("launch", 4),
+        ("collected", 3),
+        ("launch", 5),
+        ("collected", 4),
+        ("collected", 5),
+    ]
+    assert IN_FLIGHT == 2
+    assert engine.threads == {"logprobd-engine_0"}  # launched on the engine thread
+    assert engine.collected_on == {"logprobd-results_0"}  # waited for on another
+
+
+def test_late_device_error_fails_its_micro_batch_only(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine(delay=0.02)
+    engine.fail_late_on_token = 500
+
+    async def body(batcher: Batcher) -> list[SequenceScores]:
+        doomed = asyncio.create_task(scores(batcher, [job(10, first=500)]))
+        await asyncio.sleep(0)
+        fine = asyncio.create_task(scores(batcher, [job(10, first=3)]))  # launched behind it
+        with pytest.raises(EngineFailure, match="injected device error"):
+            await doomed
+        return await fine
+
+    (good,) = run(loop, engine, 16, body)
+    np.testing.assert_array_equal(good.logprobs, expected_scores(job(10, first=3)).logprobs)
+    assert ("collected", 2) in engine.events
 
 
 def test_sequence_longer_than_budget_runs_alone(loop: asyncio.AbstractEventLoop) -> None:
@@ -252,6 +292,8 @@ def test_weights_swap_waits_for_started_requests_and_queued_ones_start_on_the_ne
     _assert_scored_on(first, split, 0.0, "initial")
     _assert_scored_on(second, later, 5.0, "v5")
     assert engine.applied_between == [4]  # after all of the started request, before the queued one
+    at = engine.events.index(("apply", 4))  # every launched micro-batch was collected before it
+    assert engine.events[at - 2 : at + 2] == [("collected", 3), ("collected", 4), ("apply", 4), ("launch", 5)]
     assert applied.state.version == "v5"
     assert applied.wait_seconds > 0.05  # it waited for three more micro-batches
     assert engine.threads == {"logprobd-engine_0"}  # applied on the engine thread

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -24,6 +24,16 @@ def _client(engine: FakeEngine, **settings: Any) -> TestClient:
 @pytest.fixture
 def slow() -> FakeEngine:
     return FakeEngine(delay=0.4)
+
+
+def _occupy(client: TestClient, pool: ThreadPoolExecutor) -> list[Future[Reply]]:
+    """Two slow requests, sent one after the other: both micro-batches are in flight (the engine's
+    limit, batcher.IN_FLIGHT), so what is sent next waits in the queue."""
+    busy = []
+    for i in range(2):
+        busy.append(pool.submit(client.post, "/logprobs", json=_row(10, first=20 * i + 1)))
+        time.sleep(0.1)
+    return busy
 
 
 def _row(n: int, first: int = 1) -> dict[str, Any]:
@@ -63,28 +73,25 @@ def test_size_limits_are_413_naming_the_limit() -> None:
 def test_full_queue_answers_429_with_retry_after(slow: FakeEngine) -> None:
     with _client(slow, max_queued_tokens=12, batch_wait_ms=0) as client:
         wait_ready(client)
-        with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(client.post, "/logprobs", json=_row(10))  # goes to the engine
-            time.sleep(0.1)
-            second = pool.submit(client.post, "/logprobs", json=_row(10, first=50))  # waits in the queue
+        with ThreadPoolExecutor(3) as pool:
+            busy = _occupy(client, pool)  # two micro-batches in flight: the engine takes no more
+            queued = pool.submit(client.post, "/logprobs", json=_row(10, first=50))  # waits in the queue
             time.sleep(0.1)
             third = client.post("/logprobs", json=_row(10, first=90))
-            assert first.result().status_code == 200
-            assert second.result().status_code == 200
+            assert all(reply.result().status_code == 200 for reply in [*busy, queued])
         _error(third, 429, "overloaded")
         assert int(third.headers["retry-after"]) >= 1
-        assert all(90 not in batch for batch in slow.batches)
+        assert slow.batches == [[10], [10], [10]]  # the refused request never reached the engine
         assert 'outcome="overloaded"} 1.0' in client.get("/metrics").text
 
 
 def test_deadline_drops_the_work_and_answers_504(slow: FakeEngine) -> None:
     with _client(slow, batch_wait_ms=0) as client:
         wait_ready(client)
-        with ThreadPoolExecutor(1) as pool:
-            busy = pool.submit(client.post, "/logprobs", json=_row(10))
-            time.sleep(0.1)
+        with ThreadPoolExecutor(2) as pool:
+            busy = _occupy(client, pool)
             late = client.post("/logprobs", json={**_row(7, first=60), "timeout_s": 0.1})
-            assert busy.result().status_code == 200
+            assert all(reply.result().status_code == 200 for reply in busy)
         assert "deadline" in _error(late, 504, "deadline_exceeded")["message"]
         time.sleep(0.5)
         assert [7] not in slow.batches  # dropped before it reached the engine
@@ -113,12 +120,15 @@ def live_server(slow: FakeEngine) -> Iterator[str]:
 
 
 def test_client_that_disconnects_has_its_queued_work_dropped(live_server: str, slow: FakeEngine) -> None:
-    with ThreadPoolExecutor(1) as pool:
-        busy = pool.submit(httpx.post, f"{live_server}/logprobs", json=_row(10), timeout=10)
-        time.sleep(0.1)
+    with ThreadPoolExecutor(2) as pool:
+        busy = []
+        for i in range(2):  # two micro-batches in flight
+            body = _row(10, first=20 * i + 1)
+            busy.append(pool.submit(httpx.post, f"{live_server}/logprobs", json=body, timeout=10))
+            time.sleep(0.1)
         with pytest.raises(httpx.ReadTimeout):  # gives up while its request waits in the queue
             httpx.post(f"{live_server}/logprobs", json=_row(9, first=70), timeout=0.1)
-        assert busy.result().status_code == 200
+        assert all(reply.result().status_code == 200 for reply in busy)
     time.sleep(0.6)
     assert [9] not in slow.batches
     metrics = httpx.get(f"{live_server}/metrics").text

@@ -93,11 +93,20 @@ class OutOfMemory(RuntimeError):
     """
 
 
-class ScoringEngine(Protocol):
-    """What the batcher needs: score one packed micro-batch, and swap weights between micro-batches.
+class Launched(Protocol):
+    """A micro-batch whose work is queued on the accelerator."""
 
-    `score` and `apply` are called from the one engine thread only; `stage` from a loader thread,
-    while `score` runs.
+    def result(self) -> list[SequenceScores]:
+        """Wait for the accelerator to finish it; its scores, in the order of its jobs. Any thread."""
+
+
+class ScoringEngine(Protocol):
+    """What the batcher needs: score packed micro-batches, and swap weights between micro-batches.
+
+    `launch` queues a micro-batch's work and returns without waiting for it, so the next one can be
+    queued behind it while the host collects this one's scores (`Launched.result`, on another
+    thread). `launch` and `apply` are called from the one engine thread only; `stage` from a loader
+    thread, while micro-batches run.
     """
 
     @property
@@ -106,7 +115,7 @@ class ScoringEngine(Protocol):
     @property
     def weights(self) -> Mapping[str, WeightsState]: ...
 
-    def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]: ...
+    def launch(self, jobs: Sequence[SequenceJob]) -> Launched: ...
 
     def warm_up(self) -> None: ...
 

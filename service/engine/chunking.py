@@ -14,6 +14,25 @@ from typing import Any
 
 import torch
 
+ACTIVATION_BYTES = 640 * 2**20  # gate|up activations of one MLP chunk, where mlp_chunk_tokens is unset
+_UNSET_FALLBACK = 4096  # a model whose config names no intermediate_size
+
+
+def resolve_tokens(setting: int | None, config: Any, dtype: torch.dtype) -> int:
+    """The MLP chunk in tokens (0: none): the setting, or where it is unset, the most tokens (a multiple
+    of 1024) whose gate|up activations, 2 · intermediate_size values each, fit ACTIVATION_BYTES.
+
+    Fewer, larger GEMMs run faster (at 4096-token chunks Qwen2.5-0.5B's forward took 7 % longer on an
+    H200), while at 7B's width a whole 16k-token micro-batch would hold 1.9 GiB there.
+    """
+    if setting is not None:
+        return setting
+    intermediate = int(getattr(config, "intermediate_size", 0) or 0)
+    if intermediate <= 0:
+        return _UNSET_FALLBACK
+    per_token = 2 * intermediate * dtype.itemsize
+    return max(1024, ACTIVATION_BYTES // per_token // 1024 * 1024)
+
 
 def chunk_mlps(model: Any, tokens: int) -> int:
     """Wrap every `mlp` submodule of `model`; return how many were wrapped (0 when tokens <= 0)."""

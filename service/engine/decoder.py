@@ -17,6 +17,9 @@ A layer is:
     h = rms_norm(x)
     x += swiglu(h @ Wgate|up) @ Wdown    per MLP chunk of rows
 
+The last layer's attention reads every row's keys and values; from its output projection on, it runs
+on the rows the heads read only (a quarter of the tokens in a typical RL batch).
+
 The q|k|v and gate|up weights are concatenated once at start, and the model's own parameters become
 views of the concatenations: no second copy, and the transformers forward (the self-check), hot
 reloads in copy mode and state dicts see them as before. A reload in swap mode rebinds parameters;
@@ -166,6 +169,7 @@ class FusedDecoder:
         x = self.decoder.embed_tokens(batch.input_ids[0])  # [N, H] the residual stream
         cos, sin = self.decoder.rotary_emb(x[None], batch.position_ids)  # [1, N, D] each, x's dtype
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        last = self.layers[-1]
         for layer in self.layers:
             h = ops.rms_norm(x, layer.input_norm.weight, layer.input_norm.variance_epsilon)
             qkv = layer.qkv(h)  # [N, (hq + 2·hk)·d]
@@ -180,15 +184,17 @@ class FusedDecoder:
             seg = Segments(batch.cu_seqlens, batch.max_len, layer.scale, layer.window, None)
             attended = self.attention(q, k, v, seg).reshape(n, hq * d)
             del qkv, q, k, v
+            if layer is last:  # past its attention, no row reads another: go on with the read rows only
+                x, attended = x.index_select(0, rows), attended.index_select(0, rows)
             _accumulate(x, attended, layer.o_proj)
             del attended
             h = ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
-            for start in range(0, n, self.chunk):
-                end = min(start + self.chunk, n)
+            for start in range(0, x.shape[0], self.chunk):
+                end = min(start + self.chunk, x.shape[0])
                 _accumulate(x[start:end], ops.swiglu(layer.gate_up(h[start:end])), layer.down_proj)
             del h
         norm = self.decoder.norm
-        return ops.rms_norm(x.index_select(0, rows), norm.weight, norm.variance_epsilon)
+        return ops.rms_norm(x, norm.weight, norm.variance_epsilon)
 
 
 def _accumulate(x: torch.Tensor, a: torch.Tensor, linear: torch.nn.Linear) -> None:

@@ -60,7 +60,10 @@ def pack(jobs: Sequence[SequenceJob], device: torch.device) -> PackedBatch:
     )
 
     def to(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device, non_blocking=True)
+        tensor = torch.from_numpy(array)
+        if device.type == "cuda":  # from pageable memory the copy may wait for the work queued before it
+            tensor = tensor.pin_memory()
+        return tensor.to(device, non_blocking=True)
 
     return PackedBatch(
         input_ids=to(tokens)[None],

@@ -11,7 +11,8 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from service.engine.base import (
     WeightsRejected,
     WeightsState,
 )
-from service.engine.chunking import chunk_mlps
+from service.engine.chunking import chunk_mlps, resolve_tokens
 from service.engine.critic import Critic, load_critic, read_value_head
 from service.engine.decoder import Decoder
 from service.engine.decoder_ops import Ops
@@ -102,6 +103,65 @@ class CausalLM:
 
 def _critic_values(critic: Critic, forward: Decoder, batch: PackedBatch) -> torch.Tensor:
     return critic.head(forward(batch, batch.hidden_index))  # [A] float32: head(h_{t-1})
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A launched micro-batch: its [A] float32 scores, host tensors that the copies queued on the
+    device fill; `done` is recorded after those copies (None: computed on the host, ready)."""
+
+    jobs: Sequence[SequenceJob]
+    actions_per_sequence: list[int]
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    values: torch.Tensor | None
+    done: torch.cuda.Event | None
+
+    def result(self) -> list[SequenceScores]:
+        if self.done is not None:
+            self.done.synchronize()  # releases the GIL while the device works
+        splits = np.cumsum(self.actions_per_sequence)[:-1]
+
+        def per_sequence(values: torch.Tensor | None) -> list[FloatArray] | None:
+            # views of the host tensor, which they keep alive (its pinned block is not reused under them)
+            return None if values is None else np.split(values.numpy(), splits)
+
+        lp, ent = per_sequence(self.logprobs), per_sequence(self.entropy)
+        rf, vl = per_sequence(self.ref_logprobs), per_sequence(self.values)
+        assert lp is not None
+        return [
+            SequenceScores(
+                logprobs=lp[i],
+                entropy=ent[i] if ent is not None and job.return_entropy else None,
+                values=vl[i] if vl is not None and job.return_values else None,
+                ref_logprobs=rf[i] if rf is not None and job.return_ref else None,
+            )
+            for i, job in enumerate(self.jobs)
+        ]
+
+
+def _host_copier(device: torch.device) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
+    """A float32 host copy of a device tensor: on CUDA, into pinned memory, queued on the stream."""
+
+    def copy(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None:
+            return None
+        if device.type != "cuda":
+            return values.float().cpu()
+        host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        return host
+
+    return copy
+
+
+def _event(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
 
 
 class PackedScorer:
@@ -247,23 +307,23 @@ class PackedScorer:
             raise WeightsRejected(f"this server has no {target} model to reload")
         return model
 
-    def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
+    def launch(self, jobs: Sequence[SequenceJob]) -> InFlight:
+        """Queue the micro-batch's forwards and the copies of its scores to host memory; no wait."""
         try:
-            return self._score(jobs)
+            return self._launch(jobs)
         except torch.OutOfMemoryError as exc:
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
             tokens = sum(job.num_tokens for job in jobs)
             raise OutOfMemory(f"out of memory on {len(jobs)} sequences, {tokens} tokens") from exc
 
+    def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
+        """launch(jobs).result(): the scores, waiting for them."""
+        return self.launch(jobs).result()
+
     @torch.inference_mode()
-    def _score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
+    def _launch(self, jobs: Sequence[SequenceJob]) -> InFlight:
         batch = pack(jobs, self._device)
-        splits = np.cumsum(batch.actions_per_sequence)[:-1]
-
-        def per_sequence(values: torch.Tensor | None) -> list[FloatArray] | None:
-            return None if values is None else np.split(values.float().cpu().numpy(), splits)
-
         policy = self._policy.logprobs(batch, batch.want_entropy)
         ref = None
         if self._reference is not None and any(job.return_ref for job in jobs):
@@ -272,18 +332,18 @@ class PackedScorer:
         if self._critic is not None and any(job.return_values for job in jobs):
             assert self._critic_forward is not None
             values = _critic_values(self._critic, self._critic_forward, batch)
-        lp, ent = per_sequence(policy.logprobs), per_sequence(policy.entropy)
-        rf, vl = per_sequence(ref), per_sequence(values)
-        assert lp is not None
-        return [
-            SequenceScores(
-                logprobs=lp[i],
-                entropy=ent[i] if ent is not None and job.return_entropy else None,
-                values=vl[i] if vl is not None and job.return_values else None,
-                ref_logprobs=rf[i] if rf is not None and job.return_ref else None,
-            )
-            for i, job in enumerate(jobs)
-        ]
+        to_host = _host_copier(self._device)
+        logprobs = to_host(policy.logprobs)
+        assert logprobs is not None
+        return InFlight(
+            jobs=jobs,
+            actions_per_sequence=batch.actions_per_sequence,
+            logprobs=logprobs,
+            entropy=to_host(policy.entropy),
+            ref_logprobs=to_host(ref),
+            values=to_host(values),
+            done=_event(self._device),
+        )
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -328,11 +388,12 @@ def _prepare(  # noqa: PLR0917
         if setting == "fused":
             raise RuntimeError("kernels=liger patches the transformers decoder, not decoder=fused")
         setting = "transformers"
-    forward = decoder.build(base, setting, backend.kernel, ops, settings.mlp_chunk_tokens)
+    chunk = resolve_tokens(settings.mlp_chunk_tokens, text_part(model.config), next(model.parameters()).dtype)
+    forward = decoder.build(base, setting, backend.kernel, ops, chunk)
     if forward.kind == "fused":
         return forward, "triton" if ops.name == "triton" else "none"
     kernels = apply_fused_kernels(model, settings.kernels, device)
-    chunk_mlps(model, settings.mlp_chunk_tokens)  # after the kernels: wraps their MLP
+    chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
     return forward, kernels
 
 
