@@ -172,7 +172,7 @@ class Batcher:
                 await self._drain()  # every started request completes on the weights it began on
                 await self._apply(self._swaps.popleft())
                 continue
-            if not self._swaps and not self._flights:
+            if not self._swaps:
                 await self._collate()
             batch = self._take(only_started=bool(self._swaps))
             if not batch:
@@ -248,6 +248,7 @@ class Batcher:
         for p, result in zip(batch, results, strict=True):
             if not p.future.done():
                 p.future.set_result(result)
+        self._wake.set()  # a collation waiting on a busy accelerator stops waiting once it is idle
 
     @classmethod
     def _fail(cls, batch: list[_Pending], error: Exception) -> None:
@@ -261,13 +262,14 @@ class Batcher:
 
     async def _collate(self) -> None:
         """Let requests sent together share a micro-batch: wait, at most `wait_s` after the oldest
-        queued sequence arrived, until the queue holds a full budget. Work left over from an earlier
-        micro-batch (queued while the engine was busy) goes at once."""
+        queued sequence arrived, until the queue holds a full budget. While a micro-batch is in
+        flight the wait costs nothing (the next one would queue behind it); once none is, work that
+        was waiting when the last one finished goes at once."""
         oldest = self._queue[0].enqueued
-        if oldest < self._last_batch_done:
-            return
         deadline = oldest + self._wait_s
         while self._queued_tokens < self._budget:
+            if not self._flights and oldest < self._last_batch_done:
+                return
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 return

@@ -114,6 +114,36 @@ def test_next_micro_batch_is_launched_before_the_last_is_collected(loop: asyncio
     assert engine.collected_on == {"logprobd-results_0"}  # waited for on another
 
 
+def test_with_a_micro_batch_in_flight_the_next_waits_for_a_fuller_budget(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    engine = FakeEngine(delay=0.3)
+
+    async def body(batcher: Batcher) -> None:
+        first = asyncio.create_task(scores(batcher, [job(20)]))  # a full budget: launched at once
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(scores(batcher, [job(5, first=1)]))  # waits, the device is busy
+        await asyncio.sleep(0.05)
+        await asyncio.gather(first, second, scores(batcher, [job(6, first=2)]))
+
+    run_with_wait(loop, engine, 20, 0.1, body)
+    assert engine.batches == [[20], [5, 6]]
+
+
+def test_collation_stops_waiting_when_the_device_goes_idle(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine(delay=0.05)
+
+    async def body(batcher: Batcher) -> float:
+        start = time.perf_counter()
+        first = asyncio.create_task(scores(batcher, [job(20)]))
+        await asyncio.sleep(0.01)
+        await asyncio.gather(first, scores(batcher, [job(5, first=1)]))  # would wait 2 s for company
+        return time.perf_counter() - start
+
+    assert run_with_wait(loop, engine, 20, 2.0, body) < 1.0
+    assert engine.batches == [[20], [5]]
+
+
 def test_late_device_error_fails_its_micro_batch_only(loop: asyncio.AbstractEventLoop) -> None:
     engine = FakeEngine(delay=0.02)
     engine.fail_late_on_token = 500
