@@ -60,6 +60,21 @@ class Decoder(Protocol):
     def refresh(self) -> None:
         """Take up parameters that a reload rebound."""
 
+    def warm(self, rows: int) -> None:
+        """Run once, on zeros, the GEMMs a forward over `rows` rows runs (the same calls and shapes):
+        cuBLAS stalls the host the first time it meets some shapes, so a server meets them first."""
+
+
+def _zeros(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    return torch.zeros(rows, width, dtype=like.dtype, device=like.device)
+
+
+def _warm_rotary(decoder: Any, x: torch.Tensor) -> None:
+    """The rotary embedding's outer product of frequencies and positions (a batched GEMM) over x's rows."""
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is not None:
+        rotary(x[None], torch.zeros(1, x.shape[0], dtype=torch.long, device=x.device))
+
 
 class TransformersDecoder:
     kind: DecoderKind = "transformers"
@@ -73,6 +88,19 @@ class TransformersDecoder:
 
     def refresh(self) -> None:
         pass
+
+    def warm(self, rows: int) -> None:
+        """Every distinct Linear of the layers, once; an MLP chunked by chunk_mlps meets its chunk
+        sizes as `rows` of their own (multiples of the packing step, as the unset chunk is)."""
+        embed = self.decoder.get_input_embeddings().weight
+        _warm_rotary(self.decoder, _zeros(embed, rows, embed.shape[1]))
+        seen = set()
+        for module in self.decoder.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                key = (module.in_features, module.out_features, module.bias is None, module.weight.dtype)
+                if key not in seen:
+                    seen.add(key)
+                    module(_zeros(module.weight, rows, module.in_features)[None])
 
 
 @dataclass(slots=True)
@@ -162,6 +190,24 @@ class FusedDecoder:
         for layer in self.layers:
             layer.qkv.refresh()
             layer.gate_up.refresh()
+
+    def warm(self, rows: int) -> None:
+        """A layer's four GEMMs as the forward calls them, per distinct layer shape; the last layer's
+        output projection and MLP run on the read rows, whose count is padded like the tokens'."""
+        embed = self.decoder.embed_tokens.weight
+        _warm_rotary(self.decoder, _zeros(embed, rows, embed.shape[1]))
+        seen = set()
+        for layer in self.layers:
+            key = (layer.qkv.weight.shape, layer.o_proj.weight.shape, layer.gate_up.weight.shape)
+            if key in seen:
+                continue
+            seen.add(key)
+            x = _zeros(layer.o_proj.weight, rows, layer.o_proj.out_features)
+            layer.qkv(x)
+            _accumulate(x, _zeros(x, rows, layer.o_proj.in_features), layer.o_proj)
+            for start in range(0, rows, self.chunk):
+                end = min(start + self.chunk, rows)
+                _accumulate(x[start:end], self.ops.swiglu(layer.gate_up(x[start:end])), layer.down_proj)
 
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         ops, n = self.ops, batch.num_tokens

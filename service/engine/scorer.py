@@ -38,7 +38,7 @@ from service.engine.decoder_ops import Ops
 from service.engine.head import ActionScores, LogitTransform, score_actions
 from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype, text_part
-from service.engine.packing import PackedBatch, pack
+from service.engine.packing import SHAPE_STEP, PackedBatch, pack
 from service.jobs import FloatArray, SequenceJob, SequenceScores
 from service.settings import Settings
 
@@ -62,6 +62,12 @@ class CausalLM:
         embed_rows = model.get_input_embeddings().num_embeddings
         self.vocab_size = min(int(embed_rows), int(self.lm_head.out_features))
 
+    def warm_head(self, step: int) -> None:
+        """The lm_head's GEMM over every row count a chunk of padded actions can have."""
+        weight = self.lm_head.weight
+        for rows in sorted({*range(step, self.chunk_rows + 1, step), self.chunk_rows}):
+            self.lm_head(torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device))
+
     def logprobs(self, batch: PackedBatch, want_entropy: bool) -> ActionScores:
         return score_actions(
             hidden=self.forward(batch, batch.hidden_index),
@@ -82,7 +88,7 @@ class CausalLM:
         sides, so a tight bound), and a fused decoder must give transformers' hidden states up to
         rounding (check_hidden: catches a layer it misreads).
         """
-        batch = pack([job], device)
+        batch = pack([job], device, step=1)  # the model's own forward reads the row as one sequence
         every = torch.arange(batch.num_tokens, device=device)
         own = self.model(input_ids=batch.input_ids, use_cache=False).logits[0].float()  # [L, V]
         hidden = decoder.TransformersDecoder(self.model.base_model)(batch, every)
@@ -141,12 +147,14 @@ class InFlight:
         ]
 
 
-def _host_copier(device: torch.device) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
-    """A float32 host copy of a device tensor: on CUDA, into pinned memory, queued on the stream."""
+def _host_copier(device: torch.device, rows: int) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
+    """A float32 host copy of a device tensor's first `rows`: on CUDA, into pinned memory, queued on
+    the stream."""
 
     def copy(values: torch.Tensor | None) -> torch.Tensor | None:
         if values is None:
             return None
+        values = values[:rows]
         if device.type != "cuda":
             return values.float().cpu()
         host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
@@ -190,6 +198,7 @@ class PackedScorer:
         self._critic = critic
         self._critic_forward = forward(critic.decoder, critic.decoder)[0] if critic is not None else None
         self._device = device
+        self._max_tokens = settings.max_batch_tokens  # also the longest sequence
         config = loaded.model.config
         text = text_part(config)
         vocab = self._policy.vocab_size
@@ -332,7 +341,7 @@ class PackedScorer:
         if self._critic is not None and any(job.return_values for job in jobs):
             assert self._critic_forward is not None
             values = _critic_values(self._critic, self._critic_forward, batch)
-        to_host = _host_copier(self._device)
+        to_host = _host_copier(self._device, batch.num_actions)  # the padding actions' scores stay behind
         logprobs = to_host(policy.logprobs)
         assert logprobs is not None
         return InFlight(
@@ -369,6 +378,29 @@ class PackedScorer:
         if self._critic is not None and self._critic_forward is not None:
             check_hidden(self._critic.decoder, self._critic_forward, jobs[0], self._device, "critic")
         log.info("warm-up done; self-check max |Δ logits| = %.3g", delta)
+        if self._device.type == "cuda":
+            self.meet_shapes()
+
+    @torch.inference_mode()
+    def meet_shapes(self) -> None:
+        """Run every GEMM shape a micro-batch can take, once (packing pads its token and action
+        counts to multiples of SHAPE_STEP): cuBLAS stalls the host, holding the GIL, until the device
+        is idle the first time it meets some shapes; on a live server that starves the event loop."""
+        started = time.perf_counter()
+        lms = [lm for lm in (self._policy, self._reference) if lm is not None]
+        forwards = [lm.forward for lm in lms] + [f for f in [self._critic_forward] if f is not None]
+        most = -(-self._max_tokens // SHAPE_STEP) * SHAPE_STEP
+        for rows in range(SHAPE_STEP, most + 1, SHAPE_STEP):
+            for forward in forwards:
+                forward.warm(rows)
+            if self._critic is not None:
+                head = self._critic.head
+                head(torch.zeros(rows, head.weight.shape[1], dtype=head.weight.dtype, device=self._device))
+        for lm in lms:
+            lm.warm_head(SHAPE_STEP)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        log.info("met the GEMM shapes of up to %d tokens in %.1f s", most, time.perf_counter() - started)
 
 
 def _prepare(  # noqa: PLR0917
@@ -403,7 +435,7 @@ def check_hidden(base: Any, forward: Decoder, job: SequenceJob, device: torch.de
     past _DECODER_TOL. Two half-precision forwards that round in another order drift apart over the
     layers (a few % at 28 bf16 layers), so the norm ratio, not the largest element, is bounded;
     a misread layer (a lost window, norm or rotation) moves it by tens of %."""
-    batch = pack([job], device)
+    batch = pack([job], device, step=1)
     every = torch.arange(batch.num_tokens, device=device)
     own = decoder.TransformersDecoder(base)(batch, every).float()
     ours = forward(batch, every).float()

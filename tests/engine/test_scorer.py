@@ -6,10 +6,12 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from service.engine.scorer import PackedScorer
 from service.jobs import SequenceJob
@@ -89,3 +91,40 @@ def test_launch_returns_while_the_device_is_still_busy(
     assert took < 0.3
     for scores, w in zip(launched.result(), _want(model_dirs["qwen2"], jobs), strict=True):
         np.testing.assert_allclose(scores.logprobs, w, atol=TOLERANCE)
+
+
+class _GemmShapes(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The (op, operand shapes) of every matrix product run under it."""
+
+    OPS = frozenset({"linear", "matmul", "mm", "addmm", "addmm_", "bmm", "mv", "addmv", "dot"})
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.seen: set[tuple[str, tuple[tuple[int, ...], ...]]] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name in self.OPS:
+            shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+            self.seen.add((name, shapes))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("decoder", ["fused", "transformers"])
+def test_the_warm_up_meets_every_gemm_shape_a_micro_batch_takes(
+    model_dirs: dict[str, Path], decoder: str
+) -> None:
+    scorer = PackedScorer.from_settings(
+        settings_for(model_dirs["qwen2"], max_batch_tokens=384, logits_chunk_rows=256, decoder=decoder)
+    )
+    with _GemmShapes() as met:
+        scorer.meet_shapes()
+    rng = random.Random(11)
+    with _GemmShapes() as scoring:
+        for _ in range(12):
+            lengths: list[int] = []
+            while sum(lengths) < 200:
+                lengths.append(rng.randrange(4, 90))
+            scorer.score(_jobs(rng.randrange(1000), tuple(lengths)))
+    assert scoring.seen
+    assert scoring.seen <= met.seen, scoring.seen - met.seen
