@@ -67,8 +67,8 @@ class Settings(BaseSettings):
     batch_wait_ms: float = Field(
         5.0,
         ge=0,
-        description="When the GPU is idle, wait up to this long after a request arrives for others to join "
-        "its micro-batch.",
+        description="Wait up to this long after a request arrives for others to fill its micro-batch, while "
+        "the GPU is idle or busy with the micro-batch before it.",
     )
     mlp_chunk_tokens: int | None = Field(
         None,

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from service.engine.scorer import PackedScorer
 from service.jobs import SequenceJob
 from tests import models
-from tests.conftest import DEVICE, TOLERANCE, eager, settings_for
+from tests.conftest import DEVICE, DTYPE, TOLERANCE, eager, settings_for
 from tests.reference import expected
 
 
@@ -77,6 +77,10 @@ def test_results_are_independent_of_later_launches(engine: PackedScorer) -> None
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(
+    DTYPE == "float32",
+    reason="float32 attention is the per-sequence SDPA fallback, which reads the boundaries on the host",
+)
 def test_launch_returns_while_the_device_is_still_busy(
     engine: PackedScorer, model_dirs: dict[str, Path]
 ) -> None:
