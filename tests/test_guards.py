@@ -26,7 +26,7 @@ def slow() -> FakeEngine:
     return FakeEngine(delay=0.4)
 
 
-def _occupy(client: TestClient, pool: ThreadPoolExecutor) -> list[Future[Reply]]:
+def _occupy(client: TestClient, pool: ThreadPoolExecutor) -> list[Future[Any]]:
     """Two slow requests, sent one after the other: both micro-batches are in flight (the engine's
     limit, batcher.IN_FLIGHT), so what is sent next waits in the queue."""
     busy = []
