@@ -111,14 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="auto", choices=["auto", "none", "liger"])
     parser.add_argument("--rope", default="fused", choices=["fused", "none"])
     parser.add_argument("--head", default="current", choices=["current", "torch", "previous"])
-    parser.add_argument("--mlp-chunk-tokens", type=int, default=4096, help="the service's default")
+    parser.add_argument(
+        "--mlp-chunk-tokens", type=int, default=None, help="0: all at once; unset: the service's default"
+    )
     parser.add_argument("--configs", nargs="+", default=CONFIGS, help="BUDGET:CHUNK_ROWS ...")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     model = build_model(args.model, torch.bfloat16, device, register(choose_backend("auto", device)))
-    label = f"+mlp{args.mlp_chunk_tokens}" if args.mlp_chunk_tokens else ""
+    label = f"+mlp{args.mlp_chunk_tokens}" if args.mlp_chunk_tokens is not None else ""
     if args.head == "previous":
         setattr(scorer, "score_actions", previous_head)  # noqa: B010 (CausalLM looks it up at call time)
         label += "+prevhead"

@@ -22,8 +22,9 @@ def resolve_tokens(setting: int | None, config: Any, dtype: torch.dtype) -> int:
     """The MLP chunk in tokens (0: none): the setting, or where it is unset, the most tokens (a multiple
     of 1024) whose gate|up activations, 2 · intermediate_size values each, fit ACTIVATION_BYTES.
 
-    Fewer, larger GEMMs run faster (at 4096-token chunks Qwen2.5-0.5B's forward took 7 % longer on an
-    H200), while at 7B's width a whole 16k-token micro-batch would hold 1.9 GiB there.
+    Fewer, larger GEMMs run faster (at 4096-token chunks a Qwen2.5-0.5B round took 4 % longer on an
+    H200: benchmarks/results/variants-mlp-chunk-h200-2026-11-21.txt), while at 7B's width a whole
+    16k-token micro-batch would hold 1.9 GiB there.
     """
     if setting is not None:
         return setting
