@@ -271,8 +271,10 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             )
 
     result = {
+        "attention": engine.info.attention_backend,
         "decoder": engine.info.decoder,
         "kernels": engine.info.kernels,
+        "engine_versions": engine.info.versions,
         "http_rounds_ms": {k: [round(x * 1e3, 1) for x in v] for k, v in rounds.items()},
         "http_client": f"one client process, {len(http_bodies(samples))} connections (client.py asyncio), "
         "compact frames both ways (http_json: JSON both ways)",

@@ -11,7 +11,9 @@ is transformers' forward with liger-kernel's RMSNorm, SwiGLU and RoPE; `--rope n
 fused RoPE back out; `--head current` is the service's head (the one-pass
 Triton kernel of fused_head.py where it applies), `--head torch` forces its torch log-softmax path,
 `--head previous` scores with the head as it was before the single fused log-softmax (upcast copy,
-temperature multiply, logsumexp); `--profile` prints the CUDA kernels of one round by total time.
+temperature multiply, logsumexp); `--attention` picks the packed attention kernel and
+`--mlp-kernel` the gate|up projection (auto: as the service picks); `--profile` prints the CUDA
+kernels of one round by total time.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from benchmarks.run import build_model, peak_memory, timed
 from benchmarks.workload import SHAPES, jobs, workload
 from service.batcher import Batcher
 from service.engine import scorer
-from service.engine.attention import choose_backend, register
+from service.engine.attention import BACKENDS, choose_backend, register
 from service.engine.head import ActionScores, LogitTransform, score_actions
 from service.engine.loading import LoadedModel
 from service.engine.rope import unfuse_rope
@@ -70,7 +72,7 @@ def measure(
     model: Any, name: str, settings: Settings, *, reps: int, profile: bool, rope: str
 ) -> tuple[str, float, float]:
     device = torch.device("cuda")
-    backend = choose_backend("auto", device)
+    backend = choose_backend(settings.attention, device)
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
     label = f"{engine.info.decoder}/{engine.info.kernels}"
     if rope == "none" and unfuse_rope(model):
@@ -110,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decoder", default="auto", choices=["auto", "fused", "transformers"])
     parser.add_argument("--kernels", default="auto", choices=["auto", "none", "liger"])
     parser.add_argument("--rope", default="fused", choices=["fused", "none"])
+    parser.add_argument("--attention", default="auto", choices=["auto", *BACKENDS])
+    parser.add_argument("--mlp-kernel", default="auto", choices=["auto", "split", "quack"])
     parser.add_argument("--head", default="current", choices=["current", "torch", "previous"])
     parser.add_argument(
         "--mlp-chunk-tokens", type=int, default=None, help="0: all at once; unset: the service's default"
@@ -119,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    model = build_model(args.model, torch.bfloat16, device, register(choose_backend("auto", device)))
-    label = f"+mlp{args.mlp_chunk_tokens}" if args.mlp_chunk_tokens is not None else ""
+    backend = choose_backend(args.attention, device)
+    model = build_model(args.model, torch.bfloat16, device, register(backend))
+    label = f"+{backend.name}" + (f"+mlp{args.mlp_chunk_tokens}" if args.mlp_chunk_tokens is not None else "")
     if args.head == "previous":
         setattr(scorer, "score_actions", previous_head)  # noqa: B010 (CausalLM looks it up at call time)
         label += "+prevhead"
@@ -137,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             mlp_chunk_tokens=args.mlp_chunk_tokens,
             decoder=args.decoder,
             kernels=args.kernels,
+            attention=backend.name,
+            mlp_kernel=args.mlp_kernel,
         )
         engine_label, ms, peak = measure(
             model, args.model, settings, reps=args.reps, profile=args.profile, rope=args.rope

@@ -14,8 +14,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-Attention = Literal["auto", "flash_attn", "torch_varlen", "sdpa"]
+Attention = Literal["auto", "flash_attn_cute", "flash_attn", "torch_varlen", "sdpa"]
 Kernels = Literal["auto", "liger", "none"]
+MlpKernel = Literal["auto", "split", "quack"]
 Decoder = Literal["auto", "fused", "transformers"]
 ReloadMode = Literal["auto", "copy", "swap"]
 Version = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:+/@-]+$")]
@@ -46,8 +47,9 @@ class Settings(BaseSettings):
     dtype: DType = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu.")
     attention: Attention = Field(
         "auto",
-        description="Packed attention kernel. auto: flash_attn if importable, else torch_varlen on cuda; "
-        "sdpa (one call per sequence) on cpu or where the kernels cannot run.",
+        description="Packed attention kernel. auto: flash_attn_cute (flash-attn 4, compute capability 8.0+) "
+        "if importable, else flash_attn (flash-attn 2) if importable, else torch_varlen on cuda; sdpa (one "
+        "call per sequence) on cpu or where the kernels cannot run.",
     )
     decoder: Decoder = Field(
         "auto",
@@ -60,6 +62,12 @@ class Settings(BaseSettings):
         description="Fused kernels. auto: on cuda with triton, the fused decoder's Triton RMSNorm/RoPE/"
         "SwiGLU, or liger-kernel's for the transformers decoder if importable; liger: liger-kernel's, with "
         "the transformers decoder; none: plain torch.",
+    )
+    mlp_kernel: MlpKernel = Field(
+        "auto",
+        description="The fused decoder's gate|up projection and SwiGLU. split: a GEMM, then the SwiGLU "
+        "kernel; quack: one quack-kernels GEMM whose epilogue applies SwiGLU (CUDA compute capability "
+        "9.0+, bf16/fp16); auto: quack where it can run, split elsewhere.",
     )
     max_batch_tokens: int = Field(
         16384, ge=16, description="Token budget of one packed micro-batch; also the longest sequence."

@@ -1,9 +1,11 @@
 """Packed (varlen) causal attention for Hugging Face models, behind transformers' AttentionInterface.
 
 The sequences of a micro-batch sit in one row; `cu_seq_lens_q` ([S+1] int32 boundaries) tells the
-kernel where each starts, so attention never crosses a sequence boundary. Three kernels:
+kernel where each starts, so attention never crosses a sequence boundary. Four kernels:
 
-- flash_attn:   flash-attn's `flash_attn_varlen_func` (bf16/fp16 on CUDA; softcap, sliding window);
+- flash_attn_cute: flash-attn 4's CuTe `flash_attn_varlen_func` (package flash-attn-4; bf16/fp16 on
+                   Ampere, Hopper (FA3's algorithm) and Blackwell; softcap, sliding window);
+- flash_attn:   flash-attn 2's `flash_attn_varlen_func` (bf16/fp16 on CUDA; softcap, sliding window);
 - torch_varlen: torch's `varlen_attn` (flash kernels shipped with torch; no softcap);
 - sdpa:         one `scaled_dot_product_attention` per sequence: the CPU path, and the fallback for
                 whatever the fast kernels cannot do (float32, attention softcapping without flash-attn).
@@ -47,7 +49,7 @@ FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
-    name: str  # flash_attn | torch_varlen | sdpa
+    name: str  # one of BACKENDS
     kernel: Kernel
 
     @property
@@ -60,10 +62,12 @@ class AttentionBackend:
 
 
 _IMPLEMENTATION = {
+    "flash_attn_cute": "logprobd_fa4_varlen",
     "flash_attn": "logprobd_fa2_varlen",
     "torch_varlen": "logprobd_torch_varlen",
     "sdpa": "logprobd_exact",
 }
+BACKENDS = tuple(_IMPLEMENTATION)
 
 
 def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
@@ -109,6 +113,32 @@ def flash_attn_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Se
         softcap=seg.softcap or 0.0,
     )
     return out
+
+
+def _flash_cute_kernel() -> Kernel:
+    from flash_attn.cute import flash_attn_varlen_func
+
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+        if q.dtype not in FAST_DTYPES:
+            return sdpa_kernel(q, k, v, seg)
+        out = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=seg.cu,
+            cu_seqlens_k=seg.cu,
+            max_seqlen_q=seg.max_len,
+            max_seqlen_k=seg.max_len,
+            softmax_scale=seg.scale,
+            causal=True,
+            window_size=(seg.window - 1, 0) if seg.window is not None else (None, None),
+            softcap=seg.softcap or 0.0,
+        )
+        result = out[0] if isinstance(out, tuple) else out  # (out, lse) in some releases
+        assert isinstance(result, torch.Tensor)
+        return result
+
+    return kernel
 
 
 def _torch_varlen_kernel() -> Kernel:
@@ -160,21 +190,39 @@ def _flash_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments,
     return out
 
 
+def _importable(module: str) -> bool:
+    """Whether `module` can be found; flash-attn 4 alone leaves `flash_attn` a namespace package."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
 def choose_backend(requested: str, device: torch.device) -> AttentionBackend:
-    """Resolve the `attention` setting: auto prefers flash-attn, then torch varlen, on CUDA."""
-    has_flash = importlib.util.find_spec("flash_attn") is not None
-    has_varlen = importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    """Resolve the `attention` setting: auto prefers flash-attn 4 (on compute capability 8.0 and up),
+    then flash-attn 2, then torch varlen, on CUDA."""
+    available = {
+        "flash_attn_cute": device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 8
+        and _importable("flash_attn.cute"),
+        "flash_attn": _importable("flash_attn.flash_attn_interface"),
+        "torch_varlen": device.type == "cuda" and _importable("torch.nn.attention.varlen"),
+    }
     if requested == "auto":
-        if device.type != "cuda":
-            requested = "sdpa"
-        else:
-            requested = "flash_attn" if has_flash else "torch_varlen" if has_varlen else "sdpa"
+        requested = next((name for name, ok in available.items() if ok), "sdpa")
+    if requested == "flash_attn_cute":
+        if not available["flash_attn_cute"]:
+            raise RuntimeError(
+                "attention=flash_attn_cute needs the flash-attn-4 package and a CUDA device of compute "
+                "capability 8.0 or later"
+            )
+        return AttentionBackend("flash_attn_cute", _flash_cute_kernel())
     if requested == "flash_attn":
-        if not has_flash:
+        if not available["flash_attn"]:
             raise RuntimeError("attention=flash_attn but the flash_attn package is not importable")
         return AttentionBackend("flash_attn", flash_attn_kernel)
     if requested == "torch_varlen":
-        if not has_varlen or device.type != "cuda":
+        if not available["torch_varlen"]:
             raise RuntimeError("attention=torch_varlen needs torch.nn.attention.varlen and a CUDA device")
         return AttentionBackend("torch_varlen", _torch_varlen_kernel())
     return AttentionBackend("sdpa", sdpa_kernel)

@@ -15,7 +15,8 @@ A layer is:
     o = attention(q, k, v)               the backend's packed kernel on views of qkv
     x += o @ Wo                          the GEMM accumulates into the residual (no add kernel)
     h = rms_norm(x)
-    x += swiglu(h @ Wgate|up) @ Wdown    per MLP chunk of rows
+    x += swiglu(h @ Wgate|up) @ Wdown    per MLP chunk of rows (gated.py: a GEMM then the SwiGLU op,
+                                         or one GEMM whose epilogue applies SwiGLU)
 
 The last layer's attention reads every row's keys and values; from its output projection on, it runs
 on the rows the heads read only (a quarter of the tokens in a typical RL batch).
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 
 from service.engine.attention import Kernel, Segments
 from service.engine.decoder_ops import HeadNorms, Ops
+from service.engine.gated import GatedProjection, split
 from service.engine.packing import PackedBatch
 
 DecoderKind = Literal["fused", "transformers"]
@@ -156,7 +158,14 @@ class _Layer:
 class FusedDecoder:
     kind: DecoderKind = "fused"
 
-    def __init__(self, decoder: Any, attention: Kernel, ops: Ops, mlp_chunk_tokens: int) -> None:
+    def __init__(
+        self,
+        decoder: Any,
+        attention: Kernel,
+        ops: Ops,
+        mlp_chunk_tokens: int,
+        gated: GatedProjection | None = None,
+    ) -> None:
         reason = unsupported(decoder)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
@@ -164,6 +173,7 @@ class FusedDecoder:
         self.decoder = decoder
         self.attention = attention
         self.ops = ops
+        self.gated = gated if gated is not None else split(ops.swiglu)
         self.chunk = mlp_chunk_tokens if mlp_chunk_tokens > 0 else 1 << 62
         first = decoder.layers[0].self_attn
         self.head_dim = int(first.head_dim)
@@ -207,7 +217,7 @@ class FusedDecoder:
             _accumulate(x, _zeros(x, rows, layer.o_proj.in_features), layer.o_proj)
             for start in range(0, rows, self.chunk):
                 end = min(start + self.chunk, rows)
-                _accumulate(x[start:end], self.ops.swiglu(layer.gate_up(x[start:end])), layer.down_proj)
+                _accumulate(x[start:end], self._mlp_in(layer, x[start:end]), layer.down_proj)
 
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         ops, n = self.ops, batch.num_tokens
@@ -237,10 +247,14 @@ class FusedDecoder:
             h = ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
             for start in range(0, x.shape[0], self.chunk):
                 end = min(start + self.chunk, x.shape[0])
-                _accumulate(x[start:end], ops.swiglu(layer.gate_up(h[start:end])), layer.down_proj)
+                _accumulate(x[start:end], self._mlp_in(layer, h[start:end]), layer.down_proj)
             del h
         norm = self.decoder.norm
         return ops.rms_norm(x, norm.weight, norm.variance_epsilon)
+
+    def _mlp_in(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """silu(h·Wgateᵀ) · (h·Wupᵀ): [rows, I]."""
+        return self.gated.project(h, layer.gate_up.weight, layer.gate_up.bias)
 
 
 def _accumulate(x: torch.Tensor, a: torch.Tensor, linear: torch.nn.Linear) -> None:
@@ -299,13 +313,20 @@ def _is_rms_norm(module: Any) -> bool:
     )
 
 
-def build(decoder: Any, setting: str, attention: Kernel, ops: Ops, mlp_chunk_tokens: int) -> Decoder:
+def build(  # noqa: PLR0917
+    decoder: Any,
+    setting: str,
+    attention: Kernel,
+    ops: Ops,
+    mlp_chunk_tokens: int,
+    gated: GatedProjection | None = None,
+) -> Decoder:
     """The forward the `decoder` setting asks for: auto takes the fused one wherever it fits."""
     if setting == "transformers":
         return TransformersDecoder(decoder)
     reason = unsupported(decoder)
     if reason is None:
-        return FusedDecoder(decoder, attention, ops, mlp_chunk_tokens)
+        return FusedDecoder(decoder, attention, ops, mlp_chunk_tokens, gated)
     if setting == "fused":
         raise RuntimeError(f"decoder=fused: {reason}")
     return TransformersDecoder(decoder)

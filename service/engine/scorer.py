@@ -7,7 +7,9 @@ its decoder over that same PackedBatch and its own head on the action positions 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.metadata
 import logging
 import random
 import time
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 
 import service
-from service.engine import decoder, weights
+from service.engine import decoder, gated, weights
 from service.engine.attention import AttentionBackend, choose_backend, register
 from service.engine.base import (
     EngineInfo,
@@ -420,10 +422,13 @@ def _prepare(  # noqa: PLR0917
         if setting == "fused":
             raise RuntimeError("kernels=liger patches the transformers decoder, not decoder=fused")
         setting = "transformers"
-    chunk = resolve_tokens(settings.mlp_chunk_tokens, text_part(model.config), next(model.parameters()).dtype)
-    forward = decoder.build(base, setting, backend.kernel, ops, chunk)
+    dtype = next(model.parameters()).dtype
+    chunk = resolve_tokens(settings.mlp_chunk_tokens, text_part(model.config), dtype)
+    projection = gated.choose(settings.mlp_kernel, device, dtype, ops.swiglu)
+    forward = decoder.build(base, setting, backend.kernel, ops, chunk, projection)
     if forward.kind == "fused":
-        return forward, "triton" if ops.name == "triton" else "none"
+        kernels = "triton" if ops.name == "triton" else "none"
+        return forward, f"{kernels}+quack" if projection.name == "quack" else kernels
     kernels = apply_fused_kernels(model, settings.kernels, device)
     chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
     return forward, kernels
@@ -470,10 +475,8 @@ def _versions() -> dict[str, str]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    try:
-        import flash_attn
-
-        versions["flash_attn"] = str(flash_attn.__version__)
-    except ImportError:
-        pass
+    # the distributions' versions: flash-attn 4 alone leaves `flash_attn` a namespace, with no __version__
+    for distribution in ("flash-attn", "flash-attn-4", "quack-kernels", "nvidia-cutlass-dsl"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[distribution.replace("-", "_")] = importlib.metadata.version(distribution)
     return versions

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from service.engine.attention import AttentionBackend, Segments, choose_backend, sdpa_kernel
+from service.engine import attention
+from service.engine.attention import BACKENDS, AttentionBackend, Segments, choose_backend, sdpa_kernel
+from service.engine.scorer import _versions
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
@@ -64,7 +67,45 @@ def test_auto_backend_on_cpu_is_sdpa() -> None:
         choose_backend("torch_varlen", torch.device("cpu"))
 
 
-GPU_BACKENDS = ["torch_varlen"] + (["flash_attn"] if importlib.util.find_spec("flash_attn") else [])
+def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flash-attn-4 installs flash_attn/cute/ only, leaving `flash_attn` a namespace package: that is
+    not flash-attn 2, and the versions report reads the distributions, not flash_attn.__version__."""
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    (tmp_path / "flash_attn_4-4.0.0b1.dist-info").mkdir()
+    (tmp_path / "flash_attn_4-4.0.0b1.dist-info" / "METADATA").write_text(
+        "Name: flash-attn-4\nVersion: 4.0.0b1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert attention._importable("flash_attn.cute")
+    assert not attention._importable("flash_attn.flash_attn_interface")
+    with pytest.raises(RuntimeError, match="flash_attn package is not importable"):
+        choose_backend("flash_attn", torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="flash-attn-4 package and a CUDA device"):
+        choose_backend("flash_attn_cute", torch.device("cpu"))
+    assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
+    assert _versions()["flash_attn_4"] == "4.0.0b1"
+
+
+def _gpu_backends() -> list[str]:
+    """The fast kernels this host can run."""
+    if not torch.cuda.is_available():
+        return ["torch_varlen"]
+    names = []
+    for name in BACKENDS:
+        try:
+            if choose_backend(name, torch.device("cuda")).name == name != "sdpa":
+                names.append(name)
+        except RuntimeError:
+            pass
+    return names
+
+
+GPU_BACKENDS = _gpu_backends()
 
 
 @pytest.mark.gpu
@@ -105,7 +146,7 @@ def test_gpu_kernel_takes_views_of_a_packed_qkv_row(backend: str, window: int | 
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("name", ["flash_attn", "torch_varlen", "sdpa"])
+@pytest.mark.parametrize("name", BACKENDS)
 def test_registered_names_do_not_impersonate_transformers_kernels(name: str) -> None:
     # transformers routes any implementation named "*sdpa*" or "*flash*" through its own checks
     implementation = AttentionBackend(name, sdpa_kernel).implementation

@@ -1,0 +1,89 @@
+"""The MLP's gate|up projection and SwiGLU on the benchmark's micro-batches: split or fused.
+
+    python -m benchmarks.mlp [--models qwen2.5-1.5b ...] [--reps 10]
+
+For each model's MLP shape, the benchmark workload is cut into micro-batches as
+benchmarks.attention cuts it. Every implementation of service/engine/gated.py that this host can
+run computes silu(x·Wgateᵀ)·(x·Wupᵀ) for a whole round: one call per layer per micro-batch, on
+random bf16 activations and weights, timed as benchmarks.run times (medians of --reps). Beside the
+time, the largest |Δ| against the float32 product on the first 2,048 rows, relative to the largest
+|value| there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from benchmarks.attention import micro_batches
+from benchmarks.run import timed
+from benchmarks.workload import SHAPES, jobs, workload
+from service.engine import gated
+from service.engine.decoder_ops import TRITON
+from service.engine.packing import SHAPE_STEP
+from service.settings import Settings
+
+IMPLEMENTATIONS = ("split", "quack")
+
+
+def measure(name: str, reps: int, budget: int) -> dict[str, Any]:
+    device = torch.device("cuda")
+    shape = SHAPES[name]
+    hidden, inner, layers = (int(shape[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers"))
+    rows = [
+        -(-sum(j.num_tokens for j in b) // SHAPE_STEP) * SHAPE_STEP
+        for b in micro_batches(jobs(workload(int(shape["vocab_size"]))), budget)
+    ]
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(max(rows), hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    weight = torch.randn(2 * inner, hidden, device=device, dtype=torch.bfloat16, generator=gen) * hidden**-0.5
+    gate, up = (x[:2048].float() @ weight.float().t()).chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    row: dict[str, Any] = {"rows": rows}
+    for implementation in IMPLEMENTATIONS:
+        try:
+            project = gated.choose(implementation, device, torch.bfloat16, TRITON.swiglu).project
+        except RuntimeError as error:
+            row[implementation] = {"skipped": str(error)}
+            continue
+
+        def round_(project: gated.Projection = project) -> None:
+            for n in rows:
+                for _ in range(layers):
+                    project(x[:n], weight, None)
+
+        ms = timed(round_, device, reps) * 1e3
+        flops = 2.0 * sum(rows) * hidden * 2 * inner * layers
+        diff = (project(x[:2048], weight, None).float() - want).abs().max().item() / want.abs().max().item()
+        row[implementation] = {"ms": ms, "tflops": flops / ms / 1e9, "max_rel_diff": diff}
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mlp")
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
+    args = parser.parse_args(argv)
+    results = {name: measure(name, args.reps, args.max_batch_tokens) for name in args.models}
+    print(json.dumps(results, indent=1))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; the MLP input side of a round")
+    print("| model | implementation | ms | TFLOP/s | max |Δ| / max |value| vs fp32 |")
+    print("|---|---|---:|---:|---:|")
+    for name, row in results.items():
+        for implementation in IMPLEMENTATIONS:
+            r = row[implementation]
+            if "skipped" in r:
+                print(f"| {name} | {implementation} | skipped: {r['skipped']} | | |")
+            else:
+                ms, tflops, diff = r["ms"], r["tflops"], r["max_rel_diff"]
+                print(f"| {name} | {implementation} | {ms:.2f} | {tflops:.0f} | {diff:.2e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
