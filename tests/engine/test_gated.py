@@ -57,7 +57,7 @@ needs_quack = pytest.mark.skipif(
 @pytest.mark.parametrize(("rows", "with_bias"), [(4096, False), (777, False), (256, True)])
 def test_quack_matches_the_split_twin(dtype: torch.dtype, rows: int, with_bias: bool) -> None:
     """The fused GEMM against float64, no further than the split path is (it rounds once fewer);
-    Qwen2.5-1.5B's MLP widths, rows that fill no whole tile, a bias."""
+    Qwen2.5-1.5B's MLP widths, rows that fill no whole tile, a bias (which takes the split path)."""
     x, weight, bias = inputs(rows, 1536, 8960, "cuda", dtype, with_bias=with_bias)
     device = torch.device("cuda")
     fused = gated.choose("quack", device, dtype, TRITON.swiglu)
