@@ -9,8 +9,10 @@ were collected. Prints, per variant: how long after the first request arrived th
 was launched, the host time of the launches (longer over HTTP when the event loop holds the GIL the
 engine thread needs), how long the engine thread sat idle between the end of one launch and the
 next while the results were not all in (the accelerator may run dry then), how long after the last
-collection the last answer was rendered, and the span. `--switch-interval` sets
-sys.setswitchinterval in the server's process.
+collection the last answer was rendered, the span, and when each micro-batch's scores were
+collected (from the first request's arrival; a step longer than in-process is time the accelerator
+was not running that micro-batch). `--switch-interval` sets sys.setswitchinterval in the server's
+process.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def rounds(events: list[Event], per_round: int) -> list[list[Event]]:
 
 
 def summary(label: str, events: list[Event], per_round: int) -> None:
-    rows = []
+    rows: list[tuple[float, ...]] = []
+    dones: list[list[float]] = []
     for r in rounds(events, per_round):
         launches = [e for e in r if e[0] == "launch"]
         last_collected = max(e[2] for e in r if e[0] == "collected")
@@ -100,9 +103,10 @@ def summary(label: str, events: list[Event], per_round: int) -> None:
         renders = [e for e in r if e[0] == "render"]
         tail = max(e[2] for e in renders) - last_collected if renders else 0.0
         host = sum(e[2] - e[1] for e in r if e[0] in ("parse", "normalise", "render"))
-        rows.append(
-            (launches[0][1] - first, busy, idle, tail, host, max(e[2] for e in r) - first, len(launches))
-        )
+        done = sorted(e[2] - first for e in r if e[0] == "collected")
+        span = max(e[2] for e in r) - first
+        rows.append((launches[0][1] - first, busy, idle, tail, host, span, len(launches)))
+        dones.append(done)
     keep = rows[1:] or rows  # the first round warms up
     med = [statistics.median(x[i] for x in keep) * 1e3 for i in range(6)]
     print(
@@ -111,6 +115,10 @@ def summary(label: str, events: list[Event], per_round: int) -> None:
         f"{med[4]:5.2f} ms | span {med[5]:7.2f} ms",
         flush=True,
     )
+    done_keep = dones[1:] or dones
+    if len({len(d) for d in done_keep}) == 1:  # when each micro-batch's scores were in
+        done = [statistics.median(d[i] for d in done_keep) * 1e3 for i in range(len(done_keep[0]))]
+        print(f"{'':28s} micro-batches collected at {' / '.join(f'{t:.1f}' for t in done)} ms", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
