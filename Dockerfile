@@ -52,12 +52,15 @@ RUN if [ -n "${FLASH_ATTN_VERSION}" ]; then pip install \
     "https://github.com/Dao-AILab/flash-attention/releases/download/v${FLASH_ATTN_VERSION}/flash_attn-${FLASH_ATTN_VERSION}+${FLASH_ATTN_WHEEL_TAG}.whl"; \
     fi
 
-# The service's dependencies (and the `fused` extra: liger-kernel) from pyproject.toml alone, so this
-# layer is rebuilt only when they change, not on every source edit.
+# The service's dependencies and the extras named in EXTRAS (comma-separated; `fused` is liger-kernel,
+# `hopper` flash-attn 4 and quack-kernels, measured on torch 2.11 + CUDA 13, not on this image's pair)
+# from pyproject.toml alone, so this layer is rebuilt only when they change, not on every source edit.
+ARG EXTRAS=fused
 WORKDIR /opt/logprobd
 COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['fused']))" > /tmp/requirements.txt \
+RUN EXTRAS="${EXTRAS}" python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+extras = [e for e in os.environ['EXTRAS'].split(',') if e]; \
+print('\n'.join(p['dependencies'] + [r for e in extras for r in p['optional-dependencies'][e]]))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 

@@ -19,7 +19,7 @@ import service
 from service.__main__ import _parser
 from service.errors import ServiceError, status_for
 from service.server import GRACEFUL_SHUTDOWN_S
-from service.settings import Attention, Decoder, Device, DType, Kernels, Settings
+from service.settings import Attention, Decoder, Device, DType, Kernels, MlpKernel, Settings
 from tests.deploy import crds
 from tests.deploy.chart import (
     CHART,
@@ -112,6 +112,7 @@ def test_schema_enums_follow_the_service_settings() -> None:
     assert server["attention"]["enum"] == list(get_args(Attention))
     assert server["decoder"]["enum"] == list(get_args(Decoder))
     assert server["kernels"]["enum"] == list(get_args(Kernels))
+    assert server["mlpKernel"]["enum"] == list(get_args(MlpKernel))
     assert server["logLevel"]["enum"] == list(get_args(Settings.model_fields["log_level"].annotation))
 
 

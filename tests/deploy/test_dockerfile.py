@@ -108,8 +108,30 @@ def test_base_image_torch_and_flash_attn_agree() -> None:
     assert args["FLASH_ATTN_WHEEL_TAG"] == wheel
     text = DOCKERFILE.read_text()
     assert "python3.12 -m venv" in text
-    assert "['optional-dependencies']['fused']" in text  # liger-kernel
     assert '"/models"' in one("VOLUME")
+
+
+@pytest.mark.parametrize(
+    ("extras", "wanted"), [(None, ["liger-kernel"]), ("fused,hopper", ["liger-kernel", "flash-attn-4"])]
+)
+def test_requirements_are_the_dependencies_and_the_extras_asked_for(
+    extras: str | None, wanted: list[str]
+) -> None:
+    """The image's requirements step, run here on pyproject.toml: the dependencies, plus liger-kernel
+    (the default EXTRAS=fused) or every extra `--build-arg EXTRAS=…` names."""
+    args = dict(rest.split("=", 1) for kw, rest in instructions() if kw == "ARG" and "=" in rest)
+    (step,) = [rest for kw, rest in instructions() if kw == "RUN" and "pip install -r" in rest]
+    code = re.search(r'python -c "(.*?)" >', step)
+    assert code, step
+    env = {"EXTRAS": args["EXTRAS"] if extras is None else extras, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", code.group(1)], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    lines = out.stdout.split("\n")
+    assert any(line.startswith("transformers") for line in lines)
+    for name in wanted:
+        assert any(line.startswith(name) for line in lines), (name, lines)
+    assert any(line.startswith("flash-attn-4") for line in lines) == ("hopper" in env["EXTRAS"])
 
 
 def test_dependencies_are_a_layer_below_the_source() -> None:
