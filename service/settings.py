@@ -67,7 +67,7 @@ class Settings(BaseSettings):
         "auto",
         description="The fused decoder's gate|up projection and SwiGLU. split: a GEMM, then the SwiGLU "
         "kernel; quack: one quack-kernels GEMM whose epilogue applies SwiGLU (CUDA compute capability "
-        "9.0+, bf16/fp16); auto: quack where it can run, split elsewhere.",
+        "9.0+, bf16/fp16); auto: quack where it can run (not with kernels=none), split elsewhere.",
     )
     max_batch_tokens: int = Field(
         16384, ge=16, description="Token budget of one packed micro-batch; also the longest sequence."

@@ -209,7 +209,8 @@ def choose_backend(requested: str, device: torch.device) -> AttentionBackend:
         "torch_varlen": device.type == "cuda" and _importable("torch.nn.attention.varlen"),
     }
     if requested == "auto":
-        requested = next((name for name, ok in available.items() if ok), "sdpa")
+        fast = next((name for name, ok in available.items() if ok), "sdpa")
+        requested = fast if device.type == "cuda" else "sdpa"
     if requested == "flash_attn_cute":
         if not available["flash_attn_cute"]:
             raise RuntimeError(

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from service.engine import gated
 from service.engine.decoder_ops import TORCH, TRITON
+from service.engine.scorer import PackedScorer
+from service.jobs import SequenceJob
+from service.settings import Settings
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -121,3 +127,36 @@ def test_auto_takes_quack_when_its_probe_passes(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(gated, "quack_available", lambda device: True)
     monkeypatch.setattr(gated, "_quack", lambda fallback: twin)
     assert gated.choose("auto", torch.device("cpu"), torch.bfloat16, TORCH.swiglu) is twin
+
+
+def test_the_engine_runs_the_projection_its_settings_pick(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlp_kernel reaches the fused decoder's MLPs (and /info's kernels); kernels=none keeps auto on
+    split; quack with a model the fused decoder does not run is refused, not ignored."""
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return TORCH.swiglu(F.linear(x, weight, bias))
+
+    monkeypatch.setattr(gated, "quack_available", lambda device: True)
+    monkeypatch.setattr(gated, "_quack", lambda fallback: gated.GatedProjection("quack", counted))
+    qwen2 = model_dirs["qwen2"]
+    engine = PackedScorer.from_settings(Settings(model=qwen2, device="cpu", mlp_kernel="quack"))
+    assert engine.info.kernels == "none+quack"
+    calls.clear()
+    engine.score(
+        [
+            SequenceJob(
+                tokens=np.arange(1, 12), actions=np.arange(6, 11), temperature=1.0, return_entropy=False
+            )
+        ]
+    )
+    assert calls  # every layer's MLP went through it
+    off = PackedScorer.from_settings(Settings(model=qwen2, device="cpu", dtype="bfloat16", kernels="none"))
+    assert off.info.kernels == "none"
+    with pytest.raises(RuntimeError, match="mlp_kernel=quack runs in the fused decoder"):
+        PackedScorer.from_settings(
+            Settings(model=qwen2, device="cpu", decoder="transformers", mlp_kernel="quack")
+        )
