@@ -10,9 +10,10 @@ was launched, the host time of the launches (longer over HTTP when the event loo
 engine thread needs), how long the engine thread sat idle between the end of one launch and the
 next while the results were not all in (the accelerator may run dry then), how long after the last
 collection the last answer was rendered, the span, and when each micro-batch's scores were
-collected (from the first request's arrival; a step longer than in-process is time the accelerator
-was not running that micro-batch). `--switch-interval` sets sys.setswitchinterval in the server's
-process.
+collected (from the first request's arrival); on CUDA, from events recorded on the engine's stream
+around each launch, the device's time on each micro-batch (longer than in-process when the host
+launches its kernels slower than the device runs them) and its idle time before each one.
+`--switch-interval` sets sys.setswitchinterval in the server's process.
 """
 
 from __future__ import annotations
@@ -57,12 +58,28 @@ class RecordedLaunch:
             self.events.append(("collected", start, time.perf_counter()))
 
 
-def recorded_launches(events: list[Event], launch: Callable[[Any], Launched]) -> Callable[[Any], Launched]:
+GpuMarks = dict[float, tuple[Any, Any]]  # a launch's host start -> CUDA events around its work
+
+
+def recorded_launches(
+    events: list[Event], launch: Callable[[Any], Launched], marks: GpuMarks | None = None
+) -> Callable[[Any], Launched]:
+    """Record each launch's host time; with `marks`, also CUDA events on the engine's stream before
+    and after its work, so the device's own timeline shows when it ran each micro-batch."""
+
     def wrapper(the_jobs: Any) -> Launched:
         start = time.perf_counter()
+        before = after = None
+        if marks is not None:
+            before = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            before.record()
         try:
             return RecordedLaunch(events, launch(the_jobs))
         finally:
+            if marks is not None:
+                after = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                after.record()
+                marks[start] = (before, after)
             events.append(("launch", start, time.perf_counter()))
 
     return wrapper
@@ -90,9 +107,11 @@ def rounds(events: list[Event], per_round: int) -> list[list[Event]]:
     return out
 
 
-def summary(label: str, events: list[Event], per_round: int) -> None:
+def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | None = None) -> None:
     rows: list[tuple[float, ...]] = []
     dones: list[list[float]] = []
+    spans: list[list[float]] = []  # the device's time on each micro-batch (its first kernel to its last)
+    idles: list[list[float]] = []  # the device idle before each micro-batch, waiting for its launch
     for r in rounds(events, per_round):
         launches = [e for e in r if e[0] == "launch"]
         last_collected = max(e[2] for e in r if e[0] == "collected")
@@ -107,6 +126,12 @@ def summary(label: str, events: list[Event], per_round: int) -> None:
         span = max(e[2] for e in r) - first
         rows.append((launches[0][1] - first, busy, idle, tail, host, span, len(launches)))
         dones.append(done)
+        if marks:
+            pairs = [marks[e[1]] for e in launches if e[1] in marks]
+            for _, after in pairs:
+                after.synchronize()
+            spans.append([b.elapsed_time(a) for b, a in pairs])
+            idles.append([0.0] + [a0.elapsed_time(b1) for (_, a0), (b1, _) in itertools.pairwise(pairs)])
     keep = rows[1:] or rows  # the first round warms up
     med = [statistics.median(x[i] for x in keep) * 1e3 for i in range(6)]
     print(
@@ -119,6 +144,15 @@ def summary(label: str, events: list[Event], per_round: int) -> None:
     if len({len(d) for d in done_keep}) == 1:  # when each micro-batch's scores were in
         done = [statistics.median(d[i] for d in done_keep) * 1e3 for i in range(len(done_keep[0]))]
         print(f"{'':28s} micro-batches collected at {' / '.join(f'{t:.1f}' for t in done)} ms", flush=True)
+    keep_spans, keep_idles = spans[1:] or spans, idles[1:] or idles
+    if keep_spans and len({len(x) for x in keep_spans}) == 1:
+        on = [statistics.median(x[i] for x in keep_spans) for i in range(len(keep_spans[0]))]
+        waits = [statistics.median(x[i] for x in keep_idles) for i in range(len(keep_idles[0]))]
+        print(
+            f"{'':28s} device: micro-batches {' / '.join(f'{t:.1f}' for t in on)} ms, idle before each "
+            f"{' / '.join(f'{t:.1f}' for t in waits)} ms",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = PackedScorer(LoadedModel(model, args.model, demo=False), device, backend, settings)
     engine.warm_up()
     events: list[Event] = []
-    engine.launch = recorded_launches(events, engine.launch)  # type: ignore[method-assign,assignment]
+    marks: GpuMarks | None = {} if device.type == "cuda" else None
+    engine.launch = recorded_launches(events, engine.launch, marks)  # type: ignore[method-assign,assignment]
     samples = workload(int(SHAPES[args.model]["vocab_size"]))
     the_jobs = jobs(samples)
 
@@ -151,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.1)
     loop.run_until_complete(batcher.stop())
     loop.close()
-    summary("engine in-process", events, 1)
+    summary("engine in-process", events, 1, marks)
 
     api.parse_request = recorded(events, "parse", api.parse_request)  # type: ignore[attr-defined]
     api.parse_frame = recorded(events, "parse", api.parse_frame)  # type: ignore[attr-defined]
@@ -163,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             bodies = http_bodies(samples, frames=frames)
             events.clear()
             seconds = http_seconds(url, bodies, args.reps, mode=mode, frames=frames)
-            summary(f"http {'frames' if frames else 'JSON'}, client {mode}", events, len(bodies))
+            summary(f"http {'frames' if frames else 'JSON'}, client {mode}", events, len(bodies), marks)
             print(f"{'':28s} client round {seconds * 1e3:.1f} ms", flush=True)
     return 0
 
