@@ -15,7 +15,6 @@ Sliding windows follow transformers: a query at i sees keys j with i - W < j <= 
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import itertools
 from collections.abc import Callable
@@ -24,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from service.engine.optional import FAST_DTYPES, importable
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +44,6 @@ class Segments:
 
 # q: [N, Hq, D], k/v: [N, Hk, D] packed rows -> [N, Hq, D]
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Segments], torch.Tensor]
-
-FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,23 +189,15 @@ def _flash_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments,
     return out
 
 
-def _importable(module: str) -> bool:
-    """Whether `module` can be found; flash-attn 4 alone leaves `flash_attn` a namespace package."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:
-        return False
-
-
 def choose_backend(requested: str, device: torch.device) -> AttentionBackend:
     """Resolve the `attention` setting: auto prefers flash-attn 4 (on compute capability 8.0 and up),
     then flash-attn 2, then torch varlen, on CUDA."""
     available = {
         "flash_attn_cute": device.type == "cuda"
         and torch.cuda.get_device_capability(device)[0] >= 8
-        and _importable("flash_attn.cute"),
-        "flash_attn": _importable("flash_attn.flash_attn_interface"),
-        "torch_varlen": device.type == "cuda" and _importable("torch.nn.attention.varlen"),
+        and importable("flash_attn.cute"),
+        "flash_attn": importable("flash_attn.flash_attn_interface"),
+        "torch_varlen": device.type == "cuda" and importable("torch.nn.attention.varlen"),
     }
     if requested == "auto":
         fast = next((name for name, ok in available.items() if ok), "sdpa")

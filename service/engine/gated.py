@@ -18,7 +18,6 @@ pin narrow nvidia-cutlass-dsl versions (pyproject's `hopper` extra has a pair th
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,12 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from service.engine.optional import FAST_DTYPES, importable
+
 log = logging.getLogger(__name__)
 
 # x [N, H], weight [2·I, H] (gate rows, then up rows), bias [2·I] or None -> [N, I]
 Projection = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +70,7 @@ def _quack(fallback: GatedProjection) -> GatedProjection:
 def quack_available(device: torch.device) -> bool:
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return False
-    try:
-        return importlib.util.find_spec("quack.gemm_interface") is not None
-    except ImportError:
-        return False
+    return importable("quack.gemm_interface")
 
 
 def choose(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.engine import attention
+from service.engine import attention, optional
 from service.engine.attention import BACKENDS, AttentionBackend, Segments, choose_backend, sdpa_kernel
 from service.engine.scorer import _versions
 
@@ -63,7 +63,7 @@ def test_sdpa_kernel_matches_dense_reference(
 
 def test_auto_backend_on_cpu_is_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
-    monkeypatch.setattr(attention, "_importable", lambda module: True)  # flash-attn 2 installed on a CPU host
+    monkeypatch.setattr(attention, "importable", lambda module: True)  # flash-attn 2 installed on a CPU host
     assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
     with pytest.raises(RuntimeError, match="CUDA"):
         choose_backend("torch_varlen", torch.device("cpu"))
@@ -83,8 +83,8 @@ def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
         monkeypatch.delitem(sys.modules, name)
-    assert attention._importable("flash_attn.cute")
-    assert not attention._importable("flash_attn.flash_attn_interface")
+    assert optional.importable("flash_attn.cute")
+    assert not optional.importable("flash_attn.flash_attn_interface")
     with pytest.raises(RuntimeError, match="flash_attn package is not importable"):
         choose_backend("flash_attn", torch.device("cpu"))
     with pytest.raises(RuntimeError, match="flash-attn-4 package and a CUDA device"):
