@@ -164,7 +164,7 @@ class FusedDecoder:
         attention: Kernel,
         ops: Ops,
         mlp_chunk_tokens: int,
-        gated: GatedProjection | None = None,
+        projection: Callable[[], GatedProjection] | None = None,
     ) -> None:
         reason = unsupported(decoder)
         if reason is not None:
@@ -173,7 +173,7 @@ class FusedDecoder:
         self.decoder = decoder
         self.attention = attention
         self.ops = ops
-        self.gated = gated if gated is not None else split(ops.swiglu)
+        self.gated = projection() if projection is not None else split(ops.swiglu)
         self.chunk = mlp_chunk_tokens if mlp_chunk_tokens > 0 else 1 << 62
         first = decoder.layers[0].self_attn
         self.head_dim = int(first.head_dim)
@@ -319,14 +319,15 @@ def build(  # noqa: PLR0917
     attention: Kernel,
     ops: Ops,
     mlp_chunk_tokens: int,
-    gated: GatedProjection | None = None,
+    projection: Callable[[], GatedProjection] | None = None,
 ) -> Decoder:
-    """The forward the `decoder` setting asks for: auto takes the fused one wherever it fits."""
+    """The forward the `decoder` setting asks for: auto takes the fused one wherever it fits.
+    `projection` makes the fused decoder's gate|up projection (called only when it is built)."""
     if setting == "transformers":
         return TransformersDecoder(decoder)
     reason = unsupported(decoder)
     if reason is None:
-        return FusedDecoder(decoder, attention, ops, mlp_chunk_tokens, gated)
+        return FusedDecoder(decoder, attention, ops, mlp_chunk_tokens, projection)
     if setting == "fused":
         raise RuntimeError(f"decoder=fused: {reason}")
     return TransformersDecoder(decoder)

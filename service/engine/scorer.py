@@ -424,20 +424,19 @@ def _prepare(  # noqa: PLR0917
         setting = "transformers"
     dtype = next(model.parameters()).dtype
     chunk = resolve_tokens(settings.mlp_chunk_tokens, text_part(model.config), dtype)
-    fused = setting != "transformers" and decoder.unsupported(base) is None
-    if settings.mlp_kernel == "quack" and not fused:
-        raise RuntimeError("mlp_kernel=quack runs in the fused decoder, which this model does not run")
     mlp_kernel = (
         "split" if settings.mlp_kernel == "auto" and settings.kernels == "none" else settings.mlp_kernel
     )
-    projection = gated.choose(mlp_kernel, device, dtype, ops.swiglu) if fused else None
+
+    def projection() -> gated.GatedProjection:  # chosen (and probed) only for a fused decoder
+        return gated.choose(mlp_kernel, device, dtype, ops.swiglu)
+
     forward = decoder.build(base, setting, backend.kernel, ops, chunk, projection)
-    if forward.kind == "fused":
+    if isinstance(forward, decoder.FusedDecoder):
         kernels = "triton" if ops.name == "triton" else "none"
-        return (
-            forward,
-            f"{kernels}+quack" if projection is not None and projection.name == "quack" else kernels,
-        )
+        return forward, f"{kernels}+quack" if forward.gated.name == "quack" else kernels
+    if settings.mlp_kernel == "quack":
+        raise RuntimeError("mlp_kernel=quack runs in the fused decoder, which this model does not run")
     kernels = apply_fused_kernels(model, settings.kernels, device)
     chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
     return forward, kernels
