@@ -17,34 +17,18 @@ kernels (FA3-class on Hopper).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from typing import Any
 
 import torch
 
+from benchmarks.kernels import cli, micro_batches
 from benchmarks.run import timed
 from benchmarks.workload import SHAPES, jobs, workload
 from service.engine.attention import BACKENDS, Kernel, Segments, choose_backend, sdpa_kernel
 from service.engine.packing import pack
-from service.jobs import SequenceJob
-from service.settings import Settings
 
 HEAD_DIM = 128
-
-
-def micro_batches(the_jobs: list[SequenceJob], budget: int) -> list[list[SequenceJob]]:
-    """Whole sequences in order, as many as fit the token budget (at least one)."""
-    batches: list[list[SequenceJob]] = [[]]
-    tokens = 0
-    for job in the_jobs:
-        if batches[-1] and tokens + job.num_tokens > budget:
-            batches.append([])
-            tokens = 0
-        batches[-1].append(job)
-        tokens += job.num_tokens
-    return batches
 
 
 def attention_flops(segments: list[Segments], q_heads: int) -> float:
@@ -72,7 +56,7 @@ def measure(name: str, reps: int, budget: int) -> dict[str, Any]:
     q0, k0, v0 = inputs[0]
     want = sdpa_kernel(q0.float(), k0.float(), v0.float(), segments[0])
     flops = attention_flops(segments, hq) * layers
-    row: dict[str, Any] = {"micro_batches": [b.num_tokens for b in batches]}
+    row: dict[str, Any] = {"micro_batch_tokens": [b.num_tokens for b in batches]}
     for backend_name in BACKENDS:
         if backend_name == "sdpa":
             continue
@@ -94,25 +78,11 @@ def measure(name: str, reps: int, budget: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.attention")
-    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"])
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
-    args = parser.parse_args(argv)
-    results = {name: measure(name, args.reps, args.max_batch_tokens) for name in args.models}
-    print(json.dumps(results, indent=1))
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; attention of one round, all layers")
-    print("| model | kernel | ms | TFLOP/s | max abs Δ vs fp32 |")
-    print("|---|---|---:|---:|---:|")
-    for name, row in results.items():
-        for kernel, r in row.items():
-            if kernel == "micro_batches":
-                continue
-            if "skipped" in r:
-                print(f"| {name} | {kernel} | skipped: {r['skipped']} | | |")
-            else:
-                print(f"| {name} | {kernel} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['max_abs_diff']:.2e} |")
-    return 0
+    title = "attention of one round, all layers"
+    diff = ("max_abs_diff", "max abs Δ vs fp32")
+    return cli(
+        argv, prog="python -m benchmarks.attention", measure=measure, title=title, column="kernel", diff=diff
+    )
 
 
 if __name__ == "__main__":

@@ -3,29 +3,26 @@
     python -m benchmarks.mlp [--models qwen2.5-1.5b ...] [--reps 10]
 
 For each model's MLP shape, the benchmark workload is cut into micro-batches as
-benchmarks.attention cuts it. Every implementation of service/engine/gated.py that this host can
-run computes silu(x·Wgateᵀ)·(x·Wupᵀ) for a whole round: one call per layer per micro-batch, on
-random bf16 activations and weights, timed as benchmarks.run times (medians of --reps). Beside the
-time, the largest |Δ| against the float32 product on the first 2,048 rows, relative to the largest
-|value| there.
+benchmarks.attention cuts it (benchmarks/kernels.py). Every implementation of
+service/engine/gated.py that this host can run computes silu(x·Wgateᵀ)·(x·Wupᵀ) for a whole
+round: one call per layer per micro-batch, on random bf16 activations and weights, timed as
+benchmarks.run times (medians of --reps). Beside the time, the largest |Δ| against the float32
+product on the first 2,048 rows, relative to the largest |value| there.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from typing import Any
 
 import torch
 
-from benchmarks.attention import micro_batches
+from benchmarks.kernels import cli, micro_batches
 from benchmarks.run import timed
 from benchmarks.workload import SHAPES, jobs, workload
 from service.engine import gated
 from service.engine.decoder_ops import TRITON
 from service.engine.packing import SHAPE_STEP
-from service.settings import Settings
 
 IMPLEMENTATIONS = ("split", "quack")
 
@@ -43,7 +40,7 @@ def measure(name: str, reps: int, budget: int) -> dict[str, Any]:
     weight = torch.randn(2 * inner, hidden, device=device, dtype=torch.bfloat16, generator=gen) * hidden**-0.5
     gate, up = (x[:2048].float() @ weight.float().t()).chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
-    row: dict[str, Any] = {"rows": rows}
+    row: dict[str, Any] = {"micro_batch_tokens": rows}
     for implementation in IMPLEMENTATIONS:
         try:
             project = gated.choose(implementation, device, torch.bfloat16, TRITON.swiglu).project
@@ -64,25 +61,16 @@ def measure(name: str, reps: int, budget: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.mlp")
-    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"])
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
-    args = parser.parse_args(argv)
-    results = {name: measure(name, args.reps, args.max_batch_tokens) for name in args.models}
-    print(json.dumps(results, indent=1))
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; the MLP input side of a round")
-    print("| model | implementation | ms | TFLOP/s | max |Δ| / max |value| vs fp32 |")
-    print("|---|---|---:|---:|---:|")
-    for name, row in results.items():
-        for implementation in IMPLEMENTATIONS:
-            r = row[implementation]
-            if "skipped" in r:
-                print(f"| {name} | {implementation} | skipped: {r['skipped']} | | |")
-            else:
-                ms, tflops, diff = r["ms"], r["tflops"], r["max_rel_diff"]
-                print(f"| {name} | {implementation} | {ms:.2f} | {tflops:.0f} | {diff:.2e} |")
-    return 0
+    title = "the MLP input side of a round"
+    diff = ("max_rel_diff", "max |Δ| / max |value| vs fp32")
+    return cli(
+        argv,
+        prog="python -m benchmarks.mlp",
+        measure=measure,
+        title=title,
+        column="implementation",
+        diff=diff,
+    )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import itertools
 
 import torch
 
-from benchmarks.attention import attention_flops, micro_batches
+from benchmarks.attention import attention_flops
+from benchmarks.kernels import micro_batches
 from benchmarks.workload import jobs, workload
 from service.engine.attention import Segments
 
