@@ -22,7 +22,7 @@ import argparse
 import asyncio
 import functools
 import sys
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -36,7 +36,7 @@ from service.engine.loading import LoadedModel
 from service.engine.rope import unfuse_rope
 from service.engine.scorer import PackedScorer
 from service.metrics import Metrics
-from service.settings import Settings
+from service.settings import MlpKernel, Settings
 
 CONFIGS = ["16384:1024", "16384:512", "16384:256", "32768:512", "8192:512"]
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="auto", choices=["auto", "none", "liger"])
     parser.add_argument("--rope", default="fused", choices=["fused", "none"])
     parser.add_argument("--attention", default="auto", choices=["auto", *BACKENDS])
-    parser.add_argument("--mlp-kernel", default="auto", choices=["auto", "split", "quack"])
+    parser.add_argument("--mlp-kernel", default="auto", choices=get_args(MlpKernel))
     parser.add_argument("--head", default="current", choices=["current", "torch", "previous"])
     parser.add_argument(
         "--mlp-chunk-tokens", type=int, default=None, help="0: all at once; unset: the service's default"
