@@ -17,6 +17,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attn_cute", "flash_attn", "torch_varlen", "sdpa"]
 Kernels = Literal["auto", "liger", "none"]
 MlpKernel = Literal["auto", "split", "quack"]
+CudaGraphs = Literal["auto", "on", "off"]
 Decoder = Literal["auto", "fused", "transformers"]
 ReloadMode = Literal["auto", "copy", "swap"]
 Version = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:+/@-]+$")]
@@ -68,6 +69,19 @@ class Settings(BaseSettings):
         description="The fused decoder's gate|up projection and SwiGLU. split: a GEMM, then the SwiGLU "
         "kernel; quack: one quack-kernels GEMM whose epilogue applies SwiGLU (CUDA compute capability "
         "9.0+, bf16/fp16); auto: quack where it can run (not with kernels=none), split elsewhere.",
+    )
+    cuda_graphs: CudaGraphs = Field(
+        "auto",
+        description="Replay the fused decoder's layers from CUDA graphs, one per padded micro-batch shape: "
+        "one launch where there are otherwise ten a layer. auto: on CUDA with the fused decoder, bf16/fp16 "
+        "and a flash attention kernel, if a start-up check against the eager forward passes (otherwise "
+        "off, with a warning); on: the same, failing the start where they cannot run; off: never.",
+    )
+    cuda_graph_limit: int = Field(
+        512,
+        ge=1,
+        description="Most CUDA graphs one decoder keeps (the least recently used goes first). With "
+        "flash-attn 4 one graph serves every micro-batch of the same padded size: max_batch_tokens / 128.",
     )
     max_batch_tokens: int = Field(
         16384, ge=16, description="Token budget of one packed micro-batch; also the longest sequence."

@@ -66,6 +66,9 @@ class Decoder(Protocol):
         """Run once, on zeros, the GEMMs a forward over `rows` rows runs (the same calls and shapes):
         cuBLAS stalls the host the first time it meets some shapes, so a server meets them first."""
 
+    def capture(self, probe: PackedBatch) -> None:
+        """Capture the CUDA graphs that serve micro-batches, checked on `probe` (graphs.py); none here."""
+
 
 def _zeros(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     return torch.zeros(rows, width, dtype=like.dtype, device=like.device)
@@ -87,6 +90,9 @@ class TransformersDecoder:
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         hidden: torch.Tensor = self.decoder(**batch.forward_kwargs()).last_hidden_state[0]  # [N, H]
         return hidden.index_select(0, rows)
+
+    def capture(self, probe: PackedBatch) -> None:
+        pass
 
     def refresh(self) -> None:
         pass
@@ -139,6 +145,18 @@ class _Concat:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A packed row between layers: the residual stream, which each layer updates in place, and what
+    every layer reads besides it."""
+
+    x: torch.Tensor  # [N, H]
+    cos: torch.Tensor  # [N, D] the rotary tables of each row's position
+    sin: torch.Tensor
+    cu: torch.Tensor  # [S+1] int32 sequence boundaries (empty sequences may end them)
+    max_len: int  # at least the longest sequence
 
 
 @dataclass(slots=True)
@@ -196,6 +214,9 @@ class FusedDecoder:
             for layer in decoder.layers[: config.num_hidden_layers]
         ]
 
+    def capture(self, probe: PackedBatch) -> None:
+        pass
+
     def refresh(self) -> None:
         for layer in self.layers:
             layer.qkv.refresh()
@@ -220,37 +241,52 @@ class FusedDecoder:
                 _accumulate(x[start:end], self._mlp_in(layer, x[start:end]), layer.down_proj)
 
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
-        ops, n = self.ops, batch.num_tokens
-        hq, hk, d = self.q_heads, self.k_heads, self.head_dim
-        x = self.decoder.embed_tokens(batch.input_ids[0])  # [N, H] the residual stream
-        cos, sin = self.decoder.rotary_emb(x[None], batch.position_ids)  # [1, N, D] each, x's dtype
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
-        last = self.layers[-1]
-        for layer in self.layers:
-            h = ops.rms_norm(x, layer.input_norm.weight, layer.input_norm.variance_epsilon)
-            qkv = layer.qkv(h)  # [N, (hq + 2·hk)·d]
-            del h
-            norms = None
-            if layer.q_norm is not None:
-                norms = HeadNorms(layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.variance_epsilon)
-            ops.rope_(qkv, cos, sin, hq, hk, d, norms)
-            q = qkv[:, : hq * d].view(n, hq, d)
-            k = qkv[:, hq * d : (hq + hk) * d].view(n, hk, d)
-            v = qkv[:, (hq + hk) * d :].view(n, hk, d)
-            seg = Segments(batch.cu_seqlens, batch.max_len, layer.scale, layer.window, None)
-            attended = self.attention(q, k, v, seg).reshape(n, hq * d)
-            del qkv, q, k, v
-            if layer is last:  # past its attention, no row reads another: go on with the read rows only
-                x, attended = x.index_select(0, rows), attended.index_select(0, rows)
-            _accumulate(x, attended, layer.o_proj)
-            del attended
-            h = ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
-            for start in range(0, x.shape[0], self.chunk):
-                end = min(start + self.chunk, x.shape[0])
-                _accumulate(x[start:end], self._mlp_in(layer, h[start:end]), layer.down_proj)
-            del h
+        stream = self.start(batch.input_ids[0], batch.position_ids, batch.cu_seqlens, batch.max_len)
+        for layer in self.layers[:-1]:
+            self.run_layer(layer, stream)
+        return self.finish(stream, rows)
+
+    def start(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu: torch.Tensor, max_len: int
+    ) -> Stream:
+        """The embeddings of input_ids [N] and the rotary tables of position_ids [1, N]."""
+        x = self.decoder.embed_tokens(input_ids)  # [N, H] the residual stream
+        cos, sin = self.decoder.rotary_emb(x[None], position_ids)  # [1, N, D] each, x's dtype
+        return Stream(x, cos[0].contiguous(), sin[0].contiguous(), cu, max_len)
+
+    def finish(self, stream: Stream, rows: torch.Tensor) -> torch.Tensor:
+        """The last layer and the final norm, from the stream after every other layer: [len(rows), H]."""
+        x = self.run_layer(self.layers[-1], stream, rows)
         norm = self.decoder.norm
-        return ops.rms_norm(x, norm.weight, norm.variance_epsilon)
+        return self.ops.rms_norm(x, norm.weight, norm.variance_epsilon)
+
+    def run_layer(self, layer: _Layer, stream: Stream, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer over the stream, in place; with `rows`, attention reads every row and the rest runs
+        on `rows` only (no row reads another past attention), into a new tensor. Returns the residual."""
+        ops, x, cos, sin = self.ops, stream.x, stream.cos, stream.sin
+        hq, hk, d, n = self.q_heads, self.k_heads, self.head_dim, x.shape[0]
+        h = ops.rms_norm(x, layer.input_norm.weight, layer.input_norm.variance_epsilon)
+        qkv = layer.qkv(h)  # [N, (hq + 2·hk)·d]
+        del h
+        norms = None
+        if layer.q_norm is not None:
+            norms = HeadNorms(layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.variance_epsilon)
+        ops.rope_(qkv, cos, sin, hq, hk, d, norms)
+        q = qkv[:, : hq * d].view(n, hq, d)
+        k = qkv[:, hq * d : (hq + hk) * d].view(n, hk, d)
+        v = qkv[:, (hq + hk) * d :].view(n, hk, d)
+        seg = Segments(stream.cu, stream.max_len, layer.scale, layer.window, None)
+        attended = self.attention(q, k, v, seg).reshape(n, hq * d)
+        del qkv, q, k, v
+        if rows is not None:
+            x, attended = x.index_select(0, rows), attended.index_select(0, rows)
+        _accumulate(x, attended, layer.o_proj)
+        del attended
+        h = ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
+        for start in range(0, x.shape[0], self.chunk):
+            end = min(start + self.chunk, x.shape[0])
+            _accumulate(x[start:end], self._mlp_in(layer, h[start:end]), layer.down_proj)
+        return x
 
     def _mlp_in(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """silu(h·Wgateᵀ) · (h·Wupᵀ): [rows, I]."""

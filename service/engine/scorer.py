@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import service
-from service.engine import decoder, gated, weights
+from service.engine import decoder, gated, graphs, weights
 from service.engine.attention import AttentionBackend, choose_backend, register
 from service.engine.base import (
     EngineInfo,
@@ -187,9 +187,22 @@ class PackedScorer:
     ) -> None:
         """Prepare each model's forward per settings.decoder and settings.kernels, and describe them."""
         ops = Ops.for_device(device, allow_triton=settings.kernels != "none")
+        recorder = None
+        if device.type == "cuda" and settings.cuda_graphs != "off":
+            recorder = graphs.CudaRecorder(device)  # one memory pool for every model's graphs
 
         def forward(model: Any, base: Any) -> tuple[Decoder, str]:
-            return _prepare(model, base, settings, backend, ops, device)
+            built, kernels = _prepare(model, base, settings, backend, ops, device)
+            wrapped = graphs.wrap(
+                built,
+                settings.cuda_graphs,
+                backend.name,
+                device,
+                recorder,
+                settings.max_batch_tokens,
+                settings.cuda_graph_limit,
+            )
+            return wrapped, f"{kernels}+graphs" if wrapped is not built else kernels
 
         policy_forward, kernels = forward(loaded.model, loaded.model.base_model)
         self._policy = CausalLM(loaded.model, policy_forward, settings.logits_chunk_rows)
@@ -382,6 +395,17 @@ class PackedScorer:
         log.info("warm-up done; self-check max |Δ logits| = %.3g", delta)
         if self._device.type == "cuda":
             self.meet_shapes()
+        probe = pack(jobs, self._device)
+        for forward in self._forwards():
+            forward.capture(probe)
+        policy = self._policy.forward
+        if isinstance(policy, graphs.GraphedDecoder) and policy.disabled is not None:
+            kernels = self._info.kernels.replace("+graphs", "")
+            self._info = dataclasses.replace(self._info, kernels=kernels)
+
+    def _forwards(self) -> list[Decoder]:
+        lms = [lm.forward for lm in (self._policy, self._reference) if lm is not None]
+        return lms + [f for f in [self._critic_forward] if f is not None]
 
     @torch.inference_mode()
     def meet_shapes(self) -> None:
@@ -390,7 +414,7 @@ class PackedScorer:
         is idle the first time it meets some shapes; on a live server that starves the event loop."""
         started = time.perf_counter()
         lms = [lm for lm in (self._policy, self._reference) if lm is not None]
-        forwards = [lm.forward for lm in lms] + [f for f in [self._critic_forward] if f is not None]
+        forwards = self._forwards()
         most = -(-self._max_tokens // SHAPE_STEP) * SHAPE_STEP
         for rows in range(SHAPE_STEP, most + 1, SHAPE_STEP):
             for forward in forwards:

@@ -1,0 +1,294 @@
+"""CUDA graphs of the fused decoder's layers, one per padded micro-batch shape.
+
+The fused decoder launches about ten kernels a layer from Python, and the flash-attn 4 and quack
+kernels each pass through a Python wrapper: at Qwen2.5-0.5B the host needs most of a micro-batch's
+device time to launch it, and it shares the GIL with the HTTP event loop, so under load the device
+waits for launches. A graph launches a micro-batch's layers in one call.
+
+What a graph covers: the embedding, the rotary tables and every layer but the last. The last layer
+(whose output projection and MLP run on the rows the heads read, which vary per micro-batch) and the
+heads run as before, on views of the graph's outputs: about fifteen launches.
+
+Static buffers. The graphs of one decoder read token ids, positions and sequence boundaries from
+buffers sized for the largest micro-batch and write the residual stream and the rotary tables into
+others; a replay copies the batch in (four small copies), replays and hands the views to the last
+layer. Every graph of every decoder allocates its intermediates from one memory pool: one stream runs
+the replays one after another and no intermediate outlives its graph, so they share its blocks.
+
+Keys. A graph is fixed to N tokens (packing pads N to a multiple of SHAPE_STEP), to a number of
+sequence slots (the boundaries end in empty sequences up to it) and to the `max_len` bound the
+attention kernel is given. flash-attn 4's varlen grid depends on N and the slots only, so it takes
+max_len = N and at least 256 slots: one graph per N, all captured at start, largest first. The other
+kernels' grids grow with max_len x slots, so those round both up to powers of two and are captured the
+first time they are met. Past `limit` graphs the least recently used one goes.
+
+Safety. Capture runs in thread-local mode, so the results thread's waits on events go on meanwhile.
+`capture` checks a graph's result against the eager forward at start; a capture that fails turns
+graphs off for the decoder with a warning, and it runs eagerly from then on. A reload that rebinds
+parameters (swap mode) drops the graphs, which read the old tensors; they are captured again as met.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from service.engine.decoder import Decoder, DecoderKind, FusedDecoder, Stream
+from service.engine.optional import FAST_DTYPES
+from service.engine.packing import SHAPE_STEP, PackedBatch
+
+log = logging.getLogger(__name__)
+
+# the attention kernels whose varlen grid depends on N and the number of sequences only
+TOTAL_BOUNDED = frozenset({"flash_attn_cute"})
+# the attention kernels that can be captured (sdpa reads the boundaries on the host)
+CAPTURABLE = frozenset({"flash_attn_cute", "flash_attn", "torch_varlen"})
+MIN_SLOTS = {True: 256, False: 8}  # sequence slots of a graph, by TOTAL_BOUNDED
+# ‖graph - eager‖ / ‖eager‖ over final hidden states in the start-up check: the same kernels on the
+# same shapes, so only a wrong buffer or boundary moves it
+_CHECK_TOL = 1e-3
+
+
+class Recorder(Protocol):
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        """Record `body`'s device work; the returned call runs it again, on the current stream."""
+
+
+class CudaRecorder:
+    """torch.cuda.CUDAGraph capture on a side stream, into one memory pool shared by every graph."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                body()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        replay: Callable[[], None] = graph.replay
+        return replay
+
+
+class EagerRecorder:
+    """The CPU twin of CudaRecorder: a replay runs the body again, over the same static buffers."""
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        return body
+
+
+@dataclass(frozen=True, slots=True)
+class GraphKey:
+    tokens: int  # N
+    slots: int  # sequence slots: cu has slots + 1 entries
+    max_len: int  # the bound the attention kernel is given
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class _Buffers:
+    """The static inputs and outputs every graph of one decoder reads and writes (views of these)."""
+
+    def __init__(self, inner: FusedDecoder, capacity: int, slots: int) -> None:
+        weight = inner.decoder.embed_tokens.weight
+        device, dtype = weight.device, weight.dtype
+        self.ids = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, capacity, dtype=torch.long, device=device)
+        self.cu = torch.zeros(slots + 1, dtype=torch.int32, device=device)
+        self.x = torch.zeros(capacity, weight.shape[1], dtype=dtype, device=device)
+        self.cos = torch.zeros(capacity, inner.head_dim, dtype=dtype, device=device)
+        self.sin = torch.zeros(capacity, inner.head_dim, dtype=dtype, device=device)
+
+
+class GraphedDecoder:
+    """A FusedDecoder whose layers but the last replay from CUDA graphs; the same function."""
+
+    kind: DecoderKind = "fused"
+
+    def __init__(  # noqa: PLR0917
+        self,
+        inner: FusedDecoder,
+        recorder: Recorder,
+        max_tokens: int,
+        total_bounded: bool,
+        limit: int,
+        strict: bool = False,
+    ) -> None:
+        self.inner = inner
+        self._recorder = recorder
+        self._capacity = -(-max_tokens // SHAPE_STEP) * SHAPE_STEP
+        self._total_bounded = total_bounded
+        self._limit = limit
+        self._strict = strict  # cuda_graphs=on: a failed start-up check raises instead of turning them off
+        self._graphs: OrderedDict[GraphKey, Callable[[], None]] = OrderedDict()
+        self._buffers: _Buffers | None = None
+        self._params = self._signature()
+        self.disabled: str | None = None  # why graphs are off for this decoder
+
+    @property
+    def graphs(self) -> int:
+        return len(self._graphs)
+
+    def key(self, tokens: int, sequences: int, max_len: int) -> GraphKey | None:
+        """The graph a micro-batch of `tokens` over `sequences` (the longest `max_len`) replays; None:
+        it runs eagerly (a shape packing does not give a micro-batch, or past the buffers)."""
+        if tokens % SHAPE_STEP or not 0 < tokens <= self._capacity:
+            return None
+        slots = max(_pow2(sequences), MIN_SLOTS[self._total_bounded])
+        bound = tokens if self._total_bounded else min(tokens, max(_pow2(max_len), SHAPE_STEP))
+        return GraphKey(tokens, slots, bound)
+
+    def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
+        sequences = batch.cu_seqlens.shape[0] - 1
+        key = self.key(batch.num_tokens, sequences, batch.max_len)
+        replay = self._replay(key) if key is not None and self.disabled is None else None
+        if replay is None or key is None:
+            return self.inner(batch, rows)
+        buffers, n = self._ready(), key.tokens
+        buffers.ids[:n].copy_(batch.input_ids[0])
+        buffers.positions[:, :n].copy_(batch.position_ids)
+        buffers.cu[: sequences + 1].copy_(batch.cu_seqlens)
+        buffers.cu[sequences + 1 : key.slots + 1].fill_(n)  # empty sequences up to the graph's slots
+        replay()
+        stream = Stream(buffers.x[:n], buffers.cos[:n], buffers.sin[:n], batch.cu_seqlens, batch.max_len)
+        return self.inner.finish(stream, rows)
+
+    def refresh(self) -> None:
+        self.inner.refresh()
+        params = self._signature()
+        if params != self._params:  # a swap reload rebound parameters the graphs read
+            self._params = params
+            self._graphs.clear()
+            log.info("weights rebound: CUDA graphs dropped, captured again as micro-batches meet them")
+
+    def warm(self, rows: int) -> None:
+        self.inner.warm(rows)
+
+    def capture(self, probe: PackedBatch) -> None:
+        """Check a graph against the eager forward on `probe` (turning graphs off, with a warning, if
+        it fails), then capture every N's graph where one graph serves each N, largest first."""
+        every = torch.arange(probe.num_tokens, device=probe.input_ids.device)
+        try:
+            error = self._check(probe, every)
+        except Exception as exc:  # a capture failure of a third-party kernel, or a wrong graph
+            self._turn_off(f"{type(exc).__name__}: {exc}")
+            return
+        log.info("CUDA graphs: within %.3g of the eager forward", error)
+        if not self._total_bounded:
+            return
+        started = time.perf_counter()
+        for tokens in range(self._capacity, 0, -SHAPE_STEP):
+            if len(self._graphs) >= self._limit:  # keep the largest: the smaller ones are captured as met
+                break
+            key = self.key(tokens, 1, tokens)
+            if key is not None and self._replay(key) is None:
+                return
+        seconds = time.perf_counter() - started
+        log.info("CUDA graphs: captured %d shapes in %.1f s", len(self._graphs), seconds)
+
+    def _check(self, probe: PackedBatch, every: torch.Tensor) -> float:
+        key = self.key(probe.num_tokens, probe.cu_seqlens.shape[0] - 1, probe.max_len)
+        if key is None:
+            raise ValueError(f"the probe's {probe.num_tokens} tokens have no graph")
+        self._graphs.pop(key, None)
+        if self._replay(key, quiet=False) is None:
+            raise RuntimeError("capture failed")
+        got, want = self(probe, every).float(), self.inner(probe, every).float()
+        error = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
+        if not error <= _CHECK_TOL:
+            raise RuntimeError(f"a graph's hidden states are {error:.3g} of their norm from the eager ones")
+        return error
+
+    def _turn_off(self, reason: str) -> None:
+        self.disabled = reason
+        self._graphs.clear()
+        if self._strict:
+            raise RuntimeError(f"cuda_graphs=on: {reason}")
+        log.warning("CUDA graphs off (%s); the decoder launches its kernels one by one", reason)
+
+    def _replay(self, key: GraphKey, quiet: bool = True) -> Callable[[], None] | None:
+        replay = self._graphs.get(key)
+        if replay is not None:
+            self._graphs.move_to_end(key)
+            return replay
+        try:
+            replay = self._recorder.capture(lambda: self._body(key))
+        except Exception as exc:  # graphs go off; the micro-batch runs eagerly
+            if not quiet:
+                raise
+            self._turn_off(f"capture of {key} failed: {type(exc).__name__}: {exc}")
+            return None
+        self._graphs[key] = replay
+        if len(self._graphs) > self._limit:
+            self._graphs.popitem(last=False)
+        return replay
+
+    def _body(self, key: GraphKey) -> None:
+        """What a graph of `key` records: the static inputs through every layer but the last."""
+        buffers, n, inner = self._ready(), key.tokens, self.inner
+        cu = buffers.cu[: key.slots + 1]
+        fresh = inner.start(buffers.ids[:n], buffers.positions[:, :n], cu, key.max_len)
+        buffers.x[:n].copy_(fresh.x)
+        buffers.cos[:n].copy_(fresh.cos)
+        buffers.sin[:n].copy_(fresh.sin)
+        del fresh
+        stream = Stream(buffers.x[:n], buffers.cos[:n], buffers.sin[:n], cu, key.max_len)
+        for layer in inner.layers[:-1]:
+            inner.run_layer(layer, stream)
+
+    def _ready(self) -> _Buffers:
+        if self._buffers is None:
+            slots = max(_pow2(self._capacity), MIN_SLOTS[self._total_bounded])
+            self._buffers = _Buffers(self.inner, self._capacity, slots)
+        return self._buffers
+
+    def _signature(self) -> tuple[int, ...]:
+        """Where every tensor the graphs read lives."""
+        module = self.inner.decoder
+        return tuple(t.data_ptr() for t in (*module.parameters(), *module.buffers()))
+
+
+def wrap(  # noqa: PLR0917
+    forward: Decoder,
+    setting: str,
+    backend: str,
+    device: torch.device,
+    recorder: Recorder | None,
+    max_tokens: int,
+    limit: int,
+) -> Decoder:
+    """Resolve the `cuda_graphs` setting for one decoder: auto graphs a fused decoder on CUDA in bf16/fp16
+    with a capturable attention kernel; on requires it."""
+    if setting == "off":
+        return forward
+    dtype = forward.decoder.embed_tokens.weight.dtype if isinstance(forward, FusedDecoder) else None
+    reason = None
+    if not isinstance(forward, FusedDecoder):
+        reason = "the transformers decoder runs here (graphs cover the fused decoder)"
+    elif device.type != "cuda" or recorder is None:
+        reason = "the device is not CUDA"
+    elif backend not in CAPTURABLE:
+        reason = f"attention={backend} reads the sequence boundaries on the host"
+    elif dtype not in FAST_DTYPES:
+        reason = f"{dtype} attention falls back to a kernel that reads the boundaries on the host"
+    if reason is not None:
+        if setting == "on":
+            raise RuntimeError(f"cuda_graphs=on: {reason}")
+        return forward
+    assert isinstance(forward, FusedDecoder)
+    assert recorder is not None
+    strict = setting == "on"
+    return GraphedDecoder(forward, recorder, max_tokens, backend in TOTAL_BOUNDED, limit, strict)
