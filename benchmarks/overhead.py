@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -39,7 +39,7 @@ from service.engine.loading import LoadedModel
 from service.engine.scorer import PackedScorer
 from service.jobs import SequenceScores
 from service.metrics import Metrics
-from service.settings import Settings
+from service.settings import CudaGraphs, Settings
 
 Event = tuple[str, float, float]  # what, start, end (time.perf_counter)
 
@@ -161,11 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--switch-interval", type=float, default=None)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     args = parser.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     device = torch.device(args.device)
-    settings = Settings(device=device.type, dtype="bfloat16" if device.type == "cuda" else "float32")
+    settings = Settings(
+        device=device.type,
+        dtype="bfloat16" if device.type == "cuda" else "float32",
+        cuda_graphs=args.cuda_graphs,
+    )
     backend = choose_backend("auto", device)
     model = build_model(args.model, getattr(torch, settings.dtype), device, register(backend))
     engine = PackedScorer(LoadedModel(model, args.model, demo=False), device, backend, settings)

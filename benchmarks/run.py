@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import numpy as np
@@ -47,7 +47,7 @@ from service.engine.loading import LoadedModel
 from service.engine.scorer import PackedScorer
 from service.jobs import SequenceScores
 from service.metrics import Metrics
-from service.settings import Settings
+from service.settings import CudaGraphs, Settings
 
 CLIENTS = 8
 ACCURACY_SAMPLE = 4
@@ -199,6 +199,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         max_batch_tokens=args.max_batch_tokens,
         decoder=args.decoder,
         kernels=args.kernels,
+        cuda_graphs=args.cuda_graphs,
     )
     backend = choose_backend(args.attention, device)
     packed_impl = register(backend)
@@ -357,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--decoder", default="auto", choices=["auto", "fused", "transformers"])
     parser.add_argument("--kernels", default="auto", choices=["auto", "liger", "none"])
+    parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=16384)

@@ -36,7 +36,7 @@ from service.engine.loading import LoadedModel
 from service.engine.rope import unfuse_rope
 from service.engine.scorer import PackedScorer
 from service.metrics import Metrics
-from service.settings import MlpKernel, Settings
+from service.settings import CudaGraphs, MlpKernel, Settings
 
 CONFIGS = ["16384:1024", "16384:512", "16384:256", "32768:512", "8192:512"]
 
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rope", default="fused", choices=["fused", "none"])
     parser.add_argument("--attention", default="auto", choices=["auto", *BACKENDS])
     parser.add_argument("--mlp-kernel", default="auto", choices=get_args(MlpKernel))
+    parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--head", default="current", choices=["current", "torch", "previous"])
     parser.add_argument(
         "--mlp-chunk-tokens", type=int, default=None, help="0: all at once; unset: the service's default"
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             kernels=args.kernels,
             attention=backend.name,
             mlp_kernel=args.mlp_kernel,
+            cuda_graphs=args.cuda_graphs,
         )
         engine_label, ms, peak = measure(
             model, args.model, settings, reps=args.reps, profile=args.profile, rope=args.rope
