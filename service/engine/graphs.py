@@ -66,8 +66,17 @@ class CudaRecorder:
     def __init__(self, device: torch.device) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        # The allocator frees a pool once no graph uses it, and a later capture into the freed pool's
+        # handle fails an internal assertion: this graph of one tiny kernel keeps it while the others go
+        # (evicted, or dropped by a reload).
+        mark = torch.zeros(1, device=device)
+        self._anchor = self._graph(lambda: mark.add_(1))
 
     def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        replay: Callable[[], None] = self._graph(body).replay
+        return replay
+
+    def _graph(self, body: Callable[[], object]) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
@@ -77,8 +86,7 @@ class CudaRecorder:
             finally:
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(self.stream)
-        replay: Callable[[], None] = graph.replay
-        return replay
+        return graph
 
 
 class EagerRecorder:
@@ -224,6 +232,7 @@ class GraphedDecoder:
         if replay is not None:
             self._graphs.move_to_end(key)
             return replay
+        self._ready()  # the buffers are allocated outside every graph (inside, a replay would zero them)
         try:
             replay = self._recorder.capture(lambda: self._body(key))
         except Exception as exc:  # graphs go off; the micro-batch runs eagerly

@@ -140,6 +140,25 @@ class Counting(EagerRecorder):
         return body
 
 
+def test_buffers_exist_before_any_capture() -> None:
+    """Allocated inside a graph, the buffers' zero fill would be recorded, and each replay would
+    zero the token ids the batch had just copied in (the twin cannot see that: it records nothing)."""
+    decoder = graphed(packed_model("llama"), recorder=(seen := Seeing()), limit=8)
+    seen.decoder = decoder
+    with torch.inference_mode():
+        decoder.capture(batch_of((20, 33, 7)))
+    assert seen.captures == 4
+
+
+class Seeing(Counting):
+    decoder: GraphedDecoder | None = None
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        assert self.decoder is not None
+        assert self.decoder._buffers is not None
+        return super().capture(body)
+
+
 class Stale(EagerRecorder):
     """A wrong graph: its replay does nothing, so the last layer reads whatever the buffers held."""
 
@@ -248,12 +267,21 @@ def test_cuda_graphs_equal_the_eager_forward(name: str, attention: str) -> None:
     model = packed_model(name).to(device=device, dtype=torch.bfloat16)
     inner = FusedDecoder(model.base_model, backend.kernel, Ops.for_device(device, allow_triton=True), 0)
     bounded = backend.name in graphs.TOTAL_BOUNDED
-    decoder = GraphedDecoder(inner, graphs.CudaRecorder(device), 512, bounded, limit=16, strict=True)
+    decoder = GraphedDecoder(inner, graphs.CudaRecorder(device), 512, bounded, limit=2, strict=True)
     with torch.inference_mode():
         decoder.capture(batch_of((20, 33, 7), device=device))
-        for seed, lengths in enumerate(BATCHES):
+        for seed, lengths in enumerate(BATCHES):  # past the limit of 2: graphs go and are captured again
             batch = batch_of(lengths, seed, device)
             got, want = decoder(batch, read_rows(batch)), inner(batch, read_rows(batch))
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
             assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-3
+        with torch.no_grad():  # a swap reload: every graph goes; the shared pool must stay usable
+            for param in model.parameters():
+                param.data = param.data.clone()
+        decoder.refresh()
+        assert decoder.graphs == 0
+        batch = batch_of(BATCHES[0], 0, device)
+        got, want = decoder(batch, read_rows(batch)), inner(batch, read_rows(batch))
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-3
+        assert decoder.graphs == 1
     assert decoder.disabled is None
