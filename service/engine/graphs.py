@@ -30,6 +30,7 @@ parameters (swap mode) drops the graphs, which read the old tensors; they are ca
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -162,15 +163,20 @@ class GraphedDecoder:
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         sequences = batch.cu_seqlens.shape[0] - 1
         key = self.key(batch.num_tokens, sequences, batch.max_len)
-        replay = self._replay(key) if key is not None and self.disabled is None else None
-        if replay is None or key is None:
+        if key is None or self.disabled is not None:
             return self.inner(batch, rows)
         buffers, n = self._ready(), key.tokens
         buffers.ids[:n].copy_(batch.input_ids[0])
         buffers.positions[:, :n].copy_(batch.position_ids)
         buffers.cu[: sequences + 1].copy_(batch.cu_seqlens)
         buffers.cu[sequences + 1 : key.slots + 1].fill_(n)  # empty sequences up to the graph's slots
-        replay()
+        replay = self._graphs.get(key)
+        if replay is not None:
+            self._graphs.move_to_end(key)
+            replay()
+        else:  # first met: run what the graph will record, eagerly (every kernel of the shape is then
+            self._body(key)  # compiled and loaded: loading one inside a capture fails it), then record it
+            self._record(key)
         stream = Stream(buffers.x[:n], buffers.cos[:n], buffers.sin[:n], batch.cu_seqlens, batch.max_len)
         return self.inner.finish(stream, rows)
 
@@ -187,12 +193,21 @@ class GraphedDecoder:
 
     def capture(self, probe: PackedBatch) -> None:
         """Check a graph against the eager forward on `probe` (turning graphs off, with a warning, if
-        it fails), then capture every N's graph where one graph serves each N, largest first."""
+        it fails); then, where one graph serves each N, capture them all, largest first (the engine's
+        warm-up has run every kernel they record: meet_shapes the GEMMs of each N, the probe the rest)."""
+        key = self.key(probe.num_tokens, probe.cu_seqlens.shape[0] - 1, probe.max_len)
+        if key is None or self.disabled is not None:
+            raise ValueError(f"a probe of {probe.num_tokens} tokens has no graph")
         every = torch.arange(probe.num_tokens, device=probe.input_ids.device)
-        try:
-            error = self._check(probe, every)
-        except Exception as exc:  # a capture failure of a third-party kernel, or a wrong graph
-            self._turn_off(f"{type(exc).__name__}: {exc}")
+        self._graphs.pop(key, None)
+        self(probe, every)  # eagerly, then recorded (a failed capture turns graphs off)
+        if self.disabled is not None:
+            return
+        other = dataclasses.replace(probe, input_ids=probe.input_ids.flip(1))  # the same shape, new tokens
+        got, want = self(other, every).float(), self.inner(other, every).float()  # replayed, and eager
+        error = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
+        if not error <= _CHECK_TOL:
+            self._turn_off(f"a graph's hidden states are {error:.3g} of their norm from the eager ones")
             return
         log.info("CUDA graphs: within %.3g of the eager forward", error)
         if not self._total_bounded:
@@ -202,23 +217,10 @@ class GraphedDecoder:
             if len(self._graphs) >= self._limit:  # keep the largest: the smaller ones are captured as met
                 break
             key = self.key(tokens, 1, tokens)
-            if key is not None and self._replay(key) is None:
+            if key is not None and key not in self._graphs and not self._record(key):
                 return
         seconds = time.perf_counter() - started
         log.info("CUDA graphs: captured %d shapes in %.1f s", len(self._graphs), seconds)
-
-    def _check(self, probe: PackedBatch, every: torch.Tensor) -> float:
-        key = self.key(probe.num_tokens, probe.cu_seqlens.shape[0] - 1, probe.max_len)
-        if key is None:
-            raise ValueError(f"the probe's {probe.num_tokens} tokens have no graph")
-        self._graphs.pop(key, None)
-        if self._replay(key, quiet=False) is None:
-            raise RuntimeError("capture failed")
-        got, want = self(probe, every).float(), self.inner(probe, every).float()
-        error = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
-        if not error <= _CHECK_TOL:
-            raise RuntimeError(f"a graph's hidden states are {error:.3g} of their norm from the eager ones")
-        return error
 
     def _turn_off(self, reason: str) -> None:
         self.disabled = reason
@@ -227,23 +229,18 @@ class GraphedDecoder:
             raise RuntimeError(f"cuda_graphs=on: {reason}")
         log.warning("CUDA graphs off (%s); the decoder launches its kernels one by one", reason)
 
-    def _replay(self, key: GraphKey, quiet: bool = True) -> Callable[[], None] | None:
-        replay = self._graphs.get(key)
-        if replay is not None:
-            self._graphs.move_to_end(key)
-            return replay
+    def _record(self, key: GraphKey) -> bool:
+        """Capture `key`'s graph; False if that failed, which turns graphs off."""
         self._ready()  # the buffers are allocated outside every graph (inside, a replay would zero them)
         try:
             replay = self._recorder.capture(lambda: self._body(key))
-        except Exception as exc:  # graphs go off; the micro-batch runs eagerly
-            if not quiet:
-                raise
+        except Exception as exc:  # graphs go off; micro-batches run eagerly
             self._turn_off(f"capture of {key} failed: {type(exc).__name__}: {exc}")
-            return None
+            return False
         self._graphs[key] = replay
         if len(self._graphs) > self._limit:
             self._graphs.popitem(last=False)
-        return replay
+        return True
 
     def _body(self, key: GraphKey) -> None:
         """What a graph of `key` records: the static inputs through every layer but the last."""

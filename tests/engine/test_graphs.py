@@ -112,7 +112,7 @@ def test_capture_checks_then_records_every_size_largest_first() -> None:
         decoder.capture(batch_of((20, 33, 7)))
     assert decoder.disabled is None
     assert recorder.captures == 4  # the probe's (128 tokens), then the others from the largest
-    assert [key.tokens for key in decoder._graphs] == [512, 384, 256, 128]  # least recently used first
+    assert [key.tokens for key in decoder._graphs] == [128, 512, 384, 256]  # in the order captured
 
 
 def test_capture_keeps_the_largest_within_the_limit() -> None:
