@@ -59,6 +59,7 @@ class RecordedLaunch:
 
 
 GpuMarks = dict[float, tuple[Any, Any]]  # a launch's host start -> CUDA events around its work
+TOKENS: dict[float, int] = {}  # a launch's host start -> the real tokens of its micro-batch
 
 
 def recorded_launches(
@@ -69,6 +70,7 @@ def recorded_launches(
 
     def wrapper(the_jobs: Any) -> Launched:
         start = time.perf_counter()
+        TOKENS[start] = sum(job.num_tokens for job in the_jobs)
         before = after = None
         if marks is not None:
             before = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -112,6 +114,7 @@ def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | N
     dones: list[list[float]] = []
     spans: list[list[float]] = []  # the device's time on each micro-batch (its first kernel to its last)
     idles: list[list[float]] = []  # the device idle before each micro-batch, waiting for its launch
+    sizes: list[list[int]] = []  # the real tokens of each micro-batch
     for r in rounds(events, per_round):
         launches = [e for e in r if e[0] == "launch"]
         last_collected = max(e[2] for e in r if e[0] == "collected")
@@ -126,6 +129,7 @@ def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | N
         span = max(e[2] for e in r) - first
         rows.append((launches[0][1] - first, busy, idle, tail, host, span, len(launches)))
         dones.append(done)
+        sizes.append([TOKENS[e[1]] for e in launches if e[1] in TOKENS])
         if marks:
             pairs = [marks[e[1]] for e in launches if e[1] in marks]
             for _, after in pairs:
@@ -144,6 +148,10 @@ def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | N
     if len({len(d) for d in done_keep}) == 1:  # when each micro-batch's scores were in
         done = [statistics.median(d[i] for d in done_keep) * 1e3 for i in range(len(done_keep[0]))]
         print(f"{'':28s} micro-batches collected at {' / '.join(f'{t:.1f}' for t in done)} ms", flush=True)
+    keep_sizes = sizes[1:] or sizes
+    if keep_sizes and len({len(x) for x in keep_sizes}) == 1:
+        tokens = [statistics.median(x[i] for x in keep_sizes) for i in range(len(keep_sizes[0]))]
+        print(f"{'':28s} micro-batch tokens {' / '.join(f'{t:.0f}' for t in tokens)}", flush=True)
     keep_spans, keep_idles = spans[1:] or spans, idles[1:] or idles
     if keep_spans and len({len(x) for x in keep_spans}) == 1:
         on = [statistics.median(x[i] for x in keep_spans) for i in range(len(keep_spans[0]))]
