@@ -195,9 +195,12 @@ class GraphedDecoder:
         """Check a graph against the eager forward on `probe` (turning graphs off, with a warning, if
         it fails); then, where one graph serves each N, capture them all, largest first (the engine's
         warm-up has run every kernel they record: meet_shapes the GEMMs of each N, the probe the rest)."""
+        if self.disabled is not None:
+            return
         key = self.key(probe.num_tokens, probe.cu_seqlens.shape[0] - 1, probe.max_len)
-        if key is None or self.disabled is not None:
-            raise ValueError(f"a probe of {probe.num_tokens} tokens has no graph")
+        if key is None:
+            self._turn_off(f"no graph holds the {probe.num_tokens}-token probe to check them on")
+            return
         every = torch.arange(probe.num_tokens, device=probe.input_ids.device)
         self._graphs.pop(key, None)
         self(probe, every)  # eagerly, then recorded (a failed capture turns graphs off)

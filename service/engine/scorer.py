@@ -395,7 +395,7 @@ class PackedScorer:
         log.info("warm-up done; self-check max |Δ logits| = %.3g", delta)
         if self._device.type == "cuda":
             self.meet_shapes()
-        probe = pack(jobs, self._device)
+        probe = pack(jobs[: max(1, self._max_tokens // n)], self._device)  # as a micro-batch holds them
         for forward in self._forwards():
             forward.capture(probe)
         policy = self._policy.forward

@@ -140,6 +140,16 @@ class Counting(EagerRecorder):
         return body
 
 
+def test_a_probe_past_the_buffers_turns_graphs_off(caplog: pytest.LogCaptureFixture) -> None:
+    decoder = graphed(packed_model("llama"), max_tokens=64, limit=8)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        decoder.capture(batch_of((100, 90)))
+    assert "no graph holds the 256-token probe" in str(decoder.disabled)
+    strict = graphed(packed_model("llama"), max_tokens=64, limit=8, strict=True)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="cuda_graphs=on: no graph holds"):
+        strict.capture(batch_of((100, 90)))
+
+
 def test_buffers_exist_before_any_capture() -> None:
     """Allocated inside a graph, the buffers' zero fill would be recorded, and each replay would
     zero the token ids the batch had just copied in (the twin cannot see that: it records nothing)."""
