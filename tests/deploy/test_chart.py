@@ -19,7 +19,7 @@ import service
 from service.__main__ import _parser
 from service.errors import ServiceError, status_for
 from service.server import GRACEFUL_SHUTDOWN_S
-from service.settings import Attention, Decoder, Device, DType, Kernels, MlpKernel, Settings
+from service.settings import Attention, CudaGraphs, Decoder, Device, DType, Kernels, MlpKernel, Settings
 from tests.deploy import crds
 from tests.deploy.chart import (
     CHART,
@@ -113,6 +113,7 @@ def test_schema_enums_follow_the_service_settings() -> None:
     assert server["decoder"]["enum"] == list(get_args(Decoder))
     assert server["kernels"]["enum"] == list(get_args(Kernels))
     assert server["mlpKernel"]["enum"] == list(get_args(MlpKernel))
+    assert server["cudaGraphs"]["enum"] == list(get_args(CudaGraphs))
     assert server["logLevel"]["enum"] == list(get_args(Settings.model_fields["log_level"].annotation))
 
 
@@ -124,6 +125,8 @@ def test_chart_defaults_are_the_service_defaults() -> None:
     assert server["attention"] == defaults.attention
     assert server["decoder"] == defaults.decoder
     assert server["kernels"] == defaults.kernels
+    assert server["mlpKernel"] == defaults.mlp_kernel
+    assert server["cudaGraphs"] == defaults.cuda_graphs
     assert server["maxBatchTokens"] == defaults.max_batch_tokens
     assert server["logLevel"] == defaults.log_level
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
