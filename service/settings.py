@@ -79,7 +79,7 @@ class Settings(BaseSettings):
     )
     cuda_graph_limit: int = Field(
         512,
-        ge=1,
+        ge=8,  # the graph evicted is never one a micro-batch still in flight replays
         description="Most CUDA graphs one decoder keeps (the least recently used goes first). With "
         "flash-attn 4 one graph serves every micro-batch of the same padded size: max_batch_tokens / 128.",
     )
