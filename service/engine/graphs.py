@@ -141,7 +141,7 @@ class GraphedDecoder:
         self._capacity = -(-max_tokens // SHAPE_STEP) * SHAPE_STEP
         self._total_bounded = total_bounded
         self._limit = limit
-        self._strict = strict  # cuda_graphs=on: a failed start-up check raises instead of turning them off
+        self._strict = strict  # cuda_graphs=on: a failure at start raises instead of turning them off
         self._graphs: OrderedDict[GraphKey, Callable[[], None]] = OrderedDict()
         self._buffers: _Buffers | None = None
         self._params = self._signature()
@@ -199,18 +199,20 @@ class GraphedDecoder:
             return
         key = self.key(probe.num_tokens, probe.cu_seqlens.shape[0] - 1, probe.max_len)
         if key is None:
-            self._turn_off(f"no graph holds the {probe.num_tokens}-token probe to check them on")
+            self._turn_off(f"no graph holds the {probe.num_tokens}-token probe to check them on", True)
             return
         every = torch.arange(probe.num_tokens, device=probe.input_ids.device)
         self._graphs.pop(key, None)
         self(probe, every)  # eagerly, then recorded (a failed capture turns graphs off)
         if self.disabled is not None:
+            if self._strict:
+                raise RuntimeError(f"cuda_graphs=on: {self.disabled}")
             return
         other = dataclasses.replace(probe, input_ids=probe.input_ids.flip(1))  # the same shape, new tokens
         got, want = self(other, every).float(), self.inner(other, every).float()  # replayed, and eager
         error = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
         if not error <= _CHECK_TOL:
-            self._turn_off(f"a graph's hidden states are {error:.3g} of their norm from the eager ones")
+            self._turn_off(f"a graph's hidden states are {error:.3g} of their norm from the eager ones", True)
             return
         log.info("CUDA graphs: within %.3g of the eager forward", error)
         if not self._total_bounded:
@@ -220,25 +222,27 @@ class GraphedDecoder:
             if len(self._graphs) >= self._limit:  # keep the largest: the smaller ones are captured as met
                 break
             key = self.key(tokens, 1, tokens)
-            if key is not None and key not in self._graphs and not self._record(key):
+            if key is not None and key not in self._graphs and not self._record(key, at_start=True):
                 return
         seconds = time.perf_counter() - started
         log.info("CUDA graphs: captured %d shapes in %.1f s", len(self._graphs), seconds)
 
-    def _turn_off(self, reason: str) -> None:
+    def _turn_off(self, reason: str, at_start: bool = False) -> None:
+        """Graphs off for this decoder; with cuda_graphs=on, at start, an error (while serving, the
+        micro-batch at hand runs eagerly like any other: no request fails for it)."""
         self.disabled = reason
         self._graphs.clear()
-        if self._strict:
+        if at_start and self._strict:
             raise RuntimeError(f"cuda_graphs=on: {reason}")
         log.warning("CUDA graphs off (%s); the decoder launches its kernels one by one", reason)
 
-    def _record(self, key: GraphKey) -> bool:
+    def _record(self, key: GraphKey, at_start: bool = False) -> bool:
         """Capture `key`'s graph; False if that failed, which turns graphs off."""
         self._ready()  # the buffers are allocated outside every graph (inside, a replay would zero them)
         try:
             replay = self._recorder.capture(lambda: self._body(key))
         except Exception as exc:  # graphs go off; micro-batches run eagerly
-            self._turn_off(f"capture of {key} failed: {type(exc).__name__}: {exc}")
+            self._turn_off(f"capture of {key} failed: {type(exc).__name__}: {exc}", at_start)
             return False
         self._graphs[key] = replay
         if len(self._graphs) > self._limit:

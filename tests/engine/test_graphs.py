@@ -211,6 +211,12 @@ def test_a_failed_capture_while_serving_turns_graphs_off(caplog: pytest.LogCaptu
     torch.testing.assert_close(again, want)
     assert "operation not permitted" in str(decoder.disabled)
     assert caplog.text.count("CUDA graphs off") == 1
+    strict = graphed(model, recorder=Failing(), limit=8, strict=True)  # cuda_graphs=on
+    with torch.inference_mode():
+        torch.testing.assert_close(strict(batch, read_rows(batch)), want)  # serving: no request fails
+        assert strict.disabled is not None
+        with pytest.raises(RuntimeError, match="cuda_graphs=on: capture of"):
+            graphed(model, recorder=Failing(), limit=8, strict=True).capture(batch)  # the start does
 
 
 def test_reloads() -> None:
