@@ -70,6 +70,12 @@ class Decoder(Protocol):
         """Capture the CUDA graphs that serve micro-batches, checked on `probe` (graphs.py); none here."""
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """‖got - want‖ / ‖want‖ over every element, in float32: how two forwards' hidden states differ."""
+    got, want = got.float(), want.float()
+    return float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
+
+
 def _zeros(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     return torch.zeros(rows, width, dtype=like.dtype, device=like.device)
 

@@ -40,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from service.engine.decoder import Decoder, DecoderKind, FusedDecoder, Stream
+from service.engine.decoder import Decoder, DecoderKind, FusedDecoder, Stream, relative_error
 from service.engine.optional import FAST_DTYPES
 from service.engine.packing import SHAPE_STEP, PackedBatch
 
@@ -209,8 +209,7 @@ class GraphedDecoder:
                 raise RuntimeError(f"cuda_graphs=on: {self.disabled}")
             return
         other = dataclasses.replace(probe, input_ids=probe.input_ids.flip(1))  # the same shape, new tokens
-        got, want = self(other, every).float(), self.inner(other, every).float()  # replayed, and eager
-        error = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
+        error = relative_error(self(other, every), self.inner(other, every))  # replayed, and eager
         if not error <= _CHECK_TOL:
             self._turn_off(f"a graph's hidden states are {error:.3g} of their norm from the eager ones", True)
             return

@@ -474,9 +474,8 @@ def check_hidden(base: Any, forward: Decoder, job: SequenceJob, device: torch.de
     a misread layer (a lost window, norm or rotation) moves it by tens of %."""
     batch = pack([job], device, step=1)
     every = torch.arange(batch.num_tokens, device=device)
-    own = decoder.TransformersDecoder(base)(batch, every).float()
-    ours = forward(batch, every).float()
-    error = float(torch.linalg.vector_norm(ours - own) / torch.linalg.vector_norm(own).clamp_min(1e-30))
+    own = decoder.TransformersDecoder(base)(batch, every)
+    error = decoder.relative_error(forward(batch, every), own)
     bound = _DECODER_TOL[next(base.parameters()).dtype]
     if not error <= bound:
         raise RuntimeError(
