@@ -24,7 +24,8 @@ first time they are met. Past `limit` graphs the least recently used one goes.
 
 Safety. Capture runs in thread-local mode, so the results thread's waits on events go on meanwhile.
 `capture` checks a graph's result against the eager forward at start; a capture that fails turns
-graphs off for the decoder with a warning, and it runs eagerly from then on. A reload that rebinds
+graphs off for the decoder with a warning, and it runs eagerly from then on (cuda_graphs=on: graphs
+off by the end of the start fail it; while serving no request fails for them). A reload that rebinds
 parameters (swap mode) drops the graphs, which read the old tensors; they are captured again as met.
 """
 
@@ -141,7 +142,7 @@ class GraphedDecoder:
         self._capacity = -(-max_tokens // SHAPE_STEP) * SHAPE_STEP
         self._total_bounded = total_bounded
         self._limit = limit
-        self._strict = strict  # cuda_graphs=on: a failure at start raises instead of turning them off
+        self._strict = strict  # cuda_graphs=on: graphs off at the end of `capture` fail the start
         self._graphs: OrderedDict[GraphKey, Callable[[], None]] = OrderedDict()
         self._buffers: _Buffers | None = None
         self._params = self._signature()
@@ -194,54 +195,55 @@ class GraphedDecoder:
     def capture(self, probe: PackedBatch) -> None:
         """Check a graph against the eager forward on `probe` (turning graphs off, with a warning, if
         it fails); then, where one graph serves each N, capture them all, largest first (the engine's
-        warm-up has run every kernel they record: meet_shapes the GEMMs of each N, the probe the rest)."""
-        if self.disabled is not None:
-            return
+        warm-up has run every kernel they record: meet_shapes the GEMMs of each N, the probe the rest).
+        With cuda_graphs=on, graphs off by then (here, or in the warm-up's scoring) fail the start."""
+        if self.disabled is None:
+            self._check(probe)
+        if self.disabled is None and self._total_bounded:
+            self._capture_sizes()
+        if self.disabled is not None and self._strict:
+            raise RuntimeError(f"cuda_graphs=on: {self.disabled}")
+
+    def _check(self, probe: PackedBatch) -> None:
         key = self.key(probe.num_tokens, probe.cu_seqlens.shape[0] - 1, probe.max_len)
         if key is None:
-            self._turn_off(f"no graph holds the {probe.num_tokens}-token probe to check them on", True)
+            self._turn_off(f"no graph holds the {probe.num_tokens}-token probe to check them on")
             return
         every = torch.arange(probe.num_tokens, device=probe.input_ids.device)
-        self._graphs.pop(key, None)
-        self(probe, every)  # eagerly, then recorded (a failed capture turns graphs off)
+        self(probe, every)  # recorded (run eagerly first) unless the warm-up's scoring met the shape
         if self.disabled is not None:
-            if self._strict:
-                raise RuntimeError(f"cuda_graphs=on: {self.disabled}")
             return
         other = dataclasses.replace(probe, input_ids=probe.input_ids.flip(1))  # the same shape, new tokens
         error = relative_error(self(other, every), self.inner(other, every))  # replayed, and eager
         if not error <= _CHECK_TOL:
-            self._turn_off(f"a graph's hidden states are {error:.3g} of their norm from the eager ones", True)
+            self._turn_off(f"a graph's hidden states are {error:.3g} of their norm from the eager ones")
             return
         log.info("CUDA graphs: within %.3g of the eager forward", error)
-        if not self._total_bounded:
-            return
+
+    def _capture_sizes(self) -> None:
         started = time.perf_counter()
         for tokens in range(self._capacity, 0, -SHAPE_STEP):
             if len(self._graphs) >= self._limit:  # keep the largest: the smaller ones are captured as met
                 break
             key = self.key(tokens, 1, tokens)
-            if key is not None and key not in self._graphs and not self._record(key, at_start=True):
+            if key is not None and key not in self._graphs and not self._record(key):
                 return
         seconds = time.perf_counter() - started
         log.info("CUDA graphs: captured %d shapes in %.1f s", len(self._graphs), seconds)
 
-    def _turn_off(self, reason: str, at_start: bool = False) -> None:
-        """Graphs off for this decoder; with cuda_graphs=on, at start, an error (while serving, the
-        micro-batch at hand runs eagerly like any other: no request fails for it)."""
+    def _turn_off(self, reason: str) -> None:
+        """Graphs off for this decoder: the micro-batch at hand and every later one run eagerly."""
         self.disabled = reason
         self._graphs.clear()
-        if at_start and self._strict:
-            raise RuntimeError(f"cuda_graphs=on: {reason}")
         log.warning("CUDA graphs off (%s); the decoder launches its kernels one by one", reason)
 
-    def _record(self, key: GraphKey, at_start: bool = False) -> bool:
+    def _record(self, key: GraphKey) -> bool:
         """Capture `key`'s graph; False if that failed, which turns graphs off."""
         self._ready()  # the buffers are allocated outside every graph (inside, a replay would zero them)
         try:
             replay = self._recorder.capture(lambda: self._body(key))
         except Exception as exc:  # graphs go off; micro-batches run eagerly
-            self._turn_off(f"capture of {key} failed: {type(exc).__name__}: {exc}", at_start)
+            self._turn_off(f"capture of {key} failed: {type(exc).__name__}: {exc}")
             return False
         self._graphs[key] = replay
         if len(self._graphs) > self._limit:

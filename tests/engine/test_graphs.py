@@ -217,6 +217,8 @@ def test_a_failed_capture_while_serving_turns_graphs_off(caplog: pytest.LogCaptu
         assert strict.disabled is not None
         with pytest.raises(RuntimeError, match="cuda_graphs=on: capture of"):
             graphed(model, recorder=Failing(), limit=8, strict=True).capture(batch)  # the start does
+        with pytest.raises(RuntimeError, match="cuda_graphs=on: capture of"):
+            strict.capture(batch)  # graphs that went off in the warm-up's own scoring fail the start too
 
 
 def test_reloads() -> None:
