@@ -1,6 +1,6 @@
 """HTTP load for the benchmark, outside the server's process (as trainers are): N concurrent POST /logprobs.
 
-    python -m benchmarks.client URL BODIES_FILE REPS [--mode asyncio|processes] [--frames]
+    python -m benchmarks.client URL BODIES_FILE REPS [--mode asyncio|httpcore|processes] [--frames]
         -> prints a JSON list of wall seconds per rep
 
 BODIES_FILE holds the request bodies, each after its length (8 bytes, little-endian): JSON, or with
@@ -9,7 +9,10 @@ Every round sends all of them at once and ends when the last answer is read and 
 round (and the connections) comes first.
 
 - `asyncio` (default): one process sends every body over its own connection from one asyncio loop,
-  so the client's own per-request work (httpx in Python, about 1 ms a request) is serialised.
+  through httpx on logprobd's StreamTransport, as logprobd's AsyncClient does; the client's own
+  per-request work is serialised.
+- `httpcore`: the same on httpx's default async transport (httpcore's pool on anyio), which costs
+  about 1 ms of the client's loop per concurrent request (service/client/transport.py).
 - `processes`: one client process per body, as N trainer ranks are, each with its own httpx.Client
   and keep-alive connection; a round starts at one instant of the shared monotonic clock
   (time.perf_counter is CLOCK_MONOTONIC on Linux) and lasts until the last process has its answer.
@@ -29,6 +32,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from service.client.transport import StreamTransport
 from service.client.wire import from_frame
 from service.frame import MEDIA_TYPE
 
@@ -111,9 +115,11 @@ async def _round(client: httpx.AsyncClient, bodies: list[bytes], frames: bool) -
     return time.perf_counter() - start
 
 
-async def _in_asyncio(url: str, bodies: list[bytes], reps: int, frames: bool) -> list[float]:
-    limits = httpx.Limits(max_connections=len(bodies))
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+async def _in_asyncio(
+    url: str, bodies: list[bytes], reps: int, frames: bool, transport: httpx.AsyncBaseTransport | None
+) -> list[float]:
+    limits = httpx.Limits(max_connections=len(bodies))  # for httpcore's pool
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits, transport=transport) as client:
         await _round(client, bodies, frames)  # warm-up (and connections)
         return [await _round(client, bodies, frames) for _ in range(reps)]
 
@@ -123,14 +129,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("url")
     parser.add_argument("bodies", type=Path)
     parser.add_argument("reps", type=int)
-    parser.add_argument("--mode", choices=["asyncio", "processes"], default="asyncio")
+    parser.add_argument("--mode", choices=["asyncio", "httpcore", "processes"], default="asyncio")
     parser.add_argument("--frames", action="store_true", help="the bodies are compact frames")
     args = parser.parse_args(argv)
     bodies = read_bodies(args.bodies)
     if args.mode == "processes":
         seconds = in_processes(args.url, bodies, args.reps, args.frames)
     else:
-        seconds = asyncio.run(_in_asyncio(args.url, bodies, args.reps, args.frames))
+        transport = StreamTransport(max_connections=len(bodies)) if args.mode == "asyncio" else None
+        seconds = asyncio.run(_in_asyncio(args.url, bodies, args.reps, args.frames, transport))
     print(json.dumps(seconds))
     return 0
 

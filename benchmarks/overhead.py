@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     api.to_json = recorded(events, "render", api.to_json)  # type: ignore[attr-defined]
     api.to_frame = recorded(events, "render", api.to_frame)  # type: ignore[attr-defined]
     with HttpServer(engine, settings) as url:
-        for frames, mode in ((True, "asyncio"), (False, "asyncio"), (True, "processes")):
+        for frames, mode in ((True, "asyncio"), (True, "httpcore"), (False, "asyncio"), (True, "processes")):
             bodies = http_bodies(samples, frames=frames)
             events.clear()
             seconds = http_seconds(url, bodies, args.reps, mode=mode, frames=frames)

@@ -6,9 +6,10 @@
 Per model (random bf16 weights with the real shapes) and per variant: milliseconds (median of
 --reps after a warm-up), tokens/s, fraction of the FLOP floor, peak GPU memory; plus the largest
 |Δ| of the service's scores against a float32 reference on a sample of sequences. Over HTTP the 8
-clients are 8 connections of one client process sending compact frames, as logprobd's client does
-(`http`, the figure the targets use); beside it the same in JSON (`http_json`) and 8 client
-processes with one framed request each (`http_8proc`); see client.py.
+clients are 8 connections of one client process sending compact frames, as logprobd's AsyncClient
+does (`http`, the figure the targets use); beside it the same in JSON (`http_json`), on httpx's
+default transport instead of logprobd's (`http_httpcore`), and from 8 client processes with one
+framed request each (`http_8proc`); see client.py.
 """
 
 from __future__ import annotations
@@ -254,6 +255,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         for variant, frames, mode in (
             ("http", True, "asyncio"),
             ("http_json", False, "asyncio"),  # the same bodies in JSON, both ways
+            ("http_httpcore", True, "httpcore"),  # the same on httpx's default transport
             ("http_8proc", True, "processes"),  # the same load from 8 client processes, one request each
         ):
             rounds[variant] = http_rounds(url, framed if frames else plain, args.reps, mode, frames)
@@ -277,8 +279,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         "kernels": engine.info.kernels,
         "engine_versions": engine.info.versions,
         "http_rounds_ms": {k: [round(x * 1e3, 1) for x in v] for k, v in rounds.items()},
-        "http_client": f"one client process, {len(http_bodies(samples))} connections (client.py asyncio), "
-        "compact frames both ways (http_json: JSON both ways)",
+        "http_client": f"one client process, {len(http_bodies(samples))} connections (client.py asyncio: "
+        "httpx on logprobd's StreamTransport), compact frames both ways (http_json: JSON both ways; "
+        "http_httpcore: httpx's default transport; http_8proc: 8 client processes, httpx.Client)",
         "tokens": tokens,
         "action_tokens": sum(len(s.response) for s in samples),
         "floor_ms": floor_s * 1e3,
@@ -294,6 +297,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         "http_overhead": (variants["http"]["ms"] - variants["engine"]["ms"]) / variants["http"]["ms"],
         "http_overhead_json": (variants["http_json"]["ms"] - variants["engine"]["ms"])
         / variants["http_json"]["ms"],
+        "http_overhead_httpcore": (variants["http_httpcore"]["ms"] - variants["engine"]["ms"])
+        / variants["http_httpcore"]["ms"],
         "http_overhead_8proc_clients": (variants["http_8proc"]["ms"] - variants["engine"]["ms"])
         / variants["http_8proc"]["ms"],
         "max_abs_diff_bf16": max_abs_diff([s.logprobs for s in engine_scores], want),
@@ -335,8 +340,8 @@ def table(results: dict[str, Any]) -> str:
     lines += [
         "",
         "| model | floor ms | HTTP floor | engine floor | speed-up vs naive | memory / naive | HTTP overhead "
-        "| (JSON) | (8 client processes) | max abs Δ bf16 (service / naive peer) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| (JSON) | (httpcore) | (8 client processes) | max abs Δ bf16 (service / naive peer) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in results["models"].items():
         mem = r["peak_memory_vs_naive"]
@@ -344,7 +349,8 @@ def table(results: dict[str, Any]) -> str:
             f"| {name} | {r['floor_ms']:.1f} | {r['floor_fraction_http']:.1%} | "
             f"{r['floor_fraction_engine']:.1%} | {r['speedup_vs_naive']:.2f} | "
             f"{'n/a' if mem is None else f'{mem:.1%}'} | {r['http_overhead']:.1%} | "
-            f"{r['http_overhead_json']:.1%} | {r['http_overhead_8proc_clients']:.1%} | "
+            f"{r['http_overhead_json']:.1%} | {r['http_overhead_httpcore']:.1%} | "
+            f"{r['http_overhead_8proc_clients']:.1%} | "
             f"{r['max_abs_diff_bf16']:.3g} / {r['max_abs_diff_bf16_naive_peer']:.3g} |"
         )
     return "\n".join(lines)

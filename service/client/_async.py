@@ -28,13 +28,16 @@ from service.client.errors import LogprobdError
 from service.client.replicas import ReplicaPool
 from service.client.retry import RetryPolicy
 from service.client.sharding import Chunk
+from service.client.transport import StreamTransport
 from service.client.wire import IntRows, Scores, ToList, build_body
 
 
 class AsyncClient:
     """A logprobd client for asyncio; see `Client` for chunking, replicas, retries and errors.
 
-    At most `max_concurrency` chunks of one `score` call are in flight at once. Close it with
+    At most `max_concurrency` chunks of one `score` call are in flight at once. Plain-HTTP requests
+    go through `StreamTransport` unless `transport` is given (httpx's default costs about a
+    millisecond of the event loop per concurrent request; see transport.py). Close it with
     `await client.aclose()` or `async with`.
     """
 
@@ -64,7 +67,9 @@ class AsyncClient:
         self._pool = ReplicaPool(self.config.urls)
         self._rng = random.Random()
         self._http = httpx.AsyncClient(
-            headers=self.config.headers, timeout=self.config.timeout, transport=transport
+            headers=self.config.headers,
+            timeout=self.config.timeout,
+            transport=transport if transport is not None else StreamTransport(),
         )
 
     async def score(

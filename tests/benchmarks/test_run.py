@@ -16,13 +16,23 @@ def test_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert {"device", "date", "versions", "matmul_tflops"} <= set(result)
     tiny = result["models"]["tiny"]
-    assert set(tiny["variants"]) == {"naive", "trl", "engine", "http", "http_json", "http_8proc"}
+    assert set(tiny["variants"]) == {
+        "naive",
+        "trl",
+        "engine",
+        "http",
+        "http_json",
+        "http_httpcore",
+        "http_8proc",
+    }
     for key in (
         "floor_fraction_http",
         "floor_fraction_engine",
         "speedup_vs_naive",
         "http_overhead",
         "http_overhead_json",
+        "http_overhead_httpcore",
+        "http_overhead_8proc_clients",
     ):
         assert isinstance(tiny[key], float)
     assert tiny["floor_fraction_engine"] > 0
