@@ -103,7 +103,7 @@ def build_router(state: ServiceState) -> APIRouter:
         metrics.queue_requests.inc()
         try:
             timeout = request.timeout_s or settings.request_timeout_s
-            scored = await answer_or_give_up(http, serving.batcher.score(plan.jobs, plan.pins), timeout)
+            scored = await answer_or_give_up(http, serving.batcher.submit(plan.jobs, plan.pins), timeout)
         finally:
             metrics.queue_requests.dec()
         scores = scored.scores

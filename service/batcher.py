@@ -10,6 +10,11 @@ returns (`launch`); a second thread waits for its scores (`result`) while the en
 next one behind it, so the accelerator does not sit idle while the host packs, collects and answers.
 At most `IN_FLIGHT` micro-batches are launched and not yet collected.
 
+A full budget starts at once on an idle accelerator: the request whose sequences fill it hands the
+micro-batch to the engine thread itself. The worker would start it only when next run, and the
+event loop wakes it behind every request ready before it, so a burst of requests (each parsed and
+normalised on the loop, one after another) would all be parsed first while the accelerator waits.
+
 New weights are applied between micro-batches, at a barrier: once a swap is waiting, only requests
 that have started (some of their sequences scored) get more micro-batches; when none is left open,
 the engine applies the weights, and the requests still queued start on them. So every request runs
@@ -24,9 +29,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from service.engine.base import Launched, OutOfMemory, ScoringEngine, StagedWeights, WeightsState
 from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
@@ -81,6 +87,15 @@ class _Flight:
 
 
 @dataclass(slots=True, eq=False)
+class _Handed:
+    """A micro-batch a request handed to the engine thread; the worker takes it over as its own."""
+
+    batch: list[_Pending]
+    handle: asyncio.Future[Launched]
+    launched: float
+
+
+@dataclass(slots=True, eq=False)
 class _Swap:
     staged: StagedWeights
     future: asyncio.Future[Applied]
@@ -113,6 +128,8 @@ class Batcher:
         self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprobd-results")
         self._flights: deque[_Flight] = deque()  # launched, in launch order
         self._worker: asyncio.Task[None] | None = None
+        self._waiting = False  # the worker waits for work or collates, launching nothing
+        self._handed: _Handed | None = None
 
     def start(self) -> None:
         self._worker = asyncio.create_task(self._run(), name="logprobd-batcher")
@@ -125,13 +142,22 @@ class Batcher:
         for task in collecting:
             task.cancel()
         await asyncio.gather(*collecting, return_exceptions=True)
+        if self._handed is not None:  # the worker stopped before taking it over
+            await asyncio.gather(self._handed.handle, return_exceptions=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._collector.shutdown(wait=True, cancel_futures=True)
 
     async def score(self, jobs: Sequence[SequenceJob], pins: Mapping[str, str] | None = None) -> Scored:
-        """Scores of `jobs`, in order, all from one set of weights. Raises Overloaded (nothing queued)
+        """Scores of `jobs`, in order, all from one set of weights: `submit`, then its answer."""
+        return await self.submit(jobs, pins)
+
+    def submit(
+        self, jobs: Sequence[SequenceJob], pins: Mapping[str, str] | None = None
+    ) -> Coroutine[Any, Any, Scored]:
+        """Queue `jobs` now, in the caller's turn of the event loop (a full budget starts at once),
+        and return the coroutine that waits for their scores. Raises Overloaded (nothing queued)
         past `max_queued_tokens`, VersionMismatch when `pins` (model -> version) are not what runs;
-        cancelling the call drops its sequences that have not reached the engine."""
+        cancelling the coroutine drops its sequences that have not reached the engine."""
         request = _Request(pins or {})
         _check_pins(request.pins, self._versions)
         tokens = sum(job.num_tokens for job in jobs)
@@ -146,7 +172,12 @@ class Batcher:
         request.futures = [loop.create_future() for _ in jobs]
         self._queue.extend(_Pending(job, f, request) for job, f in zip(jobs, request.futures, strict=True))
         self._queued(tokens)
+        self._hand_over_a_full_budget()
         self._wake.set()
+        return self._answer(request)
+
+    @staticmethod
+    async def _answer(request: _Request) -> Scored:
         try:
             scores = list(await asyncio.gather(*request.futures))
         finally:
@@ -165,24 +196,51 @@ class Batcher:
 
     async def _run(self) -> None:
         while True:
-            while not self._queue and not self._swaps:
+            self._waiting = True
+            while not self._queue and not self._swaps and self._handed is None:
                 self._wake.clear()
                 await self._wake.wait()
-            if self._swaps and not self._open():
+            if self._handed is None and not self._swaps:
+                await self._collate()
+            self._waiting = False
+            if self._handed is not None:
+                handed, self._handed = self._handed, None
+                await self._launch(handed.batch, handed)
+            elif self._swaps and not self._open():
                 await self._drain()  # every started request completes on the weights it began on
                 await self._apply(self._swaps.popleft())
                 continue
-            if not self._swaps:
-                await self._collate()
-            batch = self._take(only_started=bool(self._swaps))
-            if not batch:
-                continue
-            started = time.perf_counter()
-            for p in batch:
-                self._metrics.queue_seconds.observe(started - p.enqueued)
-            await self._launch(batch)
+            else:
+                batch = self._take(only_started=bool(self._swaps))
+                if not batch:
+                    continue
+                self._observe_queue(batch, time.perf_counter())
+                await self._launch(batch)
             while len(self._flights) >= IN_FLIGHT:
                 await self._oldest_collected()
+
+    def _hand_over_a_full_budget(self) -> None:
+        """Start a micro-batch from here, the request's own call, when the worker would start it
+        as soon as it ran (the accelerator idle, a full budget queued, no swap waiting): see the
+        module docstring. The worker takes the launch over (`_Handed`)."""
+        if (
+            not self._waiting
+            or self._handed is not None
+            or self._flights
+            or self._swaps
+            or self._queued_tokens < self._budget
+        ):
+            return
+        batch = self._take(only_started=False)
+        if batch:
+            jobs = [p.job for p in batch]
+            handle = asyncio.get_running_loop().run_in_executor(self._executor, self._engine.launch, jobs)
+            self._handed = _Handed(batch, handle, time.perf_counter())
+            self._observe_queue(batch, self._handed.launched)
+
+    def _observe_queue(self, batch: list[_Pending], started: float) -> None:
+        for p in batch:
+            self._metrics.queue_seconds.observe(started - p.enqueued)
 
     async def _oldest_collected(self) -> None:
         task = self._flights[0].collected
@@ -193,15 +251,19 @@ class Batcher:
         while self._flights:
             await self._oldest_collected()
 
-    async def _launch(self, batch: list[_Pending]) -> None:
-        """Queue one micro-batch on the engine; on out-of-memory, split it and launch the halves."""
+    async def _launch(self, batch: list[_Pending], handed: _Handed | None = None) -> None:
+        """Queue one micro-batch on the engine (or finish `handed`, already on its way there); on
+        out-of-memory, split it and launch the halves."""
         jobs = [p.job for p in batch]
         tokens = sum(job.num_tokens for job in jobs)
-        launched = time.perf_counter()
+        launched = time.perf_counter() if handed is None else handed.launched
         try:
-            handle = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._engine.launch, jobs
-            )
+            if handed is None:
+                handle = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._engine.launch, jobs
+                )
+            else:
+                handle = await handed.handle
         except OutOfMemory as exc:
             if len(batch) > 1:
                 log.warning("%s; retrying as two halves", exc)
@@ -267,7 +329,7 @@ class Batcher:
         was waiting when the last one finished goes at once."""
         oldest = self._queue[0].enqueued
         deadline = oldest + self._wait_s
-        while self._queued_tokens < self._budget:
+        while self._queued_tokens < self._budget and self._handed is None:
             if not self._flights and oldest < self._last_batch_done:
                 return
             remaining = deadline - time.perf_counter()

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from service.batcher import IN_FLIGHT, Applied, Batcher, Scored
-from service.engine.base import ReloadOrder, WeightsState
+from service.engine.base import Launched, ReloadOrder, WeightsState
 from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
 from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
@@ -243,6 +244,49 @@ def test_collation_stops_waiting_once_the_budget_is_full(loop: asyncio.AbstractE
     elapsed = run_with_wait(loop, engine, 64, 5.0, body)
     assert elapsed < 1.0  # not the 5 s window: 70 queued tokens already exceed the budget of 64
     assert engine.batches == [[30], [40]]
+
+
+def test_a_full_budget_starts_while_later_requests_of_a_burst_are_still_parsed(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Three requests ready at once, as a burst is on the event loop; the third spends 0.1 s being
+    parsed. The first two fill the budget: they reach the engine during that parse, not after it."""
+    engine = FakeEngine(delay=0.2)
+    third_parsed = threading.Event()
+    launched_after_the_parse: list[bool] = []
+    launch = engine.launch
+
+    def recording(jobs: Sequence[SequenceJob]) -> Launched:
+        launched_after_the_parse.append(third_parsed.is_set())
+        return launch(jobs)
+
+    engine.launch = recording  # type: ignore[method-assign,assignment]
+
+    async def body(batcher: Batcher) -> list[list[SequenceScores]]:
+        async def request(length: int, first: int, parse_s: float = 0.0) -> list[SequenceScores]:
+            if parse_s:
+                time.sleep(parse_s)  # parsing holds the event loop
+                third_parsed.set()
+            return await scores(batcher, [job(length, first=first)])
+
+        return list(await asyncio.gather(request(30, 1), request(40, 100), request(10, 200, parse_s=0.1)))
+
+    results = run_with_wait(loop, engine, 70, 5.0, body)
+    assert engine.batches == [[30, 40], [10]]
+    assert launched_after_the_parse == [False, True]
+    for (got,), (length, first) in zip(results, [(30, 1), (40, 100), (10, 200)], strict=True):
+        np.testing.assert_array_equal(got.logprobs, expected_scores(job(length, first=first)).logprobs)
+
+
+def test_a_handed_over_micro_batch_that_runs_out_of_memory_is_split(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine(oom_over_tokens=50)
+
+    async def body(batcher: Batcher) -> list[list[SequenceScores]]:
+        return list(await asyncio.gather(scores(batcher, [job(30, first=1)]), scores(batcher, [job(40)])))
+
+    results = run_with_wait(loop, engine, 70, 5.0, body)
+    assert engine.batches == [[30, 40], [30], [40]]
+    np.testing.assert_array_equal(results[1][0].logprobs, expected_scores(job(40)).logprobs)
 
 
 def test_out_of_memory_splits_the_micro_batch_until_it_fits(loop: asyncio.AbstractEventLoop) -> None:
