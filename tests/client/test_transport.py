@@ -48,6 +48,16 @@ async def echo(exchange: Exchange) -> bytes:
     return answer(f"{exchange.connection}:{exchange.method}:{exchange.target}:".encode() + exchange.body)
 
 
+def echo_after(seconds: float) -> Reply:
+    """`echo`, each answer `seconds` late."""
+
+    async def slow(exchange: Exchange) -> bytes:
+        await asyncio.sleep(seconds)
+        return await echo(exchange)
+
+    return slow
+
+
 @asynccontextmanager
 async def scripted(reply: Reply = echo) -> AsyncIterator[Server]:
     """A loopback HTTP/1.1 server that answers each request with `reply`, keeping connections."""
@@ -110,13 +120,9 @@ def test_requests_share_one_kept_alive_connection() -> None:
 
 
 def test_concurrent_requests_open_connections_up_to_the_limit() -> None:
-    async def slow(exchange: Exchange) -> bytes:
-        await asyncio.sleep(0.02)
-        return await echo(exchange)
-
     async def test() -> None:
         async with (
-            scripted(slow) as server,
+            scripted(echo_after(0.02)) as server,
             httpx.AsyncClient(transport=StreamTransport(max_connections=3)) as client,
         ):
             replies = await asyncio.gather(*(client.post(server.url, content=b"%d" % i) for i in range(8)))
@@ -127,14 +133,10 @@ def test_concurrent_requests_open_connections_up_to_the_limit() -> None:
 
 
 def test_waiting_for_a_connection_slot_past_the_pool_timeout_is_httpx_pool_timeout() -> None:
-    async def slow(exchange: Exchange) -> bytes:
-        await asyncio.sleep(0.3)
-        return await echo(exchange)
-
     async def test() -> None:
         timeout = httpx.Timeout(5.0, pool=0.05)
         async with (
-            scripted(slow) as server,
+            scripted(echo_after(0.3)) as server,
             httpx.AsyncClient(transport=StreamTransport(max_connections=1), timeout=timeout) as client,
         ):
             busy = asyncio.create_task(client.get(server.url))
