@@ -1,6 +1,6 @@
 """Where the HTTP overhead goes: a timeline of the server's side of the benchmark's HTTP rounds.
 
-    python -m benchmarks.overhead --model qwen2.5-0.5b [--switch-interval 0.0005]
+    python -m benchmarks.overhead --model qwen2.5-0.5b [--switch-interval 0.0005] [--launch-hold-ms 0 25]
 
 Runs the engine in-process and then over HTTP (the real app on loopback, clients in another
 process, as benchmarks.run does) and records, in the server's process, when each request is parsed,
@@ -13,7 +13,8 @@ collection the last answer was rendered, the span, and when each micro-batch's s
 collected (from the first request's arrival); on CUDA, from events recorded on the engine's stream
 around each launch, the device's time on each micro-batch (longer than in-process when the host
 launches its kernels slower than the device runs them) and its idle time before each one.
-`--switch-interval` sets sys.setswitchinterval in the server's process.
+`--switch-interval` sets sys.setswitchinterval in the server's process; `--launch-hold-ms` runs the
+HTTP variants once per value of the setting, on the same engine.
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--switch-interval", type=float, default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
+    parser.add_argument("--launch-hold-ms", type=float, nargs="+", default=[Settings().launch_hold_ms])
     args = parser.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -206,13 +208,21 @@ def main(argv: list[str] | None = None) -> int:
     api.normalise = recorded(events, "normalise", api.normalise)  # type: ignore[attr-defined]
     api.to_json = recorded(events, "render", api.to_json)  # type: ignore[attr-defined]
     api.to_frame = recorded(events, "render", api.to_frame)  # type: ignore[attr-defined]
-    with HttpServer(engine, settings) as url:
-        for frames, mode in ((True, "asyncio"), (True, "httpcore"), (False, "asyncio"), (True, "processes")):
-            bodies = http_bodies(samples, frames=frames)
-            events.clear()
-            seconds = http_seconds(url, bodies, args.reps, mode=mode, frames=frames)
-            summary(f"http {'frames' if frames else 'JSON'}, client {mode}", events, len(bodies), marks)
-            print(f"{'':28s} client round {seconds * 1e3:.1f} ms", flush=True)
+    for hold in args.launch_hold_ms:
+        print(f"== launch_hold_ms {hold:g}", flush=True)
+        held = settings.model_copy(update={"launch_hold_ms": hold})
+        with HttpServer(engine, held) as url:
+            for frames, mode in (
+                (True, "asyncio"),
+                (True, "httpcore"),
+                (False, "asyncio"),
+                (True, "processes"),
+            ):
+                bodies = http_bodies(samples, frames=frames)
+                events.clear()
+                seconds = http_seconds(url, bodies, args.reps, mode=mode, frames=frames)
+                summary(f"http {'frames' if frames else 'JSON'}, client {mode}", events, len(bodies), marks)
+                print(f"{'':28s} client round {seconds * 1e3:.1f} ms", flush=True)
     return 0
 
 

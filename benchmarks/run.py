@@ -201,6 +201,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         decoder=args.decoder,
         kernels=args.kernels,
         cuda_graphs=args.cuda_graphs,
+        launch_hold_ms=args.launch_hold_ms,
     )
     backend = choose_backend(args.attention, device)
     packed_impl = register(backend)
@@ -239,7 +240,13 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
 
     the_jobs = jobs(samples)
     loop = asyncio.new_event_loop()
-    batcher = Batcher(engine, args.max_batch_tokens, Metrics(), wait_s=settings.batch_wait_ms / 1e3)
+    batcher = Batcher(
+        engine,
+        args.max_batch_tokens,
+        Metrics(),
+        wait_s=settings.batch_wait_ms / 1e3,
+        hold_s=settings.launch_hold_ms / 1e3,
+    )
     loop.run_until_complete(asyncio.sleep(0))
     loop.call_soon(batcher.start)
     engine_scores: list[SequenceScores] = loop.run_until_complete(
@@ -368,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--launch-hold-ms", type=float, default=Settings().launch_hold_ms)
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "latest.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)

@@ -87,6 +87,7 @@ async def _start(
         settings.max_batch_tokens,
         state.metrics,
         wait_s=settings.batch_wait_ms / 1e3,
+        hold_s=settings.launch_hold_ms / 1e3,
         max_queued_tokens=settings.max_queued_tokens,
     )
     batcher.start()

@@ -15,6 +15,12 @@ micro-batch to the engine thread itself. The worker would start it only when nex
 event loop wakes it behind every request ready before it, so a burst of requests (each parsed and
 normalised on the loop, one after another) would all be parsed first while the accelerator waits.
 
+A launch on an idle accelerator holds the event loop until it is queued (at most `LAUNCH_HOLD_S`):
+the loop waits with the GIL released, so the engine thread packs and launches alone. Otherwise the
+rest of a burst, parsed on the loop meanwhile, takes the GIL in turns with the launch and the
+accelerator idles for the difference; nothing the loop would do then is more urgent, since every
+request it could parse queues behind this micro-batch anyway.
+
 New weights are applied between micro-batches, at a barrier: once a swap is waiting, only requests
 that have started (some of their sequences scored) get more micro-batches; when none is left open,
 the engine applies the weights, and the requests still queued start on them. So every request runs
@@ -25,6 +31,7 @@ any of its sequences runs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import time
@@ -42,6 +49,7 @@ from service.metrics import Metrics
 log = logging.getLogger(__name__)
 
 IN_FLIGHT = 2  # one micro-batch on the accelerator, the next queued behind it
+LAUNCH_HOLD_S = 0.025  # the longest the event loop waits for a launch on an idle accelerator
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +119,14 @@ class Batcher:
         *,
         wait_s: float = 0.0,
         max_queued_tokens: int | None = None,
+        hold_s: float = LAUNCH_HOLD_S,
     ) -> None:
         self._engine = engine
         self._budget = max_batch_tokens
         self._max_queued = max_queued_tokens
         self._tokens_per_s = 0.0  # moving average of the engine's speed, for Retry-After
         self._wait_s = wait_s  # collation window when the engine is idle and the queue under budget
+        self._hold_s = hold_s
         self._metrics = metrics
         self._queue: deque[_Pending] = deque()
         self._swaps: deque[_Swap] = deque()
@@ -233,10 +243,17 @@ class Batcher:
             return
         batch = self._take(only_started=False)
         if batch:
-            jobs = [p.job for p in batch]
-            handle = asyncio.get_running_loop().run_in_executor(self._executor, self._engine.launch, jobs)
-            self._handed = _Handed(batch, handle, time.perf_counter())
-            self._observe_queue(batch, self._handed.launched)
+            launched = time.perf_counter()
+            self._handed = _Handed(batch, self._send([p.job for p in batch]), launched)
+            self._observe_queue(batch, launched)
+
+    def _send(self, jobs: list[SequenceJob]) -> asyncio.Future[Launched]:
+        """`engine.launch(jobs)` on the engine thread; on an idle accelerator, the event loop waits
+        for it (GIL released), at most `hold_s`: see the module docstring."""
+        future = self._executor.submit(self._engine.launch, jobs)
+        if not self._flights:
+            concurrent.futures.wait([future], timeout=self._hold_s)
+        return asyncio.wrap_future(future)
 
     def _observe_queue(self, batch: list[_Pending], started: float) -> None:
         for p in batch:
@@ -258,12 +275,7 @@ class Batcher:
         tokens = sum(job.num_tokens for job in jobs)
         launched = time.perf_counter() if handed is None else handed.launched
         try:
-            if handed is None:
-                handle = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self._engine.launch, jobs
-                )
-            else:
-                handle = await handed.handle
+            handle = await (self._send(jobs) if handed is None else handed.handle)
         except OutOfMemory as exc:
             if len(batch) > 1:
                 log.warning("%s; retrying as two halves", exc)

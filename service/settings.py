@@ -92,6 +92,12 @@ class Settings(BaseSettings):
         description="Wait up to this long after a request arrives for others to fill its micro-batch, while "
         "the GPU is idle or busy with the micro-batch before it.",
     )
+    launch_hold_ms: float = Field(
+        25.0,
+        ge=0,
+        description="On an idle GPU, the event loop waits up to this long for a micro-batch's launch to "
+        "be queued, the GIL released, so requests parsed meanwhile do not slow the launch (0: never).",
+    )
     mlp_chunk_tokens: int | None = Field(
         None,
         ge=0,

@@ -12,7 +12,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
-from service.batcher import IN_FLIGHT, Applied, Batcher, Scored
+from service.batcher import IN_FLIGHT, LAUNCH_HOLD_S, Applied, Batcher, Scored
 from service.engine.base import Launched, ReloadOrder, WeightsState
 from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
 from service.jobs import SequenceJob, SequenceScores
@@ -51,9 +51,11 @@ def run_with_wait(
     budget: int,
     wait_s: float,
     body: Callable[[Batcher], Awaitable[T]],
+    *,
+    hold_s: float = LAUNCH_HOLD_S,
 ) -> T:
     async def main() -> T:
-        batcher = Batcher(engine, budget, Metrics(), wait_s=wait_s)
+        batcher = Batcher(engine, budget, Metrics(), wait_s=wait_s, hold_s=hold_s)
         batcher.start()
         try:
             return await body(batcher)
@@ -276,6 +278,51 @@ def test_a_full_budget_starts_while_later_requests_of_a_burst_are_still_parsed(
     assert launched_after_the_parse == [False, True]
     for (got,), (length, first) in zip(results, [(30, 1), (40, 100), (10, 200)], strict=True):
         np.testing.assert_array_equal(got.logprobs, expected_scores(job(length, first=first)).logprobs)
+
+
+@pytest.mark.parametrize(
+    ("hold_s", "loop_ran"),
+    [(LAUNCH_HOLD_S, [False, True]), (0.005, [True, True]), (0.0, [True, True])],
+    ids=["held", "hold-bounded", "no-hold"],
+)
+def test_a_launch_on_an_idle_accelerator_holds_the_event_loop_until_it_is_queued(
+    loop: asyncio.AbstractEventLoop, hold_s: float, loop_ran: list[bool]
+) -> None:
+    """Each launch takes 20 ms of the engine thread. The first, on an idle accelerator, holds the
+    loop (a ticker on it does not tick meanwhile); the second, queued behind the first while that
+    one is in flight, runs beside the loop. A hold shorter than the launch lets the loop go on."""
+    engine = FakeEngine(delay=0.1)
+    ticks = 0
+    ticked: list[bool] = []
+    launch = engine.launch
+
+    def slow(jobs: Sequence[SequenceJob]) -> Launched:
+        before = ticks
+        time.sleep(0.02)
+        ticked.append(ticks != before)
+        return launch(jobs)
+
+    engine.launch = slow  # type: ignore[method-assign,assignment]
+
+    async def body(batcher: Batcher) -> list[SequenceScores]:
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        try:
+            return await scores(batcher, [job(30, first=1), job(30, first=100)])  # two micro-batches
+        finally:
+            task.cancel()
+
+    results = run_with_wait(loop, engine, 32, 0.0, body, hold_s=hold_s)
+    assert engine.batches == [[30], [30]]
+    assert ticked == loop_ran
+    for got, first in zip(results, [1, 100], strict=True):
+        np.testing.assert_array_equal(got.logprobs, expected_scores(job(30, first=first)).logprobs)
 
 
 def test_a_handed_over_micro_batch_that_runs_out_of_memory_is_split(loop: asyncio.AbstractEventLoop) -> None:
