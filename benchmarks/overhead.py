@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     the_jobs = jobs(samples)
 
     loop = asyncio.new_event_loop()
-    batcher = Batcher(engine, settings.max_batch_tokens, Metrics(), wait_s=settings.batch_wait_ms / 1e3)
+    batcher = Batcher.from_settings(engine, settings, Metrics())
     loop.call_soon(batcher.start)
     for _ in range(args.reps + 1):
         start = time.perf_counter()

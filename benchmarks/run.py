@@ -240,13 +240,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
 
     the_jobs = jobs(samples)
     loop = asyncio.new_event_loop()
-    batcher = Batcher(
-        engine,
-        args.max_batch_tokens,
-        Metrics(),
-        wait_s=settings.batch_wait_ms / 1e3,
-        hold_s=settings.launch_hold_ms / 1e3,
-    )
+    batcher = Batcher.from_settings(engine, settings, Metrics())
     loop.run_until_complete(asyncio.sleep(0))
     loop.call_soon(batcher.start)
     engine_scores: list[SequenceScores] = loop.run_until_complete(

@@ -82,14 +82,7 @@ async def _start(
             on_fatal()
         return
     info = engine.info
-    batcher = Batcher(
-        engine,
-        settings.max_batch_tokens,
-        state.metrics,
-        wait_s=settings.batch_wait_ms / 1e3,
-        hold_s=settings.launch_hold_ms / 1e3,
-        max_queued_tokens=settings.max_queued_tokens,
-    )
+    batcher = Batcher.from_settings(engine, settings, state.metrics)
     batcher.start()
     limits = ModelLimits(
         vocab_size=info.vocab_size,

@@ -45,6 +45,7 @@ from service.engine.base import Launched, OutOfMemory, ScoringEngine, StagedWeig
 from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
 from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
+from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,18 @@ class Batcher:
         self._worker: asyncio.Task[None] | None = None
         self._waiting = False  # the worker waits for work or collates, launching nothing
         self._handed: _Handed | None = None
+
+    @classmethod
+    def from_settings(cls, engine: ScoringEngine, settings: Settings, metrics: Metrics) -> Batcher:
+        """The server's batcher: budget, collation window, launch hold and queue cap from `settings`."""
+        return cls(
+            engine,
+            settings.max_batch_tokens,
+            metrics,
+            wait_s=settings.batch_wait_ms / 1e3,
+            hold_s=settings.launch_hold_ms / 1e3,
+            max_queued_tokens=settings.max_queued_tokens,
+        )
 
     def start(self) -> None:
         self._worker = asyncio.create_task(self._run(), name="logprobd-batcher")
