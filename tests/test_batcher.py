@@ -200,22 +200,35 @@ def test_cancelled_request_never_reaches_the_engine(loop: asyncio.AbstractEventL
     assert all(9 not in b for b in engine.batches)
 
 
+class Ticker:
+    """While entered, a task on the event loop that wakes every `period` s and counts its wake-ups."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self.count = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Ticker:
+        self._task = asyncio.create_task(self._tick())
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            self.count += 1
+
+
 def test_event_loop_keeps_running_during_the_forward(loop: asyncio.AbstractEventLoop) -> None:
     engine = FakeEngine(delay=0.3)
 
     async def body(batcher: Batcher) -> int:
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        task = asyncio.create_task(ticker())
-        await scores(batcher, [job(5)])
-        task.cancel()
-        return ticks
+        async with Ticker(0.01) as ticker:
+            await scores(batcher, [job(5)])
+            return ticker.count
 
     assert run(loop, engine, 64, body) >= 10
 
@@ -293,31 +306,22 @@ def test_a_launch_on_an_idle_accelerator_holds_the_event_loop_until_it_is_queued
     holds the loop (a ticker on it does not tick meanwhile); the second, queued behind the first while
     that one is in flight, runs beside the loop. A hold shorter than the launch lets the loop go on."""
     engine = FakeEngine(delay=0.1)
-    ticks = 0
+    ticker = Ticker(0.001)
     ticked: list[bool] = []
     launch = engine.launch
 
     def slow(jobs: Sequence[SequenceJob]) -> Launched:
-        before = ticks
+        before = ticker.count
         time.sleep(0.02)
-        ticked.append(ticks != before)
+        ticked.append(ticker.count != before)
         return launch(jobs)
 
     engine.launch = slow  # type: ignore[method-assign,assignment]
 
     async def body(batcher: Batcher) -> list[SequenceScores]:
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.001)
-                ticks += 1
-
-        task = asyncio.create_task(ticker())
-        await asyncio.sleep(0.01)
-        try:
+        async with ticker:
+            await asyncio.sleep(0.01)
             return await scores(batcher, [job(30, first=1), job(30, first=100)])  # two micro-batches
-        finally:
-            task.cancel()
 
     results = run_with_wait(loop, engine, 32, 0.0, body, hold_s=hold_s)
     assert engine.batches == [[30], [30]]
