@@ -64,20 +64,20 @@ TOKENS: dict[float, int] = {}  # a launch's host start -> the real tokens of its
 
 
 def recorded_launches(
-    events: list[Event], launch: Callable[[Any], Launched], marks: GpuMarks | None = None
-) -> Callable[[Any], Launched]:
+    events: list[Event], launch: Callable[..., Launched], marks: GpuMarks | None = None
+) -> Callable[..., Launched]:
     """Record each launch's host time; with `marks`, also CUDA events on the engine's stream before
     and after its work, so the device's own timeline shows when it ran each micro-batch."""
 
-    def wrapper(the_jobs: Any) -> Launched:
+    def wrapper(the_jobs: Any, chunk: Any = None) -> Launched:
         start = time.perf_counter()
-        TOKENS[start] = sum(job.num_tokens for job in the_jobs)
+        TOKENS[start] = sum(job.num_tokens for job in the_jobs) + (chunk.num_tokens if chunk else 0)
         before = after = None
         if marks is not None:
             before = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             before.record()
         try:
-            return RecordedLaunch(events, launch(the_jobs))
+            return RecordedLaunch(events, launch(the_jobs, chunk))
         finally:
             if marks is not None:
                 after = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]

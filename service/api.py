@@ -147,6 +147,8 @@ def build_router(state: ServiceState) -> APIRouter:
             kernels=i.kernels,
             vocab_size=i.vocab_size,
             max_positions=i.max_positions,
+            max_sequence_tokens=i.max_sequence_tokens or i.max_positions,
+            max_sequence_limit=i.max_sequence_limit,
             max_batch_tokens=state.settings.max_batch_tokens,
             versions=i.versions,
             models=[ModelSummary(**dataclasses.asdict(m)) for m in i.models],

@@ -86,7 +86,9 @@ async def _start(
     batcher.start()
     limits = ModelLimits(
         vocab_size=info.vocab_size,
-        max_sequence_tokens=min(info.max_positions, settings.max_batch_tokens),
+        max_sequence_tokens=info.max_sequence_tokens or info.max_positions,
+        max_positions=info.max_positions,
+        max_sequence_limit=info.max_sequence_limit,
         has_critic="critic" in info.roles,
         has_reference="reference" in info.roles,
         max_request_sequences=settings.max_request_sequences,

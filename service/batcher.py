@@ -5,6 +5,12 @@ engine on a single dedicated thread, so the event loop keeps serving while the f
 Requests larger than the budget are split across micro-batches; a request is answered when all its
 sequences are scored. Sequences whose request was cancelled are skipped before they reach the engine.
 
+A sequence longer than the budget is scored in chunks, one sequence at a time, in order: each
+micro-batch ends with its next chunk, which takes what the queued shorter sequences leave of the
+budget, and at least half of it while they wait. So short requests arriving behind a long sequence
+wait for one micro-batch, not for the whole sequence, and the accelerator stays full. A chunked
+sequence belongs to a started request: a weights swap waits for its last chunk.
+
 Micro-batches are pipelined: the engine thread queues a micro-batch's work on the accelerator and
 returns (`launch`); a second thread waits for its scores (`result`) while the engine thread queues the
 next one behind it, so the accelerator does not sit idle while the host packs, collects and answers.
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import math
 import time
@@ -43,13 +50,15 @@ from typing import Any
 
 from service.engine.base import Launched, OutOfMemory, ScoringEngine, StagedWeights, WeightsState
 from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
-from service.jobs import SequenceJob, SequenceScores
+from service.jobs import Chunk, SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 IN_FLIGHT = 2  # one micro-batch on the accelerator, the next queued behind it
+SHAPE_STEP = 128  # the least budget left worth a chunk (the engine pads micro-batches to multiples of it;
+# a chunk in less would take the row past a padded size the engine met at start)
 LAUNCH_HOLD_S = 0.025  # the longest the event loop waits for a launch on an idle accelerator
 
 
@@ -86,10 +95,45 @@ class _Pending:
 
 
 @dataclass(slots=True, eq=False)
+class _Chunked:
+    """A sequence longer than the budget, being scored chunk by chunk."""
+
+    pending: _Pending
+    sequence: int  # its id at the engine
+    next_start: int = 0
+    parts: list[SequenceScores] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """One micro-batch: whole sequences, then at most one chunk of a long one."""
+
+    pending: list[_Pending]
+    chunk: Chunk | None = None
+    chunked: _Chunked | None = None  # whose chunk it is
+
+    @property
+    def jobs(self) -> list[SequenceJob]:
+        return [p.job for p in self.pending]
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.job.num_tokens for p in self.pending) + (self.chunk.num_tokens if self.chunk else 0)
+
+    @property
+    def futures(self) -> list[asyncio.Future[SequenceScores]]:
+        whole = [p.future for p in self.pending]
+        return whole + ([self.chunked.pending.future] if self.chunked is not None else [])
+
+    def __len__(self) -> int:
+        return len(self.pending) + (self.chunk is not None)
+
+
+@dataclass(slots=True, eq=False)
 class _Flight:
     """A micro-batch launched on the engine whose scores are not collected yet."""
 
-    batch: list[_Pending]
+    batch: _Batch
     tokens: int
     launched: float
     collected: asyncio.Task[None] | None = None
@@ -99,7 +143,7 @@ class _Flight:
 class _Handed:
     """A micro-batch a request handed to the engine thread; the worker takes it over as its own."""
 
-    batch: list[_Pending]
+    batch: _Batch
     handle: asyncio.Future[Launched]
     launched: float
 
@@ -141,6 +185,8 @@ class Batcher:
         self._worker: asyncio.Task[None] | None = None
         self._waiting = False  # the worker waits for work or collates, launching nothing
         self._handed: _Handed | None = None
+        self._chunked: _Chunked | None = None  # the long sequence being scored
+        self._sequence_ids = itertools.count()
 
     @classmethod
     def from_settings(cls, engine: ScoringEngine, settings: Settings, metrics: Metrics) -> Batcher:
@@ -220,7 +266,7 @@ class Batcher:
     async def _run(self) -> None:
         while True:
             self._waiting = True
-            while not self._queue and not self._swaps and self._handed is None:
+            while not self._queue and not self._swaps and self._handed is None and self._chunked is None:
                 self._wake.clear()
                 await self._wake.wait()
             if self._handed is None and not self._swaps:
@@ -257,19 +303,22 @@ class Batcher:
         batch = self._take(only_started=False)
         if batch:
             launched = time.perf_counter()
-            self._handed = _Handed(batch, self._send([p.job for p in batch]), launched)
+            self._handed = _Handed(batch, self._send(batch), launched)
             self._observe_queue(batch, launched)
 
-    def _send(self, jobs: list[SequenceJob]) -> asyncio.Future[Launched]:
-        """`engine.launch(jobs)` on the engine thread; on an idle accelerator, the event loop waits
-        for it (GIL released), at most `hold_s`: see the module docstring."""
-        future = self._executor.submit(self._engine.launch, jobs)
+    def _send(self, batch: _Batch) -> asyncio.Future[Launched]:
+        """`engine.launch` of the batch on the engine thread; on an idle accelerator, the event loop
+        waits for it (GIL released), at most `hold_s`: see the module docstring."""
+        future = self._executor.submit(self._engine.launch, batch.jobs, batch.chunk)
         if not self._flights:
             concurrent.futures.wait([future], timeout=self._hold_s)
         return asyncio.wrap_future(future)
 
-    def _observe_queue(self, batch: list[_Pending], started: float) -> None:
-        for p in batch:
+    def _observe_queue(self, batch: _Batch, started: float) -> None:
+        started_now = list(batch.pending)
+        if batch.chunked is not None and batch.chunk is not None and batch.chunk.start == 0:
+            started_now.append(batch.chunked.pending)
+        for p in started_now:
             self._metrics.queue_seconds.observe(started - p.enqueued)
 
     async def _oldest_collected(self) -> None:
@@ -281,32 +330,42 @@ class Batcher:
         while self._flights:
             await self._oldest_collected()
 
-    async def _launch(self, batch: list[_Pending], handed: _Handed | None = None) -> None:
+    async def _launch(self, batch: _Batch, handed: _Handed | None = None) -> None:
         """Queue one micro-batch on the engine (or finish `handed`, already on its way there); on
-        out-of-memory, split it and launch the halves."""
-        jobs = [p.job for p in batch]
-        tokens = sum(job.num_tokens for job in jobs)
+        out-of-memory, split it and launch the parts."""
+        tokens = batch.tokens
         launched = time.perf_counter() if handed is None else handed.launched
         try:
-            handle = await (self._send(jobs) if handed is None else handed.handle)
+            handle = await (self._send(batch) if handed is None else handed.handle)
         except OutOfMemory as exc:
-            if len(batch) > 1:
-                log.warning("%s; retrying as two halves", exc)
-                half = len(batch) // 2
-                await self._launch(batch[:half])
-                await self._launch(batch[half:])
-                return
-            self._fail(
-                batch, SequenceTooLarge(f"a sequence of {tokens} tokens does not fit in accelerator memory")
-            )
+            await self._out_of_memory(batch, exc)
             return
         except Exception as exc:  # a failed forward fails its requests, never the server
-            log.exception("micro-batch of %d sequences failed", len(jobs))
+            log.exception("micro-batch of %d sequences failed", len(batch))
             self._fail(batch, EngineFailure(f"scoring failed: {type(exc).__name__}: {exc}"))
             return
         flight = _Flight(batch, tokens, launched)
         flight.collected = asyncio.create_task(self._collect(flight, handle), name="logprobd-collect")
         self._flights.append(flight)
+
+    async def _out_of_memory(self, batch: _Batch, exc: OutOfMemory) -> None:
+        """Launch a micro-batch that ran out of memory as parts: its whole sequences apart from its
+        chunk, then in halves; a part of one sequence that still does not fit fails."""
+        if batch.chunk is not None and batch.pending:
+            log.warning("%s; retrying the chunk and the whole sequences apart", exc)
+            await self._launch(_Batch(batch.pending))
+            await self._launch(_Batch([], batch.chunk, batch.chunked))
+            return
+        if len(batch.pending) > 1:
+            log.warning("%s; retrying as two halves", exc)
+            half = len(batch.pending) // 2
+            await self._launch(_Batch(batch.pending[:half]))
+            await self._launch(_Batch(batch.pending[half:]))
+            return
+        self._fail(
+            batch,
+            SequenceTooLarge(f"a sequence of {batch.tokens} tokens does not fit in accelerator memory"),
+        )
 
     async def _collect(self, flight: _Flight, handle: Launched) -> None:
         """Wait (on the results thread) for a launched micro-batch's scores and answer its sequences."""
@@ -331,15 +390,31 @@ class Batcher:
         self._metrics.forward_seconds.observe(seconds)
         self._metrics.batch_tokens.observe(flight.tokens)
         self._metrics.batch_sequences.observe(len(batch))
-        self._metrics.sequences.inc(len(batch))
-        for p, result in zip(batch, results, strict=True):
+        self._metrics.sequences.inc(len(batch.pending))
+        for p, result in zip(batch.pending, results, strict=False):
             if not p.future.done():
                 p.future.set_result(result)
+        if batch.chunked is not None and batch.chunk is not None:
+            chunked = batch.chunked
+            chunked.parts.append(results[-1])
+            if batch.chunk.last and not chunked.pending.future.done():
+                self._metrics.sequences.inc()
+                chunked.pending.future.set_result(SequenceScores.join(chunked.parts))
         self._wake.set()  # a collation waiting on a busy accelerator stops waiting once it is idle
 
-    @classmethod
-    def _fail(cls, batch: list[_Pending], error: Exception) -> None:
-        cls._fail_futures([p.future for p in batch], error)
+    def _fail(self, batch: _Batch, error: Exception) -> None:
+        self._fail_futures(batch.futures, error)
+        if batch.chunked is not None and batch.chunked is self._chunked:
+            self._end_chunked()
+
+    def _end_chunked(self) -> None:
+        """Stop scoring the chunked sequence (done, failed or cancelled); the engine drops its stores."""
+        chunked = self._chunked
+        assert chunked is not None
+        self._chunked = None
+        self._queued(-(chunked.pending.job.num_tokens - chunked.next_start))
+        if chunked.next_start < chunked.pending.job.num_tokens:  # its last chunk did not drop them
+            self._executor.submit(self._engine.release, chunked.sequence)
 
     @staticmethod
     def _fail_futures(futures: list[asyncio.Future[SequenceScores]], error: Exception) -> None:
@@ -352,6 +427,8 @@ class Batcher:
         queued sequence arrived, until the queue holds a full budget. While a micro-batch is in
         flight the wait costs nothing (the next one would queue behind it); once none is, work that
         was waiting when the last one finished goes at once."""
+        if self._chunked is not None or not self._queue:  # a long sequence keeps the accelerator busy
+            return
         oldest = self._queue[0].enqueued
         deadline = oldest + self._wait_s
         while self._queued_tokens < self._budget and self._handed is None:
@@ -371,7 +448,10 @@ class Batcher:
         self._metrics.queue_tokens.set(self._queued_tokens)
 
     def _open(self) -> bool:
-        """Whether a started request still has queued sequences (the barrier is not reached)."""
+        """Whether a started request still has queued sequences, or a sequence in chunks (the barrier
+        is not reached)."""
+        if self._chunked is not None and not self._chunked.pending.future.done():
+            return True
         return any(p.request.versions is not None and not p.future.done() for p in self._queue)
 
     async def _apply(self, swap: _Swap) -> None:
@@ -391,13 +471,17 @@ class Batcher:
         if not swap.future.done():
             swap.future.set_result(Applied(state, started - swap.enqueued, done - started))
 
-    def _take(self, only_started: bool) -> list[_Pending]:
-        """Pop queued sequences in order while they fit the token budget (at least one). A request
-        starts, on the current weights, when its first sequence is taken; with `only_started`
-        (a swap is waiting) only sequences of started requests are taken."""
+    def _take(self, only_started: bool) -> _Batch:
+        """Pop queued sequences in order while they fit the token budget (at least one), then the
+        next chunk of the long sequence being scored (see the module docstring). A request starts,
+        on the current weights, when its first sequence is taken; with `only_started` (a swap is
+        waiting) only sequences of started requests are taken."""
+        if self._chunked is not None and self._chunked.pending.future.done():  # its request is gone
+            self._end_chunked()
         batch: list[_Pending] = []
-        skipped: list[_Pending] = []  # unstarted requests' sequences passed over while a swap waits
+        skipped: list[_Pending] = []  # passed over: unstarted while a swap waits, or long behind another
         tokens = 0
+        room = self._budget if self._chunked is None else self._budget - self._budget // 2
         while self._queue:
             p = self._queue.popleft()
             if not p.future.done() and p.request.versions is None and not only_started:
@@ -408,14 +492,36 @@ class Batcher:
             if only_started and p.request.versions is None:
                 skipped.append(p)
                 continue
-            if batch and tokens + p.job.num_tokens > self._budget:
+            if p.job.num_tokens > self._budget:
+                if self._chunked is None:
+                    self._chunked = _Chunked(p, next(self._sequence_ids))
+                    room = min(room, self._budget - self._budget // 2)
+                else:
+                    skipped.append(p)
+                continue
+            if batch and tokens + p.job.num_tokens > room:
                 self._queue.appendleft(p)
                 break
             self._queued(-p.job.num_tokens)
             batch.append(p)
             tokens += p.job.num_tokens
         self._queue.extendleft(reversed(skipped))
-        return batch
+        return self._with_chunk(batch, tokens)
+
+    def _with_chunk(self, batch: list[_Pending], tokens: int) -> _Batch:
+        """`batch`, ended by the next chunk of the chunked sequence, in the budget left."""
+        chunked = self._chunked
+        least = min(SHAPE_STEP, max(1, self._budget // 8))
+        if chunked is None or (batch and self._budget - tokens < least):  # no room: the next one
+            return _Batch(batch)
+        job = chunked.pending.job
+        start = chunked.next_start
+        end = min(job.num_tokens, start + self._budget - tokens)
+        chunked.next_start = end
+        self._queued(-(end - start))
+        if end == job.num_tokens:
+            self._chunked = None  # the last chunk: the engine drops the stores after it
+        return _Batch(batch, Chunk(job, chunked.sequence, start, end), chunked)
 
     def _start(self, request: _Request) -> None:
         try:

@@ -45,7 +45,8 @@ class PayloadTooLarge(ServiceError):
 
 
 class SequenceTooLarge(ServiceError):
-    """One sequence does not fit in accelerator memory even alone."""
+    """One sequence is longer than the server can hold the keys and values of, or does not fit in
+    accelerator memory even alone."""
 
     kind = "sequence_too_large"
 

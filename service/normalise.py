@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.errors import InvalidRequest, PayloadTooLarge
+from service.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
 from service.jobs import FloatArray, IntArray, SequenceJob
 from service.schemas import LogprobsRequest
 
@@ -19,7 +19,9 @@ from service.schemas import LogprobsRequest
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
     vocab_size: int
-    max_sequence_tokens: int
+    max_sequence_tokens: int  # 413 past it, naming it and what sets it
+    max_positions: int | None = None  # 422 past it (None: max_sequence_tokens)
+    max_sequence_limit: str = "positions"
     has_critic: bool = False
     has_reference: bool = False
     max_request_sequences: int | None = None
@@ -331,10 +333,17 @@ def _int64(values: Sequence[int], field: str, i: int) -> IntArray:
 
 
 def _check_tokens(tokens: IntArray, i: int, limits: ModelLimits) -> None:
-    if tokens.shape[0] > limits.max_sequence_tokens:
+    positions = limits.max_positions or limits.max_sequence_tokens
+    if tokens.shape[0] > positions:
         raise InvalidRequest(
-            f"input_ids row {i} has {tokens.shape[0]} tokens; the longest sequence this server scores "
-            f"is {limits.max_sequence_tokens} (model positions / max batch tokens)",
+            f"input_ids row {i} has {tokens.shape[0]} tokens; the model's positions cover {positions}",
+            field="input_ids",
+            row=i,
+        )
+    if tokens.shape[0] > limits.max_sequence_tokens:
+        raise SequenceTooLarge(
+            f"input_ids row {i} has {tokens.shape[0]} tokens; the longest sequence this server scores is "
+            f"{limits.max_sequence_tokens} (set by {limits.max_sequence_limit})",
             field="input_ids",
             row=i,
         )

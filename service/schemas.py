@@ -259,7 +259,15 @@ class Info(BaseModel):
         'transformers decoder) or "none" (plain torch).'
     )
     vocab_size: int
-    max_positions: int
+    max_positions: int = Field(description="Positions the model covers, with its rope scaling (422 past it).")
+    max_sequence_tokens: int = Field(
+        description="The longest sequence this server scores (413 past it); longer than max_batch_tokens, "
+        "it is scored in chunks."
+    )
+    max_sequence_limit: Literal["positions", "memory", "setting"] = Field(
+        description="What sets max_sequence_tokens: the model's positions, the accelerator's memory for "
+        "the sequence's keys and values, or the max_sequence_tokens setting."
+    )
     max_batch_tokens: int
     versions: dict[str, str]
     models: list[ModelSummary] = Field(description="Every model loaded, with its memory.")

@@ -84,7 +84,18 @@ class Settings(BaseSettings):
         "flash-attn 4 one graph serves every micro-batch of the same padded size: max_batch_tokens / 128.",
     )
     max_batch_tokens: int = Field(
-        16384, ge=16, description="Token budget of one packed micro-batch; also the longest sequence."
+        16384,
+        ge=16,
+        description="Token budget of one packed micro-batch (its activation memory). A longer sequence is "
+        "scored in chunks of at most this many tokens, each attending to the keys and values kept of the "
+        "chunks before it.",
+    )
+    max_sequence_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="Longest sequence accepted (413 past it). Unset: the model's max_position_embeddings "
+        "(with its rope scaling) or, on a GPU, what memory holds of the sequence's keys and values beside "
+        "the weights and a micro-batch, if less (measured at start); set above that, the start fails.",
     )
     batch_wait_ms: float = Field(
         5.0,

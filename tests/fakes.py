@@ -18,7 +18,7 @@ from service.engine.base import (
     WeightsRejected,
     WeightsState,
 )
-from service.jobs import SequenceJob, SequenceScores
+from service.jobs import Chunk, SequenceJob, SequenceScores
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +68,9 @@ class FakeEngine:
         self.applied_between: list[int] = []  # micro-batches seen before each apply
         self._weights = {"policy": WeightsState("policy", "initial", "fake", "initial", time.time())}
         self.batches: list[list[int]] = []  # token count of each sequence, per micro-batch
+        self.chunks: list[Chunk] = []  # every chunk launched
+        self.chunked: dict[int, int] = {}  # chunked sequence -> where its next chunk starts
+        self.released: list[int] = []
         self.threads: set[str] = set()
         self.info = EngineInfo(
             model="fake",
@@ -86,20 +89,34 @@ class FakeEngine:
     def warm_up(self) -> None:
         pass
 
-    def launch(self, jobs: Sequence[SequenceJob]) -> FakeLaunched:
+    def launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None) -> FakeLaunched:
         """Fails or runs out of memory at once, as a real launch does; the `delay` is the device's
         time, spent in `result`. A token `fail_late_on_token` fails there, as an error the device
-        reports late does."""
+        reports late does. A chunk counts as a sequence of its tokens, last in `batches`; its
+        sequence's chunks must come in order."""
         self.threads.add(threading.current_thread().name)
-        self.batches.append([job.num_tokens for job in jobs])
+        self.batches.append([job.num_tokens for job in jobs] + ([chunk.num_tokens] if chunk else []))
+        if chunk is not None:
+            assert self.chunked.get(chunk.sequence, 0) == chunk.start, "chunks out of order"
+            self.chunked[chunk.sequence] = chunk.end
+            self.chunks.append(chunk)
         self.events.append(("launch", len(self.batches)))
-        if self.fail_on_token is not None and any(self.fail_on_token in job.tokens for job in jobs):
+        pieces = [job.tokens for job in jobs] + ([chunk.job.tokens[chunk.start : chunk.end]] if chunk else [])
+        if self.fail_on_token is not None and any(self.fail_on_token in tokens for tokens in pieces):
             raise RuntimeError("injected failure")
         if self.oom_over_tokens is not None and sum(job.num_tokens for job in jobs) > self.oom_over_tokens:
             raise OutOfMemory("injected out-of-memory")
         late = self.fail_late_on_token is not None and any(self.fail_late_on_token in j.tokens for j in jobs)
         scores = [expected_scores(job, self.shift) for job in jobs]
+        if chunk is not None:
+            scores.append(expected_scores(dataclasses.replace(chunk.job, actions=chunk.actions), self.shift))
+            if chunk.last:
+                self.chunked.pop(chunk.sequence)
         return FakeLaunched(len(self.batches), scores, self.delay, late, self)
+
+    def release(self, sequence: int) -> None:
+        self.released.append(sequence)
+        self.chunked.pop(sequence, None)
 
     def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
         return self.launch(jobs).result()

@@ -198,12 +198,12 @@ BAD: dict[str, tuple[Body, str, int | None]] = {
     "temperature_infinity": (Raw(NAN_BODY % "Infinity"), "temperature", None),
     "temperature_minus_infinity": (Raw(NAN_BODY % "-Infinity"), "temperature", None),
     "temperature_overflows_to_infinity": (Raw(NAN_BODY % "1e999"), "temperature", None),
-    # length limit: min(256 positions, 64 batch tokens) = 64 real tokens
-    "too_long_ragged": (ragged(input_ids=[[1, 2, 3], [5] * 65], num_actions=1), "input_ids", 1),
+    # length limit: the model's 256 positions (longer than the 64-token budget: scored in chunks)
+    "too_long_ragged": (ragged(input_ids=[[1, 2, 3], [5] * 257], num_actions=1), "input_ids", 1),
     "too_long_padded": (
         padded(
-            input_ids=[[0] * 6 + [5] * 64, [0] * 5 + [6] * 65],
-            attention_mask=[[0] * 6 + [1] * 64, [0] * 5 + [1] * 65],
+            input_ids=[[0] * 6 + [5] * 256, [0] * 5 + [6] * 257],
+            attention_mask=[[0] * 6 + [1] * 256, [0] * 5 + [1] * 257],
             response_length=1,
         ),
         "input_ids",
@@ -349,14 +349,33 @@ def test_bad_requests_concurrent_with_many_good_streams(client: TestClient) -> N
     assert invalid_count(client) == before + len(BAD_THREADS) * len(BAD)
 
 
-@pytest.mark.parametrize(("max_batch_tokens", "longest"), [(64, 64), (1024, 256)])
-def test_longest_sequence_is_min_of_positions_and_batch_tokens(
-    model_dirs: dict[str, Path], max_batch_tokens: int, longest: int
+@pytest.mark.parametrize(
+    ("overrides", "longest", "limit"),
+    [
+        ({"max_batch_tokens": 64}, 256, "positions"),
+        ({"max_batch_tokens": 1024}, 256, "positions"),
+        ({"max_batch_tokens": 64, "max_sequence_tokens": 100}, 100, "setting"),
+    ],
+)
+def test_longest_sequence_is_the_positions_or_the_setting_whatever_the_budget(
+    model_dirs: dict[str, Path], overrides: dict[str, int], longest: int, limit: str
 ) -> None:
-    with running(settings_for(model_dirs["qwen2"], max_batch_tokens=max_batch_tokens)) as c:
-        assert c.get("/info").json()["max_positions"] == 256
+    with running(settings_for(model_dirs["qwen2"], **overrides)) as c:
+        info = c.get("/info").json()
+        assert (info["max_positions"], info["max_sequence_tokens"], info["max_sequence_limit"]) == (
+            256,
+            longest,
+            limit,
+        )
         ok = c.post("/logprobs", json={"input_ids": [[1, 2], [7] * longest], "num_actions": 1})
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"] == {"input_tokens": longest + 2, "scored_tokens": 2}
         too_long = c.post("/logprobs", json={"input_ids": [[1, 2], [7] * (longest + 1)], "num_actions": 1})
-        check_rejected(too_long, "input_ids", 1)
+        if limit == "positions":
+            check_rejected(too_long, "input_ids", 1)  # 422: past the model's positions
+            assert "positions cover 256" in too_long.json()["error"]["message"]
+        else:
+            assert too_long.status_code == 413, too_long.text
+            error = too_long.json()["error"]
+            assert (error["type"], error["field"], error["row"]) == ("sequence_too_large", "input_ids", 1)
+            assert f"longest sequence this server scores is {longest} (set by setting)" in error["message"]

@@ -15,7 +15,7 @@ import pytest
 from service.batcher import IN_FLIGHT, LAUNCH_HOLD_S, Applied, Batcher, Scored
 from service.engine.base import Launched, ReloadOrder, WeightsState
 from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
-from service.jobs import SequenceJob, SequenceScores
+from service.jobs import Chunk, SequenceJob, SequenceScores
 from service.metrics import Metrics
 from tests.fakes import FakeEngine, expected_scores
 
@@ -164,11 +164,94 @@ def test_late_device_error_fails_its_micro_batch_only(loop: asyncio.AbstractEven
     assert ("collected", 2) in engine.events
 
 
-def test_sequence_longer_than_budget_runs_alone(loop: asyncio.AbstractEventLoop) -> None:
+def test_sequence_longer_than_budget_is_scored_in_chunks_in_order(loop: asyncio.AbstractEventLoop) -> None:
     engine = FakeEngine()
-    results = run(loop, engine, 16, lambda b: scores(b, [job(4), job(40), job(4)]))
-    assert len(results) == 3
-    assert [40] in engine.batches
+    jobs = [job(4), job(40, first=7), job(4, first=3), job(37, first=50)]
+    results = run(loop, engine, 16, lambda b: scores(b, jobs))
+    for got, want in zip(results, jobs, strict=True):
+        np.testing.assert_array_equal(got.logprobs, expected_scores(want).logprobs)
+        assert got.entropy is not None
+        np.testing.assert_array_equal(got.entropy, want.actions.astype(np.float32))
+    assert all(sum(batch) <= 16 for batch in engine.batches)
+    by_sequence: dict[int, list[tuple[int, int]]] = {}
+    for chunk in engine.chunks:
+        by_sequence.setdefault(chunk.sequence, []).append((chunk.start, chunk.end))
+    spans = sorted(by_sequence.values(), key=lambda s: -s[-1][1])
+    assert [s[-1][1] for s in spans] == [40, 37]  # every chunk, in order (FakeEngine checks the order)
+    first = {s: next(i for i, c in enumerate(engine.chunks) if c.sequence == s) for s in by_sequence}
+    last = {s: max(i for i, c in enumerate(engine.chunks) if c.sequence == s) for s in by_sequence}
+    (a, b) = sorted(first, key=first.__getitem__)
+    assert last[a] < first[b]  # one long sequence at a time: its keys and values are what memory holds
+    assert engine.chunked == {}  # each last chunk dropped its sequence's stores
+    assert engine.released == []
+
+
+def test_short_requests_behind_a_long_sequence_wait_for_one_micro_batch(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    engine = FakeEngine(delay=0.02)
+
+    async def body(batcher: Batcher) -> tuple[float, float]:
+        started = time.perf_counter()
+        long = asyncio.create_task(scores(batcher, [job(400)]))  # 25+ micro-batches of 16
+        await asyncio.sleep(0.05)
+        await scores(batcher, [job(5, first=1)])
+        short_done = time.perf_counter() - started
+        await long
+        return short_done, time.perf_counter() - started
+
+    short_done, long_done = run(loop, engine, 16, body)
+    assert short_done < 0.05 + 5 * 0.02 + 0.1 < long_done
+    mixed = [batch for batch in engine.batches if len(batch) > 1]
+    assert mixed == [[5, 11]]  # the short sequence rode with a chunk, which took the rest of the budget
+
+
+def test_a_cancelled_long_request_stops_its_chunks_and_frees_them(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine(delay=0.02)
+
+    async def body(batcher: Batcher) -> list[SequenceScores]:
+        long = asyncio.create_task(scores(batcher, [job(400)]))
+        await asyncio.sleep(0.1)
+        long.cancel()
+        await asyncio.sleep(0.05)
+        return await scores(batcher, [job(5)])
+
+    (good,) = run(loop, engine, 16, body)
+    np.testing.assert_array_equal(good.logprobs, expected_scores(job(5)).logprobs)
+    assert 3 <= len(engine.chunks) < 25
+    assert engine.released == [engine.chunks[0].sequence]
+    assert engine.chunked == {}
+
+
+def test_a_failed_chunk_fails_its_sequence_and_the_next_long_one_starts(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    engine = FakeEngine(fail_on_token=999)
+
+    async def body(batcher: Batcher) -> list[SequenceScores]:
+        with pytest.raises(EngineFailure, match="injected failure"):
+            await scores(batcher, [job(60, first=960)])  # token 999 in its third chunk
+        return await scores(batcher, [job(50)])
+
+    (good,) = run(loop, engine, 16, body)
+    np.testing.assert_array_equal(good.logprobs, expected_scores(job(50)).logprobs)
+    failed = engine.chunks[0].sequence
+    assert engine.released == [failed]
+    assert [c.start for c in engine.chunks if c.sequence == failed] == [0, 16, 32]
+
+
+def test_a_weights_swap_waits_for_the_last_chunk(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine(delay=0.01)
+
+    async def body(batcher: Batcher) -> tuple[Scored, Applied]:
+        long = asyncio.create_task(batcher.score([job(100)]))
+        await asyncio.sleep(0.03)
+        staged = await asyncio.to_thread(engine.stage, _order(5, "v5"))
+        return await long, await batcher.apply(staged)
+
+    result, _ = run(loop, engine, 16, body)
+    _assert_scored_on(result, [job(100)], 0.0, "initial")
+    assert engine.applied_between == [len(engine.batches)]
 
 
 def test_engine_failure_fails_its_requests_only(loop: asyncio.AbstractEventLoop) -> None:
@@ -271,9 +354,9 @@ def test_a_full_budget_starts_while_later_requests_of_a_burst_are_still_parsed(
     launched_after_the_parse: list[bool] = []
     launch = engine.launch
 
-    def recording(jobs: Sequence[SequenceJob]) -> Launched:
+    def recording(jobs: Sequence[SequenceJob], chunk: Chunk | None = None) -> Launched:
         launched_after_the_parse.append(third_parsed.is_set())
-        return launch(jobs)
+        return launch(jobs, chunk)
 
     engine.launch = recording  # type: ignore[method-assign,assignment]
 
@@ -310,11 +393,11 @@ def test_a_launch_on_an_idle_accelerator_holds_the_event_loop_until_it_is_queued
     ticked: list[bool] = []
     launch = engine.launch
 
-    def slow(jobs: Sequence[SequenceJob]) -> Launched:
+    def slow(jobs: Sequence[SequenceJob], chunk: Chunk | None = None) -> Launched:
         before = ticker.count
         time.sleep(0.02)
         ticked.append(ticker.count != before)
-        return launch(jobs)
+        return launch(jobs, chunk)
 
     engine.launch = slow  # type: ignore[method-assign,assignment]
 

@@ -11,10 +11,15 @@ kernel where each starts, so attention never crosses a sequence boundary. Four k
                 whatever the fast kernels cannot do (float32, attention softcapping without flash-attn).
 
 Sliding windows follow transformers: a query at i sees keys j with i - W < j <= i.
+
+A segment may have more keys than queries (`cu_k`: a context cached by earlier micro-batches,
+context.py): its queries are its last tokens, so query i of q sees keys j <= i + (k - q), the
+bottom-right alignment every kernel here uses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 from collections.abc import Callable
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from service.engine.context import CONTEXT_KWARG, KVContext
 from service.engine.optional import FAST_DTYPES, importable
 
 
@@ -33,6 +39,8 @@ class Segments:
 
     cu: [S+1] int32 sequence boundaries; max_len: the longest sequence; window: transformers'
     sliding_window (None: full causal); softcap: attention-logit soft-capping (None: off).
+    cu_k, max_len_k: the key boundaries and longest key segment where they differ from the queries'
+    (None: the same).
     """
 
     cu: torch.Tensor
@@ -40,6 +48,16 @@ class Segments:
     scale: float
     window: int | None
     softcap: float | None
+    cu_k: torch.Tensor | None = None
+    max_len_k: int | None = None
+
+    @property
+    def keys(self) -> tuple[torch.Tensor, int]:
+        """The key boundaries and the longest key segment."""
+        if self.cu_k is None:
+            return self.cu, self.max_len
+        assert self.max_len_k is not None
+        return self.cu_k, self.max_len_k
 
 
 # q: [N, Hq, D], k/v: [N, Hk, D] packed rows -> [N, Hq, D]
@@ -70,18 +88,22 @@ BACKENDS = tuple(_IMPLEMENTATION)
 
 
 def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
-    """Reference kernel: exact attention one sequence at a time. O(L_i^2) memory per sequence."""
+    """Reference kernel: exact attention one sequence at a time. O(q_i · k_i) memory per sequence."""
     groups = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
-    for start, end in itertools.pairwise(seg.cu.tolist()):
-        qs = q[start:end].transpose(0, 1)  # [Hq, l, D]
-        ks = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, l, D]
-        vs = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        length = end - start
-        idx = torch.arange(length, device=q.device)
-        allowed = idx[None, :] <= idx[:, None]  # [l, l] causal
-        if seg.window is not None and seg.window < length:
-            allowed &= idx[None, :] > idx[:, None] - seg.window
+    cu_k, _ = seg.keys
+    bounds = zip(itertools.pairwise(seg.cu.tolist()), itertools.pairwise(cu_k.tolist()), strict=True)
+    for (start, end), (k_start, k_end) in bounds:
+        if end == start:
+            continue
+        qs = q[start:end].transpose(0, 1)  # [Hq, q, D]
+        ks = k[k_start:k_end].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, k, D]
+        vs = v[k_start:k_end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        query = torch.arange(end - start, device=q.device)[:, None] + (k_end - k_start) - (end - start)
+        key = torch.arange(k_end - k_start, device=q.device)[None, :]
+        allowed = key <= query  # [q, k] causal, bottom-right aligned
+        if seg.window is not None:
+            allowed &= key > query - seg.window
         if seg.softcap is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=seg.scale)
         else:
@@ -98,14 +120,15 @@ def flash_attn_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Se
         return sdpa_kernel(q, k, v, seg)
     from flash_attn import flash_attn_varlen_func
 
+    cu_k, max_len_k = seg.keys
     out: torch.Tensor = flash_attn_varlen_func(
         q,
         k,
         v,
         seg.cu,
-        seg.cu,
+        cu_k,
         seg.max_len,
-        seg.max_len,
+        max_len_k,
         softmax_scale=seg.scale,
         causal=True,
         window_size=(seg.window - 1, 0) if seg.window is not None else (-1, -1),
@@ -120,14 +143,15 @@ def _flash_cute_kernel() -> Kernel:
     def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
         if q.dtype not in FAST_DTYPES:
             return sdpa_kernel(q, k, v, seg)
+        cu_k, max_len_k = seg.keys
         out = flash_attn_varlen_func(
             q,
             k,
             v,
             cu_seqlens_q=seg.cu,
-            cu_seqlens_k=seg.cu,
+            cu_seqlens_k=cu_k,
             max_seqlen_q=seg.max_len,
-            max_seqlen_k=seg.max_len,
+            max_seqlen_k=max_len_k,
             softmax_scale=seg.scale,
             causal=True,
             window_size=(seg.window - 1, 0) if seg.window is not None else (None, None),
@@ -156,7 +180,8 @@ def _torch_varlen_kernel() -> Kernel:
         extra: dict[str, Any] = {"window_size": (left, 0)}
         if native_gqa:
             extra["enable_gqa"] = grouped
-        out = varlen_attn(q, k, v, seg.cu, seg.cu, seg.max_len, seg.max_len, scale=seg.scale, **extra)
+        cu_k, max_len_k = seg.keys
+        out = varlen_attn(q, k, v, seg.cu, cu_k, seg.max_len, max_len_k, scale=seg.scale, **extra)
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -170,14 +195,15 @@ def _flash_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments,
     checks it), so the key and value heads are not repeated: repeating them cost two [N, Hq, D]
     copies a layer, 5 % of Qwen2.5-1.5B's forward on an H100.
     """
+    cu_k, max_len_k = seg.keys
     out = torch.ops.aten._flash_attention_forward(
         q,
         k,
         v,
         seg.cu,
-        seg.cu,
+        cu_k,
         seg.max_len,
-        seg.max_len,
+        max_len_k,
         0.0,  # dropout
         left == -1,  # is_causal, as varlen_attn sets it; a window's right edge 0 keeps it causal
         False,  # return_debug_mask
@@ -238,7 +264,7 @@ def register(backend: AttentionBackend) -> str:
         softcap: float | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        del module, attention_mask, dropout  # causality and boundaries come from cu_seq_lens_q
+        del attention_mask, dropout  # causality and boundaries come from cu_seq_lens_q
         batch, heads, seq, dim = query.shape
         cu: torch.Tensor | None = kwargs.get("cu_seq_lens_q")
         max_len = int(kwargs.get("max_length_q") or seq)
@@ -248,7 +274,14 @@ def register(backend: AttentionBackend) -> str:
         k = key.transpose(1, 2).reshape(batch * seq, key.shape[1], dim)
         v = value.transpose(1, 2).reshape(batch * seq, value.shape[1], dim)
         scale = scaling if scaling is not None else dim**-0.5
-        out = kernel(q, k, v, Segments(cu, max_len, scale, sliding_window, softcap))
+        seg = Segments(cu, max_len, scale, sliding_window, softcap)
+        context: KVContext | None = kwargs.get(CONTEXT_KWARG)
+        if context is not None:  # the row's last segment also attends to its cached context
+            k, v = context.extend(int(getattr(module, "layer_idx")), k, v)  # noqa: B009 (a Module attribute)
+            seg = dataclasses.replace(
+                seg, cu_k=kwargs["cu_seq_lens_k"], max_len_k=int(kwargs["max_length_k"])
+            )
+        out = kernel(q, k, v, seg)
         return out.reshape(batch, seq, heads, dim), None
 
     AttentionInterface.register(backend.implementation, packed_attention)

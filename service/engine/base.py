@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from service.jobs import SequenceJob, SequenceScores
+from service.jobs import Chunk, SequenceJob, SequenceScores
 
 Target = Literal["policy", "reference", "critic"]
 ReloadMode = Literal["auto", "copy", "swap"]
@@ -35,9 +35,11 @@ class EngineInfo:
     decoder: str
     kernels: str
     vocab_size: int
-    max_positions: int
+    max_positions: int  # with the model's rope scaling
     versions: dict[str, str]
     models: tuple[ModelInfo, ...] = ()
+    max_sequence_tokens: int = 0  # the longest sequence scored (0: max_positions)
+    max_sequence_limit: str = "positions"  # what sets it: positions | memory | setting
 
     @property
     def roles(self) -> frozenset[str]:
@@ -105,8 +107,11 @@ class ScoringEngine(Protocol):
 
     `launch` queues a micro-batch's work and returns without waiting for it, so the next one can be
     queued behind it while the host collects this one's scores (`Launched.result`, on another
-    thread). `launch` and `apply` are called from the one engine thread only; `stage` from a loader
-    thread, while micro-batches run.
+    thread). A micro-batch may end with one chunk of a sequence longer than a micro-batch; the
+    chunks of a sequence are launched in order, and its scores are the chunks' scores, joined.
+    `release` drops what the engine keeps of a chunked sequence whose last chunk will not come.
+    `launch`, `release` and `apply` are called from the one engine thread only; `stage` from a
+    loader thread, while micro-batches run.
     """
 
     @property
@@ -115,7 +120,10 @@ class ScoringEngine(Protocol):
     @property
     def weights(self) -> Mapping[str, WeightsState]: ...
 
-    def launch(self, jobs: Sequence[SequenceJob]) -> Launched: ...
+    def launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None) -> Launched:
+        """Scores of `jobs`, then of `chunk`'s actions if given."""
+
+    def release(self, sequence: int) -> None: ...
 
     def warm_up(self) -> None: ...
 

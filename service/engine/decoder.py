@@ -29,6 +29,7 @@ reloads in copy mode and state dicts see them as before. A reload in swap mode r
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.attention import Kernel, Segments
+from service.engine.context import KVContext
 from service.engine.decoder_ops import HeadNorms, Ops
 from service.engine.gated import GatedProjection, split
 from service.engine.packing import PackedBatch
@@ -163,6 +165,9 @@ class Stream:
     sin: torch.Tensor
     cu: torch.Tensor  # [S+1] int32 sequence boundaries (empty sequences may end them)
     max_len: int  # at least the longest sequence
+    context: KVContext | None = None  # the last segment's cached keys and values (context.py)
+    cu_k: torch.Tensor | None = None  # [S+1] int32 key boundaries with that context
+    max_len_k: int | None = None
 
 
 @dataclass(slots=True)
@@ -177,6 +182,7 @@ class _Layer:
     down_proj: torch.nn.Linear
     window: int | None
     scale: float
+    index: int  # of the layer in the model (its keys' and values' place in a context)
 
 
 class FusedDecoder:
@@ -216,8 +222,9 @@ class FusedDecoder:
                 down_proj=layer.mlp.down_proj,
                 window=window(layer.self_attn),
                 scale=float(layer.self_attn.scaling),
+                index=index,
             )
-            for layer in decoder.layers[: config.num_hidden_layers]
+            for index, layer in enumerate(decoder.layers[: config.num_hidden_layers])
         ]
 
     def capture(self, probe: PackedBatch) -> None:
@@ -248,6 +255,10 @@ class FusedDecoder:
 
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         stream = self.start(batch.input_ids[0], batch.position_ids, batch.cu_seqlens, batch.max_len)
+        if batch.context is not None:
+            stream = dataclasses.replace(
+                stream, context=batch.context, cu_k=batch.cu_k, max_len_k=batch.max_len_k
+            )
         for layer in self.layers[:-1]:
             self.run_layer(layer, stream)
         return self.finish(stream, rows)
@@ -281,7 +292,11 @@ class FusedDecoder:
         q = qkv[:, : hq * d].view(n, hq, d)
         k = qkv[:, hq * d : (hq + hk) * d].view(n, hk, d)
         v = qkv[:, (hq + hk) * d :].view(n, hk, d)
-        seg = Segments(stream.cu, stream.max_len, layer.scale, layer.window, None)
+        seg = Segments(
+            stream.cu, stream.max_len, layer.scale, layer.window, None, stream.cu_k, stream.max_len_k
+        )
+        if stream.context is not None:
+            k, v = stream.context.extend(layer.index, k, v)
         attended = self.attention(q, k, v, seg).reshape(n, hq * d)
         del qkv, q, k, v
         if rows is not None:

@@ -164,7 +164,7 @@ class GraphedDecoder:
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         sequences = batch.cu_seqlens.shape[0] - 1
         key = self.key(batch.num_tokens, sequences, batch.max_len)
-        if key is None or self.disabled is not None:
+        if key is None or self.disabled is not None or batch.context is not None:  # a chunk runs eagerly
             return self.inner(batch, rows)
         buffers, n = self._ready(), key.tokens
         buffers.ids[:n].copy_(batch.input_ids[0])

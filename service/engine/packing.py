@@ -1,14 +1,17 @@
-"""SequenceJobs -> one packed row on the device, with everything the forward and the head need."""
+"""SequenceJobs (and at most one chunk of a long sequence) -> one packed row on the device, with
+everything the forward and the head need."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from service.jobs import SequenceJob
+from service.engine.context import CONTEXT_KWARG, KVContext, KVStore
+from service.jobs import Chunk, SequenceJob
 
 # Token and action counts are padded up to a multiple of this, so that a micro-batch's GEMMs take one
 # of few shapes, which the engine's warm-up meets before serving: cuBLAS stalls the host (holding the
@@ -30,6 +33,12 @@ class PackedBatch:
     With `step` > 1, N and A are padded to multiples of it: a filler sequence of token 0 ends the
     row (S counts it), and filler actions (row 0, token 0, T = 1) end the actions; `num_actions`
     are the real ones, first, and `actions_per_sequence` covers only them.
+
+    With a chunk (tokens [start, end) of a long sequence), the chunk is the row's last segment, its
+    positions start..end-1, and the filler joins it (after its real tokens, so no real token sees
+    one): cu_k / max_len_k are the key boundaries once the segment's context of `start` cached
+    tokens is in front of it, and `attach` gives the batch one model's context. Its actions come
+    last in the actions.
     """
 
     input_ids: torch.Tensor
@@ -41,6 +50,18 @@ class PackedBatch:
     inv_temperature: torch.Tensor | None
     actions_per_sequence: list[int]
     want_entropy: bool
+    chunk_start: int | None = None  # the chunk's first position in its sequence; None: no chunk
+    chunk_row: int = 0  # where the chunk's segment starts in the row (the other segments' tokens)
+    cu_k: torch.Tensor | None = None  # [S+1] int32 key boundaries with the chunk's context
+    max_len_k: int | None = None
+    context: KVContext | None = None
+
+    def attach(self, store: KVStore | None) -> PackedBatch:
+        """This batch with one model's store of the chunk's context (None: the chunk's segment
+        attends to itself only, for a model whose scores of it are not read)."""
+        if store is None or self.chunk_start is None:
+            return dataclasses.replace(self, context=None)
+        return dataclasses.replace(self, context=KVContext(store, self.chunk_start, self.chunk_row))
 
     @property
     def num_tokens(self) -> int:
@@ -51,8 +72,9 @@ class PackedBatch:
         return sum(self.actions_per_sequence)
 
     def forward_kwargs(self) -> dict[str, object]:
-        """Keyword arguments of a transformers decoder forward over this batch (no KV cache)."""
-        return {
+        """Keyword arguments of a transformers decoder forward over this batch (no transformers KV
+        cache; the packed attention reads a chunk's context from CONTEXT_KWARG)."""
+        kwargs: dict[str, object] = {
             "input_ids": self.input_ids,
             "position_ids": self.position_ids,
             "use_cache": False,
@@ -61,23 +83,53 @@ class PackedBatch:
             "max_length_q": self.max_len,
             "max_length_k": self.max_len,
         }
+        if self.context is not None:
+            kwargs |= {
+                "cu_seq_lens_k": self.cu_k,
+                "max_length_k": self.max_len_k,
+                CONTEXT_KWARG: self.context,
+            }
+        return kwargs
 
 
-def pack(jobs: Sequence[SequenceJob], device: torch.device, step: int = SHAPE_STEP) -> PackedBatch:
+def pack(
+    jobs: Sequence[SequenceJob], device: torch.device, step: int = SHAPE_STEP, chunk: Chunk | None = None
+) -> PackedBatch:
     real = [job.num_tokens for job in jobs]
-    filler = -sum(real) % step
-    lengths = np.asarray(real + ([filler] if filler else []), dtype=np.int64)
+    others = sum(real)
+    own = chunk.num_tokens if chunk is not None else 0
+    filler = -(others + own) % step
+    parts = [job.tokens for job in jobs]
+    if chunk is None:
+        lengths = np.asarray(real + ([filler] if filler else []), dtype=np.int64)
+    else:
+        lengths = np.asarray([*real, own + filler], dtype=np.int64)
+        parts.append(chunk.job.tokens[chunk.start : chunk.end])
     starts = np.concatenate(([0], np.cumsum(lengths)))  # [S+1]
-    tokens = np.concatenate([job.tokens for job in jobs] + [np.zeros(filler, dtype=np.int64)])  # [N]
+    tokens = np.concatenate([*parts, np.zeros(filler, dtype=np.int64)])  # [N]
     positions = np.arange(tokens.shape[0], dtype=np.int64) - np.repeat(starts[:-1], lengths)
-    action_index = np.concatenate([job.actions + start for job, start in zip(jobs, starts, strict=False)])
-    inv_temperature = np.concatenate(
-        [np.full(job.actions.shape[0], 1.0 / job.temperature, dtype=np.float32) for job in jobs]
-    )
-    extra = -action_index.shape[0] % step
-    hidden_index = np.concatenate([action_index - 1, np.zeros(extra, dtype=np.int64)])
-    targets = np.concatenate([tokens[action_index], np.zeros(extra, dtype=np.int64)])
-    inv_temperature = np.concatenate([inv_temperature, np.ones(extra, dtype=np.float32)])
+    action_index = [job.actions + start for job, start in zip(jobs, starts, strict=False)]
+    targets = [tokens[index] for index in action_index]
+    inv_temperature = [np.full(job.actions.shape[0], 1.0 / job.temperature, dtype=np.float32) for job in jobs]
+    per_sequence = [int(job.actions.shape[0]) for job in jobs]
+    key_lengths = lengths
+    if chunk is not None:
+        positions[others : others + own] += chunk.start
+        positions[others + own :] = 0  # the filler's: any position; 0 is one every model has
+        actions = chunk.actions
+        action_index.append(actions - chunk.start + others)
+        targets.append(chunk.job.tokens[actions])
+        inv_temperature.append(np.full(actions.shape[0], 1.0 / chunk.job.temperature, dtype=np.float32))
+        per_sequence.append(int(actions.shape[0]))
+        key_lengths = lengths.copy()
+        key_lengths[-1] += chunk.start
+    everything = np.concatenate(action_index)
+    extra = -everything.shape[0] % step
+    hidden_index = np.concatenate([everything - 1, np.zeros(extra, dtype=np.int64)])
+    target_ids = np.concatenate([*targets, np.zeros(extra, dtype=np.int64)])
+    inv_temperatures = np.concatenate([*inv_temperature, np.ones(extra, dtype=np.float32)])
+    temperatures = [job.temperature for job in jobs] + ([chunk.job.temperature] if chunk else [])
+    wants = [job.return_entropy for job in jobs] + ([chunk.job.return_entropy] if chunk else [])
 
     def to(array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
@@ -91,8 +143,12 @@ def pack(jobs: Sequence[SequenceJob], device: torch.device, step: int = SHAPE_ST
         cu_seqlens=to(starts.astype(np.int32)),
         max_len=int(lengths.max()),
         hidden_index=to(hidden_index),
-        targets=to(targets),
-        inv_temperature=None if all(job.temperature == 1.0 for job in jobs) else to(inv_temperature),
-        actions_per_sequence=[int(job.actions.shape[0]) for job in jobs],
-        want_entropy=any(job.return_entropy for job in jobs),
+        targets=to(target_ids),
+        inv_temperature=None if all(t == 1.0 for t in temperatures) else to(inv_temperatures),
+        actions_per_sequence=per_sequence,
+        want_entropy=any(wants),
+        chunk_start=None if chunk is None else chunk.start,
+        chunk_row=others,
+        cu_k=None if chunk is None else to(np.concatenate(([0], np.cumsum(key_lengths))).astype(np.int32)),
+        max_len_k=None if chunk is None else int(key_lengths.max()),
     )

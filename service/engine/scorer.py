@@ -3,6 +3,12 @@
 A micro-batch is packed once (tokens, positions, boundaries, action indices); every model the batch
 asks for (the policy always; the reference policy and the critic when a sequence wants them) runs
 its decoder over that same PackedBatch and its own head on the action positions only.
+
+A sequence longer than a micro-batch arrives as chunks, in order, each the last segment of a
+micro-batch; every model that scores it keeps its keys and values (a KVStore per model, context.py)
+from its first chunk to its last. The longest sequence is the model's positions, or what the
+accelerator's memory holds of one store per model beside the weights and a full micro-batch's
+activations, measured at warm-up.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from service.engine.base import (
     WeightsState,
 )
 from service.engine.chunking import chunk_mlps, resolve_tokens
+from service.engine.context import KVStore, cache_bytes_per_token
 from service.engine.critic import Critic, load_critic, read_value_head
 from service.engine.decoder import Decoder
 from service.engine.decoder_ops import Ops
@@ -41,7 +48,7 @@ from service.engine.head import ActionScores, LogitTransform, score_actions
 from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype, text_part
 from service.engine.packing import SHAPE_STEP, PackedBatch, pack
-from service.jobs import FloatArray, SequenceJob, SequenceScores
+from service.jobs import Chunk, FloatArray, SequenceJob, SequenceScores
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -50,6 +57,8 @@ log = logging.getLogger(__name__)
 _SELF_CHECK_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
 # ‖fused - transformers‖ / ‖transformers‖ over final hidden states, per dtype, in the same self-check
 _DECODER_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.02}
+# Share of the accelerator's memory the engine plans to use (the rest: fragmentation, the CUDA context)
+_MEMORY_FRACTION = 0.95
 
 
 class CausalLM:
@@ -213,7 +222,9 @@ class PackedScorer:
         self._critic = critic
         self._critic_forward = forward(critic.decoder, critic.decoder)[0] if critic is not None else None
         self._device = device
-        self._max_tokens = settings.max_batch_tokens  # also the longest sequence
+        self._max_tokens = settings.max_batch_tokens
+        self._stores: dict[int, dict[Target, KVStore]] = {}  # chunked sequence -> each model's store
+        self._max_sequence_setting = settings.max_sequence_tokens
         config = loaded.model.config
         text = text_part(config)
         vocab = self._policy.vocab_size
@@ -238,10 +249,11 @@ class PackedScorer:
             decoder=policy_forward.kind,
             kernels=kernels,
             vocab_size=vocab,
-            max_positions=int(getattr(text, "max_position_embeddings", 0) or 0) or 1 << 30,
+            max_positions=max_positions(text),
             versions=_versions(),
             models=tuple(models),
         )
+        self._info = dataclasses.replace(self._info, **_longest(self._info.max_positions, None, settings))
         now = time.time()
         initial = {
             "policy": (settings.weights_version, settings.model or loaded.name),
@@ -331,36 +343,65 @@ class PackedScorer:
             raise WeightsRejected(f"this server has no {target} model to reload")
         return model
 
-    def launch(self, jobs: Sequence[SequenceJob]) -> InFlight:
+    def launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None) -> InFlight:
         """Queue the micro-batch's forwards and the copies of its scores to host memory; no wait."""
         try:
-            return self._launch(jobs)
+            return self._launch(jobs, chunk)
         except torch.OutOfMemoryError as exc:
+            if chunk is not None:
+                self.release(chunk.sequence)
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
-            tokens = sum(job.num_tokens for job in jobs)
+            tokens = sum(job.num_tokens for job in jobs) + (chunk.num_tokens if chunk else 0)
             raise OutOfMemory(f"out of memory on {len(jobs)} sequences, {tokens} tokens") from exc
+        except Exception:
+            if chunk is not None:
+                self.release(chunk.sequence)
+            raise
+
+    def release(self, sequence: int) -> None:
+        """Drop the stores of a chunked sequence (its last chunk drops them itself)."""
+        self._stores.pop(sequence, None)
 
     def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
         """launch(jobs).result(): the scores, waiting for them."""
         return self.launch(jobs).result()
 
+    def _stores_of(self, chunk: Chunk | None) -> dict[Target, KVStore]:
+        if chunk is None:
+            return {}
+        if chunk.start == 0:
+            job, capacity = chunk.job, chunk.job.num_tokens + SHAPE_STEP  # the filler's keys too
+            wanted: dict[Target, bool] = {
+                "policy": True,
+                "reference": job.return_ref,
+                "critic": job.return_values,
+            }
+            roles = [role for role in wanted if wanted[role] and role in self._weights]
+            self._stores[chunk.sequence] = {role: KVStore(capacity) for role in roles}
+        stores = self._stores[chunk.sequence]
+        if chunk.last:
+            del self._stores[chunk.sequence]  # freed once the work queued on them is done
+        return stores
+
     @torch.inference_mode()
-    def _launch(self, jobs: Sequence[SequenceJob]) -> InFlight:
-        batch = pack(jobs, self._device)
-        policy = self._policy.logprobs(batch, batch.want_entropy)
+    def _launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None) -> InFlight:
+        batch = pack(jobs, self._device, chunk=chunk)
+        stores = self._stores_of(chunk)
+        every = [*jobs, chunk.job] if chunk is not None else list(jobs)
+        policy = self._policy.logprobs(batch.attach(stores.get("policy")), batch.want_entropy)
         ref = None
-        if self._reference is not None and any(job.return_ref for job in jobs):
-            ref = self._reference.logprobs(batch, want_entropy=False).logprobs
+        if self._reference is not None and any(job.return_ref for job in every):
+            ref = self._reference.logprobs(batch.attach(stores.get("reference")), want_entropy=False).logprobs
         values = None
-        if self._critic is not None and any(job.return_values for job in jobs):
+        if self._critic is not None and any(job.return_values for job in every):
             assert self._critic_forward is not None
-            values = _critic_values(self._critic, self._critic_forward, batch)
+            values = _critic_values(self._critic, self._critic_forward, batch.attach(stores.get("critic")))
         to_host = _host_copier(self._device, batch.num_actions)  # the padding actions' scores stay behind
         logprobs = to_host(policy.logprobs)
         assert logprobs is not None
         return InFlight(
-            jobs=jobs,
+            jobs=every,
             actions_per_sequence=batch.actions_per_sequence,
             logprobs=logprobs,
             entropy=to_host(policy.entropy),
@@ -398,10 +439,57 @@ class PackedScorer:
         probe = pack(jobs[: max(1, self._max_tokens // n)], self._device)  # as a micro-batch holds them
         for forward in self._forwards():
             forward.capture(probe)
+        if self._device.type == "cuda":
+            self._measure_longest(rng)
         policy = self._policy.forward
         if isinstance(policy, graphs.GraphedDecoder) and policy.disabled is not None:
             kernels = self._info.kernels.replace("+graphs", "")
             self._info = dataclasses.replace(self._info, kernels=kernels)
+
+    def _measure_longest(self, rng: random.Random) -> None:
+        """Score a sequence of two full chunks, every model asked (the chunked path's kernels met
+        before serving), and set the longest sequence from the memory left beside its peak."""
+        length = min(2 * self._max_tokens, self._info.max_positions)
+        if length <= self._max_tokens:
+            return
+        job = SequenceJob(
+            tokens=np.asarray([rng.randrange(self._info.vocab_size) for _ in range(length)], dtype=np.int64),
+            actions=np.arange(1, length, dtype=np.int64),
+            temperature=1.0,
+            return_entropy=True,
+            return_values=self._critic is not None,
+            return_ref=self._reference is not None,
+        )
+        torch.cuda.synchronize(self._device)
+        torch.cuda.reset_peak_memory_stats(self._device)
+        for start in range(0, length, self._max_tokens):
+            chunk = Chunk(job, sequence=-1, start=start, end=min(start + self._max_tokens, length))
+            self.launch([], chunk).result()
+        peak = torch.cuda.max_memory_allocated(self._device)
+        free, total = torch.cuda.mem_get_info(self._device)
+        elsewhere = total - free - torch.cuda.memory_reserved(self._device)  # other processes, the context
+        room = int(total * _MEMORY_FRACTION) - elsewhere - peak
+        per_token = sum(
+            cache_bytes_per_token(text_part(m.config), next(m.parameters()).dtype)
+            for m in self._cached_models()
+        )
+        layers = min(int(text_part(m.config).num_hidden_layers) for m in self._cached_models())
+        # one store per model, and a layer's keys and values copied once more while it attends
+        fits = max(0, int(room / (per_token * (1 + 2 / layers))) - SHAPE_STEP)
+        self._info = dataclasses.replace(
+            self._info, **_longest(self._info.max_positions, fits, self._max_sequence_setting)
+        )
+        log.info(
+            "longest sequence: %d tokens (%s); a store costs %.1f KiB a token, %.1f GiB free for them",
+            self._info.max_sequence_tokens,
+            self._info.max_sequence_limit,
+            per_token / 1024,
+            room / (1 << 30),
+        )
+
+    def _cached_models(self) -> list[Any]:
+        lms = [lm.model for lm in (self._policy, self._reference) if lm is not None]
+        return lms + ([self._critic.decoder] if self._critic is not None else [])
 
     def _forwards(self) -> list[Decoder]:
         lms = [lm.forward for lm in (self._policy, self._reference) if lm is not None]
@@ -484,6 +572,35 @@ def check_hidden(base: Any, forward: Decoder, job: SequenceJob, device: torch.de
         )
     log.info("%s: the %s decoder is within %.3g of transformers' hidden states", role, forward.kind, error)
     return error
+
+
+def max_positions(config: Any) -> int:
+    """The longest sequence `config`'s positions cover, with its rope scaling (YaRN, linear, dynamic:
+    original_max_position_embeddings x factor where that is more)."""
+    positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and isinstance(rope.get("factor"), int | float):
+        original = int(rope.get("original_max_position_embeddings") or positions)
+        positions = max(positions, int(original * float(rope["factor"])))
+    return positions or 1 << 30
+
+
+def _longest(positions: int, memory: int | None, settings: Settings | int | None) -> dict[str, Any]:
+    """max_sequence_tokens and what sets it: the positions, the memory (None: not measured) or the
+    setting (an explicit max_sequence_tokens below both; above the memory it fails the start)."""
+    setting = settings.max_sequence_tokens if isinstance(settings, Settings) else settings
+    if setting is not None and memory is not None and setting > memory and setting <= positions:
+        raise RuntimeError(
+            f"max_sequence_tokens={setting}: this accelerator's memory holds the keys and values of "
+            f"sequences of at most {memory} tokens beside the models and a micro-batch"
+        )
+    limits = [(positions, "positions")]
+    if memory is not None:
+        limits.append((memory, "memory"))
+    if setting is not None:
+        limits.append((setting, "setting"))
+    tokens, limit = min(limits, key=lambda item: item[0])
+    return {"max_sequence_tokens": tokens, "max_sequence_limit": limit}
 
 
 def _model_info(role: Target, name: str, model: Any) -> ModelInfo:
