@@ -91,11 +91,13 @@ def peak_memory(fn: Callable[[], object], device: torch.device) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def build_model(name: str, dtype: torch.dtype, device: torch.device, attn: str) -> Any:
+def build_model(
+    name: str, dtype: torch.dtype, device: torch.device, attn: str, positions: int = 32768
+) -> Any:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     shape: dict[str, Any] = dict(SHAPES[name])
-    config = Qwen2Config(**shape, max_position_embeddings=32768)
+    config = Qwen2Config(**shape, max_position_embeddings=positions)
     with torch.device(device), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)  # type: ignore[no-untyped-call]
