@@ -84,7 +84,10 @@ def single(vocab: int, length: int, seed: int = 2) -> list[Sample]:
 def float32_reference(model: Any, sample: Sample, chunk_rows: int = 2048) -> np.ndarray:
     """The model's own float32 forward (sdpa, whole sequence), log-softmax on response rows in chunks."""
     ids = torch.tensor([sample.tokens], device=model.device)
-    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # float32 in O(L) memory (math's is O(L²))
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
     rows = hidden[len(sample.prompt) - 1 : len(sample.tokens) - 1]
     targets = ids[0, len(sample.prompt) :]
     out = []
