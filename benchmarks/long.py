@@ -80,14 +80,48 @@ def single(vocab: int, length: int, seed: int = 2) -> list[Sample]:
     return [Sample(tokens[:1024], tokens[1024:])]
 
 
+def _blocked_attention(  # noqa: PLR0917 (transformers calls it positionally)
+    module: Any,
+    query: torch.Tensor,  # [1, Hq, L, D]
+    key: torch.Tensor,  # [1, Hk, L, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Exact causal attention of one whole sequence, 1024 queries at a time ([Hq, 1024, L] scores,
+    not [Hq, L, L]): the float32 reference of a sequence whose full score matrix does not fit."""
+    del module, attention_mask, args, kwargs
+    groups = query.shape[1] // key.shape[1]
+    k = key[0].repeat_interleave(groups, dim=0)  # [Hq, L, D]
+    v = value[0].repeat_interleave(groups, dim=0)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    length, out = query.shape[2], torch.empty_like(query[0])
+    for start in range(0, length, 1024):
+        end = min(start + 1024, length)
+        scores = torch.matmul(query[0, :, start:end], k[:, :end].transpose(1, 2)) * scale
+        causal = (
+            torch.arange(end, device=k.device)[None, :] > torch.arange(start, end, device=k.device)[:, None]
+        )
+        out[:, start:end] = torch.matmul(
+            torch.softmax(scores.masked_fill(causal, float("-inf")), -1), v[:, :end]
+        )
+    return out.transpose(0, 1)[None], None
+
+
 @torch.inference_mode()
 def float32_reference(model: Any, sample: Sample, chunk_rows: int = 2048) -> np.ndarray:
     """The model's own float32 forward (sdpa, whole sequence), log-softmax on response rows in chunks."""
     ids = torch.tensor([sample.tokens], device=model.device)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AttentionInterface
 
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # float32 in O(L) memory (math's is O(L²))
+    AttentionInterface.register("reference_blocked", _blocked_attention)
+    model.set_attn_implementation("reference_blocked")
+    try:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+    finally:
+        model.set_attn_implementation("sdpa")
     rows = hidden[len(sample.prompt) - 1 : len(sample.tokens) - 1]
     targets = ids[0, len(sample.prompt) :]
     out = []

@@ -27,8 +27,9 @@ COMMON: dict[str, Any] = {
 }
 
 
-def configs() -> dict[str, Any]:
-    """name -> a config; sliding windows and soft-caps are small so they matter at test lengths."""
+def configs(**overrides: Any) -> dict[str, Any]:
+    """name -> a config; sliding windows and soft-caps are small so they matter at test lengths.
+    `overrides` replace entries of COMMON (e.g. max_position_embeddings for long sequences)."""
     from transformers import (
         Gemma2Config,
         LlamaConfig,
@@ -38,32 +39,34 @@ def configs() -> dict[str, Any]:
         Qwen3Config,
     )
 
+    common = {**COMMON, **overrides}
     return {
         "qwen2": Qwen2Config(
-            **COMMON, use_sliding_window=True, sliding_window=7, max_window_layers=1, tie_word_embeddings=True
+            **common, use_sliding_window=True, sliding_window=7, max_window_layers=1, tie_word_embeddings=True
         ),
-        "qwen3": Qwen3Config(**COMMON, head_dim=16),
-        "llama": LlamaConfig(**COMMON),
-        "mistral": MistralConfig(**COMMON, sliding_window=6),
+        "qwen3": Qwen3Config(**common, head_dim=16),
+        "llama": LlamaConfig(**common),
+        "mistral": MistralConfig(**common, sliding_window=6),
         "gemma2": Gemma2Config(
-            **COMMON,
+            **common,
             head_dim=16,
             sliding_window=5,
             query_pre_attn_scalar=16,
             attn_logit_softcapping=3.0,
             final_logit_softcapping=2.0,
         ),
-        "phi3": Phi3Config(**COMMON, sliding_window=6),
+        "phi3": Phi3Config(**common, sliding_window=6),
     }
 
 
 ARCHITECTURES = tuple(configs())
 
 
-def build(name: str, seed: int = 0) -> Any:
+def build(name: str, seed: int = 0, **overrides: Any) -> Any:
+    """A random-weight model; `overrides` replace entries of COMMON in its config."""
     from transformers import AutoModelForCausalLM
 
-    config = configs()[name]
+    config = configs(**overrides)[name]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
@@ -72,6 +75,6 @@ def build(name: str, seed: int = 0) -> Any:
     return model.eval()
 
 
-def save(name: str, directory: Path, seed: int = 0) -> Path:
-    build(name, seed).save_pretrained(directory, safe_serialization=True)
+def save(name: str, directory: Path, seed: int = 0, **overrides: Any) -> Path:
+    build(name, seed, **overrides).save_pretrained(directory, safe_serialization=True)
     return directory
