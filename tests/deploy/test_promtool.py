@@ -115,7 +115,7 @@ def alerts() -> dict[str, dict[str, Any]]:
     return {r["alert"]: r for g in rendered()["groups"] for r in g["rules"] if "alert" in r}
 
 
-def annotations(rule: dict[str, Any], value: str) -> dict[str, str]:
+def rendered_annotations(rule: dict[str, Any], value: str) -> dict[str, str]:
     return {k: re.sub(r"\{\{\s*\$value[^}]*\}\}", value, v) for k, v in rule["annotations"].items()}
 
 
@@ -124,7 +124,7 @@ def unit_tests(alert: str) -> dict[str, Any]:
     fire, silent = CASES[alert]
     tests = []
     for input_series, fires_at, not_yet_at, value in fire:
-        expected = {"exp_labels": rule["labels"], "exp_annotations": annotations(rule, value)}
+        expected = {"exp_labels": rule["labels"], "exp_annotations": rendered_annotations(rule, value)}
         tests.append({
             "name": f"{alert} fires",
             "interval": "1m",
