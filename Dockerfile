@@ -3,25 +3,26 @@
 #   docker run --gpus all --shm-size 8g -p 8000:8000 -v /srv/models:/models:ro \
 #     -e LOGPROBD_MODEL=/models/Qwen2.5-7B-Instruct logprobd:0.1.0
 # Settings are LOGPROBD_* environment variables (README, Configuration); the models are a
-# read-only volume at /models. The host needs an NVIDIA driver for CUDA 12.8 (>= 570) and the
+# read-only volume at /models. The host needs an NVIDIA driver for CUDA 13.0 (>= 580) and the
 # NVIDIA container toolkit.
+#
+# The default is the stack BENCHMARKS.md measured: torch 2.11 (CUDA 13.0), transformers 5.17 and the
+# `hopper` extra (flash-attn 4 + quack-kernels on nvidia-cutlass-dsl[cu13]), every pin in
+# docker/constraints.txt, everything from PyPI. For GPUs before Ampere, or flash-attn 2 instead:
+#   docker build --build-arg EXTRAS=fused --build-arg FLASH_ATTN_VERSION=2.8.3 -t logprobd:fa2 .
+# (flash-attn 2 from PyPI is an sdist: it compiles against the installed torch, which needs nvcc, i.e.
+# CUDA_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04, and about an hour.)
 
 # torch's CUDA wheels bring their own CUDA libraries; the runtime image is the CUDA userland
 # the NVIDIA container toolkit expects, on Ubuntu 24.04, whose python3 is 3.12.
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ARG CUDA_IMAGE=nvidia/cuda:13.0.2-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
-# torch, the CUDA build it comes from, and the flash-attn wheel built for that pair.
-ARG TORCH_VERSION=2.8.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-# flash-attn: its maintainers publish prebuilt wheels for each (CUDA major, torch minor, Python,
-# C++11 ABI) on their GitHub release; `pip install flash-attn --no-build-isolation` looks for the
-# same wheel, but falls back to compiling from source (nvcc, about an hour) when none matches. We
-# install the prebuilt wheel by URL, so a torch/CUDA/Python mismatch fails the build at once.
-# FLASH_ATTN_WHEEL_TAG must follow TORCH_VERSION; FLASH_ATTN_VERSION="" leaves flash-attn out (the
-# service then uses torch's own varlen attention, which needs torch >= 2.10).
-ARG FLASH_ATTN_VERSION=2.8.3
-ARG FLASH_ATTN_WHEEL_TAG=cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64
+# Extras of pyproject.toml (comma-separated): `fused` is liger-kernel, `hopper` flash-attn 4 and
+# quack-kernels (their nvidia-cutlass-dsl with its CUDA 13 libraries, the `cu13` extra).
+ARG EXTRAS=fused,hopper
+# "" leaves flash-attn 2 out (attention=auto then takes flash-attn 4, else torch's varlen kernel).
+ARG FLASH_ATTN_VERSION=""
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -43,25 +44,27 @@ RUN apt-get update \
         --shell /usr/sbin/nologin logprobd \
     && mkdir /models
 
-# The heaviest layer first, so it is cached across every change below it.
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+WORKDIR /opt/logprobd
+COPY docker/constraints.txt ./
 
-# Its own layer, after torch's: changing the wheel does not download torch again.
+# The heaviest layer first, so it is cached across every change below it.
+RUN pip install -c constraints.txt torch
+
+# Its own layer, after torch's: changing it does not download torch again. --no-build-isolation:
+# flash-attn 2 builds against the torch installed above.
 # hadolint ignore=DL3059
-RUN if [ -n "${FLASH_ATTN_VERSION}" ]; then pip install \
-    "https://github.com/Dao-AILab/flash-attention/releases/download/v${FLASH_ATTN_VERSION}/flash_attn-${FLASH_ATTN_VERSION}+${FLASH_ATTN_WHEEL_TAG}.whl"; \
+RUN if [ -n "${FLASH_ATTN_VERSION}" ]; then \
+        pip install --no-build-isolation -c constraints.txt "flash-attn==${FLASH_ATTN_VERSION}"; \
     fi
 
-# The service's dependencies and the extras named in EXTRAS (comma-separated; `fused` is liger-kernel,
-# `hopper` flash-attn 4 and quack-kernels, measured on torch 2.11 + CUDA 13, not on this image's pair)
-# from pyproject.toml alone, so this layer is rebuilt only when they change, not on every source edit.
-ARG EXTRAS=fused
-WORKDIR /opt/logprobd
+# The service's dependencies and the extras named in EXTRAS, from pyproject.toml alone, so this layer
+# is rebuilt only when they change, not on every source edit.
 COPY pyproject.toml ./
 RUN EXTRAS="${EXTRAS}" python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 extras = [e for e in os.environ['EXTRAS'].split(',') if e]; \
-print('\n'.join(p['dependencies'] + [r for e in extras for r in p['optional-dependencies'][e]]))" > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt \
+print('\n'.join(p['dependencies'] + [r for e in extras for r in p['optional-dependencies'][e]] \
++ (['nvidia-cutlass-dsl[cu13]'] if 'hopper' in extras else [])))" > /tmp/requirements.txt \
+    && pip install -c constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
 COPY README.md ./

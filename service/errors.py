@@ -157,6 +157,11 @@ _STATUS: dict[type[ServiceError], int] = {
 }
 
 
+# every `outcome` label of logprobd_requests_total: exported at 0 from the start, so that rate() and
+# the alerts see the first requests of an outcome (a series that appears at N has no increase)
+OUTCOMES = ("ok", *sorted({cls.kind for cls in _STATUS}))
+
+
 def status_for(error: ServiceError) -> int:
     for cls in type(error).__mro__:
         if cls in _STATUS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import Info as InfoMetric
 
+from service.errors import OUTCOMES
 from service.schemas import RolloutMismatch
 
 PREFIX = "logprobd"
@@ -22,6 +23,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "Scoring requests by outcome.", ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
         self.input_tokens = Counter(f"{PREFIX}_input_tokens", "Real tokens received.", registry=r)
         self.scored_tokens = Counter(f"{PREFIX}_scored_tokens", "Action tokens scored.", registry=r)
         self.sequences = Counter(f"{PREFIX}_sequences", "Sequences scored.", registry=r)

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from service.engine import optional
 from service.engine.context import CONTEXT_KWARG, KVContext
-from service.engine.optional import FAST_DTYPES, importable
+from service.engine.optional import FAST_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,35 +216,54 @@ def _flash_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments,
     return out
 
 
+# The fast backends `auto` tries on CUDA, in order: the module each needs, its package, and whether the
+# device can run it.
+_OPTIONAL = {
+    "flash_attn_cute": ("flash_attn.cute", "flash-attn-4"),
+    "flash_attn": ("flash_attn.flash_attn_interface", "flash-attn"),
+    "torch_varlen": ("torch.nn.attention.varlen", "torch >= 2.10"),
+}
+_DEVICE_NEEDED = {
+    "flash_attn_cute": "a CUDA device of compute capability 8.0 or later",
+    "torch_varlen": "a CUDA device",
+}
+
+
+def _device_can_run(name: str, device: torch.device) -> bool:
+    if name == "flash_attn_cute":
+        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+    if name == "torch_varlen":
+        return device.type == "cuda"
+    return True
+
+
+def _build(name: str) -> AttentionBackend:
+    if name == "flash_attn_cute":
+        return AttentionBackend(name, _flash_cute_kernel())
+    if name == "flash_attn":
+        return AttentionBackend(name, flash_attn_kernel)
+    return AttentionBackend(name, _torch_varlen_kernel())
+
+
 def choose_backend(requested: str, device: torch.device) -> AttentionBackend:
     """Resolve the `attention` setting: auto prefers flash-attn 4 (on compute capability 8.0 and up),
-    then flash-attn 2, then torch varlen, on CUDA."""
-    available = {
-        "flash_attn_cute": device.type == "cuda"
-        and torch.cuda.get_device_capability(device)[0] >= 8
-        and importable("flash_attn.cute"),
-        "flash_attn": importable("flash_attn.flash_attn_interface"),
-        "torch_varlen": device.type == "cuda" and importable("torch.nn.attention.varlen"),
-    }
+    then flash-attn 2, then torch varlen, on CUDA, skipping (with one warning) a package that is
+    installed but does not import; an explicit kernel that cannot run fails with the reason."""
     if requested == "auto":
-        fast = next((name for name, ok in available.items() if ok), "sdpa")
-        requested = fast if device.type == "cuda" else "sdpa"
-    if requested == "flash_attn_cute":
-        if not available["flash_attn_cute"]:
-            raise RuntimeError(
-                "attention=flash_attn_cute needs the flash-attn-4 package and a CUDA device of compute "
-                "capability 8.0 or later"
-            )
-        return AttentionBackend("flash_attn_cute", _flash_cute_kernel())
-    if requested == "flash_attn":
-        if not available["flash_attn"]:
-            raise RuntimeError("attention=flash_attn but the flash_attn package is not importable")
-        return AttentionBackend("flash_attn", flash_attn_kernel)
-    if requested == "torch_varlen":
-        if not available["torch_varlen"]:
-            raise RuntimeError("attention=torch_varlen needs torch.nn.attention.varlen and a CUDA device")
-        return AttentionBackend("torch_varlen", _torch_varlen_kernel())
-    return AttentionBackend("sdpa", sdpa_kernel)
+        if device.type != "cuda":
+            return AttentionBackend("sdpa", sdpa_kernel)
+        for name, (module, package) in _OPTIONAL.items():
+            if _device_can_run(name, device) and optional.importable(module, package):
+                return _build(name)
+        return AttentionBackend("sdpa", sdpa_kernel)
+    if requested == "sdpa":
+        return AttentionBackend("sdpa", sdpa_kernel)
+    module, package = _OPTIONAL[requested]
+    if not _device_can_run(requested, device):
+        needed = _DEVICE_NEEDED[requested]
+        raise RuntimeError(f"attention={requested} needs {needed} and the {package} package")
+    optional.required(module, package, f"attention={requested}")
+    return _build(requested)
 
 
 def register(backend: AttentionBackend) -> str:

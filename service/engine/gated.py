@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from service.engine.optional import FAST_DTYPES, importable
+from service.engine import optional
+from service.engine.optional import FAST_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,17 @@ def _quack(fallback: GatedProjection) -> GatedProjection:
     return GatedProjection("quack", project)
 
 
+QUACK = ("quack.gemm_interface", "quack-kernels")
+
+
+def _device_can_run(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def quack_available(device: torch.device) -> bool:
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    return importable("quack.gemm_interface")
+    """A CUDA device of compute capability 9.0+ and a quack-kernels that imports (a broken one: one
+    warning, False)."""
+    return _device_can_run(device) and optional.importable(*QUACK)
 
 
 def choose(
@@ -81,15 +89,16 @@ def choose(
     fallback = split(swiglu)
     if setting == "split":
         return fallback
-    available = quack_available(device)
     if setting == "quack":
-        if not available:
+        if not quack_available(device):
+            if _device_can_run(device):
+                optional.required(*QUACK, "mlp_kernel=quack")  # raises: what is wrong with the package
             raise RuntimeError(
                 "mlp_kernel=quack needs the quack-kernels package and a CUDA device of compute "
                 "capability 9.0 or later"
             )
         return _quack(fallback)
-    if not available or dtype not in FAST_DTYPES:
+    if not quack_available(device) or dtype not in FAST_DTYPES:
         return fallback
     try:
         fused = _quack(fallback)

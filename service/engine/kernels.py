@@ -10,7 +10,6 @@ The model's head is untouched (no fused cross-entropy: logprobd runs its own hea
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import logging
 import sys
@@ -18,9 +17,12 @@ from typing import Any
 
 import torch
 
+from service.engine import optional
 from service.engine.rope import fuse_rope
 
 log = logging.getLogger(__name__)
+
+LIGER = "liger_kernel.transformers"
 
 _WANTED = {
     "rope": False,  # module-wide in liger: installed per instance below instead
@@ -37,7 +39,7 @@ def apply_fused_kernels(model: Any, setting: str, device: torch.device) -> str:
     if setting == "none" or (setting == "auto" and device.type != "cuda"):
         return "none"
     model_type = str(model.config.model_type)
-    patch = _liger_patch(model_type)
+    patch = _liger_patch(model_type, setting)
     if patch is None:
         if setting == "liger":
             raise RuntimeError(
@@ -59,12 +61,15 @@ def apply_fused_kernels(model: Any, setting: str, device: torch.device) -> str:
     return "liger"
 
 
-def _liger_patch(model_type: str) -> Any:
-    if importlib.util.find_spec("liger_kernel") is None:
-        return None
-    import liger_kernel.transformers as liger
-
-    return getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
+def _liger_patch(model_type: str, setting: str) -> Any:
+    """liger's patch function for `model_type`, None where there is none. A liger-kernel that is
+    installed but does not import: None with one warning under auto, an error under kernels=liger."""
+    liger = (
+        optional.required(LIGER, "liger-kernel", "kernels=liger")
+        if setting == "liger"
+        else optional.optional(LIGER, "liger-kernel")
+    )
+    return getattr(liger, f"apply_liger_kernel_to_{model_type}", None) if liger is not None else None
 
 
 def _liger_rope() -> Any:

@@ -16,14 +16,12 @@ from typing import Any
 
 import torch
 
+from service.engine import optional
 
-@functools.cache
+
 def triton() -> Any:
-    """The triton module, or None where it is not importable."""
-    try:
-        return importlib.import_module("triton")
-    except ImportError:
-        return None
+    """The triton module, or None where it is missing or does not import (then one warning)."""
+    return optional.optional("triton", "triton")
 
 
 def interpreting() -> bool:

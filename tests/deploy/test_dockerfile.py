@@ -94,44 +94,59 @@ def test_runs_as_the_non_root_user_the_chart_expects() -> None:
     assert values["server"]["port"] == int(one("EXPOSE"))
 
 
-def test_base_image_torch_and_flash_attn_agree() -> None:
-    """CUDA runtime image, torch's CUDA build and the flash-attn wheel name one CUDA, one torch and
-    Python 3.12 (Ubuntu 24.04's)."""
+def test_the_default_is_the_measured_stack_from_registries() -> None:
+    """CUDA 13 runtime image, torch and the `hopper` extra under docker/constraints.txt (whose pins
+    tests/deploy/test_image_pins.py checks), Python 3.12 (Ubuntu 24.04's); no download by URL, and
+    flash-attn 2 only as a build argument."""
     args = dict(rest.split("=", 1) for kw, rest in instructions() if kw == "ARG" and "=" in rest)
-    image = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-runtime-ubuntu24\.04", args["CUDA_IMAGE"])
-    assert image, args["CUDA_IMAGE"]
-    cuda = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)", args["TORCH_INDEX_URL"])
-    assert cuda, args["TORCH_INDEX_URL"]
-    assert cuda.group(1) == image.group(1) + image.group(2)  # cu128 <-> 12.8
-    torch_minor = ".".join(args["TORCH_VERSION"].split(".")[:2])
-    wheel = f"cu{image.group(1)}torch{torch_minor}cxx11abiTRUE-cp312-cp312-linux_x86_64"
-    assert args["FLASH_ATTN_WHEEL_TAG"] == wheel
+    assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-runtime-ubuntu24\.04", args["CUDA_IMAGE"])
+    assert args["EXTRAS"].split(",") == ["fused", "hopper"]
+    assert args["FLASH_ATTN_VERSION"] == '""'
+    runs = [rest for kw, rest in instructions() if kw == "RUN"]
+    installs = [r for r in runs if "pip install" in r and "--no-deps ." not in r]
+    assert all("-c constraints.txt" in r for r in installs), installs
+    assert not re.search(r"https?://", " ".join(runs))  # packages come from the index, not a URL
+    assert ("COPY", "docker/constraints.txt ./") in instructions()
     text = DOCKERFILE.read_text()
     assert "python3.12 -m venv" in text
     assert '"/models"' in one("VOLUME")
 
 
-@pytest.mark.parametrize(
-    ("extras", "wanted"), [(None, ["liger-kernel"]), ("fused,hopper", ["liger-kernel", "flash-attn-4"])]
-)
-def test_requirements_are_the_dependencies_and_the_extras_asked_for(
-    extras: str | None, wanted: list[str]
-) -> None:
-    """The image's requirements step, run here on pyproject.toml: the dependencies, plus liger-kernel
-    (the default EXTRAS=fused) or every extra `--build-arg EXTRAS=…` names."""
+REQUIREMENTS_STEP = "pip install -c constraints.txt -r"
+
+
+def requirements_step(extras: str | None) -> list[str]:
+    """The image's requirements step, run here on pyproject.toml: what it passes to pip for EXTRAS
+    (None: the Dockerfile's default)."""
     args = dict(rest.split("=", 1) for kw, rest in instructions() if kw == "ARG" and "=" in rest)
-    (step,) = [rest for kw, rest in instructions() if kw == "RUN" and "pip install -r" in rest]
+    (step,) = [
+        rest for kw, rest in instructions() if kw == "RUN" and "pip install -c constraints.txt -r" in rest
+    ]
     code = re.search(r'python -c "(.*?)" >', step)
     assert code, step
     env = {"EXTRAS": args["EXTRAS"] if extras is None else extras, "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [sys.executable, "-c", code.group(1)], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     )
-    lines = out.stdout.split("\n")
+    return [line for line in out.stdout.split("\n") if line]
+
+
+@pytest.mark.parametrize(
+    ("extras", "wanted"),
+    [(None, ["liger-kernel", "flash-attn-4", "nvidia-cutlass-dsl[cu13]"]), ("fused", ["liger-kernel"])],
+)
+def test_requirements_are_the_dependencies_and_the_extras_asked_for(
+    extras: str | None, wanted: list[str]
+) -> None:
+    """The dependencies, plus liger-kernel and the `hopper` extra with nvidia-cutlass-dsl's CUDA 13
+    libraries (the default EXTRAS=fused,hopper) or the extras `--build-arg EXTRAS=…` names."""
+    lines = requirements_step(extras)
     assert any(line.startswith("transformers") for line in lines)
     for name in wanted:
         assert any(line.startswith(name) for line in lines), (name, lines)
-    assert any(line.startswith("flash-attn-4") for line in lines) == ("hopper" in env["EXTRAS"])
+    hopper = extras is None or "hopper" in extras
+    assert any(line.startswith("flash-attn-4") for line in lines) == hopper
+    assert ("nvidia-cutlass-dsl[cu13]" in lines) == hopper
 
 
 def test_dependencies_are_a_layer_below_the_source() -> None:
@@ -140,15 +155,15 @@ def test_dependencies_are_a_layer_below_the_source() -> None:
     steps = instructions()
     order = [i for i, (kw, rest) in enumerate(steps) if kw in {"COPY", "RUN"}]
     copy_pyproject = next(i for i in order if steps[i] == ("COPY", "pyproject.toml ./"))
-    install_deps = next(i for i in order if "pip install -r" in steps[i][1])
+    install_deps = next(i for i in order if REQUIREMENTS_STEP in steps[i][1])
     copy_source = next(i for i in order if steps[i][0] == "COPY" and "service" in steps[i][1])
-    torch = next(i for i in order if "torch==" in steps[i][1])
+    torch = next(i for i in order if steps[i][1] == "pip install -c constraints.txt torch")
     assert torch < copy_pyproject < install_deps < copy_source
 
 
 def test_dockerignore_sends_only_what_the_image_needs() -> None:
     lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
     assert "*" in lines
-    assert {"!pyproject.toml", "!README.md", "!service/"} <= set(lines)
+    assert {"!pyproject.toml", "!README.md", "!service/", "!docker/constraints.txt"} <= set(lines)
     copied = {rest.split()[0] for kw, rest in instructions() if kw == "COPY"}
-    assert copied == {"pyproject.toml", "README.md", "service"}
+    assert copied == {"pyproject.toml", "README.md", "service", "docker/constraints.txt"}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.engine import attention, optional
+from service.engine import optional
 from service.engine.attention import BACKENDS, AttentionBackend, Segments, choose_backend, sdpa_kernel
 from service.engine.scorer import _versions
 
@@ -63,7 +63,7 @@ def test_sdpa_kernel_matches_dense_reference(
 
 def test_auto_backend_on_cpu_is_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
-    monkeypatch.setattr(attention, "importable", lambda module: True)  # flash-attn 2 installed on a CPU host
+    monkeypatch.setattr(optional, "importable", lambda module, package: True)  # flash-attn 2 on a CPU host
     assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
     with pytest.raises(RuntimeError, match="CUDA"):
         choose_backend("torch_varlen", torch.device("cpu"))
@@ -83,14 +83,16 @@ def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
         monkeypatch.delitem(sys.modules, name)
-    assert optional.importable("flash_attn.cute")
-    assert not optional.importable("flash_attn.flash_attn_interface")
-    with pytest.raises(RuntimeError, match="flash_attn package is not importable"):
+    optional.forget()
+    assert optional.importable("flash_attn.cute", "flash-attn-4")
+    assert not optional.importable("flash_attn.flash_attn_interface", "flash-attn")
+    with pytest.raises(RuntimeError, match="needs the flash-attn package, which is not installed"):
         choose_backend("flash_attn", torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="flash-attn-4 package and a CUDA device"):
+    with pytest.raises(RuntimeError, match=r"capability 8\.0 or later and the flash-attn-4 package"):
         choose_backend("flash_attn_cute", torch.device("cpu"))
     assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
     assert _versions()["flash_attn_4"] == "4.0.0b1"
+    optional.forget()  # the fake flash_attn.cute leaves with the test
 
 
 def _gpu_backends() -> list[str]:

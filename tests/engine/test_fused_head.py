@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from service.engine import fused_head, triton_jit
+from service.engine import fused_head, optional, triton_jit
 from service.engine.head import LogitTransform, score_actions
 from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
 
@@ -141,11 +141,11 @@ def test_soft_capping_cannot_be_forced_onto_the_kernel() -> None:
 
 def test_without_triton_the_kernel_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
-    triton_jit.triton.cache_clear()
+    optional.forget()
     try:
         assert not triton_jit.available(torch.device("cuda"))
     finally:
-        triton_jit.triton.cache_clear()
+        optional.forget()
 
 
 @pytest.mark.gpu
