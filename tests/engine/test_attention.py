@@ -156,3 +156,32 @@ def test_registered_names_do_not_impersonate_transformers_kernels(name: str) -> 
     implementation = AttentionBackend(name, sdpa_kernel).implementation
     assert "sdpa" not in implementation
     assert "flash" not in implementation
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize(("lengths", "window", "softcap"), CASES)
+def test_gpu_kernel_with_a_context_matches_cpu_twin(
+    backend: str, lengths: list[int], window: int | None, softcap: float | None
+) -> None:
+    """The last segment's queries are its last 40 % of tokens, its keys all of them (a chunk after its
+    cached context, bottom-right causal): each fast kernel against the CPU twin (sdpa_kernel)."""
+    kernel = choose_backend(backend, torch.device("cuda")).kernel
+    q, k, v, whole = make_inputs(lengths, "cuda", torch.bfloat16, window, softcap)
+    context = lengths[-1] - max(1, (2 * lengths[-1]) // 5)  # keys the last segment's queries see first
+    keep = torch.ones(q.shape[0], dtype=torch.bool)
+    keep[sum(lengths[:-1]) : sum(lengths[:-1]) + context] = False  # its context's queries are not run
+    queries = [*lengths[:-1], lengths[-1] - context]
+    cu_q = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    seg = Segments(cu_q, max(queries), whole.scale, window, softcap, whole.cu, whole.max_len)
+    got = kernel(q[keep.cuda()], k, v, seg).float()
+    want = sdpa_kernel(q[keep.cuda()].float().cpu(), k.float().cpu(), v.float().cpu(), _on_cpu(seg))
+    torch.testing.assert_close(got.cpu(), want, atol=2e-2, rtol=2e-2)
+    full = sdpa_kernel(q.float().cpu(), k.float().cpu(), v.float().cpu(), _on_cpu(whole))
+    torch.testing.assert_close(want, full[keep], atol=1e-5, rtol=1e-5)  # = the whole sequence's rows
+
+
+def _on_cpu(seg: Segments) -> Segments:
+    cu_k = seg.cu_k.cpu() if seg.cu_k is not None else None
+    return Segments(seg.cu.cpu(), seg.max_len, seg.scale, seg.window, seg.softcap, cu_k, seg.max_len_k)
