@@ -28,8 +28,8 @@ serve: install  ## run the server (demo model unless LOGPROBD_MODEL or ARGS="--m
 test: lint typecheck docs pytest  ## every gate: ruff, mypy --strict, the docs build, the test suite
 
 lint: install
-	$(PY) -m ruff check service tests benchmarks examples docs
-	$(PY) -m ruff format --check service tests benchmarks examples docs
+	$(PY) -m ruff check service tests benchmarks examples docs/hooks.py
+	$(PY) -m ruff format --check service tests benchmarks examples docs/hooks.py
 
 typecheck: install
 	$(PY) -m mypy service tests benchmarks examples docs/hooks.py

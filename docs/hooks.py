@@ -88,7 +88,12 @@ def schema_type(schema: dict[str, Any]) -> str:
         return f"array of {schema_type(schema.get('items', {}))}"
     bounds = [
         f"{op} {schema[key]:g}"
-        for key, op in (("minimum", "≥"), ("exclusiveMinimum", ">"), ("maximum", "≤"), ("maxLength", "length ≤"))
+        for key, op in (
+            ("minimum", "≥"),
+            ("exclusiveMinimum", ">"),
+            ("maximum", "≤"),
+            ("maxLength", "length ≤"),
+        )
         if key in schema
     ]
     return " ".join([kind, *bounds])
@@ -102,7 +107,13 @@ def properties_table(schema: dict[str, Any]) -> list[str]:
     required = set(schema.get("required", []))
     lines = ["| field | type | default | description |", "| --- | --- | --- | --- |"]
     for name, prop in schema.get("properties", {}).items():
-        default = "required" if name in required else f"`{json.dumps(prop['default'])}`" if "default" in prop else ""
+        default = (
+            "required"
+            if name in required
+            else f"`{json.dumps(prop['default'])}`"
+            if "default" in prop
+            else ""
+        )
         lines.append(
             f"| `{name}` | {_cell(schema_type(prop))} | {default} | {_cell(prop.get('description', ''))} |"
         )
@@ -126,10 +137,14 @@ def render_openapi(spec: dict[str, Any]) -> str:
             for kind, body in op.get("requestBody", {}).get("content", {}).items():
                 out += [f"Request body, `{kind}`:", ""]
                 body_schema = body.get("schema", {})
-                out += [*properties_table(body_schema), ""] if "properties" in body_schema else [
-                    f"{_cell(body_schema.get('description', schema_type(body_schema)))}",
-                    "",
-                ]
+                out += (
+                    [*properties_table(body_schema), ""]
+                    if "properties" in body_schema
+                    else [
+                        f"{_cell(body_schema.get('description', schema_type(body_schema)))}",
+                        "",
+                    ]
+                )
             out += ["| status | description | body |", "| --- | --- | --- |"]
             for status, response in op.get("responses", {}).items():
                 schemas = [
