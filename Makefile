@@ -11,7 +11,7 @@ else
 TRANSFORMERS_REQ := transformers==$(TRANSFORMERS)
 endif
 
-.PHONY: install serve test lint typecheck pytest openapi gpu-parity clean
+.PHONY: install serve test lint typecheck docs pytest openapi config-docs gpu-parity clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,14 +25,17 @@ install: $(STAMP)
 serve: install  ## run the server (demo model unless LOGPROBD_MODEL or ARGS="--model DIR")
 	$(PY) -m service serve $(ARGS)
 
-test: lint typecheck pytest  ## every gate: ruff, mypy --strict, the test suite
+test: lint typecheck docs pytest  ## every gate: ruff, mypy --strict, the docs build, the test suite
 
 lint: install
-	$(PY) -m ruff check service tests benchmarks examples
-	$(PY) -m ruff format --check service tests benchmarks examples
+	$(PY) -m ruff check service tests benchmarks examples docs/hooks.py
+	$(PY) -m ruff format --check service tests benchmarks examples docs/hooks.py
 
 typecheck: install
-	$(PY) -m mypy service tests benchmarks examples
+	$(PY) -m mypy service tests benchmarks examples docs/hooks.py
+
+docs: install  ## build the documentation site into build/site; --strict: any warning fails
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 pytest: install
 	$(PY) -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
@@ -41,7 +44,10 @@ pytest: install
 openapi: install  ## regenerate openapi.yaml from the app
 	$(PY) -m service openapi --output openapi.yaml
 
-gpu-parity:  ## on a CUDA host: parity suite in bf16/fp16/fp32 (see README, Development)
+config-docs: install  ## regenerate docs/configuration.md from service/settings.py
+	$(PY) -m service config-docs --output docs/configuration.md
+
+gpu-parity:  ## on a CUDA host: parity suite in bf16/fp16/fp32 (docs/development.md)
 	bash tests/gpu/run_parity.sh
 
 clean:

@@ -1,4 +1,4 @@
-"""python -m service serve|openapi: parse the command line, build Settings, run. No logic here."""
+"""python -m service serve|openapi|config-docs: parse the command line, build Settings, run. No logic here."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
         )
     openapi = commands.add_parser("openapi", help="print the OpenAPI document as YAML")
     openapi.add_argument("--output", type=Path, default=None)
+    config_docs = commands.add_parser("config-docs", help="print docs/configuration.md, from the settings")
+    config_docs.add_argument("--output", type=Path, default=None)
     return parser
 
 
@@ -45,6 +47,15 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(text)
         else:
             args.output.write_text(text)
+        return 0
+    if args.command == "config-docs":
+        from service.configdoc import render_configuration
+
+        page = render_configuration()
+        if args.output is None:
+            sys.stdout.write(page)
+        else:
+            args.output.write_text(page)
         return 0
     overrides = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
     settings = Settings(**overrides)

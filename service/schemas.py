@@ -20,7 +20,7 @@ Flag = Annotated[int, Strict()]
 
 
 class LogprobsRequest(BaseModel):
-    """Sequences to score, in one of four layouts (see the README's semantics section).
+    """Sequences to score, in one of four layouts (docs/api.md, 'Layouts').
 
     - ragged `input_ids` + `num_actions`: the last `num_actions[i]` tokens of each row are actions;
     - ragged `input_ids` + `action_mask` (one 0/1 per token): window is tokens 1..L-1;

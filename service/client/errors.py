@@ -1,6 +1,6 @@
 """The one exception a caller of the client sees, built from logprobd's `{"error": {...}}` body.
 
-Knows nothing of the server's code: it reads the wire format (README, "The API") and nothing else.
+Knows nothing of the server's code: it reads the wire format (docs/api.md) and nothing else.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class RolloutStats:
     tokens: int
     mean_abs_diff: float  # mean |d|
     max_abs_diff: float  # max |d|
-    mean_kl_k3: float  # mean k3 estimate of the KL between rollout and policy (README, "The API")
+    mean_kl_k3: float  # mean k3 estimate of the KL between rollout and policy (docs/api.md)
     ratio_outside_fraction: float  # share of tokens whose ratio exp(d) is outside [0.5, 2]
 
     @classmethod

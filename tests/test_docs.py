@@ -1,0 +1,79 @@
+"""The generated documentation cannot drift: docs/configuration.md is what `Settings` and the command
+line render, the OpenAPI page names every route and field of openapi.yaml, the metrics table every
+metric, and the observability page has a runbook for every alert of the chart."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from types import ModuleType
+
+import yaml
+
+from service.__main__ import _parser
+from service.configdoc import render_configuration, serve_options
+from service.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_configuration_page_has_not_drifted() -> None:
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == render_configuration(), "docs/configuration.md is stale: run `make config-docs`"
+
+
+def test_configuration_page_names_every_flag_and_variable() -> None:
+    page = render_configuration()
+    options = serve_options(_parser())
+    assert set(options) == set(Settings.model_fields)
+    rows = [line for line in page.splitlines() if line.startswith("| `--")]
+    assert len(rows) == len(Settings.model_fields)
+    for row, (name, field) in zip(rows, Settings.model_fields.items(), strict=True):
+        assert row.startswith(f"| `{options[name].option_strings[0]}"), row
+        assert f"`LOGPROBD_{name.upper()}`" in row
+        assert (field.description or "").split(".")[0].replace("|", "\\|") in row
+
+
+def test_openapi_page_names_every_route_and_field() -> None:
+    spec = yaml.safe_load((ROOT / "openapi.yaml").read_text())
+    page = hooks().render_openapi(spec)
+    for path, methods in spec["paths"].items():
+        for method, op in methods.items():
+            assert f"## `{method.upper()} {path}`" in page
+            for body in op.get("requestBody", {}).get("content", {}).values():
+                for field in body.get("schema", {}).get("properties", {}):
+                    assert f"| `{field}` |" in page
+    for name, schema in spec["components"]["schemas"].items():
+        assert f"### {name}" in page
+        for field in schema.get("properties", {}):
+            assert f"| `{field}` |" in page
+
+
+def test_metrics_table_lists_every_metric() -> None:
+    from service.metrics import Metrics
+
+    table = hooks().render_metrics()
+    types = [
+        line.split()[2] for line in Metrics().render().decode().splitlines() if line.startswith("# TYPE")
+    ]
+    exported = {name for name in types if not name.endswith("_created")}  # prometheus_client's own
+    listed = set(re.findall(r"^\| `(logprobd_\w+)`", table, re.MULTILINE))
+    assert listed == exported
+
+
+def test_every_alert_has_a_runbook() -> None:
+    rules = (ROOT / "helm/logprobd/templates/prometheusrule.yaml").read_text()
+    alerts = set(re.findall(r"- alert: (\w+)", rules))
+    page = (ROOT / "docs" / "observability.md").read_text()
+    assert alerts
+    assert alerts == set(re.findall(r"^### (Logprobd\w+)$", page, re.MULTILINE))
