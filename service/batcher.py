@@ -362,9 +362,9 @@ class Batcher:
             await self._launch(_Batch(batch.pending[:half]))
             await self._launch(_Batch(batch.pending[half:]))
             return
+        tokens = batch.chunk.job.num_tokens if batch.chunk is not None else batch.tokens
         self._fail(
-            batch,
-            SequenceTooLarge(f"a sequence of {batch.tokens} tokens does not fit in accelerator memory"),
+            batch, SequenceTooLarge(f"a sequence of {tokens} tokens does not fit in accelerator memory")
         )
 
     async def _collect(self, flight: _Flight, handle: Launched) -> None:
@@ -406,6 +406,8 @@ class Batcher:
         self._fail_futures(batch.futures, error)
         if batch.chunked is not None and batch.chunked is self._chunked:
             self._end_chunked()
+        elif batch.chunk is not None:  # its last chunk: the engine may still hold its stores
+            self._executor.submit(self._engine.release, batch.chunk.sequence)
 
     def _end_chunked(self) -> None:
         """Stop scoring the chunked sequence (done, failed or cancelled); the engine drops its stores."""

@@ -507,11 +507,6 @@ def test_cancelled_and_failed_long_requests_do_not_break_the_next(
         assert s.engine._stores == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: PackedScorer.launch releases a chunked sequence's stores on out-of-memory, and the "
-    "batcher then retries the chunk alone, which finds no stores (KeyError) unless it is the first",
-)
 def test_out_of_memory_beside_a_later_chunk_retries_it_exactly(
     long_dirs: dict[str, Path], long_refs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

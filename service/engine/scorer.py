@@ -347,9 +347,7 @@ class PackedScorer:
         """Queue the micro-batch's forwards and the copies of its scores to host memory; no wait."""
         try:
             return self._launch(jobs, chunk)
-        except torch.OutOfMemoryError as exc:
-            if chunk is not None:
-                self.release(chunk.sequence)
+        except torch.OutOfMemoryError as exc:  # a chunk's stores stay: the batcher retries it
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
             tokens = sum(job.num_tokens for job in jobs) + (chunk.num_tokens if chunk else 0)
@@ -379,10 +377,7 @@ class PackedScorer:
             }
             roles = [role for role in wanted if wanted[role] and role in self._weights]
             self._stores[chunk.sequence] = {role: KVStore(capacity) for role in roles}
-        stores = self._stores[chunk.sequence]
-        if chunk.last:
-            del self._stores[chunk.sequence]  # freed once the work queued on them is done
-        return stores
+        return self._stores[chunk.sequence]
 
     @torch.inference_mode()
     def _launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None) -> InFlight:
@@ -397,6 +392,8 @@ class PackedScorer:
         if self._critic is not None and any(job.return_values for job in every):
             assert self._critic_forward is not None
             values = _critic_values(self._critic, self._critic_forward, batch.attach(stores.get("critic")))
+        if chunk is not None and chunk.last:
+            self.release(chunk.sequence)  # freed once the work queued on the stores is done
         to_host = _host_copier(self._device, batch.num_actions)  # the padding actions' scores stay behind
         logprobs = to_host(policy.logprobs)
         assert logprobs is not None
