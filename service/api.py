@@ -110,7 +110,7 @@ def build_router(state: ServiceState) -> APIRouter:
         rollout = rollout_mismatch([s.logprobs for s in scores], plan.rollout) if plan.rollout else None
         if rollout is not None:
             metrics.observe_rollout(rollout)
-        answered = answer(plan, scores, serving.info.model, scored.versions, rollout)
+        answered = answer(plan, scores, serving.info, scored.versions, rollout)
         media_type = MEDIA_TYPE if MEDIA_TYPE in http.headers.get("accept", "") else "application/json"
         body = to_frame(answered) if media_type == MEDIA_TYPE else to_json(answered)
         metrics.requests.labels("ok").inc()
@@ -150,6 +150,7 @@ def build_router(state: ServiceState) -> APIRouter:
             max_sequence_tokens=i.max_sequence_tokens or i.max_positions,
             max_sequence_limit=i.max_sequence_limit,
             max_batch_tokens=state.settings.max_batch_tokens,
+            batch_invariant=i.batch_invariant,
             versions=i.versions,
             models=[ModelSummary(**dataclasses.asdict(m)) for m in i.models],
             weights_version=state.serving.reloader.weights["policy"].version,

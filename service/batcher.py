@@ -165,13 +165,17 @@ class Batcher:
         wait_s: float = 0.0,
         max_queued_tokens: int | None = None,
         hold_s: float = LAUNCH_HOLD_S,
+        chunk_tokens: int | None = None,
     ) -> None:
+        """chunk_tokens: cut long sequences into chunks of exactly this many tokens (the last one
+        less), whatever else is queued (batch invariance); None: each chunk takes the budget left."""
         self._engine = engine
         self._budget = max_batch_tokens
         self._max_queued = max_queued_tokens
         self._tokens_per_s = 0.0  # moving average of the engine's speed, for Retry-After
         self._wait_s = wait_s  # collation window when the engine is idle and the queue under budget
         self._hold_s = hold_s
+        self._chunk_tokens = chunk_tokens
         self._metrics = metrics
         self._queue: deque[_Pending] = deque()
         self._swaps: deque[_Swap] = deque()
@@ -198,6 +202,7 @@ class Batcher:
             wait_s=settings.batch_wait_ms / 1e3,
             hold_s=settings.launch_hold_ms / 1e3,
             max_queued_tokens=settings.max_queued_tokens,
+            chunk_tokens=invariant_chunk(settings.max_batch_tokens) if settings.batch_invariant else None,
         )
 
     def start(self) -> None:
@@ -513,12 +518,12 @@ class Batcher:
     def _with_chunk(self, batch: list[_Pending], tokens: int) -> _Batch:
         """`batch`, ended by the next chunk of the chunked sequence, in the budget left."""
         chunked = self._chunked
-        least = min(SHAPE_STEP, max(1, self._budget // 8))
+        least = self._chunk_tokens or min(SHAPE_STEP, max(1, self._budget // 8))
         if chunked is None or (batch and self._budget - tokens < least):  # no room: the next one
             return _Batch(batch)
         job = chunked.pending.job
         start = chunked.next_start
-        end = min(job.num_tokens, start + self._budget - tokens)
+        end = min(job.num_tokens, start + (self._chunk_tokens or self._budget - tokens))
         chunked.next_start = end
         self._queued(-(end - start))
         if end == job.num_tokens:
@@ -532,6 +537,13 @@ class Batcher:
             self._fail_futures(request.futures, exc)
             return
         request.versions = self._versions
+
+
+def invariant_chunk(budget: int) -> int:
+    """The fixed chunk of batch-invariant mode: half the budget, a multiple of 1024 tokens where it
+    can be (the engine's GEMM calls; invariant.GEMM_ROWS), so whole sequences share its micro-batch."""
+    half = budget // 2
+    return half // 1024 * 1024 or max(1, half)
 
 
 def _serving_versions(engine: ScoringEngine) -> Mapping[str, str]:

@@ -9,6 +9,7 @@ import numpy as np
 import orjson
 
 from service.diagnostics import kl
+from service.engine.base import EngineInfo
 from service.jobs import FloatArray, SequenceScores
 from service.normalise import ScoringPlan
 from service.schemas import RolloutMismatch
@@ -33,7 +34,7 @@ def to_json(body: dict[str, Any]) -> bytes:
 def answer(
     plan: ScoringPlan,
     scores: list[SequenceScores],
-    model: str,
+    info: EngineInfo,
     versions: Mapping[str, str],
     rollout: RolloutMismatch | None = None,
 ) -> dict[str, Any]:
@@ -46,7 +47,7 @@ def answer(
         mask[window.slots] = 1
         masks.append(mask)
     body: dict[str, Any] = {
-        "model": model,
+        "model": info.model,
         "logprobs": _rows(plan, [s.logprobs for s in scores]),
         "entropy": _rows(plan, [s.entropy for s in scores]) if job.return_entropy else None,
         "values": _rows(plan, [s.values for s in scores]) if job.return_values else None,
@@ -58,6 +59,7 @@ def answer(
         "weights_version": versions["policy"],
         "ref_weights_version": versions["reference"] if job.return_ref else None,
         "critic_weights_version": versions["critic"] if job.return_values else None,
+        "batch_invariant": info.batch_invariant,
     }
     if job.return_ref:
         body["ref_logprobs"] = _rows(plan, [s.ref_logprobs for s in scores])

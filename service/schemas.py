@@ -148,6 +148,11 @@ class LogprobsResponse(BaseModel):
     critic_weights_version: str | None = Field(
         None, description="Version of the critic weights (with values)."
     )
+    batch_invariant: bool = Field(
+        False,
+        description="The server runs batch-invariant (--batch-invariant): these scores are bitwise the same "
+        "however the sequences were batched.",
+    )
 
 
 class ErrorDetail(BaseModel):
@@ -269,6 +274,9 @@ class Info(BaseModel):
         "the sequence's keys and values, or the max_sequence_tokens setting."
     )
     max_batch_tokens: int
+    batch_invariant: bool = Field(
+        description="Scores are bitwise independent of batching (--batch-invariant; GEMMs in fixed calls)."
+    )
     versions: dict[str, str]
     models: list[ModelSummary] = Field(description="Every model loaded, with its memory.")
     weights_version: str = Field(description="Version of the policy weights now serving.")

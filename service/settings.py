@@ -97,6 +97,14 @@ class Settings(BaseSettings):
         "(with its rope scaling) or, on a GPU, what memory holds of the sequence's keys and values beside "
         "the weights and a micro-batch, if less (measured at start); set above that, the start fails.",
     )
+    batch_invariant: bool = Field(
+        False,
+        description="Batch-invariant scores: a sequence's log-probs, entropy, values and reference "
+        "log-probs are bitwise the same however it is batched (alone, anywhere in any micro-batch, beside "
+        "any other request), across restarts on the same GPU and software. Every GEMM runs in calls of "
+        "1024 rows and micro-batches are padded to them; a sequence longer than a micro-batch is cut at "
+        "fixed positions. Costs throughput (BENCHMARKS.md).",
+    )
     batch_wait_ms: float = Field(
         5.0,
         ge=0,

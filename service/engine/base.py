@@ -40,6 +40,7 @@ class EngineInfo:
     models: tuple[ModelInfo, ...] = ()
     max_sequence_tokens: int = 0  # the longest sequence scored (0: max_positions)
     max_sequence_limit: str = "positions"  # what sets it: positions | memory | setting
+    batch_invariant: bool = False  # scores bitwise independent of the batch (invariant.py)
 
     @property
     def roles(self) -> frozenset[str]:

@@ -37,6 +37,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from service.engine import invariant
 from service.engine.attention import Kernel, Segments
 from service.engine.context import KVContext
 from service.engine.decoder_ops import HeadNorms, Ops
@@ -195,7 +196,11 @@ class FusedDecoder:
         ops: Ops,
         mlp_chunk_tokens: int,
         projection: Callable[[], GatedProjection] | None = None,
+        *,
+        gemm_rows: int | None = None,
     ) -> None:
+        """gemm_rows: run every GEMM over tokens in calls of that many rows (batch invariance,
+        invariant.py); None: one call each."""
         reason = unsupported(decoder)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
@@ -205,6 +210,9 @@ class FusedDecoder:
         self.ops = ops
         self.gated = projection() if projection is not None else split(ops.swiglu)
         self.chunk = mlp_chunk_tokens if mlp_chunk_tokens > 0 else 1 << 62
+        self.rows = gemm_rows
+        if gemm_rows is not None:  # every MLP chunk a whole number of GEMM calls
+            self.chunk = max(gemm_rows, self.chunk // gemm_rows * gemm_rows)
         first = decoder.layers[0].self_attn
         self.head_dim = int(first.head_dim)
         self.q_heads = int(config.num_attention_heads)
@@ -283,7 +291,7 @@ class FusedDecoder:
         ops, x, cos, sin = self.ops, stream.x, stream.cos, stream.sin
         hq, hk, d, n = self.q_heads, self.k_heads, self.head_dim, x.shape[0]
         h = ops.rms_norm(x, layer.input_norm.weight, layer.input_norm.variance_epsilon)
-        qkv = layer.qkv(h)  # [N, (hq + 2·hk)·d]
+        qkv = invariant.linear(h, layer.qkv.weight, layer.qkv.bias, self.rows)  # [N, (hq + 2·hk)·d]
         del h
         norms = None
         if layer.q_norm is not None:
@@ -301,22 +309,24 @@ class FusedDecoder:
         del qkv, q, k, v
         if rows is not None:
             x, attended = x.index_select(0, rows), attended.index_select(0, rows)
-        _accumulate(x, attended, layer.o_proj)
+        _accumulate(x, attended, layer.o_proj, self.rows)
         del attended
         h = ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
         for start in range(0, x.shape[0], self.chunk):
             end = min(start + self.chunk, x.shape[0])
-            _accumulate(x[start:end], self._mlp_in(layer, h[start:end]), layer.down_proj)
+            _accumulate(x[start:end], self._mlp_in(layer, h[start:end]), layer.down_proj, self.rows)
         return x
 
     def _mlp_in(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """silu(h·Wgateᵀ) · (h·Wupᵀ): [rows, I]."""
-        return self.gated.project(h, layer.gate_up.weight, layer.gate_up.bias)
+        weight, bias = layer.gate_up.weight, layer.gate_up.bias
+        return invariant.by_rows(lambda part: self.gated.project(part, weight, bias), h, self.rows)
 
 
-def _accumulate(x: torch.Tensor, a: torch.Tensor, linear: torch.nn.Linear) -> None:
-    """x += linear(a), in place, the GEMM adding into x (one rounding, where transformers has two)."""
-    x.addmm_(a, linear.weight.t())
+def _accumulate(x: torch.Tensor, a: torch.Tensor, linear: torch.nn.Linear, rows: int | None = None) -> None:
+    """x += linear(a), in place, the GEMM adding into x (one rounding, where transformers has two);
+    in calls of `rows` rows where given (invariant.py)."""
+    invariant.accumulate(x, a, linear.weight, rows)
     if linear.bias is not None:
         x.add_(linear.bias)
 
@@ -377,14 +387,17 @@ def build(  # noqa: PLR0917
     ops: Ops,
     mlp_chunk_tokens: int,
     projection: Callable[[], GatedProjection] | None = None,
+    gemm_rows: int | None = None,
 ) -> Decoder:
     """The forward the `decoder` setting asks for: auto takes the fused one wherever it fits.
-    `projection` makes the fused decoder's gate|up projection (called only when it is built)."""
+    `projection` makes the fused decoder's gate|up projection (called only when it is built);
+    gemm_rows: batch invariance (invariant.py; the transformers decoder's Linear modules are blocked
+    by the caller)."""
     if setting == "transformers":
         return TransformersDecoder(decoder)
     reason = unsupported(decoder)
     if reason is None:
-        return FusedDecoder(decoder, attention, ops, mlp_chunk_tokens, projection)
+        return FusedDecoder(decoder, attention, ops, mlp_chunk_tokens, projection, gemm_rows=gemm_rows)
     if setting == "fused":
         raise RuntimeError(f"decoder=fused: {reason}")
     return TransformersDecoder(decoder)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import service
-from service.engine import decoder, gated, graphs, weights
+from service.engine import decoder, gated, graphs, invariant, weights
 from service.engine.attention import AttentionBackend, choose_backend, register
 from service.engine.base import (
     EngineInfo,
@@ -118,8 +118,9 @@ class CausalLM:
         return delta
 
 
-def _critic_values(critic: Critic, forward: Decoder, batch: PackedBatch) -> torch.Tensor:
-    return critic.head(forward(batch, batch.hidden_index))  # [A] float32: head(h_{t-1})
+def _critic_values(critic: Critic, forward: Decoder, batch: PackedBatch, rows: int | None) -> torch.Tensor:
+    hidden = forward(batch, batch.hidden_index)
+    return invariant.by_rows(critic.head, hidden, rows)  # [A] float32: head(h_{t-1})
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,12 +197,18 @@ class PackedScorer:
     ) -> None:
         """Prepare each model's forward per settings.decoder and settings.kernels, and describe them."""
         ops = Ops.for_device(device, allow_triton=settings.kernels != "none")
+        # batch invariance (invariant.py): GEMMs of GEMM_ROWS rows, rows and actions padded to them
+        self._gemm_rows = invariant.GEMM_ROWS if settings.batch_invariant else None
+        self._step = invariant.GEMM_ROWS if settings.batch_invariant else SHAPE_STEP
+        chunk_rows = settings.logits_chunk_rows
+        if settings.batch_invariant and invariant.GEMM_ROWS % chunk_rows:  # whole chunks of padded actions
+            chunk_rows = invariant.GEMM_ROWS
         recorder = None
         if device.type == "cuda" and settings.cuda_graphs != "off":
             recorder = graphs.CudaRecorder(device)  # one memory pool for every model's graphs
 
         def forward(model: Any, base: Any) -> tuple[Decoder, str]:
-            built, kernels = _prepare(model, base, settings, backend, ops, device)
+            built, kernels = _prepare(model, base, settings, backend, ops, device, self._gemm_rows)
             wrapped = graphs.wrap(
                 built,
                 settings.cuda_graphs,
@@ -214,11 +221,11 @@ class PackedScorer:
             return wrapped, f"{kernels}+graphs" if wrapped is not built else kernels
 
         policy_forward, kernels = forward(loaded.model, loaded.model.base_model)
-        self._policy = CausalLM(loaded.model, policy_forward, settings.logits_chunk_rows)
+        self._policy = CausalLM(loaded.model, policy_forward, chunk_rows)
         self._reference = None
         if reference is not None:
             ref_forward, _ = forward(reference.model, reference.model.base_model)
-            self._reference = CausalLM(reference.model, ref_forward, settings.logits_chunk_rows)
+            self._reference = CausalLM(reference.model, ref_forward, chunk_rows)
         self._critic = critic
         self._critic_forward = forward(critic.decoder, critic.decoder)[0] if critic is not None else None
         self._device = device
@@ -250,6 +257,7 @@ class PackedScorer:
             kernels=kernels,
             vocab_size=vocab,
             max_positions=max_positions(text),
+            batch_invariant=settings.batch_invariant,
             versions=_versions(),
             models=tuple(models),
         )
@@ -381,7 +389,7 @@ class PackedScorer:
 
     @torch.inference_mode()
     def _launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None) -> InFlight:
-        batch = pack(jobs, self._device, chunk=chunk)
+        batch = pack(jobs, self._device, self._step, chunk=chunk)
         stores = self._stores_of(chunk)
         every = [*jobs, chunk.job] if chunk is not None else list(jobs)
         policy = self._policy.logprobs(batch.attach(stores.get("policy")), batch.want_entropy)
@@ -391,7 +399,9 @@ class PackedScorer:
         values = None
         if self._critic is not None and any(job.return_values for job in every):
             assert self._critic_forward is not None
-            values = _critic_values(self._critic, self._critic_forward, batch.attach(stores.get("critic")))
+            values = _critic_values(
+                self._critic, self._critic_forward, batch.attach(stores.get("critic")), self._gemm_rows
+            )
         if chunk is not None and chunk.last:
             self.release(chunk.sequence)  # freed once the work queued on the stores is done
         to_host = _host_copier(self._device, batch.num_actions)  # the padding actions' scores stay behind
@@ -433,7 +443,7 @@ class PackedScorer:
         log.info("warm-up done; self-check max |Δ logits| = %.3g", delta)
         if self._device.type == "cuda":
             self.meet_shapes()
-        probe = pack(jobs[: max(1, self._max_tokens // n)], self._device)  # as a micro-batch holds them
+        probe = pack(jobs[: max(1, self._max_tokens // n)], self._device, self._step)  # as a micro-batch
         for forward in self._forwards():
             forward.capture(probe)
         if self._device.type == "cuda":
@@ -521,10 +531,12 @@ def _prepare(  # noqa: PLR0917
     backend: AttentionBackend,
     ops: Ops,
     device: torch.device,
+    gemm_rows: int | None = None,
 ) -> tuple[Decoder, str]:
     """The forward of `base` (the decoder of `model`) and the fused kernels it runs: triton|liger|none.
 
-    kernels=liger patches transformers' modules, so it keeps the transformers decoder.
+    kernels=liger patches transformers' modules, so it keeps the transformers decoder. With
+    gemm_rows (batch invariance), every GEMM over tokens runs in calls of that many rows.
     """
     setting = settings.decoder
     if settings.kernels == "liger":
@@ -540,7 +552,9 @@ def _prepare(  # noqa: PLR0917
     def projection() -> gated.GatedProjection:  # chosen (and probed) only for a fused decoder
         return gated.choose(mlp_kernel, device, dtype, ops.swiglu)
 
-    forward = decoder.build(base, setting, backend.kernel, ops, chunk, projection)
+    if gemm_rows is not None and chunk > 0:
+        chunk = max(gemm_rows, chunk // gemm_rows * gemm_rows)
+    forward = decoder.build(base, setting, backend.kernel, ops, chunk, projection, gemm_rows)
     if isinstance(forward, decoder.FusedDecoder):
         kernels = "triton" if ops.name == "triton" else "none"
         return forward, f"{kernels}+quack" if forward.gated.name == "quack" else kernels
@@ -548,6 +562,8 @@ def _prepare(  # noqa: PLR0917
         raise RuntimeError("mlp_kernel=quack runs in the fused decoder, which this model does not run")
     kernels = apply_fused_kernels(model, settings.kernels, device)
     chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
+    if gemm_rows is not None:
+        invariant.block_linears(base, gemm_rows)
     return forward, kernels
 
 
