@@ -117,34 +117,42 @@ async def _cases(  # noqa: PLR0917
         await score(standard)
         sync(device)
         times.append(time.perf_counter() - start)
-    others = [j for j in standard if j is not target]
-    alone = (await score([target]))[0]
-    cases: dict[str, SequenceScores] = {
-        "first_of_64": (await score([target, *others[:63]]))[0],
-        "38th_of_64": (await score([*others[:37], target, *others[37:63]]))[37],
-    }
-    concurrent = await asyncio.gather(*(score([*others[i * 8 : i * 8 + 7], target]) for i in range(8)))
-    cases |= {f"concurrent_client_{i}": c[-1] for i, c in enumerate(concurrent)}
-    big = others * 2  # past the budget: split across micro-batches, the target in the last ones
-    cases["split_from_its_request"] = (await score([*big[:100], target]))[-1]
+    short = dataclasses.replace(target, tokens=target.tokens[:100], actions=np.arange(50, 100))
+    alone: dict[str, SequenceScores] = {}
+    cases: dict[str, SequenceScores] = {}
+    for label, one in (("", target), ("short_", short)):  # the short one alone is a 128-row micro-batch
+        others = [j for j in standard if j is not target]
+        alone[label] = (await score([one]))[0]
+        cases[f"{label}first_of_64"] = (await score([one, *others[:63]]))[0]
+        cases[f"{label}38th_of_64"] = (await score([*others[:37], one, *others[37:63]]))[37]
+        concurrent = await asyncio.gather(*(score([*others[i * 8 : i * 8 + 7], one]) for i in range(8)))
+        cases |= {f"{label}concurrent_client_{i}": c[-1] for i, c in enumerate(concurrent)}
+        big = others * 2  # past the budget: split across micro-batches, the target in the last ones
+        cases[f"{label}split_from_its_request"] = (await score([*big[:100], one]))[-1]
     for seed in range(3):  # history: other shapes met
         await score(grpo(vocab, seed))
     cases["alone_after_grpo_batches"] = (await score([target]))[0]
+    cases["short_alone_after_grpo_batches"] = (await score([short]))[0]
     await batcher.stop()
 
-    def diff(a: SequenceScores) -> float:
+    def diff(name: str, a: SequenceScores) -> float:
+        base = alone["short_" if name.startswith("short_") else ""]
         entropy = 0.0
-        if a.entropy is not None and alone.entropy is not None:
-            entropy = float(np.abs(a.entropy - alone.entropy).max())
-        return max(float(np.abs(a.logprobs - alone.logprobs).max()), entropy)
+        if a.entropy is not None and base.entropy is not None:
+            entropy = float(np.abs(a.entropy - base.entropy).max())
+        return max(float(np.abs(a.logprobs - base.logprobs).max()), entropy)
 
-    diffs = {name: diff(s) for name, s in cases.items()}
-    assert alone.entropy is not None
+    diffs = {name: diff(name, s) for name, s in cases.items()}
+
+    def bits(scores: SequenceScores) -> dict[str, str]:
+        assert scores.entropy is not None
+        return {"logprobs": scores.logprobs.tobytes().hex(), "entropy": scores.entropy.tobytes().hex()}
+
     return {
         "standard_ms": 1e3 * statistics.median(times),
         "max_abs_diff_vs_alone": diffs,
         "bitwise_invariant": all(d == 0.0 for d in diffs.values()),
-        "bits": {"logprobs": alone.logprobs.tobytes().hex(), "entropy": alone.entropy.tobytes().hex()},
+        "bits": {"target": bits(alone[""]), "short": bits(alone["short_"])},
     }
 
 
