@@ -1,0 +1,146 @@
+"""Batch-invariant mode (--batch-invariant): a sequence's scores are bitwise the same however it is
+batched, on every architecture of the parity suite, in float32 and bfloat16, on the CPU.
+
+On these tiny CPU models the default path happens to be invariant too (the GEMM libraries pick one
+kernel for every row count the packing makes); what the mode removes is shown on a GEMM alone, whose
+rows do change with the call's shape, and on the GPU by benchmarks.invariance (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from service.batcher import Batcher
+from service.engine import invariant
+from service.engine.base import ReloadOrder
+from service.engine.scorer import PackedScorer
+from service.jobs import SequenceJob, SequenceScores
+from service.metrics import Metrics
+from service.settings import Settings
+from tests import critics, models
+
+DTYPES = ("float32", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("invariant")
+    out = {
+        name: models.save(name, root / name, max_position_embeddings=4096) for name in models.ARCHITECTURES
+    }
+    out["ref"] = models.save("qwen2", root / "ref", seed=7, max_position_embeddings=4096)
+    out["critic"] = critics.save("openrlhf", root / "critic")
+    return out
+
+
+def _jobs(seed: int, count: int, low: int, high: int, **flags: bool) -> list[SequenceJob]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        n = int(rng.integers(low, high))
+        tokens = rng.integers(0, models.VOCAB, n).astype(np.int64)
+        out.append(SequenceJob(tokens, np.arange(n // 3, n, dtype=np.int64), 0.7, True, **flags))
+    return out
+
+
+def _score(
+    engine: PackedScorer, settings: Settings, batches: list[list[SequenceJob]]
+) -> list[list[SequenceScores]]:
+    """Each batch a request, all sent at once to the server's batcher."""
+
+    async def main() -> list[list[SequenceScores]]:
+        batcher = Batcher.from_settings(engine, settings, Metrics())
+        batcher.start()
+        try:
+            answers = await asyncio.gather(*(batcher.score(b) for b in batches))
+            return [a.scores for a in answers]
+        finally:
+            await batcher.stop()
+
+    return asyncio.run(main())
+
+
+def _bits(scores: SequenceScores) -> list[bytes]:
+    return [
+        a.tobytes()
+        for a in (scores.logprobs, scores.entropy, scores.values, scores.ref_logprobs)
+        if a is not None
+    ]
+
+
+def _engine(path: Path, dtype: str, **extra: Any) -> tuple[PackedScorer, Settings]:
+    settings = Settings(
+        model=path, device="cpu", dtype=dtype, max_batch_tokens=2048, batch_invariant=True, **extra
+    )
+    engine = PackedScorer.from_settings(settings)
+    engine.warm_up()
+    assert engine.info.batch_invariant
+    return engine, settings
+
+
+def test_blocked_gemms_give_each_row_the_same_bits_whatever_the_row_count() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 256, generator=gen)
+    w = torch.randn(384, 256, generator=gen)
+    b = torch.randn(384, generator=gen)
+    rows = invariant.GEMM_ROWS
+    whole = invariant.linear(x, w, b, rows)
+    for n in (rows, 2 * rows, 3 * rows):
+        assert torch.equal(invariant.linear(x[:n], w, b, rows), whole[:n])
+        gated = invariant.by_rows(lambda t: F.silu(F.linear(t, w)), x[:n], rows)
+        assert torch.equal(gated, invariant.by_rows(lambda t: F.silu(F.linear(t, w)), x, rows)[:n])
+    acc = torch.zeros(2 * rows, 384)
+    invariant.accumulate(acc, x[: 2 * rows], w, rows)
+    single = torch.zeros(rows, 384)
+    invariant.accumulate(single, x[rows : 2 * rows], w, rows)
+    assert torch.equal(acc[rows:], single)  # a block's bits do not depend on the blocks before it
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", models.ARCHITECTURES)
+def test_a_sequence_scores_the_same_bits_however_it_is_batched(
+    dirs: dict[str, Path], name: str, dtype: str
+) -> None:
+    engine, settings = _engine(dirs[name], dtype)
+    target = _jobs(1, 1, 300, 301)[0]
+    long = _jobs(2, 1, 3000, 3001)[0]  # past the budget: chunks of 1024 tokens
+    others = _jobs(3, 14, 20, 400)
+    (alone,), (long_alone,) = _score(engine, settings, [[target], [long]])
+    seen = {
+        "first": _score(engine, settings, [[target, *others]])[0][0],
+        "middle": _score(engine, settings, [[*others[:6], target, *others[6:]]])[0][6],
+        "last, split from its request": _score(engine, settings, [[*others, *others, target]])[0][-1],
+    }
+    concurrent = _score(
+        engine, settings, [others[:4], [*others[4:8], target], others[8:], [long, *others[:3]]]
+    )
+    seen["beside concurrent requests"] = concurrent[1][-1]
+    for label, got in seen.items():
+        assert _bits(got) == _bits(alone), label
+    assert _bits(concurrent[3][0]) == _bits(long_alone), "a long sequence's chunks beside other requests"
+    restarted, _ = _engine(dirs[name], dtype)
+    assert _bits(_score(restarted, settings, [[target]])[0][0]) == _bits(alone), "after a restart"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_and_reference_log_probs_too_across_a_reload_back(dirs: dict[str, Path], dtype: str) -> None:
+    engine, settings = _engine(dirs["qwen2"], dtype, ref_model=dirs["ref"], critic=dirs["critic"])
+    wants = {"return_values": True, "return_ref": True}
+    target = _jobs(4, 1, 200, 201, **wants)[0]
+    others = _jobs(5, 10, 20, 250, **wants) + _jobs(6, 4, 20, 250)
+    (alone,) = _score(engine, settings, [[target]])[0]
+    assert alone.values is not None
+    assert alone.ref_logprobs is not None
+    batched = _score(engine, settings, [[*others[:5], target, *others[5:]], others])[0][5]
+    assert _bits(batched) == _bits(alone)
+    for order in (ReloadOrder("policy", dirs["ref"], "v2"), ReloadOrder("policy", dirs["qwen2"], "v3")):
+        engine.apply(engine.stage(order))
+    reloaded = _score(engine, settings, [[*others[:3], target]])[0][-1]
+    assert _bits(reloaded) == _bits(alone), "after a reload to other weights and back"
