@@ -204,6 +204,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         kernels=args.kernels,
         cuda_graphs=args.cuda_graphs,
         launch_hold_ms=args.launch_hold_ms,
+        batch_invariant=args.batch_invariant,
     )
     backend = choose_backend(args.attention, device)
     packed_impl = register(backend)
@@ -369,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="auto", choices=["auto", "liger", "none"])
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--batch-invariant", action="store_true", help="the server's --batch-invariant")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
     parser.add_argument("--launch-hold-ms", type=float, default=Settings().launch_hold_ms)
