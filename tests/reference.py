@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -74,3 +75,14 @@ def expected(model: Any, request: dict[str, Any]) -> Expected:
         out.entropy.append(ent_row)
         out.action_mask.append(mask_row)
     return out
+
+
+def max_diff(got: list[list[float]], want: list[list[float]]) -> float:
+    """The largest |got - want| over ragged rows of equal lengths (0.0 for none)."""
+    assert len(got) == len(want)
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        assert len(g) == len(w)
+        if g:
+            worst = max(worst, float(np.max(np.abs(np.asarray(g) - np.asarray(w)))))
+    return worst

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -36,7 +35,7 @@ from service.jobs import Chunk
 from service.settings import Settings
 from tests import critics, models
 from tests.conftest import TOLERANCE, Reply, eager, settings_for, wait_ready
-from tests.reference import expected, row_tokens_and_window
+from tests.reference import expected, max_diff, row_tokens_and_window
 from tests.requests import LAYOUTS, PAD, make
 
 LONG_POSITIONS = 1280
@@ -176,25 +175,15 @@ def long_request(
     return request
 
 
-def _max_diff(got: list[list[float]], want: list[list[float]]) -> float:
-    assert len(got) == len(want)
-    worst = 0.0
-    for g, w in zip(got, want, strict=True):
-        assert len(g) == len(w)
-        if g:
-            worst = max(worst, float(np.max(np.abs(np.asarray(g) - np.asarray(w)))))
-    return worst
-
-
 def check(reply: Reply, request: dict[str, Any], model: Any) -> float:
     """The reply equals the reference; returns the largest |Δ| of log-probs and entropy."""
     assert reply.status_code == 200, reply.text
     body = reply.json()
     want = expected(model, request)
     assert body["action_mask"] == want.action_mask
-    diff = _max_diff(body["logprobs"], want.logprobs)
+    diff = max_diff(body["logprobs"], want.logprobs)
     if request.get("return_entropy"):
-        diff = max(diff, _max_diff(body["entropy"], want.entropy))
+        diff = max(diff, max_diff(body["entropy"], want.entropy))
     else:
         assert body["entropy"] is None
     for row, mask in zip(body["logprobs"], body["action_mask"], strict=True):
@@ -361,11 +350,11 @@ def check_ppo(reply: Reply, request: dict[str, Any], policy: Any, reference: Any
     body = reply.json()
     mask = body["action_mask"]
     if request.get("return_ref_logprobs"):
-        assert _max_diff(body["ref_logprobs"], expected(reference, request).logprobs) <= TOLERANCE
+        assert max_diff(body["ref_logprobs"], expected(reference, request).logprobs) <= TOLERANCE
     else:
         assert body.get("ref_logprobs") is None
     if request.get("return_values"):
-        assert _max_diff(body["values"], _values_want(critic_dir, request, mask)) <= TOLERANCE
+        assert max_diff(body["values"], _values_want(critic_dir, request, mask)) <= TOLERANCE
     else:
         assert body.get("values") is None
 

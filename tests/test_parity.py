@@ -13,13 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from tests import models
 from tests.conftest import DTYPE, TOLERANCE, running, settings_for
-from tests.reference import expected
+from tests.reference import expected, max_diff
 from tests.requests import LAYOUTS, make
 
 REQUESTS_PER_CASE = 3
@@ -31,15 +30,6 @@ def served(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> Itera
     name = request.param
     with running(settings_for(model_dirs[name], max_batch_tokens=64)) as client:
         yield name, client
-
-
-def _max_diff(got: list[list[float]], want: list[list[float]]) -> float:
-    worst = 0.0
-    for g, w in zip(got, want, strict=True):
-        assert len(g) == len(w)
-        if g:
-            worst = max(worst, float(np.max(np.abs(np.asarray(g) - np.asarray(w)))))
-    return worst
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -55,9 +45,9 @@ def test_scores_equal_reference(
         body = response.json()
         want = expected(reference_models[name], request)
         assert body["action_mask"] == want.action_mask
-        diff = _max_diff(body["logprobs"], want.logprobs)
+        diff = max_diff(body["logprobs"], want.logprobs)
         if request["return_entropy"]:
-            diff = max(diff, _max_diff(body["entropy"], want.entropy))
+            diff = max(diff, max_diff(body["entropy"], want.entropy))
         else:
             assert body["entropy"] is None
         for row, mask in zip(body["logprobs"], body["action_mask"], strict=True):
@@ -85,4 +75,4 @@ def test_chunked_mlp_changes_no_score(
     with running(settings_for(model_dirs[name], mlp_chunk_tokens=5)) as client:
         body = client.post("/logprobs", json=request).json()
     want = expected(reference_models[name], request)
-    assert _max_diff(body["logprobs"], want.logprobs) <= TOLERANCE
+    assert max_diff(body["logprobs"], want.logprobs) <= TOLERANCE
