@@ -39,23 +39,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "openapi":
-        from service.openapi import render_openapi
-
-        text = render_openapi()
+    if args.command in ("openapi", "config-docs"):
+        if args.command == "openapi":
+            from service.openapi import render_openapi as render
+        else:
+            from service.configdoc import render_configuration as render
+        text = render()
         if args.output is None:
             sys.stdout.write(text)
         else:
             args.output.write_text(text)
-        return 0
-    if args.command == "config-docs":
-        from service.configdoc import render_configuration
-
-        page = render_configuration()
-        if args.output is None:
-            sys.stdout.write(page)
-        else:
-            args.output.write_text(page)
         return 0
     overrides = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
     settings = Settings(**overrides)

@@ -48,7 +48,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine.base import Launched, OutOfMemory, ScoringEngine, StagedWeights, WeightsState
+from service.engine.base import (
+    GEMM_ROWS,
+    SHAPE_STEP,
+    Launched,
+    OutOfMemory,
+    ScoringEngine,
+    StagedWeights,
+    WeightsState,
+)
 from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
 from service.jobs import Chunk, SequenceJob, SequenceScores
 from service.metrics import Metrics
@@ -57,8 +65,6 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 
 IN_FLIGHT = 2  # one micro-batch on the accelerator, the next queued behind it
-SHAPE_STEP = 128  # the least budget left worth a chunk (the engine pads micro-batches to multiples of it;
-# a chunk in less would take the row past a padded size the engine met at start)
 LAUNCH_HOLD_S = 0.025  # the longest the event loop waits for a launch on an idle accelerator
 
 
@@ -420,8 +426,7 @@ class Batcher:
         assert chunked is not None
         self._chunked = None
         self._queued(-(chunked.pending.job.num_tokens - chunked.next_start))
-        if chunked.next_start < chunked.pending.job.num_tokens:  # its last chunk did not drop them
-            self._executor.submit(self._engine.release, chunked.sequence)
+        self._executor.submit(self._engine.release, chunked.sequence)  # its last chunk never came
 
     @staticmethod
     def _fail_futures(futures: list[asyncio.Future[SequenceScores]], error: Exception) -> None:
@@ -488,7 +493,8 @@ class Batcher:
         batch: list[_Pending] = []
         skipped: list[_Pending] = []  # passed over: unstarted while a swap waits, or long behind another
         tokens = 0
-        room = self._budget if self._chunked is None else self._budget - self._budget // 2
+        shared = self._budget - self._budget // 2  # whole sequences' part beside a chunk
+        room = self._budget if self._chunked is None else shared
         while self._queue:
             p = self._queue.popleft()
             if not p.future.done() and p.request.versions is None and not only_started:
@@ -502,7 +508,7 @@ class Batcher:
             if p.job.num_tokens > self._budget:
                 if self._chunked is None:
                     self._chunked = _Chunked(p, next(self._sequence_ids))
-                    room = min(room, self._budget - self._budget // 2)
+                    room = shared
                 else:
                     skipped.append(p)
                 continue
@@ -540,10 +546,10 @@ class Batcher:
 
 
 def invariant_chunk(budget: int) -> int:
-    """The fixed chunk of batch-invariant mode: half the budget, a multiple of 1024 tokens where it
-    can be (the engine's GEMM calls; invariant.GEMM_ROWS), so whole sequences share its micro-batch."""
+    """The fixed chunk of batch-invariant mode: half the budget, a multiple of GEMM_ROWS where it can
+    be (the engine's GEMM calls), so whole sequences share its micro-batch."""
     half = budget // 2
-    return half // 1024 * 1024 or max(1, half)
+    return half // GEMM_ROWS * GEMM_ROWS or max(1, half)
 
 
 def _serving_versions(engine: ScoringEngine) -> Mapping[str, str]:

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-GEMM_ROWS = 1024  # rows of every GEMM call over tokens in batch-invariant mode
+from service.engine.base import GEMM_ROWS
+
+__all__ = ["GEMM_ROWS", "accumulate", "block_linears", "by_rows", "linear"]
 
 
 def _blocks(n: int, rows: int | None) -> bool:

@@ -10,14 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from service.engine.base import SHAPE_STEP
 from service.engine.context import CONTEXT_KWARG, KVContext, KVStore
 from service.jobs import Chunk, SequenceJob
 
-# Token and action counts are padded up to a multiple of this, so that a micro-batch's GEMMs take one
-# of few shapes, which the engine's warm-up meets before serving: cuBLAS stalls the host (holding the
-# GIL) the first time it meets some shapes, until the device is idle. Costs under 1 % of a full
-# micro-batch's tokens.
-SHAPE_STEP = 128
+__all__ = ["SHAPE_STEP", "PackedBatch", "pack"]
 
 
 @dataclass(frozen=True, slots=True)

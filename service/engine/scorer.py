@@ -199,7 +199,7 @@ class PackedScorer:
         ops = Ops.for_device(device, allow_triton=settings.kernels != "none")
         # batch invariance (invariant.py): GEMMs of GEMM_ROWS rows, rows and actions padded to them
         self._gemm_rows = invariant.GEMM_ROWS if settings.batch_invariant else None
-        self._step = invariant.GEMM_ROWS if settings.batch_invariant else SHAPE_STEP
+        self._step = self._gemm_rows or SHAPE_STEP
         chunk_rows = settings.logits_chunk_rows
         if settings.batch_invariant and invariant.GEMM_ROWS % chunk_rows:  # whole chunks of padded actions
             chunk_rows = invariant.GEMM_ROWS
@@ -261,7 +261,8 @@ class PackedScorer:
             versions=_versions(),
             models=tuple(models),
         )
-        self._info = dataclasses.replace(self._info, **_longest(self._info.max_positions, None, settings))
+        longest = _longest(self._info.max_positions, None, settings.max_sequence_tokens)
+        self._info = dataclasses.replace(self._info, **longest)
         now = time.time()
         initial = {
             "policy": (settings.weights_version, settings.model or loaded.name),
@@ -598,10 +599,9 @@ def max_positions(config: Any) -> int:
     return positions or 1 << 30
 
 
-def _longest(positions: int, memory: int | None, settings: Settings | int | None) -> dict[str, Any]:
+def _longest(positions: int, memory: int | None, setting: int | None) -> dict[str, Any]:
     """max_sequence_tokens and what sets it: the positions, the memory (None: not measured) or the
     setting (an explicit max_sequence_tokens below both; above the memory it fails the start)."""
-    setting = settings.max_sequence_tokens if isinstance(settings, Settings) else settings
     if setting is not None and memory is not None and setting > memory and setting <= positions:
         raise RuntimeError(
             f"max_sequence_tokens={setting}: this accelerator's memory holds the keys and values of "
