@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.conftest import TOLERANCE
+
 
 @dataclass
 class Expected:
@@ -86,3 +88,24 @@ def max_diff(got: list[list[float]], want: list[list[float]]) -> float:
         if g:
             worst = max(worst, float(np.max(np.abs(np.asarray(g) - np.asarray(w)))))
     return worst
+
+
+def check_reply(reply: Any, request: dict[str, Any], model: Any, tolerance: float | None = None) -> float:
+    """A 200 reply whose scores equal the reference within `tolerance` (the suite's by default), with
+    the action mask, exact zeros off it and scored_tokens; returns the largest |Δ| of log-probs and
+    entropy."""
+    tolerance = TOLERANCE if tolerance is None else tolerance
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    want = expected(model, request)
+    assert body["action_mask"] == want.action_mask
+    diff = max_diff(body["logprobs"], want.logprobs)
+    if request.get("return_entropy"):
+        diff = max(diff, max_diff(body["entropy"], want.entropy))
+    else:
+        assert body["entropy"] is None
+    for row, mask in zip(body["logprobs"], body["action_mask"], strict=True):
+        assert all(v == 0.0 for v, m in zip(row, mask, strict=True) if not m)
+    assert body["usage"]["scored_tokens"] == sum(map(sum, want.action_mask))
+    assert diff <= tolerance, f"max |Δ| {diff:.3g} > {tolerance}"
+    return diff

@@ -35,7 +35,7 @@ from service.jobs import Chunk
 from service.settings import Settings
 from tests import critics, models
 from tests.conftest import TOLERANCE, Reply, eager, settings_for, wait_ready
-from tests.reference import expected, max_diff, row_tokens_and_window
+from tests.reference import check_reply, expected, max_diff, row_tokens_and_window
 from tests.requests import LAYOUTS, PAD, make
 
 LONG_POSITIONS = 1280
@@ -175,24 +175,6 @@ def long_request(
     return request
 
 
-def check(reply: Reply, request: dict[str, Any], model: Any) -> float:
-    """The reply equals the reference; returns the largest |Δ| of log-probs and entropy."""
-    assert reply.status_code == 200, reply.text
-    body = reply.json()
-    want = expected(model, request)
-    assert body["action_mask"] == want.action_mask
-    diff = max_diff(body["logprobs"], want.logprobs)
-    if request.get("return_entropy"):
-        diff = max(diff, max_diff(body["entropy"], want.entropy))
-    else:
-        assert body["entropy"] is None
-    for row, mask in zip(body["logprobs"], body["action_mask"], strict=True):
-        assert all(v == 0.0 for v, m in zip(row, mask, strict=True) if not m)
-    assert body["usage"]["scored_tokens"] == sum(map(sum, want.action_mask))
-    assert diff <= TOLERANCE, f"max |Δ| {diff:.3g} > {TOLERANCE}"
-    return diff
-
-
 def _spans_chunks(request: dict[str, Any], row: int, body: dict[str, Any]) -> bool:
     """Whether row `row`'s scored actions lie in several 64-token chunks."""
     _, window = row_tokens_and_window(request, row)
@@ -232,7 +214,7 @@ def test_long_rows_equal_reference(
     request = variant_request(layout, rng)
     before = len(s.launches)
     reply = s.client.post("/logprobs", json=request)
-    check(reply, request, long_refs[name])
+    check_reply(reply, request, long_refs[name])
     rows = VARIANTS[layout][0]
     long_rows = [i for i, r in enumerate(rows) if r == "L"]
     assert any(_spans_chunks(request, i, reply.json()) for i in long_rows)
@@ -271,7 +253,7 @@ def test_concurrent_long_and_short_requests(served: tuple[str, Served], long_ref
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
         replies = list(pool.map(lambda r: s.client.post("/logprobs", json=r), requests))
     for request, reply in zip(requests, replies, strict=True):
-        check(reply, request, long_refs[name])
+        check_reply(reply, request, long_refs[name])
     chunks = [c for _, c in s.launches[before:] if c is not None]
     assert chunks
     assert chunks[-1].last
@@ -289,7 +271,7 @@ def test_transformers_decoder_on_a_fused_architecture(
         assert s.client.get("/info").json()["decoder"] == "transformers"
         for layout in ("ragged_num_actions", "padded_action_mask"):
             request = variant_request(layout, rng)
-            check(s.client.post("/logprobs", json=request), request, long_refs[name])
+            check_reply(s.client.post("/logprobs", json=request), request, long_refs[name])
         assert len(s.chunks()) >= 3 * LONG[0] // BUDGET
 
 
@@ -346,7 +328,7 @@ def _values_want(critic_dir: Path, request: dict[str, Any], mask: list[list[int]
 
 def check_ppo(reply: Reply, request: dict[str, Any], policy: Any, reference: Any, critic_dir: Path) -> None:
     """Log-probs (via `check`), and values / ref_logprobs where asked, against the references."""
-    check(reply, request, policy)
+    check_reply(reply, request, policy)
     body = reply.json()
     mask = body["action_mask"]
     if request.get("return_ref_logprobs"):
@@ -441,7 +423,7 @@ def test_past_the_longest_sequence_413_past_the_positions_422(
         assert f"positions cover {LONG_POSITIONS}" in reply.json()["error"]["message"]
         assert s.launches == []  # neither reached the engine
         at_limit = {"input_ids": [_tokens(rng, 1000, set()), _tokens(rng, 7, set())], "num_actions": [900, 6]}
-        check(s.client.post("/logprobs", json=at_limit), at_limit, long_refs["llama"])
+        check_reply(s.client.post("/logprobs", json=at_limit), at_limit, long_refs["llama"])
 
 
 def test_longest_sequence_the_positions_allow(long_dirs: dict[str, Path], long_refs: dict[str, Any]) -> None:
@@ -450,7 +432,7 @@ def test_longest_sequence_the_positions_allow(long_dirs: dict[str, Path], long_r
     with serve(settings_for(long_dirs["mistral"], max_batch_tokens=BUDGET)) as s:
         rng = random.Random("positions")
         request = {"input_ids": [_tokens(rng, LONG_POSITIONS, set())], "num_actions": LONG_POSITIONS - 1}
-        check(s.client.post("/logprobs", json=request), request, long_refs["mistral"])
+        check_reply(s.client.post("/logprobs", json=request), request, long_refs["mistral"])
 
 
 def test_cancelled_and_failed_long_requests_do_not_break_the_next(
@@ -471,7 +453,7 @@ def test_cancelled_and_failed_long_requests_do_not_break_the_next(
         assert len(cancelled) == 1
         assert 0 < len(s.chunks()) < 1050 // BUDGET
         after = variant_request("ragged_num_actions", rng)
-        check(s.client.post("/logprobs", json=after), after, long_refs["gemma2"])
+        check_reply(s.client.post("/logprobs", json=after), after, long_refs["gemma2"])
 
         # a chunk's forward fails: 500 for its request, the stores go, the next long one is exact
         real_extend = KVContext.extend
@@ -492,7 +474,7 @@ def test_cancelled_and_failed_long_requests_do_not_break_the_next(
         assert failed.is_set()
         assert s.engine._stores == {}
         again = variant_request("padded_action_mask", rng)
-        check(s.client.post("/logprobs", json=again), again, long_refs["gemma2"])
+        check_reply(s.client.post("/logprobs", json=again), again, long_refs["gemma2"])
         assert s.engine._stores == {}
 
 
@@ -527,5 +509,5 @@ def test_out_of_memory_beside_a_later_chunk_retries_it_exactly(
             replies = [f.result() for f in futures]
         assert ran_out.is_set()
         for request, reply in zip([long, *shorts], replies, strict=True):
-            check(reply, request, long_refs["llama"])
+            check_reply(reply, request, long_refs["llama"])
         assert s.engine._stores == {}
