@@ -105,6 +105,19 @@ class Settings(BaseSettings):
         "1024 rows and micro-batches are padded to them; a sequence longer than a micro-batch is cut at "
         "fixed positions. Costs throughput (BENCHMARKS.md).",
     )
+    share_prefixes: bool = Field(
+        True,
+        description="Compute a prefix that several queued sequences share (a GRPO group's prompt, a "
+        "multi-turn conversation's earlier turns) once per micro-batch: each sequence's later tokens "
+        "attend to the shared tokens' keys and values. The scores are the same function of the same "
+        "tokens; the budget counts tokens computed. Off in batch-invariant mode.",
+    )
+    share_min_tokens: int = Field(
+        64,
+        ge=1,
+        description="Sequences share their prefix only when it is at least this many tokens long "
+        "(shorter ones, e.g. a chat template's header, are computed with each sequence).",
+    )
     batch_wait_ms: float = Field(
         5.0,
         ge=0,
