@@ -13,6 +13,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from service.admin import build_admin_router
 from service.arrays import parse_frame, to_frame
 from service.auth import ApiKeys
+from service.batcher import sharing
 from service.diagnostics import rollout_mismatch
 from service.errors import NotReady
 from service.frame import MEDIA_TYPE
@@ -110,7 +111,9 @@ def build_router(state: ServiceState) -> APIRouter:
         rollout = rollout_mismatch([s.logprobs for s in scores], plan.rollout) if plan.rollout else None
         if rollout is not None:
             metrics.observe_rollout(rollout)
-        answered = answer(plan, scores, serving.info, scored.versions, rollout)
+        answered = answer(
+            plan, scores, serving.info, scored.versions, rollout, computed_tokens=scored.computed_tokens
+        )
         media_type = MEDIA_TYPE if MEDIA_TYPE in http.headers.get("accept", "") else "application/json"
         body = to_frame(answered) if media_type == MEDIA_TYPE else to_json(answered)
         metrics.requests.labels("ok").inc()
@@ -151,6 +154,8 @@ def build_router(state: ServiceState) -> APIRouter:
             max_sequence_limit=i.max_sequence_limit,
             max_batch_tokens=state.settings.max_batch_tokens,
             batch_invariant=i.batch_invariant,
+            share_prefixes=sharing(state.settings) is not None,
+            share_min_tokens=state.settings.share_min_tokens,
             versions=i.versions,
             models=[ModelSummary(**dataclasses.asdict(m)) for m in i.models],
             weights_version=state.serving.reloader.weights["policy"].version,

@@ -5,6 +5,13 @@ engine on a single dedicated thread, so the event loop keeps serving while the f
 Requests larger than the budget are split across micro-batches; a request is answered when all its
 sequences are scored. Sequences whose request was cancelled are skipped before they reach the engine.
 
+Sequences that share a prefix of at least `share_min_tokens` tokens (a GRPO group's prompt, earlier
+turns of a conversation), wherever they meet in the queue, compute it once per micro-batch
+(prefixes.py): the budget counts the tokens a micro-batch computes, not the tokens sent. Once the
+next sequence in line does not fit, the batcher still takes, from the few hundred behind it, those
+that share a prefix with the micro-batch and fit in what is left, so a group stays in one
+micro-batch where it can; a group larger than the budget computes its prefix once per micro-batch.
+
 A sequence longer than the budget is scored in chunks, one sequence at a time, in order: each
 micro-batch ends with its next chunk, which takes what the queued shorter sequences leave of the
 budget, and at least half of it while they wait. So short requests arriving behind a long sequence
@@ -60,11 +67,13 @@ from service.engine.base import (
 from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
 from service.jobs import Chunk, SequenceJob, SequenceScores
 from service.metrics import Metrics
+from service.prefixes import Forest, Grouper, share
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 IN_FLIGHT = 2  # one micro-batch on the accelerator, the next queued behind it
+LOOKAHEAD = 256  # queued sequences looked at, behind the first that does not fit, for prefix sharers
 LAUNCH_HOLD_S = 0.025  # the longest the event loop waits for a launch on an idle accelerator
 
 
@@ -74,6 +83,7 @@ class Scored:
 
     scores: list[SequenceScores]
     versions: Mapping[str, str]
+    computed_tokens: int = 0  # run through the decoder for it: a shared prefix split among its sequences
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +100,7 @@ class _Request:
     pins: Mapping[str, str]
     futures: list[asyncio.Future[SequenceScores]] = field(default_factory=list)
     versions: Mapping[str, str] | None = None  # set when its first sequence goes to the engine
+    computed: float = 0.0  # tokens computed for its sequences scored so far (Forest.shares)
 
 
 @dataclass(slots=True, eq=False)
@@ -112,11 +123,28 @@ class _Chunked:
 
 @dataclass(slots=True, eq=False)
 class _Batch:
-    """One micro-batch: whole sequences, then at most one chunk of a long one."""
+    """One micro-batch: whole sequences (their shared prefixes once, per `forest`; None: nothing
+    shared), then at most one chunk of a long one."""
 
     pending: list[_Pending]
     chunk: Chunk | None = None
     chunked: _Chunked | None = None  # whose chunk it is
+    forest: Forest | None = None
+
+    @classmethod
+    def of(
+        cls,
+        pending: list[_Pending],
+        share_min_tokens: int | None,
+        chunk: Chunk | None = None,
+        chunked: _Chunked | None = None,
+    ) -> _Batch:
+        """The micro-batch of `pending` (and the chunk), with the prefixes they share found."""
+        forest = None
+        if share_min_tokens is not None and len(pending) > 1:
+            forest = share([p.job.tokens for p in pending], share_min_tokens)
+            forest = forest if forest.shared else None
+        return cls(pending, chunk, chunked, forest)
 
     @property
     def jobs(self) -> list[SequenceJob]:
@@ -124,7 +152,15 @@ class _Batch:
 
     @property
     def tokens(self) -> int:
-        return sum(p.job.num_tokens for p in self.pending) + (self.chunk.num_tokens if self.chunk else 0)
+        """Tokens it computes."""
+        whole = self.forest.computed_tokens if self.forest else sum(p.job.num_tokens for p in self.pending)
+        return whole + (self.chunk.num_tokens if self.chunk else 0)
+
+    def shares(self) -> list[float]:
+        """Tokens computed for each whole sequence (a shared prefix's split among its sequences)."""
+        if self.forest is None:
+            return [float(p.job.num_tokens) for p in self.pending]
+        return self.forest.shares()
 
     @property
     def futures(self) -> list[asyncio.Future[SequenceScores]]:
@@ -172,9 +208,12 @@ class Batcher:
         max_queued_tokens: int | None = None,
         hold_s: float = LAUNCH_HOLD_S,
         chunk_tokens: int | None = None,
+        share_min_tokens: int | None = None,
     ) -> None:
         """chunk_tokens: cut long sequences into chunks of exactly this many tokens (the last one
-        less), whatever else is queued (batch invariance); None: each chunk takes the budget left."""
+        less), whatever else is queued (batch invariance); None: each chunk takes the budget left.
+        share_min_tokens: compute prefixes of at least this many tokens that sequences share once
+        (None: never)."""
         self._engine = engine
         self._budget = max_batch_tokens
         self._max_queued = max_queued_tokens
@@ -182,6 +221,7 @@ class Batcher:
         self._wait_s = wait_s  # collation window when the engine is idle and the queue under budget
         self._hold_s = hold_s
         self._chunk_tokens = chunk_tokens
+        self._share_min = share_min_tokens
         self._metrics = metrics
         self._queue: deque[_Pending] = deque()
         self._swaps: deque[_Swap] = deque()
@@ -209,6 +249,7 @@ class Batcher:
             hold_s=settings.launch_hold_ms / 1e3,
             max_queued_tokens=settings.max_queued_tokens,
             chunk_tokens=invariant_chunk(settings.max_batch_tokens) if settings.batch_invariant else None,
+            share_min_tokens=sharing(settings),
         )
 
     def start(self) -> None:
@@ -265,7 +306,7 @@ class Batcher:
                 if not f.cancel() and not f.cancelled():
                     f.exception()
         assert request.versions is not None
-        return Scored(scores, request.versions)
+        return Scored(scores, request.versions, round(request.computed))
 
     async def apply(self, staged: StagedWeights) -> Applied:
         """Put staged weights in service at the next barrier (see the module docstring)."""
@@ -320,7 +361,7 @@ class Batcher:
     def _send(self, batch: _Batch) -> asyncio.Future[Launched]:
         """`engine.launch` of the batch on the engine thread; on an idle accelerator, the event loop
         waits for it (GIL released), at most `hold_s`: see the module docstring."""
-        future = self._executor.submit(self._engine.launch, batch.jobs, batch.chunk)
+        future = self._executor.submit(self._engine.launch, batch.jobs, batch.chunk, batch.forest)
         if not self._flights:
             concurrent.futures.wait([future], timeout=self._hold_s)
         return asyncio.wrap_future(future)
@@ -364,14 +405,14 @@ class Batcher:
         chunk, then in halves; a part of one sequence that still does not fit fails."""
         if batch.chunk is not None and batch.pending:
             log.warning("%s; retrying the chunk and the whole sequences apart", exc)
-            await self._launch(_Batch(batch.pending))
+            await self._launch(_Batch.of(batch.pending, self._share_min))
             await self._launch(_Batch([], batch.chunk, batch.chunked))
             return
         if len(batch.pending) > 1:
             log.warning("%s; retrying as two halves", exc)
             half = len(batch.pending) // 2
-            await self._launch(_Batch(batch.pending[:half]))
-            await self._launch(_Batch(batch.pending[half:]))
+            await self._launch(_Batch.of(batch.pending[:half], self._share_min))
+            await self._launch(_Batch.of(batch.pending[half:], self._share_min))
             return
         tokens = batch.chunk.job.num_tokens if batch.chunk is not None else batch.tokens
         self._fail(
@@ -400,13 +441,16 @@ class Batcher:
         )
         self._metrics.forward_seconds.observe(seconds)
         self._metrics.batch_tokens.observe(flight.tokens)
+        self._metrics.computed_tokens.inc(flight.tokens)
         self._metrics.batch_sequences.observe(len(batch))
         self._metrics.sequences.inc(len(batch.pending))
-        for p, result in zip(batch.pending, results, strict=False):
+        for p, result, computed in zip(batch.pending, results, batch.shares(), strict=False):
+            p.request.computed += computed
             if not p.future.done():
                 p.future.set_result(result)
         if batch.chunked is not None and batch.chunk is not None:
             chunked = batch.chunked
+            chunked.pending.request.computed += batch.chunk.num_tokens
             chunked.parts.append(results[-1])
             if batch.chunk.last and not chunked.pending.future.done():
                 self._metrics.sequences.inc()
@@ -483,20 +527,33 @@ class Batcher:
         if not swap.future.done():
             swap.future.set_result(Applied(state, started - swap.enqueued, done - started))
 
-    def _take(self, only_started: bool) -> _Batch:
-        """Pop queued sequences in order while they fit the token budget (at least one), then the
-        next chunk of the long sequence being scored (see the module docstring). A request starts,
-        on the current weights, when its first sequence is taken; with `only_started` (a swap is
-        waiting) only sequences of started requests are taken."""
+    def _take(self, only_started: bool) -> _Batch:  # noqa: PLR0915 (one pass over the queue)
+        """Pop queued sequences in order while what they compute fits the token budget (at least
+        one), then sharers from behind the first that does not (see the module docstring), then
+        the next chunk of the long sequence being scored. A request starts, on the current weights,
+        when its first sequence is taken; with `only_started` (a swap is waiting) only sequences of
+        started requests are taken."""
         if self._chunked is not None and self._chunked.pending.future.done():  # its request is gone
             self._end_chunked()
         batch: list[_Pending] = []
         skipped: list[_Pending] = []  # passed over: unstarted while a swap waits, or long behind another
-        tokens = 0
+        tokens = 0  # computed
         shared = self._budget - self._budget // 2  # whole sequences' part beside a chunk
         room = self._budget if self._chunked is None else shared
+        grouper = Grouper(self._share_min) if self._share_min is not None else None
+        looked: int | None = None  # behind the first that did not fit: how many looked at
         while self._queue:
             p = self._queue.popleft()
+            if looked is not None:
+                assert grouper is not None
+                if looked == LOOKAHEAD:
+                    self._queue.appendleft(p)
+                    break
+                looked += 1
+                cost = grouper.cost(p.job.tokens)
+                if cost == p.job.num_tokens or tokens + cost > room or p.future.done():
+                    skipped.append(p)  # shares nothing with the micro-batch, or does not fit
+                    continue
             if not p.future.done() and p.request.versions is None and not only_started:
                 self._start(p.request)
             if p.future.done():  # cancelled (its client is gone) or refused (pinned to other weights)
@@ -512,12 +569,19 @@ class Batcher:
                 else:
                     skipped.append(p)
                 continue
-            if batch and tokens + p.job.num_tokens > room:
-                self._queue.appendleft(p)
-                break
+            cost = grouper.cost(p.job.tokens) if grouper is not None else p.job.num_tokens
+            if batch and tokens + cost > room:
+                if grouper is None:
+                    self._queue.appendleft(p)
+                    break
+                skipped.append(p)
+                looked = 0
+                continue
             self._queued(-p.job.num_tokens)
             batch.append(p)
-            tokens += p.job.num_tokens
+            tokens += cost
+            if grouper is not None:
+                grouper.add(p.job.tokens)
         self._queue.extendleft(reversed(skipped))
         return self._with_chunk(batch, tokens)
 
@@ -526,7 +590,7 @@ class Batcher:
         chunked = self._chunked
         least = self._chunk_tokens or min(SHAPE_STEP, max(1, self._budget // 8))
         if chunked is None or (batch and self._budget - tokens < least):  # no room: the next one
-            return _Batch(batch)
+            return _Batch.of(batch, self._share_min)
         job = chunked.pending.job
         start = chunked.next_start
         end = min(job.num_tokens, start + (self._chunk_tokens or self._budget - tokens))
@@ -534,7 +598,7 @@ class Batcher:
         self._queued(-(end - start))
         if end == job.num_tokens:
             self._chunked = None  # the last chunk: the engine drops the stores after it
-        return _Batch(batch, Chunk(job, chunked.sequence, start, end), chunked)
+        return _Batch.of(batch, self._share_min, Chunk(job, chunked.sequence, start, end), chunked)
 
     def _start(self, request: _Request) -> None:
         try:
@@ -550,6 +614,14 @@ def invariant_chunk(budget: int) -> int:
     be (the engine's GEMM calls), so whole sequences share its micro-batch."""
     half = budget // 2
     return half // GEMM_ROWS * GEMM_ROWS or max(1, half)
+
+
+def sharing(settings: Settings) -> int | None:
+    """The shortest prefix sequences share (None: sharing off; always off in batch-invariant mode,
+    where a sequence's scores must not depend on what else is batched)."""
+    if not settings.share_prefixes or settings.batch_invariant:
+        return None
+    return settings.share_min_tokens
 
 
 def _serving_versions(engine: ScoringEngine) -> Mapping[str, str]:

@@ -28,6 +28,11 @@ class Metrics:
         self.input_tokens = Counter(f"{PREFIX}_input_tokens", "Real tokens received.", registry=r)
         self.scored_tokens = Counter(f"{PREFIX}_scored_tokens", "Action tokens scored.", registry=r)
         self.sequences = Counter(f"{PREFIX}_sequences", "Sequences scored.", registry=r)
+        self.computed_tokens = Counter(
+            f"{PREFIX}_computed_tokens",
+            "Tokens run through the decoder: input tokens less the shared prefixes computed once.",
+            registry=r,
+        )
         self.request_seconds = Histogram(
             f"{PREFIX}_request_duration_seconds",
             "Time from request arrival to response, per scoring request.",

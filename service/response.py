@@ -37,9 +37,12 @@ def answer(
     info: EngineInfo,
     versions: Mapping[str, str],
     rollout: RolloutMismatch | None = None,
+    *,
+    computed_tokens: int | None = None,
 ) -> dict[str, Any]:
     """A LogprobsResponse, its rows as numpy arrays (JSON or a frame writes it). Non-action entries
-    of a window are exactly 0.0; `versions` are the weights (model -> version) the request ran on."""
+    of a window are exactly 0.0; `versions` are the weights (model -> version) the request ran on;
+    `computed_tokens` what the decoder ran for it (None: its input tokens)."""
     job = plan.jobs[0]  # the options are the request's, the same for every job
     masks = []
     for window in plan.windows:
@@ -55,7 +58,11 @@ def answer(
         "kl": None,
         "rollout": rollout.model_dump() if rollout is not None else None,
         "action_mask": masks,
-        "usage": {"input_tokens": plan.input_tokens, "scored_tokens": plan.scored_tokens},
+        "usage": {
+            "input_tokens": plan.input_tokens,
+            "scored_tokens": plan.scored_tokens,
+            "computed_tokens": plan.input_tokens if computed_tokens is None else computed_tokens,
+        },
         "weights_version": versions["policy"],
         "ref_weights_version": versions["reference"] if job.return_ref else None,
         "critic_weights_version": versions["critic"] if job.return_values else None,

@@ -115,6 +115,11 @@ def parse_body(model: type[Body], raw: bytes) -> Body:
 class Usage(BaseModel):
     input_tokens: int = Field(description="Real (non-padding) tokens in the request.")
     scored_tokens: int = Field(description="Action tokens scored, after the EOS policy.")
+    computed_tokens: int = Field(
+        description="Tokens run through the decoder for this request: input_tokens less the prefixes "
+        "shared with other sequences and computed once (a shared prefix's tokens are split among the "
+        "sequences that share it, across requests too)."
+    )
 
 
 class RolloutMismatch(BaseModel):
@@ -277,6 +282,11 @@ class Info(BaseModel):
     batch_invariant: bool = Field(
         description="Scores are bitwise independent of batching (--batch-invariant; GEMMs in fixed calls)."
     )
+    share_prefixes: bool = Field(
+        description="Prefixes that queued sequences share are computed once (share_prefixes; off in "
+        "batch-invariant mode)."
+    )
+    share_min_tokens: int = Field(description="The shortest prefix shared.")
     versions: dict[str, str]
     models: list[ModelSummary] = Field(description="Every model loaded, with its memory.")
     weights_version: str = Field(description="Version of the policy weights now serving.")

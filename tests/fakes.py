@@ -19,6 +19,7 @@ from service.engine.base import (
     WeightsState,
 )
 from service.jobs import Chunk, SequenceJob, SequenceScores
+from service.prefixes import Forest
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,7 @@ class FakeEngine:
         self.chunks: list[Chunk] = []  # every chunk launched
         self.chunked: dict[int, int] = {}  # chunked sequence -> where its next chunk starts
         self.released: list[int] = []
+        self.forests: list[Forest | None] = []  # the prefixes each micro-batch shared (None: none)
         self.threads: set[str] = set()
         self.info = EngineInfo(
             model="fake",
@@ -89,13 +91,18 @@ class FakeEngine:
     def warm_up(self) -> None:
         pass
 
-    def launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None) -> FakeLaunched:
+    def launch(
+        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+    ) -> FakeLaunched:
         """Fails or runs out of memory at once, as a real launch does; the `delay` is the device's
         time, spent in `result`. A token `fail_late_on_token` fails there, as an error the device
         reports late does. A chunk counts as a sequence of its tokens, last in `batches`; its
-        sequence's chunks must come in order."""
+        sequence's chunks must come in order. `forests` records each micro-batch's forest."""
         self.threads.add(threading.current_thread().name)
         self.batches.append([job.num_tokens for job in jobs] + ([chunk.num_tokens] if chunk else []))
+        if forest is not None:
+            assert len(forest.paths) == len(jobs)
+        self.forests.append(forest)
         if chunk is not None:
             assert self.chunked.get(chunk.sequence, 0) == chunk.start, "chunks out of order"
             self.chunked[chunk.sequence] = chunk.end

@@ -27,19 +27,33 @@ def _with_options(rng: random.Random, request: dict[str, Any], vocab: int) -> di
 def make(layout: str, rng: random.Random, vocab: int, rows: int = 4, max_len: int = 24) -> dict[str, Any]:
     if layout.startswith("ragged"):
         ids = [_tokens(rng, rng.randint(1, max_len), vocab) for _ in range(rows)]
+        return _with_options(rng, lay_out(layout, rng, [(row, []) for row in ids]), vocab)
+    prompts = [_tokens(rng, rng.randint(1, max_len // 2), vocab) for _ in range(rows)]
+    responses = [_tokens(rng, rng.randint(0, max_len // 2), vocab) for _ in range(rows)]
+    return _with_options(rng, lay_out(layout, rng, list(zip(prompts, responses, strict=True))), vocab)
+
+
+def lay_out(layout: str, rng: random.Random, rows: list[tuple[list[int], list[int]]]) -> dict[str, Any]:
+    """A request of `rows` (prompt, response) in `layout`, random action counts or masks. Ragged: each
+    row is prompt + response, whose last `len(response)` tokens or more are actions (num_actions)
+    or a random mask; padded: prompts and responses padded apart or together, each row on a random
+    side, the window the responses' columns (response_length) or a random mask over real columns."""
+    if layout.startswith("ragged"):
+        ids = [prompt + response for prompt, response in rows]
         request: dict[str, Any] = {"input_ids": ids}
         if layout == "ragged_num_actions":
-            counts = [rng.randint(0, len(row) - 1) for row in ids]
+            counts = [
+                rng.randint(min(len(r), len(p + r) - 1), len(p + r) - 1) if len(p + r) > 1 else 0
+                for p, r in rows
+            ]
             request["num_actions"] = counts if rng.random() < 0.7 else min(counts)
         else:
             request["action_mask"] = [[0] + [int(rng.random() < 0.6) for _ in row[1:]] for row in ids]
-        return _with_options(rng, request, vocab)
-    prompts = [_tokens(rng, rng.randint(1, max_len // 2), vocab) for _ in range(rows)]
-    responses = [_tokens(rng, rng.randint(0, max_len // 2), vocab) for _ in range(rows)]
-    p_width = max(len(p) for p in prompts)
-    r_width = max(len(r) for r in responses)
+        return request
+    p_width = max(len(p) for p, _ in rows)
+    r_width = max(len(r) for _, r in rows)
     ids, mask = [], []
-    for prompt, response in zip(prompts, responses, strict=True):
+    for prompt, response in rows:
         side = rng.choice(["left", "right", "split"])
         seq = prompt + response
         if side == "split":  # left-padded prompt, right-padded response (verl)
@@ -67,4 +81,4 @@ def make(layout: str, rng: random.Random, vocab: int, rows: int = 4, max_len: in
                 [int(m[c] == 1 and c != first and rng.random() < 0.7) for c in range(1, width)]
             )
         request["action_mask"] = action_mask
-    return _with_options(rng, request, vocab)
+    return request

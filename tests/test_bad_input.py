@@ -369,7 +369,11 @@ def test_longest_sequence_is_the_positions_or_the_setting_whatever_the_budget(
         )
         ok = c.post("/logprobs", json={"input_ids": [[1, 2], [7] * longest], "num_actions": 1})
         assert ok.status_code == 200, ok.text
-        assert ok.json()["usage"] == {"input_tokens": longest + 2, "scored_tokens": 2}
+        assert ok.json()["usage"] == {
+            "input_tokens": longest + 2,
+            "scored_tokens": 2,
+            "computed_tokens": longest + 2,
+        }
         too_long = c.post("/logprobs", json={"input_ids": [[1, 2], [7] * (longest + 1)], "num_actions": 1})
         if limit == "positions":
             check_rejected(too_long, "input_ids", 1)  # 422: past the model's positions

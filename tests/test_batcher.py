@@ -17,6 +17,7 @@ from service.engine.base import Launched, ReloadOrder, WeightsState
 from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
 from service.jobs import Chunk, SequenceJob, SequenceScores
 from service.metrics import Metrics
+from service.prefixes import Forest
 from tests.fakes import FakeEngine, expected_scores
 
 
@@ -354,9 +355,11 @@ def test_a_full_budget_starts_while_later_requests_of_a_burst_are_still_parsed(
     launched_after_the_parse: list[bool] = []
     launch = engine.launch
 
-    def recording(jobs: Sequence[SequenceJob], chunk: Chunk | None = None) -> Launched:
+    def recording(
+        jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+    ) -> Launched:
         launched_after_the_parse.append(third_parsed.is_set())
-        return launch(jobs, chunk)
+        return launch(jobs, chunk, forest)
 
     engine.launch = recording  # type: ignore[method-assign,assignment]
 
@@ -393,11 +396,13 @@ def test_a_launch_on_an_idle_accelerator_holds_the_event_loop_until_it_is_queued
     ticked: list[bool] = []
     launch = engine.launch
 
-    def slow(jobs: Sequence[SequenceJob], chunk: Chunk | None = None) -> Launched:
+    def slow(
+        jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+    ) -> Launched:
         before = ticker.count
         time.sleep(0.02)
         ticked.append(ticker.count != before)
-        return launch(jobs, chunk)
+        return launch(jobs, chunk, forest)
 
     engine.launch = slow  # type: ignore[method-assign,assignment]
 

@@ -82,11 +82,11 @@ def serve(settings: Settings, delay_s: float = 0.0) -> Iterator[Served]:
         assert isinstance(engine, PackedScorer)
         launch = engine.launch
 
-        def recording(jobs: Any, chunk: Chunk | None = None) -> Any:
+        def recording(jobs: Any, chunk: Chunk | None = None, forest: Any = None) -> Any:
             box[0].launches.append((len(jobs), chunk))
             if delay_s:
                 time.sleep(delay_s)
-            return launch(jobs, chunk)
+            return launch(jobs, chunk, forest)
 
         engine.launch = recording  # type: ignore[method-assign]
         box[0].engine = engine

@@ -39,6 +39,7 @@ IntRows = Sequence[Sequence[int]] | ToList
 class Usage:
     input_tokens: int
     scored_tokens: int
+    computed_tokens: int | None = None  # run through the decoder (None: a server that does not say)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +90,11 @@ class Scores:
             model=body["model"],
             logprobs=body["logprobs"],
             action_mask=body["action_mask"],
-            usage=Usage(input_tokens=usage["input_tokens"], scored_tokens=usage["scored_tokens"]),
+            usage=Usage(
+                input_tokens=usage["input_tokens"],
+                scored_tokens=usage["scored_tokens"],
+                computed_tokens=usage.get("computed_tokens"),
+            ),
             entropy=body.get("entropy"),
             weights_version=body.get("weights_version"),
             extra={k: v for k, v in body.items() if k not in _KNOWN},

@@ -12,9 +12,10 @@ kernel where each starts, so attention never crosses a sequence boundary. Four k
 
 Sliding windows follow transformers: a query at i sees keys j with i - W < j <= i.
 
-A segment may have more keys than queries (`cu_k`: a context cached by earlier micro-batches,
-context.py): its queries are its last tokens, so query i of q sees keys j <= i + (k - q), the
-bottom-right alignment every kernel here uses.
+A segment may have more keys than queries (`cu_k`: the keys of a shared prefix computed by other
+segments of the row, or a context cached by earlier micro-batches; context.py): its queries are its
+last tokens, so query i of q sees keys j <= i + (k - q), the bottom-right alignment every kernel
+here uses.
 """
 
 from __future__ import annotations
@@ -296,11 +297,9 @@ def register(backend: AttentionBackend) -> str:
         scale = scaling if scaling is not None else dim**-0.5
         seg = Segments(cu, max_len, scale, sliding_window, softcap)
         context: KVContext | None = kwargs.get(CONTEXT_KWARG)
-        if context is not None:  # the row's last segment also attends to its cached context
+        if context is not None:  # shared prefixes' keys, the last segment's cached context
             k, v = context.extend(int(getattr(module, "layer_idx")), k, v)  # noqa: B009 (a Module attribute)
-            seg = dataclasses.replace(
-                seg, cu_k=kwargs["cu_seq_lens_k"], max_len_k=int(kwargs["max_length_k"])
-            )
+            seg = dataclasses.replace(seg, cu_k=context.cu_k, max_len_k=context.max_len_k)
         out = kernel(q, k, v, seg)
         return out.reshape(batch, seq, heads, dim), None
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from service.jobs import Chunk, SequenceJob, SequenceScores
+from service.prefixes import Forest
 
 # Token and action counts are padded up to a multiple of this, so that a micro-batch's GEMMs take one
 # of few shapes, which the engine's warm-up meets before serving: cuBLAS stalls the host (holding the
@@ -130,8 +131,11 @@ class ScoringEngine(Protocol):
     @property
     def weights(self) -> Mapping[str, WeightsState]: ...
 
-    def launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None) -> Launched:
-        """Scores of `jobs`, then of `chunk`'s actions if given."""
+    def launch(
+        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+    ) -> Launched:
+        """Scores of `jobs`, then of `chunk`'s actions if given. `forest`: the prefixes `jobs` share,
+        each computed once (None: every job whole)."""
 
     def release(self, sequence: int) -> None: ...
 

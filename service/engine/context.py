@@ -1,18 +1,22 @@
-"""Keys and values a packed row's last segment attends to beyond its own tokens.
+"""Keys and values a packed row's segments attend to beyond their own tokens.
 
 A micro-batch's queries are its N packed tokens; a segment's keys are normally its own tokens. A
-segment may instead attend to a *context* first: the keys and values, per layer, of tokens that an
-earlier micro-batch computed (the chunks before it of a sequence too long for one micro-batch).
-Varlen attention then takes key boundaries `cu_k` that differ from the query boundaries: the
-segment's keys are its context followed by its own tokens, and causal masking is bottom-right
-aligned (query i of a segment of q queries and k keys sees keys j <= i + k - q).
+segment may also attend to keys before its own, so that varlen attention takes key boundaries `cu_k`
+that differ from the query boundaries (causal masking bottom-right aligned: query i of a segment of
+q queries and k keys sees keys j <= i + k - q). Two sources, alone or together:
 
-The context is the last segment of the row. Each layer writes that segment's fresh keys and values
-into the store behind what is cached, and attends over
+- a shared prefix (prefixes.py): a segment holding positions [start, end) of some sequences whose
+  positions [0, start) other segments of the row compute; its keys are those rows' keys, then its
+  own: one gather of the row's keys and values per layer, `gather` [K] row indices, every segment's
+  keys in turn;
+- a cached context (the chunks before it of a sequence too long for one micro-batch), for the row's
+  last segment only: each layer writes that segment's fresh keys and values into the store behind
+  what is cached, and the segment attends over the cached keys 0 .. start + q. The keys read are
 
-    keys = [fresh keys of the other segments | cached keys 0 .. start + q)      [N - q + start + q, Hk, D]
+      [keys of the other segments (gathered, or as they are) | cached keys 0 .. start + q]
 
-which is a view of the store when the context segment is alone in the row, and one copy otherwise.
+  which is a view of the store when the context segment is alone in the row, and one copy otherwise.
+
 Store: per layer, [capacity, Hk, D] keys and values in the model's dtype, allocated at the first
 layer call; a model's store costs layers x 2 x Hk x D x capacity x dtype bytes.
 """
@@ -49,16 +53,27 @@ class KVStore:
 
 @dataclass(frozen=True, slots=True)
 class KVContext:
-    """The context of one micro-batch's last segment: its tokens are [start, start + own) of the
-    sequence whose store this is; the row's first `others` tokens belong to other segments."""
+    """The keys a packed row attends to, where they are not each segment's own tokens.
 
-    store: KVStore
-    start: int
-    others: int
+    cu_k: [S+1] int32 key boundaries; max_len_k the longest key segment. gather: [K] indices of the
+    row's keys, segment after segment (None: the row's keys as they are). With a store, the row's
+    last segment holds tokens [start, start + own) of the sequence whose store it is, and its keys
+    are the store's; `gather` then covers the first `others` rows' segments only.
+    """
+
+    cu_k: torch.Tensor
+    max_len_k: int
+    gather: torch.Tensor | None = None
+    store: KVStore | None = None
+    start: int = 0
+    others: int = 0
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [N, Hk, D] this layer's fresh keys and values of the row. Stores the last segment's,
-        and returns the keys and values attention reads: [others + start + own, Hk, D] each."""
+        """k, v: [N, Hk, D] this layer's fresh keys and values of the row. Stores the last segment's
+        in the store, if any, and returns the keys and values attention reads: [cu_k[-1], Hk, D] each."""
+        if self.store is None:
+            assert self.gather is not None
+            return k.index_select(0, self.gather), v.index_select(0, self.gather)
         own = k.shape[0] - self.others
         end = self.start + own
         if end > self.store.capacity:
@@ -70,6 +85,11 @@ class KVContext:
             self.store.keys[layer], self.store.values[layer] = keys, values
         keys[self.start : end].copy_(k[self.others :])
         values[self.start : end].copy_(v[self.others :])
+        if self.gather is not None:
+            return (
+                torch.cat([k.index_select(0, self.gather), keys[:end]]),
+                torch.cat([v.index_select(0, self.gather), values[:end]]),
+            )
         if self.others == 0:
             return keys[:end], values[:end]
         return (

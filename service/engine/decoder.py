@@ -166,9 +166,7 @@ class Stream:
     sin: torch.Tensor
     cu: torch.Tensor  # [S+1] int32 sequence boundaries (empty sequences may end them)
     max_len: int  # at least the longest sequence
-    context: KVContext | None = None  # the last segment's cached keys and values (context.py)
-    cu_k: torch.Tensor | None = None  # [S+1] int32 key boundaries with that context
-    max_len_k: int | None = None
+    context: KVContext | None = None  # keys beyond the segments' own, and their boundaries (context.py)
 
 
 @dataclass(slots=True)
@@ -264,9 +262,7 @@ class FusedDecoder:
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         stream = self.start(batch.input_ids[0], batch.position_ids, batch.cu_seqlens, batch.max_len)
         if batch.context is not None:
-            stream = dataclasses.replace(
-                stream, context=batch.context, cu_k=batch.cu_k, max_len_k=batch.max_len_k
-            )
+            stream = dataclasses.replace(stream, context=batch.context)
         for layer in self.layers[:-1]:
             self.run_layer(layer, stream)
         return self.finish(stream, rows)
@@ -300,11 +296,10 @@ class FusedDecoder:
         q = qkv[:, : hq * d].view(n, hq, d)
         k = qkv[:, hq * d : (hq + hk) * d].view(n, hk, d)
         v = qkv[:, (hq + hk) * d :].view(n, hk, d)
-        seg = Segments(
-            stream.cu, stream.max_len, layer.scale, layer.window, None, stream.cu_k, stream.max_len_k
-        )
+        seg = Segments(stream.cu, stream.max_len, layer.scale, layer.window, None)
         if stream.context is not None:
             k, v = stream.context.extend(layer.index, k, v)
+            seg = dataclasses.replace(seg, cu_k=stream.context.cu_k, max_len_k=stream.context.max_len_k)
         attended = self.attention(q, k, v, seg).reshape(n, hq * d)
         del qkv, q, k, v
         if rows is not None:

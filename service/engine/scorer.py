@@ -4,6 +4,9 @@ A micro-batch is packed once (tokens, positions, boundaries, action indices); ev
 asks for (the policy always; the reference policy and the critic when a sequence wants them) runs
 its decoder over that same PackedBatch and its own head on the action positions only.
 
+Sequences that share a prefix arrive with the micro-batch's Forest (prefixes.py): the prefix is packed
+once and each sequence's later tokens attend to its keys (packing.py, context.py).
+
 A sequence longer than a micro-batch arrives as chunks, in order, each the last segment of a
 micro-batch; every model that scores it keeps its keys and values (a KVStore per model, context.py)
 from its first chunk to its last. The longest sequence is the model's positions, or what the
@@ -49,6 +52,7 @@ from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype, text_part
 from service.engine.packing import SHAPE_STEP, PackedBatch, pack
 from service.jobs import Chunk, FloatArray, SequenceJob, SequenceScores
+from service.prefixes import Forest
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -352,14 +356,17 @@ class PackedScorer:
             raise WeightsRejected(f"this server has no {target} model to reload")
         return model
 
-    def launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None) -> InFlight:
+    def launch(
+        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+    ) -> InFlight:
         """Queue the micro-batch's forwards and the copies of its scores to host memory; no wait."""
         try:
-            return self._launch(jobs, chunk)
+            return self._launch(jobs, chunk, forest)
         except torch.OutOfMemoryError as exc:  # a chunk's stores stay: the batcher retries it
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
-            tokens = sum(job.num_tokens for job in jobs) + (chunk.num_tokens if chunk else 0)
+            whole = forest.computed_tokens if forest is not None else sum(job.num_tokens for job in jobs)
+            tokens = whole + (chunk.num_tokens if chunk else 0)
             raise OutOfMemory(f"out of memory on {len(jobs)} sequences, {tokens} tokens") from exc
         except Exception:
             if chunk is not None:
@@ -370,9 +377,9 @@ class PackedScorer:
         """Drop the stores of a chunked sequence (its last chunk drops them itself)."""
         self._stores.pop(sequence, None)
 
-    def score(self, jobs: Sequence[SequenceJob]) -> list[SequenceScores]:
-        """launch(jobs).result(): the scores, waiting for them."""
-        return self.launch(jobs).result()
+    def score(self, jobs: Sequence[SequenceJob], forest: Forest | None = None) -> list[SequenceScores]:
+        """launch(jobs, forest=forest).result(): the scores, waiting for them."""
+        return self.launch(jobs, forest=forest).result()
 
     def _stores_of(self, chunk: Chunk | None) -> dict[Target, KVStore]:
         if chunk is None:
@@ -389,8 +396,8 @@ class PackedScorer:
         return self._stores[chunk.sequence]
 
     @torch.inference_mode()
-    def _launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None) -> InFlight:
-        batch = pack(jobs, self._device, self._step, chunk=chunk)
+    def _launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None, forest: Forest | None) -> InFlight:
+        batch = pack(jobs, self._device, self._step, chunk=chunk, forest=forest)
         stores = self._stores_of(chunk)
         every = [*jobs, chunk.job] if chunk is not None else list(jobs)
         policy = self._policy.logprobs(batch.attach(stores.get("policy")), batch.want_entropy)

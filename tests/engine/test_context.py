@@ -19,6 +19,11 @@ from service.jobs import Chunk, SequenceJob
 # --- (a) attention over a context: the kernel against whole-sequence attention, last rows kept ---
 
 
+def _cached(store: KVStore, start: int, others: int) -> KVContext:
+    """A context of cached keys only (extend does not read its boundaries)."""
+    return KVContext(torch.zeros(2, dtype=torch.int32), 0, store=store, start=start, others=others)
+
+
 def whole_sequence_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,14 +116,14 @@ def test_extend_alone_writes_behind_the_cache_and_returns_a_view() -> None:
     store = KVStore(capacity=10)
     gen = torch.Generator().manual_seed(0)
     k1, v1 = torch.randn(4, 2, 3, generator=gen), torch.randn(4, 2, 3, generator=gen)
-    keys, values = KVContext(store, start=0, others=0).extend(0, k1, v1)
+    keys, values = _cached(store, 0, 0).extend(0, k1, v1)
     assert torch.equal(keys, k1)
     assert torch.equal(values, v1)
     assert keys.data_ptr() == store.keys[0].data_ptr()  # a view of the store, no copy
     assert store.keys[0].shape == (10, 2, 3)
     assert store.keys[0].dtype == k1.dtype
     k2, v2 = torch.randn(5, 2, 3, generator=gen), torch.randn(5, 2, 3, generator=gen)
-    keys, values = KVContext(store, start=4, others=0).extend(0, k2, v2)
+    keys, values = _cached(store, 4, 0).extend(0, k2, v2)
     assert torch.equal(keys, torch.cat([k1, k2]))
     assert torch.equal(values, torch.cat([v1, v2]))
     assert store.nbytes() == 2 * 10 * 2 * 3 * 4
@@ -128,9 +133,9 @@ def test_extend_after_other_segments_puts_them_first_and_stores_only_the_last() 
     store = KVStore(capacity=12)
     gen = torch.Generator().manual_seed(1)
     first_k, first_v = torch.randn(6, 2, 3, generator=gen), torch.randn(6, 2, 3, generator=gen)
-    KVContext(store, start=0, others=0).extend(3, first_k, first_v)  # layer 3: any layer index
+    _cached(store, 0, 0).extend(3, first_k, first_v)  # layer 3: any layer index
     row_k, row_v = torch.randn(7, 2, 3, generator=gen), torch.randn(7, 2, 3, generator=gen)
-    keys, values = KVContext(store, start=6, others=3).extend(3, row_k, row_v)  # 3 others, 4 own
+    keys, values = _cached(store, 6, 3).extend(3, row_k, row_v)  # 3 others, 4 own
     assert torch.equal(keys, torch.cat([row_k[:3], first_k, row_k[3:]]))
     assert torch.equal(values, torch.cat([row_v[:3], first_v, row_v[3:]]))
     assert torch.equal(store.keys[3][:10], torch.cat([first_k, row_k[3:]]))  # the others' not stored
@@ -141,10 +146,10 @@ def test_extend_after_other_segments_puts_them_first_and_stores_only_the_last() 
 def test_layers_keep_their_own_keys() -> None:
     store = KVStore(capacity=8)
     a, b = torch.ones(3, 1, 2), torch.full((3, 1, 2), 2.0)
-    KVContext(store, 0, 0).extend(0, a, -a)
-    KVContext(store, 0, 0).extend(1, b, -b)
-    keys0, values0 = KVContext(store, 3, 0).extend(0, b, -b)
-    keys1, _ = KVContext(store, 3, 0).extend(1, a, -a)
+    _cached(store, 0, 0).extend(0, a, -a)
+    _cached(store, 0, 0).extend(1, b, -b)
+    keys0, values0 = _cached(store, 3, 0).extend(0, b, -b)
+    keys1, _ = _cached(store, 3, 0).extend(1, a, -a)
     assert torch.equal(keys0, torch.cat([a, b]))
     assert torch.equal(values0, torch.cat([-a, -b]))
     assert torch.equal(keys1, torch.cat([b, a]))
@@ -152,10 +157,10 @@ def test_layers_keep_their_own_keys() -> None:
 
 def test_extend_refuses_past_capacity() -> None:
     store = KVStore(capacity=8)
-    KVContext(store, 0, 0).extend(0, torch.zeros(6, 1, 2), torch.zeros(6, 1, 2))
-    KVContext(store, 6, 2).extend(0, torch.zeros(4, 1, 2), torch.zeros(4, 1, 2))  # exactly full: 6 + 2
+    _cached(store, 0, 0).extend(0, torch.zeros(6, 1, 2), torch.zeros(6, 1, 2))
+    _cached(store, 6, 2).extend(0, torch.zeros(4, 1, 2), torch.zeros(4, 1, 2))  # exactly full: 6 + 2
     with pytest.raises(ValueError, match="context of 9 tokens past its store's 8"):
-        KVContext(store, 6, 1).extend(0, torch.zeros(4, 1, 2), torch.zeros(4, 1, 2))
+        _cached(store, 6, 1).extend(0, torch.zeros(4, 1, 2), torch.zeros(4, 1, 2))
 
 
 def test_cache_bytes_per_token() -> None:
@@ -271,7 +276,10 @@ def test_pack_a_chunk_alone_and_its_context() -> None:
     assert last.num_actions == 39
     store = KVStore(capacity=216)
     attached = last.attach(store)
-    assert attached.context == KVContext(store, 160, 0)
+    context = attached.context
+    assert context is not None
+    assert (context.store, context.start, context.others, context.gather) == (store, 160, 0, None)
+    assert context.cu_k is last.cu_k
     kwargs = attached.forward_kwargs()
     assert kwargs[CONTEXT_KWARG] is attached.context
     assert kwargs["cu_seq_lens_k"] is last.cu_k

@@ -1,0 +1,123 @@
+"""The forest of shared prefixes against a brute-force count of distinct prefixes, and the batcher's
+incremental count against the forest, on random groups, trees, identical and nested sequences."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from service.prefixes import Forest, Grouper, alone, common_prefix, share
+
+
+def _brute_force_tokens(seqs: list[list[int]], min_tokens: int) -> int:
+    """Tokens to compute: each distinct prefix once among sequences whose first `min_tokens` tokens
+    are equal; every token of a sequence that shares them with no other."""
+    heads: dict[tuple[int, ...], list[list[int]]] = {}
+    for s in seqs:
+        heads.setdefault(tuple(s[:min_tokens]) if len(s) >= min_tokens else (id(s), -1), []).append(s)
+    total = 0
+    for members in heads.values():
+        if len(members) == 1:
+            total += len(members[0])
+        else:
+            total += len({tuple(s[:k]) for s in members for k in range(1, len(s) + 1)})
+    return total
+
+
+def _check(forest: Forest, seqs: list[list[int]]) -> None:
+    """Every sequence is its path's tokens, from 0, contiguous; parents come before children."""
+    arrays = [np.asarray(s, dtype=np.int64) for s in seqs]
+    for i, node in enumerate(forest.nodes):
+        assert node.parent < i
+        assert node.length > 0
+        if node.parent != -1:
+            assert forest.nodes[node.parent].end == node.start
+        else:
+            assert node.start == 0
+    for seq, path in zip(arrays, forest.paths, strict=True):
+        rebuilt = [arrays[forest.nodes[n].owner][forest.nodes[n].start : forest.nodes[n].end] for n in path]
+        assert np.array_equal(np.concatenate(rebuilt), seq)
+        for a, b in itertools.pairwise(path):
+            assert forest.nodes[b].parent == a
+
+
+def _random_tree(rng: random.Random, n: int) -> list[list[int]]:
+    """Sequences built by extending random earlier ones (or their prefixes): groups, nested turns,
+    duplicates, a sequence that is another's prefix, and strangers."""
+    seqs: list[list[int]] = []
+    for _ in range(n):
+        roll = rng.random()
+        if not seqs or roll < 0.2:
+            seqs.append([rng.randrange(5) for _ in range(rng.randint(1, 30))])
+        elif roll < 0.3:
+            seqs.append(list(rng.choice(seqs)))
+        else:
+            base = rng.choice(seqs)
+            cut = rng.randint(0, len(base))
+            seqs.append(base[:cut] + [rng.randrange(5) for _ in range(rng.randint(0, 20))] or [1])
+    return seqs
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_forest_computes_each_distinct_prefix_once(seed: int) -> None:
+    rng = random.Random(seed)
+    seqs = _random_tree(rng, rng.randint(1, 14))
+    min_tokens = rng.choice([1, 3, 8])
+    forest = share([np.asarray(s, dtype=np.int64) for s in seqs], min_tokens)
+    _check(forest, seqs)
+    assert forest.computed_tokens == _brute_force_tokens(seqs, min_tokens)
+    assert sum(forest.shares()) == pytest.approx(forest.computed_tokens)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_grouper_counts_what_the_forest_computes_in_any_order(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    seqs = [np.asarray(s, dtype=np.int64) for s in _random_tree(rng, rng.randint(1, 14))]
+    min_tokens = rng.choice([1, 3, 8])
+    rng.shuffle(seqs)
+    grouper = Grouper(min_tokens)
+    total = 0
+    for s in seqs:
+        total += grouper.cost(s)
+        grouper.add(s)
+    assert total == share(seqs, min_tokens).computed_tokens
+
+
+def test_a_grpo_group_and_a_stranger() -> None:
+    prompt = list(range(10, 74))  # 64 tokens
+    group = [[*prompt, 1, 2, 3], [*prompt, 1, 2, 4, 5], [*prompt, 7]]
+    stranger = list(range(50))
+    forest = share([np.asarray(s, dtype=np.int64) for s in [*group, stranger]], 64)
+    _check(forest, [*group, stranger])
+    assert forest.shared
+    # the prompt once; [1, 2] once below it; then 3 | 4, 5 | 7; the stranger whole
+    assert forest.computed_tokens == 64 + 2 + 1 + 2 + 1 + 50
+    assert [len(p) for p in forest.paths] == [3, 3, 2, 1]
+    assert forest.shares()[3] == 50
+    assert forest.shares()[2] == pytest.approx(64 / 3 + 1)
+
+
+def test_below_the_minimum_nothing_is_shared() -> None:
+    a, b = [1] * 10 + [2], [1] * 10 + [3]
+    forest = share([np.asarray(a), np.asarray(b)], 11)
+    assert not forest.shared
+    assert forest == alone([11, 11])
+    assert share([np.asarray(a), np.asarray(b)], 10).computed_tokens == 12
+
+
+def test_identical_sequences_and_a_prefix_of_another() -> None:
+    s = list(range(20))
+    forest = share([np.asarray(x) for x in (s, s, s[:12])], 4)
+    _check(forest, [s, s, s[:12]])
+    assert forest.computed_tokens == 20
+    assert forest.shared
+    assert forest.paths[0] == forest.paths[1]
+
+
+def test_common_prefix() -> None:
+    assert common_prefix(np.asarray([1, 2, 3]), np.asarray([1, 2, 4, 5])) == 2
+    assert common_prefix(np.asarray([1, 2]), np.asarray([1, 2, 4])) == 2
+    assert common_prefix(np.asarray([9]), np.asarray([1])) == 0
