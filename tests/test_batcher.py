@@ -566,3 +566,66 @@ def test_a_failed_apply_fails_the_reload_not_the_server(loop: asyncio.AbstractEv
         return await batcher.score([job(5)])
 
     _assert_scored_on(run(loop, engine, 16, body), [job(5)], 0.0, "initial")
+
+
+# --- shared prefixes: the budget counts computed tokens ---
+
+
+def grouped(prompt: int, response: int, first: int) -> SequenceJob:
+    """A sequence of a shared 100-token prompt (tokens 0..`prompt`-1) and its own response."""
+    tokens = np.concatenate([np.arange(prompt), np.arange(first, first + response)]).astype(np.int64)
+    return SequenceJob(tokens, np.arange(prompt, prompt + response, dtype=np.int64), 1.0, False)
+
+
+def run_sharing(
+    loop: asyncio.AbstractEventLoop, engine: FakeEngine, budget: int, body: Callable[[Batcher], Awaitable[T]]
+) -> T:
+    async def main() -> T:
+        batcher = Batcher(engine, budget, Metrics(), wait_s=0.05, share_min_tokens=16)
+        batcher.start()
+        try:
+            return await body(batcher)
+        finally:
+            await batcher.stop()
+
+    return loop.run_until_complete(main())
+
+
+def test_a_group_fits_the_budget_by_the_tokens_it_computes(loop: asyncio.AbstractEventLoop) -> None:
+    """8 x (100 + 20) = 960 tokens sent, 100 + 8 x 20 = 260 computed: one micro-batch of 300."""
+    engine = FakeEngine()
+    jobs = [grouped(100, 20, 1000 + 100 * i) for i in range(8)]
+    result = run_sharing(loop, engine, 300, lambda b: b.score(jobs))
+    assert engine.batches == [[120] * 8]
+    (forest,) = engine.forests
+    assert forest is not None
+    assert forest.computed_tokens == result.computed_tokens == 260
+    for got, j in zip(result.scores, jobs, strict=True):
+        np.testing.assert_array_equal(got.logprobs, expected_scores(j).logprobs)
+
+
+def test_sharers_behind_a_sequence_that_does_not_fit_join_the_micro_batch(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Queue: a group member, a stranger too long for what is left, more members: the members ride
+    together; the stranger goes next, its request answered as well."""
+    engine = FakeEngine()
+
+    async def body(batcher: Batcher) -> list[Scored]:
+        first = batcher.submit([grouped(100, 20, 1000)])
+        stranger = batcher.submit([job(250, first=5000)])
+        rest = batcher.submit([grouped(100, 20, 2000 + 100 * i) for i in range(4)])
+        return list(await asyncio.gather(first, stranger, rest))
+
+    replies = run_sharing(loop, engine, 300, body)
+    assert engine.batches == [[120] * 5, [250]]
+    assert [r.computed_tokens for r in replies] == [round(100 / 5 + 20), 250, round(4 * (100 / 5 + 20))]
+
+
+def test_without_sharing_nothing_is_shared(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine()
+    jobs = [grouped(100, 20, 1000 + 100 * i) for i in range(3)]
+    result = run(loop, engine, 300, lambda b: b.score(jobs))
+    assert engine.batches == [[120, 120], [120]]
+    assert engine.forests == [None, None]
+    assert result.computed_tokens == 360
