@@ -1,6 +1,6 @@
 """HTTP load for the benchmark, outside the server's process (as trainers are): N concurrent POST /logprobs.
 
-    python -m benchmarks.client URL BODIES_FILE REPS [--mode asyncio|httpcore|processes] [--frames]
+    python -m benchmarks.client URL BODIES_FILE REPS [--mode asyncio|httpcore|plain|processes] [--frames]
         -> prints a JSON list of wall seconds per rep
 
 BODIES_FILE holds the request bodies, each after its length (8 bytes, little-endian): JSON, or with
@@ -13,6 +13,9 @@ round (and the connections) comes first.
   per-request work is serialised.
 - `httpcore`: the same on httpx's default async transport (httpcore's pool on anyio), which costs
   about 1 ms of the client's loop per concurrent request (service/client/transport.py).
+- `plain`: what a trainer that does not use logprobd's client writes: a default `httpx.AsyncClient()`
+  (httpcore's pool), each body posted with `json=` (the standard library's json.dumps, inside the
+  round) and each answer read with `response.json()` (json.loads); JSON bodies only.
 - `processes`: one client process per body, as N trainer ranks are, each with its own httpx.Client
   and keep-alive connection; a round starts at one instant of the shared monotonic clock
   (time.perf_counter is CLOCK_MONOTONIC on Linux) and lasts until the last process has its answer.
@@ -28,6 +31,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -115,6 +119,24 @@ async def _round(client: httpx.AsyncClient, bodies: list[bytes], frames: bool) -
     return time.perf_counter() - start
 
 
+async def _plain_round(client: httpx.AsyncClient, bodies: list[Any]) -> float:
+    async def one(body: Any) -> None:
+        r = await client.post("/logprobs", json=body)
+        r.raise_for_status()
+        r.json()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(b) for b in bodies))
+    return time.perf_counter() - start
+
+
+async def _in_plain(url: str, bodies: list[bytes], reps: int) -> list[float]:
+    objects = [json.loads(b) for b in bodies]  # the trainer's dicts of lists, built before the round
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:  # only the timeout is not default
+        await _plain_round(client, objects)
+        return [await _plain_round(client, objects) for _ in range(reps)]
+
+
 async def _in_asyncio(
     url: str, bodies: list[bytes], reps: int, frames: bool, transport: httpx.AsyncBaseTransport | None
 ) -> list[float]:
@@ -129,12 +151,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("url")
     parser.add_argument("bodies", type=Path)
     parser.add_argument("reps", type=int)
-    parser.add_argument("--mode", choices=["asyncio", "httpcore", "processes"], default="asyncio")
+    parser.add_argument("--mode", choices=["asyncio", "httpcore", "plain", "processes"], default="asyncio")
     parser.add_argument("--frames", action="store_true", help="the bodies are compact frames")
     args = parser.parse_args(argv)
     bodies = read_bodies(args.bodies)
     if args.mode == "processes":
         seconds = in_processes(args.url, bodies, args.reps, args.frames)
+    elif args.mode == "plain":
+        seconds = asyncio.run(_in_plain(args.url, bodies, args.reps))
     else:
         transport = StreamTransport(max_connections=len(bodies)) if args.mode == "asyncio" else None
         seconds = asyncio.run(_in_asyncio(args.url, bodies, args.reps, args.frames, transport))

@@ -311,7 +311,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     return result
 
 
-def isolated(name: str, argv: list[str]) -> dict[str, Any]:
+def isolated(name: str, argv: list[str], module: str = "benchmarks.run") -> dict[str, Any]:
+    """`python -m module ... --models name` in a process of its own: that model's result."""
     keep: list[str] = []
     skip = False
     for arg in argv:  # drop --models and --output with their values
@@ -324,7 +325,7 @@ def isolated(name: str, argv: list[str]) -> dict[str, Any]:
         keep.append(arg)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "one.json"
-        cmd = [sys.executable, "-m", "benchmarks.run", *keep, "--models", name, "--output", str(out)]
+        cmd = [sys.executable, "-m", module, *keep, "--models", name, "--output", str(out)]
         subprocess.run(cmd, check=True, stdout=sys.stderr)
         model_result: dict[str, Any] = json.loads(out.read_text())["models"][name]
         return model_result
