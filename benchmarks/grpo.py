@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import functools
 import json
 import statistics
 import sys
@@ -100,10 +101,10 @@ def naive_variant(model: Any, samples: list[Sample], device: torch.device, reps:
     where 8 run out of memory (long prompts: its [rows, L, vocab] float32 logits)."""
     rows = peers.ROWS
     while True:
+        run = functools.partial(peers.naive, model, samples, device, rows)
         try:
-            seconds = timed(lambda: peers.naive(model, samples, device, rows), device, reps)
-            peak = peak_memory(lambda: peers.naive(model, samples, device, rows), device)
-            return {"seconds": seconds, "peak_memory_gib": peak, "rows": rows}
+            seconds = timed(run, device, reps)
+            return {"seconds": seconds, "peak_memory_gib": peak_memory(run, device), "rows": rows}
         except torch.OutOfMemoryError:
             if rows == 1:
                 raise
@@ -117,7 +118,9 @@ async def _answers(url: str, samples: list[Sample]) -> list[dict[str, Any]]:
     bodies = http_bodies(samples, frames=False)
     headers = {"content-type": "application/json"}
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        replies = await asyncio.gather(*(client.post("/logprobs", content=b, headers=headers) for b in bodies))
+        replies = await asyncio.gather(
+            *(client.post("/logprobs", content=b, headers=headers) for b in bodies)
+        )
     answers = []
     for reply in replies:
         reply.raise_for_status()
@@ -188,7 +191,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     for w, samples in workloads.items():
         want[w] = reference_logprobs(model, samples[:ACCURACY_SAMPLE], device)
         naive_variant_result = results[w]["variants"]["naive"]
-        naive_variant_result["max_abs_diff_vs_float32"] = max_abs_diff(results[w].pop("naive_scores"), want[w])
+        naive_variant_result["max_abs_diff_vs_float32"] = max_abs_diff(
+            results[w].pop("naive_scores"), want[w]
+        )
     for p in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay float32
         p.data = p.data.to(dtype)
     if device.type == "cuda":
@@ -205,7 +210,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
                 diff = accuracy(url, samples, want[w])
                 rounds = http_rounds(url, bodies, args.reps)
                 answers = asyncio.run(_answers(url, samples))
-                peak = peak_memory(lambda b=bodies: http_rounds(url, b, 1), device)  # type: ignore[misc]
+                peak = peak_memory(functools.partial(http_rounds, url, bodies, 1), device)
                 record(
                     w,
                     variant,
@@ -238,15 +243,20 @@ def table(results: dict[str, Any]) -> str:
             for variant, v in r["variants"].items():
                 computed = v.get("computed_tokens")
                 lines.append(
-                    f"| {name} | {w} | {r['tokens']:,} | {r['unique_tokens']:,} | {r['one_level_tokens']:,} | "
-                    f"{variant} | {v['ms']:.1f} | {v['tokens_per_s']:,.0f} | {v['floor_fraction']:.1%} | "
-                    f"{v['unique_floor_fraction']:.1%} | {'–' if computed is None else f'{computed:,}'} | "
+                    f"| {name} | {w} | {r['tokens']:,} | {r['unique_tokens']:,} | "
+                    f"{r['one_level_tokens']:,} | {variant} | {v['ms']:.1f} | {v['tokens_per_s']:,.0f} | "
+                    f"{v['floor_fraction']:.1%} | {v['unique_floor_fraction']:.1%} | "
+                    f"{'n/a' if computed is None else f'{computed:,}'} | "
                     f"{v['peak_memory_gib']:.1f} | {v['max_abs_diff_vs_float32']:.3g} |"
                 )
-    lines += ["", "| model | workload | sharing on / off speed-up | vs naive peer |", "| --- | --- | ---: | ---: |"]
+    lines += [
+        "",
+        "| model | workload | sharing on / off speed-up | vs naive peer |",
+        "| --- | --- | ---: | ---: |",
+    ]
     for name, m in results["models"].items():
         for w, r in m["workloads"].items():
-            lines.append(f"| {name} | {w} | {r['speedup_sharing']:.2f}× | {r['speedup_vs_naive']:.2f}× |")
+            lines.append(f"| {name} | {w} | {r['speedup_sharing']:.2f}x | {r['speedup_vs_naive']:.2f}x |")
     return "\n".join(lines)
 
 

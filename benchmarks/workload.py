@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,11 +171,13 @@ def multi_turn(vocab: int, scale: float = 1.0, *, conversations: int = 8, seed: 
 
     def tokens(low: int, high: int) -> list[int]:
         low, high = _scaled(low, high, scale)
-        return rng.integers(0, vocab, size=int(rng.integers(low, high + 1))).tolist()
+        out: list[int] = rng.integers(0, vocab, size=int(rng.integers(low, high + 1))).tolist()
+        return out
 
     def exponential(mean: float, low: int, high: int) -> list[int]:
         r = np.clip(round(rng.exponential(mean * scale)), *_scaled(low, high, scale))
-        return rng.integers(0, vocab, size=int(r)).tolist()
+        out: list[int] = rng.integers(0, vocab, size=int(r)).tolist()
+        return out
 
     samples = []
     for _ in range(conversations):
@@ -190,7 +193,7 @@ def _sorted_lcps(samples: list[Sample]) -> tuple[list[list[int]], list[int]]:
     (0 for the first): a trie's nodes are each sequence's positions from that prefix on."""
     seqs = sorted(s.tokens for s in samples)
     lcps = [0]
-    for a, b in zip(seqs, seqs[1:], strict=False):
+    for a, b in itertools.pairwise(seqs):
         n = min(len(a), len(b))
         diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
         lcps.append(int(diff[0]) if diff.size else n)
@@ -205,8 +208,9 @@ def unique_tokens(samples: list[Sample]) -> int:
 
 def one_level_tokens(samples: list[Sample], min_shared: int = 64) -> int:
     """Tokens computed when only one level is shared: sequences fall into groups that pairwise share
-    at least `min_shared` leading tokens (the server's share_min_tokens), and each group computes its members' longest common
-    prefix once and every member's remainder (a multi-turn tree's later branches are not shared)."""
+    at least `min_shared` leading tokens (the server's share_min_tokens), and each group computes
+    its members' longest common prefix once and every member's remainder (a multi-turn tree's later
+    branches are not shared)."""
     seqs, lcps = _sorted_lcps(samples)
     total, group_lcp, members = 0, 0, 0
     for s, lcp in zip(seqs, lcps, strict=True):
