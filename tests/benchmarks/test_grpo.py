@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.grpo import main
+from benchmarks.grpo import computed_tokens, main
 from benchmarks.workload import (
     SHAPES,
     Sample,
@@ -103,3 +103,8 @@ def test_unique_floor_counts_the_trie() -> None:
     pair = [*alone, Sample(list(range(30)), list(range(100, 110)))]
     extra = 2.0 * 1000 * 10 + 2.0 * vocab * hidden * 10 + 4.0 * layers * hidden * sum(range(31, 41))
     assert unique_floor_flops(shape, 1000, pair) == unique_floor_flops(shape, 1000, alone) + extra
+
+
+def test_computed_tokens_sums_usage_or_is_none() -> None:
+    assert computed_tokens([{"usage": {"computed_tokens": 5}}, {"usage": {"computed_tokens": 7}}]) == 12
+    assert computed_tokens([{"usage": {"input_tokens": 5}}, {"usage": {"computed_tokens": 7}}]) is None
