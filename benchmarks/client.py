@@ -1,7 +1,10 @@
 """HTTP load for the benchmark, outside the server's process (as trainers are): N concurrent POST /logprobs.
 
-    python -m benchmarks.client URL BODIES_FILE REPS [--mode asyncio|httpcore|processes] [--frames]
+    python -m benchmarks.client URL BODIES_FILE REPS [--mode asyncio|httpcore|plain|processes] [--frames]
         -> prints a JSON list of wall seconds per rep
+    python -m benchmarks.client URL BODIES_FILE 0 --mode load --frames --rate R --seconds S --tasks N
+        -> prints "ready" once connected, reads the start instant (time.perf_counter) from stdin,
+           then prints a JSON object (poisson_load)
 
 BODIES_FILE holds the request bodies, each after its length (8 bytes, little-endian): JSON, or with
 `--frames` compact frames (service/frame.py), whose answers are asked for and read as frames too.
@@ -13,6 +16,13 @@ round (and the connections) comes first.
   per-request work is serialised.
 - `httpcore`: the same on httpx's default async transport (httpcore's pool on anyio), which costs
   about 1 ms of the client's loop per concurrent request (service/client/transport.py).
+- `plain`: what a trainer that does not use logprobd's client writes: a default `httpx.AsyncClient()`
+  (httpcore's pool), each body posted with `json=` (the standard library's json.dumps, inside the
+  round) and each answer read with `response.json()` (json.loads); JSON bodies only.
+- `load`: continuous load (`poisson_load`): N tasks on one asyncio loop (logprobd's StreamTransport,
+  one connection each), each sending bodies at the instants of a Poisson process of rate R / N, so
+  the arrivals of all tasks are a Poisson process of rate R; a task whose previous request is still
+  out sends as soon as it returns. Latency counts from the scheduled instant.
 - `processes`: one client process per body, as N trainer ranks are, each with its own httpx.Client
   and keep-alive connection; a round starts at one instant of the shared monotonic clock
   (time.perf_counter is CLOCK_MONOTONIC on Linux) and lasts until the last process has its answer.
@@ -24,10 +34,12 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import random
 import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -115,6 +127,24 @@ async def _round(client: httpx.AsyncClient, bodies: list[bytes], frames: bool) -
     return time.perf_counter() - start
 
 
+async def _plain_round(client: httpx.AsyncClient, bodies: list[Any]) -> float:
+    async def one(body: Any) -> None:
+        r = await client.post("/logprobs", json=body)
+        r.raise_for_status()
+        r.json()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(b) for b in bodies))
+    return time.perf_counter() - start
+
+
+async def _in_plain(url: str, bodies: list[bytes], reps: int) -> list[float]:
+    objects = [json.loads(b) for b in bodies]  # the trainer's dicts of lists, built before the round
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:  # only the timeout is not default
+        await _plain_round(client, objects)
+        return [await _plain_round(client, objects) for _ in range(reps)]
+
+
 async def _in_asyncio(
     url: str, bodies: list[bytes], reps: int, frames: bool, transport: httpx.AsyncBaseTransport | None
 ) -> list[float]:
@@ -124,17 +154,77 @@ async def _in_asyncio(
         return [await _round(client, bodies, frames) for _ in range(reps)]
 
 
+def arrivals(  # noqa: PLR0917
+    bodies: int, rate: float, seconds: float, tasks: int, seed: int, start: float
+) -> list[list[tuple[float, int]]]:
+    """Per task, the (instant, body index) of its requests: Poisson at rate / tasks from `start`."""
+    rng = random.Random(seed)
+    schedules = []
+    for _ in range(tasks):
+        at, mine = start, []
+        while (at := at + rng.expovariate(rate / tasks)) < start + seconds:
+            mine.append((at, rng.randrange(bodies)))
+        schedules.append(mine)
+    return schedules
+
+
+async def poisson_load(
+    url: str, bodies: list[bytes], *, rate: float, seconds: float, tasks: int, seed: int
+) -> dict[str, Any]:
+    """Open-loop load for `seconds` from the instant (time.perf_counter) read from stdin once the
+    connections are open: per request, the body's index, its scheduled instant, when it was sent and
+    answered; `loop_lag_s`: how late an idle task sent (this loop's own delay: it keeps up while
+    that stays small)."""
+    done: list[tuple[int, float, float, float]] = []  # body, scheduled, sent, answered
+    lags: list[float] = []
+
+    async def task(client: httpx.AsyncClient, schedule: list[tuple[float, int]]) -> None:
+        for at, body in schedule:
+            if (wait := at - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+                lags.append(time.perf_counter() - at)
+            sent = time.perf_counter()
+            r = await client.post("/logprobs", content=bodies[body], headers=FRAME_HEADERS)
+            r.raise_for_status()
+            from_frame(r.content)
+            done.append((body, at, sent, time.perf_counter()))
+
+    transport = StreamTransport(max_connections=tasks, max_idle=tasks)
+    async with httpx.AsyncClient(base_url=url, timeout=600, transport=transport) as client:
+        await asyncio.gather(*(client.get("/health/live") for _ in range(tasks)))  # the connections
+        print("ready", flush=True)
+        start = float(await asyncio.to_thread(sys.stdin.readline))
+        schedules = arrivals(len(bodies), rate, seconds, tasks, seed, start)
+        await asyncio.gather(*(task(client, s) for s in schedules))
+    return {"requests": done, "loop_lag_s": lags}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.client")
     parser.add_argument("url")
     parser.add_argument("bodies", type=Path)
     parser.add_argument("reps", type=int)
-    parser.add_argument("--mode", choices=["asyncio", "httpcore", "processes"], default="asyncio")
+    modes = ["asyncio", "httpcore", "plain", "processes", "load"]
+    parser.add_argument("--mode", choices=modes, default="asyncio")
     parser.add_argument("--frames", action="store_true", help="the bodies are compact frames")
+    parser.add_argument("--rate", type=float, help="load: requests/s of this process")
+    parser.add_argument("--seconds", type=float, help="load: how long arrivals go on")
+    parser.add_argument("--tasks", type=int, help="load: client tasks (one connection each)")
+    parser.add_argument("--seed", type=int, default=0, help="load: of the arrival times and bodies")
     args = parser.parse_args(argv)
     bodies = read_bodies(args.bodies)
+    if args.mode == "load":
+        if not args.frames:
+            parser.error("--mode load sends compact frames: give --frames")
+        load = poisson_load(
+            args.url, bodies, rate=args.rate, seconds=args.seconds, tasks=args.tasks, seed=args.seed
+        )
+        print(json.dumps(asyncio.run(load)))
+        return 0
     if args.mode == "processes":
         seconds = in_processes(args.url, bodies, args.reps, args.frames)
+    elif args.mode == "plain":
+        seconds = asyncio.run(_in_plain(args.url, bodies, args.reps))
     else:
         transport = StreamTransport(max_connections=len(bodies)) if args.mode == "asyncio" else None
         seconds = asyncio.run(_in_asyncio(args.url, bodies, args.reps, args.frames, transport))

@@ -16,14 +16,14 @@ from benchmarks.workload import Sample
 ROWS = 8
 
 
-def _batches(samples: list[Sample]) -> list[list[Sample]]:
-    return [samples[i : i + ROWS] for i in range(0, len(samples), ROWS)]
+def _batches(samples: list[Sample], rows: int = ROWS) -> list[list[Sample]]:
+    return [samples[i : i + rows] for i in range(0, len(samples), rows)]
 
 
 @torch.inference_mode()
-def naive(model: Any, samples: list[Sample], device: torch.device) -> list[np.ndarray]:
+def naive(model: Any, samples: list[Sample], device: torch.device, rows: int = ROWS) -> list[np.ndarray]:
     out: list[np.ndarray] = []
-    for batch in _batches(samples):
+    for batch in _batches(samples, rows):
         width = max(len(s.tokens) for s in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)

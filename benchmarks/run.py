@@ -8,8 +8,15 @@ Per model (random bf16 weights with the real shapes) and per variant: millisecon
 |Δ| of the service's scores against a float32 reference on a sample of sequences. Over HTTP the 8
 clients are 8 connections of one client process sending compact frames, as logprobd's AsyncClient
 does (`http`, the figure the targets use); beside it the same in JSON (`http_json`), on httpx's
-default transport instead of logprobd's (`http_httpcore`), and from 8 client processes with one
-framed request each (`http_8proc`); see client.py.
+default transport instead of logprobd's (`http_httpcore`), from 8 client processes with one
+framed request each (`http_8proc`), and as a trainer writes it without logprobd's client: a default
+httpx.AsyncClient, `json=` and `response.json()` (`http_plain`); see client.py.
+
+`load`: continuous load after those rounds: --load-tasks client tasks (--load-processes processes)
+send requests of the standard workload's per-client size (8 sequences each, from a pool of
+--load-bodies bodies) at the instants of a Poisson process, for --load-seconds; the offered rate is
+--load-fraction x the `http` variant's tokens/s (or --load-rate requests/s). It reports the offered
+and achieved requests/s and tokens/s and the p50/p99 latency from each request's scheduled instant.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from service.settings import CudaGraphs, Settings
 
 CLIENTS = 8
 ACCURACY_SAMPLE = 4
+LOAD_SEQUENCES = 8  # a load request: one client's share of the standard workload
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
@@ -141,9 +149,10 @@ class HttpServer:
         self.thread.join(timeout=60)
 
 
-def http_bodies(samples: list[Sample], frames: bool = True) -> list[bytes]:
-    """The 8 clients' bodies: compact frames (what logprobd's client sends) or JSON."""
-    per = len(samples) // CLIENTS or 1
+def http_bodies(samples: list[Sample], frames: bool = True, per: int | None = None) -> list[bytes]:
+    """The 8 clients' bodies (or bodies of `per` sequences): compact frames (what logprobd's client
+    sends) or JSON."""
+    per = per or len(samples) // CLIENTS or 1
     groups = [samples[i : i + per] for i in range(0, len(samples), per)]
     bodies = [
         {"input_ids": [s.tokens for s in g], "num_actions": [len(s.response) for s in g]} for g in groups
@@ -175,6 +184,62 @@ def http_rounds(
         )
     seconds: list[float] = json.loads(out.stdout)
     return seconds
+
+
+def load_variant(
+    url: str, samples: list[Sample], args: argparse.Namespace, capacity: float
+) -> dict[str, Any]:
+    """Poisson load at --load-rate requests/s, or --load-fraction x `capacity` tokens/s (client.py)."""
+    bodies = http_bodies(samples, per=LOAD_SEQUENCES)
+    per_body = [
+        sum(len(s.tokens) for s in samples[i : i + LOAD_SEQUENCES])
+        for i in range(0, len(samples), LOAD_SEQUENCES)
+    ]
+    rate = args.load_rate or args.load_fraction * capacity / statistics.mean(per_body)
+    procs = args.load_processes
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bodies.bin"
+        write_bodies(path, bodies)
+        clients = [
+            subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.client", url, str(path), "0", "--mode", "load", "--frames",
+                 "--rate", str(rate / procs), "--seconds", str(args.load_seconds),
+                 "--tasks", str(max(1, args.load_tasks // procs)), "--seed", str(i)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )
+            for i in range(procs)
+        ]  # fmt: skip
+        for c in clients:  # every connection is open
+            assert c.stdout is not None
+            assert c.stdout.readline().strip() == "ready"
+        start = time.perf_counter() + 0.1
+        outs = [c.communicate(f"{start!r}\n", timeout=args.load_seconds + 600)[0] for c in clients]
+        if any(c.returncode for c in clients):
+            raise RuntimeError("a load client failed")
+    parts = [json.loads(out) for out in outs]
+    requests = [r for p in parts for r in p["requests"]]  # body, scheduled, sent, answered
+    lags = sorted(lag for p in parts for lag in p["loop_lag_s"])
+    latencies = sorted(answered - scheduled for _, scheduled, _, answered in requests)
+    span = max(answered for *_, answered in requests) - start
+    tokens = sum(per_body[body] for body, *_ in requests)
+
+    def pct(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else 0.0
+
+    return {
+        "offered_requests_per_s": rate,
+        "offered_tokens_per_s": rate * statistics.mean(per_body),
+        "requests": len(requests),
+        "requests_per_s": len(requests) / span,
+        "tokens_per_s": tokens / span,
+        "p50_ms": pct(latencies, 0.5),
+        "p99_ms": pct(latencies, 0.99),
+        "client_loop_lag_p99_ms": pct(lags, 0.99),
+        "seconds": args.load_seconds,
+        "span_s": span,
+        "tasks": max(1, args.load_tasks // procs) * procs,
+        "processes": procs,
+    }
 
 
 def reference_logprobs(model: Any, samples: list[Sample], device: torch.device) -> list[np.ndarray]:
@@ -261,6 +326,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             ("http_json", False, "asyncio"),  # the same bodies in JSON, both ways
             ("http_httpcore", True, "httpcore"),  # the same on httpx's default transport
             ("http_8proc", True, "processes"),  # the same load from 8 client processes, one request each
+            ("http_plain", False, "plain"),  # httpx defaults, json= and response.json(): no logprobd client
         ):
             rounds[variant] = http_rounds(url, framed if frames else plain, args.reps, mode, frames)
             seconds = statistics.median(rounds[variant])
@@ -276,6 +342,10 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
                 f"  {name} {variant:>10}: {seconds * 1e3:9.1f} ms  {floor_s / seconds:6.1%} of floor",
                 flush=True,
             )
+        vocab = int(SHAPES[name]["vocab_size"])
+        pool = workload(vocab, sequences=LOAD_SEQUENCES * args.load_bodies, seed=1)
+        load = load_variant(url, pool, args, capacity=variants["http"]["tokens_per_s"])
+        print(f"  {name}       load: {load}", flush=True)
 
     result = {
         "attention": engine.info.attention_backend,
@@ -305,13 +375,17 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         / variants["http_httpcore"]["ms"],
         "http_overhead_8proc_clients": (variants["http_8proc"]["ms"] - variants["engine"]["ms"])
         / variants["http_8proc"]["ms"],
+        "http_overhead_plain": (variants["http_plain"]["ms"] - variants["engine"]["ms"])
+        / variants["http_plain"]["ms"],
+        "load": load,
         "max_abs_diff_bf16": max_abs_diff([s.logprobs for s in engine_scores], want),
         "max_abs_diff_bf16_naive_peer": max_abs_diff(naive_scores, want),
     }
     return result
 
 
-def isolated(name: str, argv: list[str]) -> dict[str, Any]:
+def isolated(name: str, argv: list[str], module: str = "benchmarks.run") -> dict[str, Any]:
+    """`python -m module ... --models name` in a process of its own: that model's result."""
     keep: list[str] = []
     skip = False
     for arg in argv:  # drop --models and --output with their values
@@ -324,7 +398,7 @@ def isolated(name: str, argv: list[str]) -> dict[str, Any]:
         keep.append(arg)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "one.json"
-        cmd = [sys.executable, "-m", "benchmarks.run", *keep, "--models", name, "--output", str(out)]
+        cmd = [sys.executable, "-m", module, *keep, "--models", name, "--output", str(out)]
         subprocess.run(cmd, check=True, stdout=sys.stderr)
         model_result: dict[str, Any] = json.loads(out.read_text())["models"][name]
         return model_result
@@ -344,8 +418,9 @@ def table(results: dict[str, Any]) -> str:
     lines += [
         "",
         "| model | floor ms | HTTP floor | engine floor | speed-up vs naive | memory / naive | HTTP overhead "
-        "| (JSON) | (httpcore) | (8 client processes) | max abs Δ bf16 (service / naive peer) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| (JSON) | (httpcore) | (8 client processes) | (plain httpx + json) "
+        "| max abs Δ bf16 (service / naive peer) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in results["models"].items():
         mem = r["peak_memory_vs_naive"]
@@ -354,8 +429,21 @@ def table(results: dict[str, Any]) -> str:
             f"{r['floor_fraction_engine']:.1%} | {r['speedup_vs_naive']:.2f} | "
             f"{'n/a' if mem is None else f'{mem:.1%}'} | {r['http_overhead']:.1%} | "
             f"{r['http_overhead_json']:.1%} | {r['http_overhead_httpcore']:.1%} | "
-            f"{r['http_overhead_8proc_clients']:.1%} | "
+            f"{r['http_overhead_8proc_clients']:.1%} | {r['http_overhead_plain']:.1%} | "
             f"{r['max_abs_diff_bf16']:.3g} / {r['max_abs_diff_bf16_naive_peer']:.3g} |"
+        )
+    lines += [
+        "",
+        "| model | load: offered req/s (tokens/s) | achieved req/s | tokens/s | p50 ms | p99 ms "
+        "| client loop lag p99 ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in results["models"].items():
+        ld = r["load"]
+        lines.append(
+            f"| {name} | {ld['offered_requests_per_s']:.1f} ({ld['offered_tokens_per_s']:,.0f}) | "
+            f"{ld['requests_per_s']:.1f} | {ld['tokens_per_s']:,.0f} | {ld['p50_ms']:.1f} | "
+            f"{ld['p99_ms']:.1f} | {ld['client_loop_lag_p99_ms']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -374,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
     parser.add_argument("--launch-hold-ms", type=float, default=Settings().launch_hold_ms)
+    parser.add_argument("--load-seconds", type=float, default=60.0, help="the load's duration")
+    parser.add_argument("--load-fraction", type=float, default=0.8, help="offered load / http tokens/s")
+    parser.add_argument("--load-rate", type=float, help="offered requests/s (instead of --load-fraction)")
+    parser.add_argument("--load-tasks", type=int, default=64)
+    parser.add_argument("--load-processes", type=int, default=1, help="client processes sharing the tasks")
+    parser.add_argument("--load-bodies", type=int, default=32, help="distinct request bodies of the load")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "latest.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)

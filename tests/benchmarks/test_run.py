@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.run import main
 from benchmarks.workload import SHAPES, floor_flops, workload
 
@@ -12,6 +14,7 @@ from benchmarks.workload import SHAPES, floor_flops, workload
 def test_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "latest.json"
     argv = ["--models", "tiny", "--device", "cpu", "--dtype", "float32", "--sequences", "8", "--reps", "1"]
+    argv += ["--load-seconds", "2", "--load-tasks", "4", "--load-bodies", "2", "--load-processes", "2"]
     assert main([*argv, "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert {"device", "date", "versions", "matmul_tflops"} <= set(result)
@@ -24,6 +27,7 @@ def test_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
         "http_json",
         "http_httpcore",
         "http_8proc",
+        "http_plain",
     }
     for key in (
         "floor_fraction_http",
@@ -33,8 +37,18 @@ def test_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
         "http_overhead_json",
         "http_overhead_httpcore",
         "http_overhead_8proc_clients",
+        "http_overhead_plain",
     ):
         assert isinstance(tiny[key], float)
+    load = tiny["load"]
+    assert load["requests"] >= 1
+    assert load["tasks"] == 4
+    assert load["processes"] == 2
+    for key in ("offered_requests_per_s", "requests_per_s", "tokens_per_s", "p50_ms", "p99_ms"):
+        assert load[key] > 0
+    assert load["p50_ms"] <= load["p99_ms"]
+    # the offered rate follows the `http` variant's throughput (--load-fraction 0.8)
+    assert load["offered_tokens_per_s"] == pytest.approx(0.8 * tiny["variants"]["http"]["tokens_per_s"])
     assert tiny["floor_fraction_engine"] > 0
     assert tiny["max_abs_diff_bf16"] < 1e-4  # float32 here: the service equals the reference
     assert tiny["max_abs_diff_bf16_naive_peer"] < 1e-4

@@ -1,0 +1,308 @@
+"""GRPO groups and multi-turn trees: the service with prefix sharing off and on, and the naive peer.
+
+    python -m benchmarks.grpo --models qwen2.5-1.5b qwen2.5-7b   # on a GPU host; results/grpo-latest.json
+    python -m benchmarks.grpo --models tiny --device cpu --dtype float32 --scale 0.05 --share-min-tokens 4 \\
+        --reps 1                                               # CPU smoke test (tests/benchmarks runs it)
+
+Workloads (benchmarks/workload.py, fixed seeds; the response is the action window):
+
+- `grpo-short`: 8 prompts x 8 responses, prompt U[256, 1024], response Exp(250) in [16, 1024];
+- `grpo-long`: 8 prompts x 8 responses, prompt U[2048, 4096], response Exp(300) in [16, 1024];
+- `multi-turn`: 8 conversations x 4 samples, two levels of sharing (workload.multi_turn): a system
+  prompt and first user turn shared by the conversation, a first assistant turn and second user
+  turn shared by each pair of its samples, a last assistant turn (the actions) of each sample's own.
+
+Per model (random bf16 weights with the real shapes) and workload, in one run: the service over HTTP
+(the real app on loopback, 8 clients in another process, compact frames, one request per GRPO group
+or conversation) with `share_prefixes` off and on, both serving one engine; and the naive peer
+(padded rows of 8, full logits: what a trainer runs in-process; fewer rows where 8 run out of
+memory). Each reports milliseconds (median of --reps after a warm-up), tokens/s (tokens sent), the
+fraction of the FLOP floor counted on all tokens and on unique tokens (a trie over the sequences:
+what sharing can save), peak GPU memory, the `usage.computed_tokens` the server reports (summed over
+the answers; null where the server does not report it) and the largest |Δ| against a float32
+reference on the workload's first 4 sequences (one GRPO group's, one conversation's: they share).
+Each workload also reports its tokens sent, unique tokens (full tree) and the tokens computed when
+only one level is shared (each top-level group's longest common prefix once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import functools
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, get_args
+
+import httpx
+import numpy as np
+import orjson
+import torch
+
+from benchmarks import peers
+from benchmarks.run import (
+    ACCURACY_SAMPLE,
+    HttpServer,
+    build_model,
+    http_bodies,
+    http_rounds,
+    isolated,
+    matmul_rate,
+    max_abs_diff,
+    non_embedding_params,
+    peak_memory,
+    reference_logprobs,
+    timed,
+)
+from benchmarks.workload import (
+    SHAPES,
+    Sample,
+    floor_flops,
+    grpo_long,
+    grpo_short,
+    multi_turn,
+    one_level_tokens,
+    unique_floor_flops,
+    unique_tokens,
+)
+from service.engine.attention import choose_backend, register
+from service.engine.loading import LoadedModel
+from service.engine.scorer import PackedScorer
+from service.settings import CudaGraphs, Settings
+
+WORKLOADS: dict[str, Callable[[int, float], list[Sample]]] = {
+    "grpo-short": grpo_short,
+    "grpo-long": grpo_long,
+    "multi-turn": multi_turn,
+}
+SHARING = {"sharing_off": False, "sharing_on": True}
+
+
+def describe(samples: list[Sample], min_shared: int) -> dict[str, Any]:
+    tokens = sum(len(s.tokens) for s in samples)
+    unique = unique_tokens(samples)
+    return {
+        "sequences": len(samples),
+        "tokens": tokens,
+        "unique_tokens": unique,
+        "one_level_tokens": one_level_tokens(samples, min_shared),
+        "action_tokens": sum(len(s.response) for s in samples),
+        "longest": max(len(s.tokens) for s in samples),
+        "unique_fraction": unique / tokens,
+    }
+
+
+def naive_variant(model: Any, samples: list[Sample], device: torch.device, reps: int) -> dict[str, Any]:
+    """The naive peer's median seconds and peak memory, in padded batches of 8 rows, or of fewer
+    where 8 run out of memory (long prompts: its [rows, L, vocab] float32 logits)."""
+    rows = peers.ROWS
+    while True:
+        run = functools.partial(peers.naive, model, samples, device, rows)
+        try:
+            seconds = timed(run, device, reps)
+            return {"seconds": seconds, "peak_memory_gib": peak_memory(run, device), "rows": rows}
+        except torch.OutOfMemoryError:
+            if rows == 1:
+                raise
+            rows //= 2
+            torch.cuda.empty_cache()
+            print(f"    naive peer: out of memory, {rows} rows a batch", flush=True)
+
+
+async def _answers(url: str, samples: list[Sample]) -> list[dict[str, Any]]:
+    """The 8 clients' requests once, at once, in JSON: the answers (scores and usage)."""
+    bodies = http_bodies(samples, frames=False)
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        replies = await asyncio.gather(
+            *(client.post("/logprobs", content=b, headers=headers) for b in bodies)
+        )
+    answers = []
+    for reply in replies:
+        reply.raise_for_status()
+        answers.append(orjson.loads(reply.content))
+    return answers
+
+
+def computed_tokens(answers: list[dict[str, Any]]) -> int | None:
+    """usage.computed_tokens summed over the answers; None while the server does not report it."""
+    counts = [a.get("usage", {}).get("computed_tokens") for a in answers]
+    return None if any(c is None for c in counts) else sum(int(c) for c in counts)
+
+
+def accuracy(url: str, samples: list[Sample], want: list[np.ndarray]) -> float:
+    """|Δ| of the first sequences scored together in one request (they share a prefix)."""
+    first = samples[: len(want)]
+    body = {"input_ids": [s.tokens for s in first], "num_actions": [len(s.response) for s in first]}
+    reply = httpx.post(f"{url}/logprobs", json=body, timeout=600)
+    reply.raise_for_status()
+    got = [np.asarray(row, dtype=np.float64) for row in reply.json()["logprobs"]]
+    return max_abs_diff(got, want)
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
+    dtype = getattr(torch, args.dtype)
+    settings = Settings(
+        device=device.type,
+        dtype=args.dtype,
+        max_batch_tokens=args.max_batch_tokens,
+        cuda_graphs=args.cuda_graphs,
+        launch_hold_ms=args.launch_hold_ms,
+        share_min_tokens=args.share_min_tokens,
+    )
+    backend = choose_backend(args.attention, device)
+    packed_impl = register(backend)
+    model = build_model(name, dtype, device, packed_impl)
+    vocab, params = int(SHAPES[name]["vocab_size"]), non_embedding_params(model)
+    workloads = {w: WORKLOADS[w](vocab, args.scale) for w in args.workloads}
+    results: dict[str, dict[str, Any]] = {}
+    for w, samples in workloads.items():
+        results[w] = describe(samples, args.share_min_tokens)
+        results[w]["floor_ms"] = floor_flops(SHAPES[name], params, samples) / rate * 1e3
+        results[w]["unique_floor_ms"] = unique_floor_flops(SHAPES[name], params, samples) / rate * 1e3
+        results[w]["variants"] = {}
+        print(f"  {name} {w}: {results[w]}", flush=True)
+
+    def record(w: str, variant: str, seconds: float, peak: float, **extra: Any) -> None:
+        r = results[w]
+        r["variants"][variant] = {
+            "ms": seconds * 1e3,
+            "tokens_per_s": r["tokens"] / seconds,
+            "floor_fraction": r["floor_ms"] / 1e3 / seconds,
+            "unique_floor_fraction": r["unique_floor_ms"] / 1e3 / seconds,
+            "peak_memory_gib": peak,
+            **extra,
+        }
+        print(f"  {name} {w} {variant:>11}: {seconds * 1e3:9.1f} ms  {extra}", flush=True)
+
+    # the peers and the float32 reference first, on the plain HF model (the engine fuses weights)
+    model.set_attn_implementation("sdpa")
+    want: dict[str, list[np.ndarray]] = {}
+    for w, samples in workloads.items():
+        naive_scores = peers.naive(model, samples[:ACCURACY_SAMPLE], device)
+        naive = naive_variant(model, samples, device, args.reps)
+        record(w, "naive", naive["seconds"], naive["peak_memory_gib"], rows=naive["rows"])
+        results[w]["naive_scores"] = naive_scores
+    model.float()  # bf16 -> fp32 -> bf16 is exact
+    for w, samples in workloads.items():
+        want[w] = reference_logprobs(model, samples[:ACCURACY_SAMPLE], device)
+        naive_variant_result = results[w]["variants"]["naive"]
+        naive_variant_result["max_abs_diff_vs_float32"] = max_abs_diff(
+            results[w].pop("naive_scores"), want[w]
+        )
+    for p in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay float32
+        p.data = p.data.to(dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    model.set_attn_implementation(packed_impl)
+    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
+    engine.warm_up()
+
+    for variant, share in SHARING.items():  # one engine; each server's batcher reads share_prefixes
+        served = Settings(**{**settings.model_dump(), "share_prefixes": share})
+        with HttpServer(engine, served) as url:
+            for w, samples in workloads.items():
+                bodies = http_bodies(samples)
+                diff = accuracy(url, samples, want[w])
+                rounds = http_rounds(url, bodies, args.reps)
+                answers = asyncio.run(_answers(url, samples))
+                peak = peak_memory(functools.partial(http_rounds, url, bodies, 1), device)
+                record(
+                    w,
+                    variant,
+                    statistics.median(rounds),
+                    peak,
+                    rounds_ms=[round(r * 1e3, 1) for r in rounds],
+                    computed_tokens=computed_tokens(answers),
+                    max_abs_diff_vs_float32=diff,
+                )
+    for r in results.values():
+        v = r["variants"]
+        r["speedup_sharing"] = v["sharing_off"]["ms"] / v["sharing_on"]["ms"]
+        r["speedup_vs_naive"] = v["naive"]["ms"] / v["sharing_on"]["ms"]
+    return {
+        "attention": engine.info.attention_backend,
+        "decoder": engine.info.decoder,
+        "kernels": engine.info.kernels,
+        "workloads": results,
+    }
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        "| model | workload | tokens | unique (trie) | one level | variant | ms | tokens/s | floor | "
+        "unique floor | computed tokens | peak GiB | max abs Δ vs fp32 |",
+        "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, m in results["models"].items():
+        for w, r in m["workloads"].items():
+            for variant, v in r["variants"].items():
+                computed = v.get("computed_tokens")
+                lines.append(
+                    f"| {name} | {w} | {r['tokens']:,} | {r['unique_tokens']:,} | "
+                    f"{r['one_level_tokens']:,} | {variant} | {v['ms']:.1f} | {v['tokens_per_s']:,.0f} | "
+                    f"{v['floor_fraction']:.1%} | {v['unique_floor_fraction']:.1%} | "
+                    f"{'n/a' if computed is None else f'{computed:,}'} | "
+                    f"{v['peak_memory_gib']:.1f} | {v['max_abs_diff_vs_float32']:.3g} |"
+                )
+    lines += [
+        "",
+        "| model | workload | sharing on / off speed-up | vs naive peer |",
+        "| --- | --- | ---: | ---: |",
+    ]
+    for name, m in results["models"].items():
+        for w, r in m["workloads"].items():
+            lines.append(f"| {name} | {w} | {r['speedup_sharing']:.2f}x | {r['speedup_vs_naive']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.grpo", description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
+    parser.add_argument("--launch-hold-ms", type=float, default=Settings().launch_hold_ms)
+    parser.add_argument("--share-min-tokens", type=int, default=Settings().share_min_tokens)
+    parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
+    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "grpo-latest.json")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    import transformers
+
+    rate = matmul_rate(device, getattr(torch, args.dtype))
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "date": dt.date.today().isoformat(),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": sys.version.split()[0],
+        },
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "matmul_tflops": rate / 1e12,
+        "models": {},
+    }
+    print(f"{results['device']}: measured {args.dtype} matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    for name in args.models:
+        if len(args.models) == 1:
+            results["models"][name] = bench_model(name, args, device, rate)
+        else:  # one process per model, as benchmarks.run
+            argv_ = argv if argv is not None else sys.argv[1:]
+            results["models"][name] = isolated(name, argv_, module="benchmarks.grpo")
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(results, indent=2))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
