@@ -1,20 +1,33 @@
 """The grouped form (prompt_ids + prompt_index): each row is a response, scored as its prompt + it.
 
 Hand-written requests with tokens, actions and windows worked out by reading docs/api.md's
-'Grouped requests'; then random requests of every response layout against their ungrouped twins
-(tests/requests.py), which must give the very same jobs; then the errors, naming field and row.
+'Grouped requests'; random requests of every response layout against their ungrouped twins
+(tests/requests.py), which must give the very same jobs; the errors, naming field and row; then
+through the real app (a tiny qwen2 with a critic and a reference model), in JSON and in frames:
+the twin's scores, the per-sequence reference's, and a fraction of the bytes.
 """
 
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 
+from service.client.wire import from_frame
+from service.client.wire import to_frame as wire_frame
 from service.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
+from service.frame import MEDIA_TYPE
 from service.normalise import ModelLimits, normalise
 from service.schemas import LogprobsRequest
+from tests import critics, models
+from tests.conftest import TOLERANCE, running, settings_for
+from tests.reference import expected, max_diff
 from tests.requests import GROUPED_LAYOUTS, make_grouped
 from tests.test_normalise import LIMITS, plan_of, rows_of
 
@@ -235,3 +248,135 @@ def test_error_row_is_a_row_of_input_ids_even_for_a_prompt() -> None:
         plan_of(LIMITS, prompt_ids=[[1], [60]], prompt_index=[0, 0, 1, 1], input_ids=[[2]] * 4)
     assert (raised.value.field, raised.value.row) == ("prompt_ids", 2)
     assert "prompt_ids[1]" in raised.value.message
+
+
+# ---------------------------------------------------------------- through the real app
+
+
+@pytest.fixture(scope="module")
+def server(
+    model_dirs: dict[str, Path], ref_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TestClient]:
+    critic_dir = critics.save("openrlhf", tmp_path_factory.mktemp("critic") / "openrlhf")
+    with running(settings_for(model_dirs["qwen2"], critic=critic_dir, ref_model=ref_dir)) as client:
+        yield client
+
+
+def post(server: TestClient, body: dict[str, Any], framed: bool = False) -> tuple[dict[str, Any], int]:
+    """The answer (a JSON body, or a frame decoded to the same dict) and the request's bytes."""
+    if framed:
+        raw = wire_frame(body)
+        assert raw is not None
+        reply = server.post(
+            "/logprobs", content=raw, headers={"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
+        )
+        assert reply.status_code == 200, reply.text
+        return from_frame(reply.content), len(raw)
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    reply = server.post("/logprobs", content=raw, headers={"content-type": "application/json"})
+    assert reply.status_code == 200, reply.text
+    answer: dict[str, Any] = reply.json()
+    return answer, len(raw)
+
+
+def responses_of(rows: list[list[Any]], widths: list[int]) -> list[list[Any]]:
+    """The last `width` entries of each row: the twin's window ends with the response."""
+    return [row[len(row) - w :] for row, w in zip(rows, widths, strict=True)]
+
+
+ROWS = ("logprobs", "entropy", "values", "ref_logprobs", "kl")
+
+
+@pytest.mark.parametrize("layout", GROUPED_LAYOUTS)
+def test_grouped_json_and_frames_score_as_the_ungrouped_request(
+    server: TestClient, reference_models: dict[str, Any], layout: str
+) -> None:
+    rng = random.Random(f"e2e-{layout}")
+    for _ in range(2):
+        body, twin = make_grouped(layout, rng, vocab=models.VOCAB, rows=10)
+        for request in (body, twin):
+            request.update(
+                return_values=True, return_ref_logprobs=True, kl_estimator="k3", return_entropy=True
+            )
+        want, _ = post(server, twin)
+        got, _ = post(server, body)
+        framed, _ = post(server, body, framed=True)
+        widths = [len(row) for row in got["logprobs"]]
+        assert widths == [len(row) for row in framed["logprobs"]]
+        assert got["action_mask"] == framed["action_mask"] == responses_of(want["action_mask"], widths)
+        assert got["usage"] == framed["usage"] == want["usage"]
+        for name in ROWS:
+            expected_rows = responses_of(want[name], widths)
+            for answer in (got, framed):
+                for g, w in zip(answer[name], expected_rows, strict=True):
+                    np.testing.assert_allclose(
+                        np.asarray(g, np.float32), np.asarray(w, np.float32), atol=1e-5, rtol=0
+                    )
+        # and the scores are the model's own, one unpadded sequence at a time
+        reference = expected(reference_models["qwen2"], twin)
+        assert got["action_mask"] == responses_of(reference.action_mask, widths)
+        assert max_diff(got["logprobs"], responses_of(reference.logprobs, widths)) <= TOLERANCE
+        assert max_diff(got["entropy"], responses_of(reference.entropy, widths)) <= TOLERANCE
+
+
+def test_rollout_logprobs_and_pins_work_grouped(server: TestClient) -> None:
+    body = grouped(
+        input_ids=[[10, 11, 0], [12, 0, 0], [13, 14, 15]], attention_mask=[[1, 1, 0], [1, 0, 0], [1, 1, 1]]
+    )
+    scored, _ = post(server, body)
+    rollout = [
+        [v - 0.5 if m else -1e9 for v, m in zip(row, mask, strict=True)]
+        for row, mask in zip(scored["logprobs"], scored["action_mask"], strict=True)
+    ]
+    got, _ = post(server, {**body, "rollout_logprobs": rollout, "weights_version": scored["weights_version"]})
+    assert got["rollout"]["tokens"] == 6
+    assert got["rollout"]["mean_abs_diff"] == pytest.approx(0.5, abs=1e-5)
+    pinned = server.post("/logprobs", json={**body, "weights_version": "another"})
+    assert pinned.status_code == 409
+    assert pinned.json()["error"]["type"] == "weights_version_mismatch"
+
+
+def test_a_grpo_batch_of_g_8_is_a_fraction_of_the_bytes_and_scores_the_same(server: TestClient) -> None:
+    """4 prompts of 120 tokens, 8 responses of 10-30 tokens each: the prompts go once instead of 8 times."""
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, models.VOCAB) for _ in range(120)] for _ in range(4)]
+    index = [p for p in range(4) for _ in range(8)]
+    responses = [[rng.randrange(3, models.VOCAB) for _ in range(rng.randint(10, 30))] for _ in index]
+    body = {"prompt_ids": prompts, "prompt_index": index, "input_ids": responses}
+    flat = {
+        "input_ids": [prompts[p] + r for p, r in zip(index, responses, strict=True)],
+        "num_actions": [len(r) for r in responses],
+    }
+    sent = {}
+    for framed in (False, True):
+        got, sent[framed, "grouped"] = post(server, body, framed)
+        want, sent[framed, "flat"] = post(server, flat, framed)
+        assert got["action_mask"] == want["action_mask"]
+        assert (
+            got["usage"]
+            == want["usage"]
+            == {
+                "input_tokens": 32 * 120 + sum(map(len, responses)),
+                "scored_tokens": sum(map(len, responses)),
+            }
+        )
+        for g, w in zip(got["logprobs"], want["logprobs"], strict=True):
+            np.testing.assert_allclose(
+                np.asarray(g, np.float32), np.asarray(w, np.float32), atol=1e-5, rtol=0
+            )
+    # tokens on the wire: 4 * 120 + ~640 against 32 * 120 + ~640
+    assert sent[False, "grouped"] < 0.3 * sent[False, "flat"]
+    assert sent[True, "grouped"] < 0.3 * sent[True, "flat"]
+
+
+def test_a_bad_grouped_request_over_http_is_a_422_in_json_and_in_frames(server: TestClient) -> None:
+    body = grouped(input_ids=[[10], [12], [13]], prompt_index=[0, 1, 2])
+    framed = wire_frame(body)
+    assert framed is not None
+    for reply in (
+        server.post("/logprobs", json=body),
+        server.post("/logprobs", content=framed, headers={"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}),
+    ):
+        assert reply.status_code == 422
+        error = reply.json()["error"]
+        assert (error["field"], error["row"]) == ("prompt_index", 2)
