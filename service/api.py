@@ -53,7 +53,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 BINARY = {"type": "string", "format": "binary"}
 FRAME_DOC = (
-    "The same request as a compact frame: the JSON fields, with input_ids, attention_mask, "
+    "The same request as a compact frame: the JSON fields, with input_ids, prompt_ids, attention_mask, "
     "action_mask and rollout_logprobs as little-endian arrays (docs/api.md, 'Compact frames'). Send "
     f"`Accept: {MEDIA_TYPE}` to get the answer in the same form."
 )

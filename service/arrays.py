@@ -21,6 +21,7 @@ from service.schemas import ARRAY_FIELDS, LogprobsRequest, ScoringOptions, parse
 _INTEGER = ("i4", "i8", "u1")
 _DTYPES = {
     "input_ids": _INTEGER,
+    "prompt_ids": _INTEGER,
     "attention_mask": _INTEGER,
     "action_mask": _INTEGER,
     "rollout_logprobs": ("f4", "f8"),
@@ -55,7 +56,9 @@ def parse_frame(raw: bytes) -> LogprobsRequest:
         arrays[name] = _rows(spec, data)
     if not arrays.get("input_ids"):
         raise InvalidRequest("input_ids: at least one row is required", field="input_ids")
-    _check_ids(arrays["input_ids"])
+    _check_ids(arrays["input_ids"], "input_ids")
+    if "prompt_ids" in arrays:
+        _check_ids(arrays["prompt_ids"], "prompt_ids")
     if "rollout_logprobs" in arrays:
         _check_finite(arrays["rollout_logprobs"])
     fields: dict[str, Any] = dict(options)
@@ -68,12 +71,15 @@ def _rows(spec: ArraySpec, data: memoryview) -> list[np.ndarray]:
     return np.split(flat, np.cumsum(spec.lengths[:-1], dtype=np.int64)) if spec.lengths else []
 
 
-def _check_ids(rows: list[np.ndarray]) -> None:
+def _check_ids(rows: list[np.ndarray], field: str) -> None:
+    """Token ids >= 0; `row` names an input_ids row (a prompt's index is in the message, as in JSON)."""
     for i, row in enumerate(rows):
         bad = np.flatnonzero(row < 0)
         if bad.size:
             raise InvalidRequest(
-                f"input_ids[{i}][{bad[0]}] is {row[bad[0]]}; token ids are >= 0", field="input_ids", row=i
+                f"{field}[{i}][{bad[0]}] is {row[bad[0]]}; token ids are >= 0",
+                field=field,
+                row=i if field == "input_ids" else None,
             )
 
 

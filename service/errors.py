@@ -170,7 +170,7 @@ def status_for(error: ServiceError) -> int:
 
 
 # fields with one entry per input row: an index into them is the row at fault
-_ROW_FIELDS = frozenset({"input_ids", "attention_mask", "action_mask", "num_actions"})
+_ROW_FIELDS = frozenset({"input_ids", "attention_mask", "action_mask", "num_actions", "prompt_index"})
 
 
 def from_pydantic(errors: Sequence[Mapping[str, Any]]) -> InvalidRequest:

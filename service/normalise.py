@@ -6,13 +6,14 @@ that a request can break raises InvalidRequest naming the field and the row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from service.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
+from service.grouped import expanded_tokens, grouped_rows, read_prompts
 from service.jobs import FloatArray, IntArray, SequenceJob
+from service.rows import Row, check_widths, int64, mask_row, per_row, real_tokens
 from service.schemas import LogprobsRequest
 
 
@@ -54,33 +55,31 @@ class ScoringPlan:
         return sum(int(job.actions.shape[0]) for job in self.jobs)
 
 
-@dataclass(frozen=True, slots=True)
-class _Row:
-    tokens: IntArray  # [L] real tokens
-    actions: IntArray  # [A] positions in tokens
-    slots: IntArray  # [A] window index of each action
-    width: int
-
-
 _SPECS = ("num_actions", "action_mask", "response_length")
 
 
 def normalise(request: LogprobsRequest, limits: ModelLimits) -> ScoringPlan:
+    grouped = request.prompt_ids is not None or request.prompt_index is not None
     given = [name for name in _SPECS if getattr(request, name) is not None]
-    if len(given) != 1:
+    if len(given) != 1 and not grouped:  # grouped.py checks its own
         found = " and ".join(given) if given else "none"
         raise InvalidRequest(
             f"give exactly one of num_actions, action_mask, response_length (got {found})",
             field=given[1] if len(given) > 1 else "num_actions",
         )
     _check_models(request, limits)
-    _check_size(request, limits)
-    rows = _padded_rows(request) if request.attention_mask is not None else _ragged_rows(request)
+    if grouped:
+        prompts = read_prompts(request)
+        _check_size(request, limits, expanded_tokens(request, prompts))
+        rows = grouped_rows(request, prompts)
+    else:
+        _check_size(request, limits, None)
+        rows = _padded_rows(request) if request.attention_mask is not None else _ragged_rows(request)
     eos = _eos_ids(request.eos_token_id)
     jobs: list[SequenceJob] = []
     windows: list[RowWindow] = []
     for i, row in enumerate(rows):
-        _check_tokens(row.tokens, i, limits)
+        _check_tokens(row, i, limits)
         keep = _eos_cut(row.tokens[row.actions], eos)
         jobs.append(
             SequenceJob(
@@ -99,8 +98,9 @@ def normalise(request: LogprobsRequest, limits: ModelLimits) -> ScoringPlan:
     )
 
 
-def _check_size(request: LogprobsRequest, limits: ModelLimits) -> None:
-    """Request-size limits of the server: 413 naming the limit (422 for a deadline over the cap)."""
+def _check_size(request: LogprobsRequest, limits: ModelLimits, tokens: int | None) -> None:
+    """Request-size limits of the server: 413 naming the limit (422 for a deadline over the cap).
+    `tokens`: the real tokens of the sequences, when the caller has counted them (grouped form)."""
     rows = len(request.input_ids)
     if limits.max_request_sequences is not None and rows > limits.max_request_sequences:
         raise PayloadTooLarge(
@@ -109,9 +109,9 @@ def _check_size(request: LogprobsRequest, limits: ModelLimits) -> None:
             field="input_ids",
         )
     if limits.max_request_tokens is not None:
-        if request.attention_mask is not None:
+        if tokens is None and request.attention_mask is not None:
             tokens = sum(int(np.count_nonzero(row)) for row in request.attention_mask)
-        else:
+        elif tokens is None:
             tokens = sum(len(row) for row in request.input_ids)
         if tokens > limits.max_request_tokens:
             raise PayloadTooLarge(
@@ -174,7 +174,7 @@ def _rollout(rows: list[list[float]], windows: list[RowWindow]) -> list[FloatArr
     return out
 
 
-def _ragged_rows(request: LogprobsRequest) -> list[_Row]:
+def _ragged_rows(request: LogprobsRequest) -> list[Row]:
     if request.response_length is not None:
         raise InvalidRequest(
             "response_length needs padded input_ids with an attention_mask; "
@@ -182,14 +182,14 @@ def _ragged_rows(request: LogprobsRequest) -> list[_Row]:
             field="response_length",
         )
     batch = len(request.input_ids)
-    rows: list[_Row] = []
+    rows: list[Row] = []
     for i, ids in enumerate(request.input_ids):
-        tokens = _int64(ids, "input_ids", i)
+        tokens = int64(ids, "input_ids", i)
         length = len(ids)
         if length == 0:
             raise InvalidRequest(f"input_ids row {i} is empty", field="input_ids", row=i)
         if request.num_actions is not None:
-            n = _per_row(request.num_actions, batch, "num_actions")[i]
+            n = per_row(request.num_actions, batch, "num_actions")[i]
             if n >= length:
                 raise InvalidRequest(
                     f"num_actions[{i}] = {n} must be smaller than the row length {length} "
@@ -198,10 +198,10 @@ def _ragged_rows(request: LogprobsRequest) -> list[_Row]:
                     row=i,
                 )
             actions = np.arange(length - n, length, dtype=np.int64)
-            rows.append(_Row(tokens, actions, np.arange(n, dtype=np.int64), n))
+            rows.append(Row(tokens, actions, np.arange(n, dtype=np.int64), n))
         else:
             assert request.action_mask is not None
-            mask = _mask_row(
+            mask = mask_row(
                 request.action_mask, "action_mask", batch=batch, i=i, length=length, what="one 0/1 per token"
             )
             if mask[0]:
@@ -211,11 +211,11 @@ def _ragged_rows(request: LogprobsRequest) -> list[_Row]:
                     row=i,
                 )
             actions = np.flatnonzero(mask).astype(np.int64)
-            rows.append(_Row(tokens, actions, actions - 1, length - 1))
+            rows.append(Row(tokens, actions, actions - 1, length - 1))
     return rows
 
 
-def _padded_rows(request: LogprobsRequest) -> list[_Row]:
+def _padded_rows(request: LogprobsRequest) -> list[Row]:
     assert request.attention_mask is not None
     if request.num_actions is not None:
         raise InvalidRequest(
@@ -223,20 +223,12 @@ def _padded_rows(request: LogprobsRequest) -> list[_Row]:
             "padded input takes response_length or action_mask",
             field="num_actions",
         )
-    batch, width = len(request.input_ids), len(request.input_ids[0])
-    for i, padded_row in enumerate(request.input_ids):
-        if len(padded_row) != width:
-            raise InvalidRequest(
-                f"input_ids row {i} has length {len(padded_row)} but row 0 has {width}: "
-                "padded input_ids need rows of equal length",
-                field="input_ids",
-                row=i,
-            )
+    batch, width = len(request.input_ids), check_widths(request.input_ids)
     if width == 0:
         raise InvalidRequest("input_ids rows are empty", field="input_ids", row=0)
-    rows: list[_Row] = []
+    rows: list[Row] = []
     for i in range(batch):
-        real = _mask_row(
+        real = mask_row(
             request.attention_mask, "attention_mask", batch=batch, i=i, length=width, what="one per column"
         )
         columns = np.flatnonzero(real)  # [L_i] columns of the real tokens, in order
@@ -255,7 +247,7 @@ def _padded_rows(request: LogprobsRequest) -> list[_Row]:
             field = "response_length"
         else:
             assert request.action_mask is not None
-            marks = _mask_row(
+            marks = mask_row(
                 request.action_mask,
                 "action_mask",
                 batch=batch,
@@ -281,8 +273,8 @@ def _padded_rows(request: LogprobsRequest) -> list[_Row]:
                 row=i,
             )
         rows.append(
-            _Row(
-                tokens=_real_tokens(request.input_ids[i], columns, i),
+            Row(
+                tokens=real_tokens(request.input_ids[i], columns, i),
                 actions=position[action_columns].astype(np.int64),
                 slots=(action_columns - start).astype(np.int64),
                 width=width - start,
@@ -291,70 +283,38 @@ def _padded_rows(request: LogprobsRequest) -> list[_Row]:
     return rows
 
 
-def _real_tokens(padded: Sequence[int], columns: IntArray, i: int) -> IntArray:
-    if isinstance(padded, np.ndarray):  # a compact frame's row (arrays.py)
-        return padded[columns].astype(np.int64)
-    return _int64([padded[c] for c in columns.tolist()], "input_ids", i)  # padding may hold any int
-
-
-def _per_row(value: int | list[int], batch: int, field: str) -> list[int]:
-    if isinstance(value, int):
-        return [value] * batch
-    if len(value) != batch:
-        raise InvalidRequest(f"{field} has {len(value)} entries for {batch} rows", field=field)
-    return value
-
-
-def _mask_row(
-    mask: Sequence[Sequence[int]], field: str, *, batch: int, i: int, length: int, what: str
-) -> IntArray:
-    if len(mask) != batch:
-        raise InvalidRequest(f"{field} has {len(mask)} rows, input_ids has {batch}", field=field)
-    row = _int64(mask[i], field, i)
-    if row.shape[0] != length:
-        raise InvalidRequest(
-            f"{field} row {i} has length {row.shape[0]}, expected {length} ({what})", field=field, row=i
-        )
-    bad = np.flatnonzero((row != 0) & (row != 1))
-    if bad.size:
-        raise InvalidRequest(
-            f"{field}[{i}][{bad[0]}] is {row[bad[0]]}; only 0 and 1 are allowed", field=field, row=i
-        )
-    return row
-
-
-def _int64(values: Sequence[int], field: str, i: int) -> IntArray:
-    try:
-        return np.asarray(values, dtype=np.int64)
-    except OverflowError:  # JSON ints are unbounded, numpy's are not
-        raise InvalidRequest(
-            f"{field} row {i} holds a value outside the 64-bit integer range", field=field, row=i
-        ) from None
-
-
-def _check_tokens(tokens: IntArray, i: int, limits: ModelLimits) -> None:
+def _check_tokens(row: Row, i: int, limits: ModelLimits) -> None:
+    tokens = row.tokens
+    what = f"input_ids row {i}" if row.prompt is None else f"input_ids row {i} with prompt {row.prompt}"
     positions = limits.max_positions or limits.max_sequence_tokens
     if tokens.shape[0] > positions:
         raise InvalidRequest(
-            f"input_ids row {i} has {tokens.shape[0]} tokens; the model's positions cover {positions}",
+            f"{what} has {tokens.shape[0]} tokens; the model's positions cover {positions}",
             field="input_ids",
             row=i,
         )
     if tokens.shape[0] > limits.max_sequence_tokens:
         raise SequenceTooLarge(
-            f"input_ids row {i} has {tokens.shape[0]} tokens; the longest sequence this server scores is "
+            f"{what} has {tokens.shape[0]} tokens; the longest sequence this server scores is "
             f"{limits.max_sequence_tokens} (set by {limits.max_sequence_limit})",
             field="input_ids",
             row=i,
         )
     outside = np.flatnonzero(tokens >= limits.vocab_size)
-    if outside.size:
+    if not outside.size:
+        return
+    k, vocabulary = int(outside[0]), f"outside the vocabulary [0, {limits.vocab_size})"
+    if k < row.prompt_length:  # grouped form: the prompt is at fault, named through this row
         raise InvalidRequest(
-            f"input_ids row {i}: token id {tokens[outside[0]]} (real token {outside[0]}) is outside the "
-            f"vocabulary [0, {limits.vocab_size})",
-            field="input_ids",
+            f"prompt_ids[{row.prompt}]: token id {tokens[k]} (token {k}) is {vocabulary} "
+            f"(input_ids row {i} continues it)",
+            field="prompt_ids",
             row=i,
         )
+    where = f"real token {k}" if row.prompt is None else f"response token {k - row.prompt_length}"
+    raise InvalidRequest(
+        f"input_ids row {i}: token id {tokens[k]} ({where}) is {vocabulary}", field="input_ids", row=i
+    )
 
 
 def _eos_ids(eos: int | list[int] | None) -> IntArray | None:

@@ -26,6 +26,10 @@ class LogprobsRequest(BaseModel):
     - ragged `input_ids` + `action_mask` (one 0/1 per token): window is tokens 1..L-1;
     - padded `input_ids` + `attention_mask` + `response_length` R: window is the last R columns;
     - padded `input_ids` + `attention_mask` + `action_mask` [B, L-1]: window is columns 1..L-1.
+
+    Grouped (docs/api.md, 'Grouped requests'): with `prompt_ids` and `prompt_index`, each row of
+    `input_ids` is a response only, continuing prompt `prompt_ids[prompt_index[i]]`; the window is
+    the response.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -44,6 +48,16 @@ class LogprobsRequest(BaseModel):
     )
     response_length: Count | None = Field(
         None, description="Padded layout: the last `response_length` columns are the action window."
+    )
+    prompt_ids: list[list[TokenId]] | None = Field(
+        None,
+        description="Grouped form: unpadded prompts, each sent once and non-empty; `input_ids` rows are "
+        "then responses only, and each row's action window is its response.",
+    )
+    prompt_index: list[Count] | None = Field(
+        None,
+        description="Grouped form: one entry per `input_ids` row, the index in `prompt_ids` of the prompt "
+        "the row's response continues.",
     )
     temperature: Annotated[float, Strict()] = Field(
         1.0, gt=0, allow_inf_nan=False, description="Sampling temperature T: log_softmax(logits / T)."
@@ -90,7 +104,7 @@ class LogprobsRequest(BaseModel):
 
 # the [rows, length] fields: a compact frame (frame.py) carries them as arrays, and the rest, the
 # options, as a JSON object validated by ScoringOptions: the same fields, types and bounds
-ARRAY_FIELDS = ("input_ids", "attention_mask", "action_mask", "rollout_logprobs")
+ARRAY_FIELDS = ("input_ids", "prompt_ids", "attention_mask", "action_mask", "rollout_logprobs")
 _OPTIONS: dict[str, Any] = {
     name: (f.annotation, f) for name, f in LogprobsRequest.model_fields.items() if name not in ARRAY_FIELDS
 }

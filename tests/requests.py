@@ -1,4 +1,4 @@
-"""Random requests in each of the four layouts of SEMANTICS.md."""
+"""Random requests in each of the four layouts of SEMANTICS.md, and in the grouped form."""
 
 from __future__ import annotations
 
@@ -82,3 +82,70 @@ def lay_out(layout: str, rng: random.Random, rows: list[tuple[list[int], list[in
             )
         request["action_mask"] = action_mask
     return request
+
+
+GROUPED_LAYOUTS = ("ragged", "ragged_num_actions", "ragged_action_mask", "padded", "padded_action_mask")
+
+
+def make_grouped(
+    layout: str, rng: random.Random, vocab: int, rows: int = 8, max_len: int = 12
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A grouped request (prompt_ids + prompt_index, `input_ids` rows are responses) and its ungrouped
+    twin: the same sequences and actions, written out in full. Prompt 0 is shared by rows - 4 rows,
+    prompt 1 by 3, prompt 2 by one, prompt 3 by none; rows are shuffled; two rows are identical.
+
+    The twin's action window of row i ends with the grouped row's window (the response): the grouped
+    row's scores are the last `len(grouped row)` entries of the twin's row.
+    """
+    prompt_ids = [_tokens(rng, rng.randint(1, max_len), vocab) for _ in range(4)]
+    index = [0] * (rows - 4) + [1, 1, 1, 2]
+    rng.shuffle(index)
+    responses = [_tokens(rng, rng.randint(0, max_len), vocab) for _ in index]
+    twins = [i for i, p in enumerate(index) if p == 1]
+    responses[twins[1]] = responses[twins[0]]
+    marks = [[int(rng.random() < 0.7) for _ in r] for r in responses]
+    grouped: dict[str, Any] = {"prompt_ids": prompt_ids, "prompt_index": index}
+    full = [prompt_ids[p] + r for p, r in zip(index, responses, strict=True)]
+    twin: dict[str, Any] = {}
+    if layout.startswith("ragged"):
+        grouped["input_ids"] = responses
+        twin["input_ids"] = full
+        if layout == "ragged_num_actions":
+            counts = [rng.randint(0, len(r)) for r in responses]
+            marks = [
+                [int(k >= len(r) - n) for k in range(len(r))] for r, n in zip(responses, counts, strict=True)
+            ]
+            grouped["num_actions"] = counts
+        elif layout == "ragged_action_mask":
+            grouped["action_mask"] = marks
+        else:
+            marks = [[1] * len(r) for r in responses]
+        twin["action_mask"] = [[0] * len(prompt_ids[p]) + m for p, m in zip(index, marks, strict=True)]
+        return _with_options(rng, grouped, vocab), _copy_options(grouped, twin)
+    width = max(len(r) for r in responses)
+    padded, mask = [], []
+    for r in responses:
+        pad = width - len(r)
+        left = rng.random() < 0.2  # responses are right-padded (verl, TRL); any side is read the same
+        padded.append([PAD] * pad + r if left else r + [PAD] * pad)
+        mask.append([0] * pad + [1] * len(r) if left else [1] * len(r) + [0] * pad)
+    grouped.update(input_ids=padded, attention_mask=mask)
+    p_width = max(len(p) for p in prompt_ids)
+    lead = [[PAD] * (p_width - len(prompt_ids[p])) + prompt_ids[p] for p in index]
+    lead_mask = [[0] * (p_width - len(prompt_ids[p])) + [1] * len(prompt_ids[p]) for p in index]
+    twin["input_ids"] = [a + b for a, b in zip(lead, padded, strict=True)]
+    twin["attention_mask"] = [a + b for a, b in zip(lead_mask, mask, strict=True)]
+    if layout == "padded":
+        twin["response_length"] = width
+    else:
+        narrowed = [[int(m and rng.random() < 0.7) for m in row] for row in mask]
+        grouped["action_mask"] = narrowed
+        twin["action_mask"] = [([0] * p_width + row)[1:] for row in narrowed]
+    return _with_options(rng, grouped, vocab), _copy_options(grouped, twin)
+
+
+def _copy_options(grouped: dict[str, Any], twin: dict[str, Any]) -> dict[str, Any]:
+    for name in ("temperature", "eos_token_id", "return_entropy"):
+        if name in grouped:
+            twin[name] = grouped[name]
+    return twin

@@ -77,6 +77,10 @@ def padded_mask(**changes: Any) -> dict[str, Any]:
     return {"input_ids": P_IDS, "attention_mask": P_MASK, "action_mask": P_ACTIONS, **changes}
 
 
+def grouped(**changes: Any) -> dict[str, Any]:
+    return {"prompt_ids": [[1, 2], [3]], "prompt_index": [0, 1], "input_ids": [[4, 5], [6]], **changes}
+
+
 def without(body: dict[str, Any], *names: str) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in names}
 
@@ -209,6 +213,15 @@ BAD: dict[str, tuple[Body, str, int | None]] = {
         "input_ids",
         1,
     ),
+    # the grouped form: prompt_ids once each, input_ids rows are responses, prompt_index per row
+    "grouped_prompt_index_out_of_range": (grouped(prompt_index=[0, 2]), "prompt_index", 1),
+    "grouped_prompt_index_negative": (grouped(prompt_index=[0, -1]), "prompt_index", 1),
+    "grouped_prompt_index_short": (grouped(prompt_index=[0]), "prompt_index", None),
+    "grouped_prompt_index_missing": (without(grouped(), "prompt_index"), "prompt_index", None),
+    "grouped_prompt_empty": (grouped(prompt_ids=[[1, 2], []]), "prompt_ids", 1),
+    "grouped_prompt_negative_token": (grouped(prompt_ids=[[1, 2], [3, -4]]), "prompt_ids", None),
+    "grouped_prompt_vocab": (grouped(prompt_ids=[[1, 2], [3, VOCAB]]), "prompt_ids", 1),
+    "grouped_response_length": (grouped(response_length=1), "response_length", None),
     # other fields and the body itself
     "eos_negative": (ragged(eos_token_id=-2), "eos_token_id", None),
     "eos_list_negative": (ragged(eos_token_id=[2, -2]), "eos_token_id", None),
@@ -254,6 +267,7 @@ GOOD: list[tuple[dict[str, Any], list[list[int]]]] = [
     (ragged_mask(eos_token_id=[3, 7], temperature=0.7), [[1, 1, 0], [0, 1]]),  # cut after token 3
     (padded(), [[1, 1], [0, 0]]),
     (padded_mask(return_entropy=True), [[0, 0, 1, 1], [1, 1, 0, 0]]),
+    (grouped(input_ids=[[5, 4], [6, 2]], eos_token_id=5), [[1, 0], [1, 1]]),  # row 0 ends at its EOS
     # the largest sequence allowed, and an EOS id too large to match anything
     (ragged(input_ids=[[5] * 64], num_actions=1, eos_token_id=2**70), [[1]]),
     # a padding column's value is never read

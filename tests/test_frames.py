@@ -14,12 +14,15 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from service.arrays import parse_frame
 from service.client import Client
 from service.client.wire import from_frame, to_frame
 from service.frame import MEDIA_TYPE, ArraySpec, FrameError, decode_rows, encode_rows, pack, unpack
+from service.normalise import ModelLimits, normalise
+from service.schemas import LogprobsRequest
 from tests.client.faults import Flaky
 from tests.conftest import loopback, running, settings_for
-from tests.requests import LAYOUTS, make
+from tests.requests import GROUPED_LAYOUTS, LAYOUTS, make, make_grouped
 
 FRAMED = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
 ROW_FIELDS = ("logprobs", "entropy", "ref_logprobs", "kl", "action_mask")
@@ -145,6 +148,24 @@ def test_a_framed_request_gets_the_json_answer_exactly(server: TestClient, layou
         }
 
 
+@pytest.mark.parametrize("layout", GROUPED_LAYOUTS)
+def test_a_grouped_request_reads_the_same_from_a_frame(layout: str) -> None:
+    """prompt_ids travel as an array, prompt_index in the JSON part; the jobs are JSON's."""
+    rng = random.Random(f"frame-{layout}")
+    limits = ModelLimits(vocab_size=96, max_sequence_tokens=64)
+    for _ in range(5):
+        body, _ = make_grouped(layout, rng, vocab=96)
+        framed = to_frame(body)
+        assert framed is not None
+        frame = unpack(framed)
+        assert "prompt_ids" in frame.arrays
+        assert json.loads(frame.fields)["prompt_index"] == body["prompt_index"]
+        got, want = normalise(parse_frame(framed), limits), normalise(LogprobsRequest(**body), limits)
+        for g, w, gw, ww in zip(got.jobs, want.jobs, got.windows, want.windows, strict=True):
+            assert (g.tokens.tolist(), g.actions.tolist()) == (w.tokens.tolist(), w.actions.tolist())
+            assert (gw.width, gw.slots.tolist()) == (ww.width, ww.slots.tolist())
+
+
 def test_rollout_logprobs_travel_as_an_array(server: TestClient) -> None:
     body = {"input_ids": [[3, 4, 5, 6], [7, 8, 9]], "num_actions": [2, 1]}
     scored = server.post("/logprobs", json=body).json()["logprobs"]
@@ -206,6 +227,21 @@ def raw_frame(fields: dict[str, Any], arrays: dict[str, tuple[str, list[list[Any
             {"response_length": 1},
             {"input_ids": ("i4", [[1, 2]]), "attention_mask": ("u1", [[1, 2]])},
             ("attention_mask", 0, "only 0 and 1"),
+        ),
+        (
+            {"prompt_index": [0, 0]},
+            {"input_ids": ("i4", [[1], [2]]), "prompt_ids": ("i4", [[3, -4]])},
+            ("prompt_ids", None, "is -4"),
+        ),
+        (
+            {"prompt_index": [0, 0]},
+            {"input_ids": ("i4", [[1], [2]]), "prompt_ids": ("f8", [[3.0]])},
+            ("prompt_ids", None, "dtype f8"),
+        ),
+        (
+            {"prompt_index": [0, 1]},
+            {"input_ids": ("i4", [[1], [2]]), "prompt_ids": ("i4", [[3], []])},
+            ("prompt_ids", 1, "is empty"),
         ),
     ],
 )

@@ -9,7 +9,7 @@ from service.client._sync import Client
 from service.client.errors import LogprobdConnectionError, LogprobdError
 from service.client.replicas import resolve_replicas
 from service.client.retry import RetryPolicy
-from service.client.wire import RolloutStats, Scores, Usage
+from service.client.wire import RolloutStats, Scores, Usage, group_prompts
 
 __all__ = [
     "AsyncClient",
@@ -20,5 +20,6 @@ __all__ = [
     "RolloutStats",
     "Scores",
     "Usage",
+    "group_prompts",
     "resolve_replicas",
 ]

@@ -83,9 +83,14 @@ class AsyncClient:
         temperature: float = 1.0,
         eos_token_id: int | Sequence[int] | ToList | None = None,
         return_entropy: bool = False,
+        prompt_ids: IntRows | None = None,
+        prompt_index: Sequence[int] | ToList | None = None,
         **options: Any,
     ) -> Scores:
-        """Score a batch in any of the four layouts of SEMANTICS.md; `options` are sent as they are."""
+        """Score a batch in any of the four layouts of SEMANTICS.md, or grouped: each prompt once in
+        `prompt_ids`, `input_ids` rows the responses, `prompt_index[i]` row i's prompt (docs/api.md,
+        'Grouped requests'; `group_prompts` builds both from per-row prompts). `options` are sent as
+        they are."""
         body = build_body(
             input_ids,
             attention_mask=attention_mask,
@@ -96,6 +101,8 @@ class AsyncClient:
             eos_token_id=eos_token_id,
             return_entropy=return_entropy,
             options=options,
+            prompt_ids=prompt_ids,
+            prompt_index=prompt_index,
         )
         return await self.score_request(body)
 

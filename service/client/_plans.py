@@ -4,6 +4,11 @@ One `Plan` per framework call: the padded-layout body of SEMANTICS.md built from
 tensors, and which columns of the server's action window the framework's output keeps. Every
 per-token output (log-probs, entropy, values, reference log-probs, KL) is a row of that same window,
 so one slice aligns them all.
+
+Rows whose prompts (the real tokens before the response columns) are the same go out grouped: each
+prompt once in `prompt_ids`, the response columns as the rows (docs/api.md, 'Grouped requests').
+The server scores the same sequences and actions either way; only the window is narrower (the
+responses), and columns before it hold no action.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 from service.client._async import AsyncClient
 from service.client._sync import Client
 from service.client.errors import LogprobdError
-from service.client.wire import RolloutStats, Scores
+from service.client.wire import RolloutStats, Scores, group_prompts
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -27,6 +32,8 @@ _OWN_FIELDS = {
     "action_mask": "the adapter's layout arguments",
     "num_actions": "the adapter's layout arguments",
     "response_length": "the adapter's layout arguments",
+    "prompt_ids": "grouped=True (the default: rows that share a prompt are grouped)",
+    "prompt_index": "grouped=True (the default: rows that share a prompt are grouped)",
     "return_ref_logprobs": "return_ref_log_probs=True",
     "rollout_logprobs": "rollout_log_probs=, a tensor shaped like the output",
 }
@@ -93,6 +100,10 @@ class Plan:
     def finish(self, scores: Scores, entropy_scores: Scores | None) -> TensorScores:
         def tensor(rows: list[list[float]] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
             full = torch.tensor(rows, dtype=dtype)  # [B, W]
+            if full.shape[1] < self.keep:  # a grouped window (the responses): no action before it
+                wide = torch.zeros(full.shape[0], self.keep, dtype=dtype)
+                wide[:, self.keep - full.shape[1] :] = full
+                full = wide
             return full[:, full.shape[1] - self.keep :].to(self.device)
 
         def returned(name: str, asked: bool) -> Any:
@@ -132,6 +143,7 @@ def openrlhf_plan(
     temperature: float,
     asked: Asked,
     options: dict[str, Any],
+    grouped: bool = True,
 ) -> Plan:
     batch, length = _check_padded(sequences, attention_mask)
     if action_mask.dim() != 2 or action_mask.shape[0] != batch or not 0 <= action_mask.shape[1] < length:
@@ -142,20 +154,31 @@ def openrlhf_plan(
     mask = action_mask.detach().cpu().bool()
     window = torch.zeros(batch, length - 1, dtype=torch.int64)  # [B, L-1]: column j+1 is an action
     window[:, length - 1 - actions :] = mask.to(torch.int64)
+    # the response starts at the first column any row marks: its prompt is what comes before
+    marked = window.any(dim=0).nonzero()
+    groups = _groups(sequences, attention_mask, int(marked[0]) + 1) if grouped and marked.numel() else None
+    sent = window if groups is None else window[:, groups.start - 1 :]  # column j+1 -> entry j
     # OpenRLHF takes the entropy of the logits before dividing them by the temperature: a second
     # request at T = 1 that asks for nothing else
     separate = asked.entropy and temperature != 1.0
     main = replace(asked, entropy=asked.entropy and not separate)
-    body = _body(sequences, attention_mask, temperature=temperature, asked=main, options=options)
-    body["action_mask"] = window.tolist()
+    body = _body(
+        sequences, attention_mask, temperature=temperature, asked=main, options=options, groups=groups
+    )
+    body["action_mask"] = sent.tolist()
     if asked.rollout_log_probs is not None:
         rollout = torch.zeros(batch, length - 1, dtype=torch.float32)
         rollout[:, length - 1 - actions :] = _rollout(asked.rollout_log_probs, mask, "action_mask")
-        body["rollout_logprobs"] = rollout.tolist()
+        body["rollout_logprobs"] = rollout[:, length - 1 - sent.shape[1] :].tolist()
     entropy_body = None
     if separate:
         entropy_body = _body(
-            sequences, attention_mask, temperature=1.0, asked=Asked(entropy=True), options=options
+            sequences,
+            attention_mask,
+            temperature=1.0,
+            asked=Asked(entropy=True),
+            options=options,
+            groups=groups,
         )
         entropy_body["action_mask"] = body["action_mask"]
     return Plan(body=body, keep=actions, device=sequences.device, asked=asked, entropy_body=entropy_body)
@@ -169,6 +192,7 @@ def verl_plan(
     temperature: float,
     asked: Asked,
     options: dict[str, Any],
+    grouped: bool = True,
 ) -> Plan:
     batch, length = _check_padded(input_ids, attention_mask)
     r = responses.shape[-1]
@@ -177,7 +201,14 @@ def verl_plan(
     if not torch.equal(input_ids[:, length - r :].cpu(), responses.cpu()):
         raise ValueError("responses must be the last R columns of input_ids, as verl lays them out")
     return _last_columns_plan(
-        input_ids, attention_mask, r, temperature=temperature, asked=asked, options=options, named="responses"
+        input_ids,
+        attention_mask,
+        r,
+        temperature=temperature,
+        asked=asked,
+        options=options,
+        named="responses",
+        grouped=grouped,
     )
 
 
@@ -189,6 +220,7 @@ def trl_plan(
     temperature: float,
     asked: Asked,
     options: dict[str, Any],
+    grouped: bool = True,
 ) -> Plan:
     _, length = _check_padded(input_ids, attention_mask)
     if not 0 <= logits_to_keep < length:
@@ -202,6 +234,7 @@ def trl_plan(
         asked=asked,
         options=options,
         named="logits_to_keep",
+        grouped=grouped,
     )
 
 
@@ -214,10 +247,16 @@ def _last_columns_plan(
     asked: Asked,
     options: dict[str, Any],
     named: str,
+    grouped: bool,
 ) -> Plan:
-    """verl and TRL: the window is the last `r` columns, and so is the framework's output."""
-    body = _body(input_ids, attention_mask, temperature=temperature, asked=asked, options=options)
-    body["response_length"] = r
+    """verl and TRL: the window is the last `r` columns, and so is the framework's output; grouped,
+    the window is the same columns, sent as the responses."""
+    groups = _groups(input_ids, attention_mask, input_ids.shape[1] - r) if grouped else None
+    body = _body(
+        input_ids, attention_mask, temperature=temperature, asked=asked, options=options, groups=groups
+    )
+    if groups is None:
+        body["response_length"] = r
     if asked.rollout_log_probs is not None:
         real = attention_mask.detach().cpu()[:, attention_mask.shape[1] - r :].bool()
         body["rollout_logprobs"] = _rollout(asked.rollout_log_probs, real, named).tolist()
@@ -245,6 +284,31 @@ def _check_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tupl
     return int(input_ids.shape[0]), int(input_ids.shape[1])
 
 
+@dataclass(frozen=True, slots=True)
+class _Groups:
+    """Rows whose prompts (the real tokens of columns < start) repeat: each prompt once."""
+
+    start: int  # the first response column
+    prompt_ids: list[list[int]]
+    prompt_index: list[int]  # per row
+
+
+def _groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> _Groups | None:
+    """The prompts before column `start`, compared token for token; None when no prompt repeats, a
+    row's prompt is empty or the mask is not 0/1 (the full rows go, and the server names any fault)."""
+    mask = attention_mask.detach().cpu()
+    if start < 1 or not bool(((mask == 0) | (mask == 1)).all()):
+        return None
+    ids, real = input_ids.detach().cpu()[:, :start].tolist(), mask[:, :start].tolist()
+    prompts = [
+        [t for t, m in zip(row, marks, strict=True) if m] for row, marks in zip(ids, real, strict=True)
+    ]
+    if not all(prompts):
+        return None
+    prompt_ids, prompt_index = group_prompts(prompts)
+    return _Groups(start, prompt_ids, prompt_index) if len(prompt_ids) < len(prompts) else None
+
+
 def _body(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -252,16 +316,21 @@ def _body(
     temperature: float,
     asked: Asked,
     options: dict[str, Any],
+    groups: _Groups | None = None,
 ) -> dict[str, Any]:
+    """The padded body of the rows, or with `groups` the grouped one: columns start.. as responses."""
     for name in options:
         if name in _OWN_FIELDS:
             raise TypeError(f"`{name}` is set by the adapter; give it as {_OWN_FIELDS[name]}")
+    start = 0 if groups is None else groups.start
     body: dict[str, Any] = {
-        "input_ids": input_ids.detach().cpu().tolist(),
-        "attention_mask": attention_mask.detach().cpu().to(torch.int64).tolist(),
+        "input_ids": input_ids.detach().cpu()[:, start:].tolist(),
+        "attention_mask": attention_mask.detach().cpu()[:, start:].to(torch.int64).tolist(),
         "temperature": float(temperature),
         **options,
     }
+    if groups is not None:
+        body["prompt_ids"], body["prompt_index"] = groups.prompt_ids, groups.prompt_index
     if asked.entropy:
         body["return_entropy"] = True
     if asked.values:

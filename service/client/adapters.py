@@ -40,6 +40,12 @@ Everything PPO needs, from the same request (a server started with `--critic` / 
 `values`, `ref_log_probs` and `kl` are float32, shaped, placed and masked exactly like `log_probs`
 (0.0 where `action_mask` is False), and None unless asked for. Other keyword arguments (`timeout_s`,
 `eos_token_id`, ...) are sent as they are; request fields the adapter fills itself are refused there.
+
+GRPO batches repeat each prompt G times: rows whose prompts are the same, token for token (verl:
+the columns before `responses`; TRL: before the last `logits_to_keep`; OpenRLHF: before the first
+column `action_mask` marks in any row), go out grouped, each prompt once (docs/api.md, 'Grouped
+requests'), with the same results. `grouped=False` sends every row in full (a server older than
+the grouped form refuses `prompt_ids`).
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ def openrlhf_log_probs(
     return_ref_log_probs: bool = False,
     kl_estimator: str = "k1",
     rollout_log_probs: torch.Tensor | None = None,
+    grouped: bool = True,
     **options: Any,
 ) -> TensorScores:
     """OpenRLHF's action log-probs `[B, A]` for `sequences` `[B, L]` (any padding side); with
@@ -84,7 +91,13 @@ def openrlhf_log_probs(
     `base_action_log_probs` (`ref_log_probs`) and `kl`, each `[B, A]` like the log-probs."""
     asked = Asked(return_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = openrlhf_plan(
-        sequences, attention_mask, action_mask, temperature=temperature, asked=asked, options=options
+        sequences,
+        attention_mask,
+        action_mask,
+        temperature=temperature,
+        asked=asked,
+        options=options,
+        grouped=grouped,
     )
     return plan.run(client)
 
@@ -101,11 +114,18 @@ async def openrlhf_log_probs_async(
     return_ref_log_probs: bool = False,
     kl_estimator: str = "k1",
     rollout_log_probs: torch.Tensor | None = None,
+    grouped: bool = True,
     **options: Any,
 ) -> TensorScores:
     asked = Asked(return_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = openrlhf_plan(
-        sequences, attention_mask, action_mask, temperature=temperature, asked=asked, options=options
+        sequences,
+        attention_mask,
+        action_mask,
+        temperature=temperature,
+        asked=asked,
+        options=options,
+        grouped=grouped,
     )
     return await plan.run_async(client)
 
@@ -122,6 +142,7 @@ def verl_log_probs(
     return_ref_log_probs: bool = False,
     kl_estimator: str = "k1",
     rollout_log_probs: torch.Tensor | None = None,
+    grouped: bool = True,
     **options: Any,
 ) -> TensorScores:
     """verl's `[B, R]` log-probs (and entropy) of `input_ids` `[B, P+R]` ending in `responses` `[B, R]`;
@@ -129,7 +150,13 @@ def verl_log_probs(
     `ref_log_prob` (`ref_log_probs`) and `kl`, each `[B, R]`."""
     asked = Asked(calculate_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = verl_plan(
-        input_ids, attention_mask, responses, temperature=temperature, asked=asked, options=options
+        input_ids,
+        attention_mask,
+        responses,
+        temperature=temperature,
+        asked=asked,
+        options=options,
+        grouped=grouped,
     )
     return plan.run(client)
 
@@ -146,11 +173,18 @@ async def verl_log_probs_async(
     return_ref_log_probs: bool = False,
     kl_estimator: str = "k1",
     rollout_log_probs: torch.Tensor | None = None,
+    grouped: bool = True,
     **options: Any,
 ) -> TensorScores:
     asked = Asked(calculate_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = verl_plan(
-        input_ids, attention_mask, responses, temperature=temperature, asked=asked, options=options
+        input_ids,
+        attention_mask,
+        responses,
+        temperature=temperature,
+        asked=asked,
+        options=options,
+        grouped=grouped,
     )
     return await plan.run_async(client)
 
@@ -167,6 +201,7 @@ def trl_log_probs(
     return_ref_log_probs: bool = False,
     kl_estimator: str = "k1",
     rollout_log_probs: torch.Tensor | None = None,
+    grouped: bool = True,
     **options: Any,
 ) -> TensorScores:
     """TRL GRPO's per-token log-probs `[B, C]` of the last C = `logits_to_keep` columns of `input_ids`;
@@ -174,7 +209,13 @@ def trl_log_probs(
     `kl_estimator="k3"`), with `return_values` the critic's `values` (TRL PPO), each `[B, C]`."""
     asked = Asked(compute_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = trl_plan(
-        input_ids, attention_mask, logits_to_keep, temperature=temperature, asked=asked, options=options
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        temperature=temperature,
+        asked=asked,
+        options=options,
+        grouped=grouped,
     )
     return plan.run(client)
 
@@ -191,10 +232,17 @@ async def trl_log_probs_async(
     return_ref_log_probs: bool = False,
     kl_estimator: str = "k1",
     rollout_log_probs: torch.Tensor | None = None,
+    grouped: bool = True,
     **options: Any,
 ) -> TensorScores:
     asked = Asked(compute_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = trl_plan(
-        input_ids, attention_mask, logits_to_keep, temperature=temperature, asked=asked, options=options
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        temperature=temperature,
+        asked=asked,
+        options=options,
+        grouped=grouped,
     )
     return await plan.run_async(client)

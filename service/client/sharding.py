@@ -7,6 +7,10 @@ list of lists, travel with their rows too. Scalar fields (temperature, eos_token
 every chunk unchanged. A body whose per-row fields disagree on the row count is never split, so
 the server reports that error against the caller's own rows.
 
+A grouped body (`prompt_ids` + `prompt_index`) splits by its rows too: each chunk carries the
+prompts its rows name, once each, and its `prompt_index` renumbered to them; a row's tokens are
+counted with its prompt's, as the server counts them.
+
 Responses merge by the same rule: per-row lists are concatenated; `usage` counts are summed;
 `rollout` statistics (over action tokens) are recombined exactly: token counts summed, maxima
 maxed, means weighted by tokens.
@@ -20,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 # request fields with one entry per row (besides any list of lists, which is per row by its shape)
-ROW_FIELDS = ("input_ids", "attention_mask", "action_mask", "num_actions", "rollout_logprobs")
+ROW_FIELDS = ("input_ids", "attention_mask", "action_mask", "num_actions", "prompt_index", "rollout_logprobs")
+PROMPTS = "prompt_ids"  # a list of lists that is not per row: each chunk takes the prompts it names
 SUMMED = frozenset({"usage"})  # response objects of counts
 TOKEN_STATISTICS = frozenset({"rollout"})  # response objects of statistics over `tokens` action tokens
 
@@ -42,7 +47,7 @@ def split(
     row alone is longer)."""
     per_row = _row_fields(body)
     n_rows = len(body.get("input_ids") or ())
-    if n_rows == 0 or any(len(body[name]) != n_rows for name in per_row):
+    if n_rows == 0 or any(len(body[name]) != n_rows for name in per_row) or not _indexes_prompts(body):
         return [Chunk(0, n_rows, dict(body))]
     tokens = [max(1, n) for n in _real_tokens(body)]
     total = sum(tokens)
@@ -57,7 +62,37 @@ def split(
             start, held = i, 0
         part, held, before = row_part, held + n, before + n
     bounds.append((start, n_rows))
-    return [Chunk(a, b, {**body, **{name: body[name][a:b] for name in per_row}}) for a, b in bounds]
+    return [Chunk(a, b, _rows(body, per_row, a, b)) for a, b in bounds]
+
+
+def _rows(body: Mapping[str, Any], per_row: list[str], a: int, b: int) -> dict[str, Any]:
+    """The body of rows a..b-1; a grouped one with only the prompts they name, renumbered."""
+    chunk = {**body, **{name: body[name][a:b] for name in per_row}}
+    if body.get(PROMPTS) is not None:
+        named = list(dict.fromkeys(chunk["prompt_index"]))  # prompts in order of first use
+        renumber = {p: k for k, p in enumerate(named)}
+        chunk[PROMPTS] = [body[PROMPTS][p] for p in named]
+        chunk["prompt_index"] = [renumber[p] for p in chunk["prompt_index"]]
+    return chunk
+
+
+def _indexes_prompts(body: Mapping[str, Any]) -> bool:
+    """A body without prompts, or one whose prompt_index names each row's prompt: else it goes whole,
+    for the server to name the fault."""
+    prompts, index = body.get(PROMPTS), body.get("prompt_index")
+    if prompts is None:
+        return True
+    return (
+        isinstance(prompts, list | tuple)
+        and isinstance(index, list | tuple)
+        and all(
+            isinstance(p, int)
+            and not isinstance(p, bool)
+            and 0 <= p < len(prompts)
+            and isinstance(prompts[p], list | tuple)
+            for p in index
+        )
+    )
 
 
 def merge(replies: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -100,11 +135,16 @@ def _row_fields(body: Mapping[str, Any]) -> list[str]:
             return False
         return name in ROW_FIELDS or (bool(value) and all(isinstance(row, list | tuple) for row in value))
 
-    return [name for name, value in body.items() if per_row(name, value)]
+    return [name for name, value in body.items() if name != PROMPTS and per_row(name, value)]
 
 
 def _real_tokens(body: Mapping[str, Any]) -> list[int]:
     mask = body.get("attention_mask")
     if isinstance(mask, list):
-        return [sum(1 for m in row if m) for row in mask]
-    return [len(row) for row in body["input_ids"]]
+        tokens = [sum(1 for m in row if m) for row in mask]
+    else:
+        tokens = [len(row) for row in body["input_ids"]]
+    prompts = body.get(PROMPTS)
+    if prompts is not None:  # a grouped body: each row is scored with its prompt
+        tokens = [n + len(prompts[p]) for n, p in zip(tokens, body["prompt_index"], strict=True)]
+    return tokens

@@ -19,6 +19,7 @@ VERSIONS = ("weights_version", "ref_weights_version", "critic_weights_version")
 # request fields a compact frame carries as arrays, with the dtypes tried in order
 _FRAME_ARRAYS = {
     "input_ids": ("i4", "i8"),
+    "prompt_ids": ("i4", "i8"),
     "attention_mask": ("u1", "i8"),
     "action_mask": ("u1", "i8"),
     "rollout_logprobs": ("f4",),
@@ -106,6 +107,15 @@ def rows(value: IntRows) -> list[list[int]]:
     return [list(row) for row in listed]
 
 
+def group_prompts(prompts: IntRows) -> tuple[list[list[int]], list[int]]:
+    """Each distinct prompt once, in order of first appearance, and for every row the index of its
+    prompt: the `prompt_ids` and `prompt_index` of a grouped request. Rows are compared by their
+    token ids (a dict of tuples: equal hashes alone never merge two prompts)."""
+    where: dict[tuple[int, ...], int] = {}
+    index = [where.setdefault(tuple(row), len(where)) for row in rows(prompts)]
+    return [list(prompt) for prompt in where], index
+
+
 def build_body(
     input_ids: IntRows,
     *,
@@ -117,9 +127,17 @@ def build_body(
     eos_token_id: int | Sequence[int] | ToList | None,
     return_entropy: bool,
     options: Mapping[str, Any],
+    prompt_ids: IntRows | None = None,
+    prompt_index: Sequence[int] | ToList | None = None,
 ) -> dict[str, Any]:
-    """A request body; fields left None are left out, `options` (future flags) are passed through."""
+    """A request body; fields left None are left out, `options` (future flags) are passed through.
+    With `prompt_ids` and `prompt_index` it is grouped: `input_ids` rows are the responses."""
     body: dict[str, Any] = {"input_ids": rows(input_ids), "temperature": float(temperature)}
+    if prompt_ids is not None:
+        body["prompt_ids"] = rows(prompt_ids)
+    if prompt_index is not None:
+        listed = prompt_index.tolist() if isinstance(prompt_index, ToList) else prompt_index
+        body["prompt_index"] = list(listed)
     if attention_mask is not None:
         body["attention_mask"] = rows(attention_mask)
     if num_actions is not None:

@@ -39,23 +39,25 @@ class Batch:
     window: int  # R: the last R columns hold every response token (verl responses, TRL logits_to_keep)
 
 
-def make_batch(layout: str, seed: int, rows: int = 5) -> Batch:
+def make_batch(layout: str, seed: int, rows: int = 5, prompts: int | None = None) -> Batch:
     """Random prompt+response rows; `left`: left-padded, `right`: right-padded, `split`: left-padded
     prompt then right-padded response (verl, TRL). Prompts are long enough that no row's first real
-    token falls in the last-R-columns window."""
+    token falls in the last-R-columns window. With `prompts`, only that many distinct prompts, row i
+    having prompt i % prompts (a GRPO batch, groups interleaved)."""
     rng = random.Random(seed)
     responses = [[rng.randrange(models.VOCAB) for _ in range(rng.randint(1, 8))] for _ in range(rows)]
     longest = max(map(len, responses))
-    prompts = [
+    distinct = [
         [rng.randrange(models.VOCAB) for _ in range(rng.randint(longest + 1, longest + 10))]
-        for _ in responses
+        for _ in range(prompts or rows)
     ]
+    prompt_rows = [distinct[i % len(distinct)] for i in range(rows)]
     ids, mask, acts = [], [], []
     width_p, width = (
-        max(map(len, prompts)),
-        max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True)),
+        max(map(len, prompt_rows)),
+        max(len(p) + len(r) for p, r in zip(prompt_rows, responses, strict=True)),
     )
-    for p, r in zip(prompts, responses, strict=True):
+    for p, r in zip(prompt_rows, responses, strict=True):
         if layout == "split":
             left, right = width_p - len(p), longest - len(r)
         elif layout == "left":

@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.client import Client
+from service.client import Client, LogprobdError
 from service.client.replicas import ReplicaPool
 from service.client.sharding import merge, split
 from tests.client.conftest import requests_ok
@@ -200,3 +200,74 @@ def test_two_replicas_score_as_one(qwen2_replicas: tuple[str, str], reference_mo
         np.testing.assert_allclose(np.concatenate(s.logprobs), np.concatenate(want), atol=TOLERANCE, rtol=0)
     assert sharded[1].entropy is not None
     np.testing.assert_allclose(np.array(sharded[1].entropy), np.array(whole[1].entropy), atol=1e-5, rtol=0)
+
+
+def test_grouped_rows_split_with_only_the_prompts_they_name() -> None:
+    prompts = [[1] * 3, [2] * 5, [3] * 2]
+    body: dict[str, Any] = {
+        "prompt_ids": prompts,
+        "prompt_index": [0, 1, 0, 2, 1, 1],
+        "input_ids": [[9]] * 6,
+        "temperature": 0.5,
+    }
+    # each row counts its prompt's tokens too: 4, 6, 4, 3, 6, 6 (the server's max_request_tokens does)
+    chunks = split(body, max_chunk_tokens=10, max_chunk_rows=100, min_chunks=1)
+    assert [(c.start, c.stop) for c in chunks] == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert [c.body["prompt_ids"] for c in chunks] == [
+        [prompts[0], prompts[1]],
+        [prompts[0], prompts[2]],
+        [prompts[1]],
+        [prompts[1]],
+    ]
+    assert [c.body["prompt_index"] for c in chunks] == [[0, 1], [0, 1], [0], [0]]
+    for c in chunks:
+        sent = [c.body["prompt_ids"][p] for p in c.body["prompt_index"]]
+        assert sent == [prompts[p] for p in body["prompt_index"][c.start : c.stop]]
+        assert c.body["temperature"] == 0.5
+    assert len(split(body, max_chunk_tokens=100, max_chunk_rows=100, min_chunks=1)) == 1
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"prompt_index": [0, 1, 0, 3, 1, 1]},
+        {"prompt_index": [0, 1]},
+        {"prompt_index": None},
+        {"prompt_ids": 5},
+    ],
+)
+def test_a_grouped_body_with_a_broken_index_goes_whole(broken: dict[str, Any]) -> None:
+    body = {
+        "prompt_ids": [[1], [2], [3]],
+        "prompt_index": [0, 1, 0, 2, 1, 1],
+        "input_ids": [[9]] * 6,
+        **broken,
+    }
+    chunks = split(body, max_chunk_tokens=2, max_chunk_rows=1, min_chunks=2)
+    assert [(c.start, c.stop, c.body) for c in chunks] == [(0, 6, body)]
+
+
+def test_grouped_chunks_on_two_replicas_score_as_one(qwen2_replicas: tuple[str, str]) -> None:
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
+    index = [0, 1, 0, 2, 1, 0, 2, 1]
+    responses = [[20 + i, 30 + i, 40 + i][: 1 + i % 3] for i in range(8)]
+    a, b = qwen2_replicas
+    with Client(a, max_chunk_tokens=10**6) as one:
+        whole = one.score(responses, prompt_ids=prompts, prompt_index=index, return_entropy=True)
+        flat = one.score(
+            [prompts[p] + r for p, r in zip(index, responses, strict=True)],
+            num_actions=[len(r) for r in responses],
+        )
+    with Client([a, b], max_chunk_tokens=12) as two:
+        sharded = two.score(responses, prompt_ids=prompts, prompt_index=index, return_entropy=True)
+        bad = [0, 1, 0, 2, 1, 0, 1, 1]  # prompt 2, only row 3's, holds a token outside the vocabulary
+        with pytest.raises(LogprobdError) as raised:
+            two.score(responses, prompt_ids=[*prompts[:2], [14, 96]], prompt_index=bad)
+    assert sharded.action_mask == whole.action_mask == flat.action_mask
+    assert sharded.usage == whole.usage == flat.usage
+    rows: list[list[float]]
+    for rows in (sharded.logprobs, flat.logprobs):
+        np.testing.assert_allclose(np.concatenate(rows), np.concatenate(whole.logprobs), atol=1e-5, rtol=0)
+    # the row that continues prompt 2 is row 3 of the batch, in a chunk that does not start at row 0
+    assert (raised.value.status, raised.value.field, raised.value.row) == (422, "prompt_ids", 3)
+    assert raised.value.chunk_start > 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from service.client import Client, LogprobdConnectionError, LogprobdError
-from service.client.wire import IntRows, ToList, build_body
+from service.client.wire import IntRows, ToList, build_body, group_prompts
 
 IDS = [[0, 7, 8, 9, 2, 0], [5, 6, 7, 8, 9, 10]]
 MASK = [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
@@ -71,3 +71,38 @@ def test_errors_survive_pickling(cls: type[LogprobdError]) -> None:
     assert (
         str(copy) == str(error) == "422 invalid_request: bad row (field input_ids; row 3; after 2 attempts)"
     )
+
+
+def test_group_prompts_compares_token_ids_and_keeps_first_appearance_order() -> None:
+    prompts = [[1, 2], [3], [1, 2], [1, 2, 0], [3], [2, 1]]
+    unique, index = group_prompts(prompts)
+    assert unique == [[1, 2], [3], [1, 2, 0], [2, 1]]
+    assert index == [0, 1, 0, 2, 1, 3]
+    assert [unique[p] for p in index] == prompts
+    assert group_prompts(np.array([[4, 5], [4, 5]])) == ([[4, 5]], [0, 0])
+    # -1 and -2 hash alike in CPython: equal hashes never merge two prompts
+    assert hash((-1,)) == hash((-2,))
+    assert group_prompts([[-1], [-2]]) == ([[-1], [-2]], [0, 1])
+
+
+def test_a_grouped_body_from_tensors() -> None:
+    body = build_body(
+        torch.tensor([[7, 8], [9, 0]]),
+        attention_mask=np.array([[1, 1], [1, 0]]),
+        num_actions=None,
+        action_mask=None,
+        response_length=None,
+        temperature=1.0,
+        eos_token_id=None,
+        return_entropy=False,
+        options={},
+        prompt_ids=[[1, 2, 3]],
+        prompt_index=torch.tensor([0, 0]),
+    )
+    assert body == {
+        "input_ids": [[7, 8], [9, 0]],
+        "attention_mask": [[1, 1], [1, 0]],
+        "prompt_ids": [[1, 2, 3]],
+        "prompt_index": [0, 0],
+        "temperature": 1.0,
+    }
