@@ -8,6 +8,9 @@ Workloads (benchmarks/workload.py, fixed seeds; the response is the action windo
 
 - `grpo-short`: 8 prompts x 8 responses, prompt U[256, 1024], response Exp(250) in [16, 1024];
 - `grpo-long`: 8 prompts x 8 responses, prompt U[2048, 4096], response Exp(300) in [16, 1024];
+- `chat-header` (not by default): the standard workload, every prompt starting with the same 32
+  tokens, as a chat template's header: run with --share-min-tokens 16 and 64 to see what sharing a
+  short prefix costs or saves;
 - `multi-turn`: 8 conversations x 4 samples, two levels of sharing (workload.multi_turn): a system
   prompt and first user turn shared by the conversation, a first assistant turn and second user
   turn shared by each pair of its samples, a last assistant turn (the actions) of each sample's own.
@@ -61,6 +64,7 @@ from benchmarks.run import (
 from benchmarks.workload import (
     SHAPES,
     Sample,
+    chat_header,
     floor_flops,
     grpo_long,
     grpo_short,
@@ -78,7 +82,9 @@ WORKLOADS: dict[str, Callable[[int, float], list[Sample]]] = {
     "grpo-short": grpo_short,
     "grpo-long": grpo_long,
     "multi-turn": multi_turn,
+    "chat-header": chat_header,
 }
+DEFAULT_WORKLOADS = ["grpo-short", "grpo-long", "multi-turn"]
 SHARING = {"sharing_off": False, "sharing_on": True}
 
 
@@ -93,6 +99,14 @@ def describe(samples: list[Sample], min_shared: int) -> dict[str, Any]:
         "action_tokens": sum(len(s.response) for s in samples),
         "longest": max(len(s.tokens) for s in samples),
         "unique_fraction": unique / tokens,
+        # the 8 clients' bodies, per GRPO group or conversation: rows in full, or each prompt once
+        "wire_bytes": {
+            f"{form}{'_grouped' if grouped else ''}": sum(
+                len(b) for b in http_bodies(samples, frames=form == "frames", grouped=grouped)
+            )
+            for form in ("json", "frames")
+            for grouped in (False, True)
+        },
     }
 
 
@@ -220,6 +234,17 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
                     computed_tokens=computed_tokens(answers),
                     max_abs_diff_vs_float32=diff,
                 )
+                if share:  # the same groups sent grouped: each prompt once on the wire
+                    grouped = http_bodies(samples, grouped=True)
+                    rounds = http_rounds(url, grouped, args.reps)
+                    record(
+                        w,
+                        "sharing_on_grouped",
+                        statistics.median(rounds),
+                        peak,
+                        rounds_ms=[round(r * 1e3, 1) for r in rounds],
+                        wire_bytes=sum(map(len, grouped)),
+                    )
     for r in results.values():
         v = r["variants"]
         r["speedup_sharing"] = v["sharing_off"]["ms"] / v["sharing_on"]["ms"]
@@ -242,12 +267,13 @@ def table(results: dict[str, Any]) -> str:
         for w, r in m["workloads"].items():
             for variant, v in r["variants"].items():
                 computed = v.get("computed_tokens")
+                diff = v.get("max_abs_diff_vs_float32")
                 lines.append(
                     f"| {name} | {w} | {r['tokens']:,} | {r['unique_tokens']:,} | "
                     f"{r['one_level_tokens']:,} | {variant} | {v['ms']:.1f} | {v['tokens_per_s']:,.0f} | "
                     f"{v['floor_fraction']:.1%} | {v['unique_floor_fraction']:.1%} | "
                     f"{'n/a' if computed is None else f'{computed:,}'} | "
-                    f"{v['peak_memory_gib']:.1f} | {v['max_abs_diff_vs_float32']:.3g} |"
+                    f"{v['peak_memory_gib']:.1f} | {'n/a' if diff is None else f'{diff:.3g}'} |"
                 )
     lines += [
         "",
@@ -257,13 +283,26 @@ def table(results: dict[str, Any]) -> str:
     for name, m in results["models"].items():
         for w, r in m["workloads"].items():
             lines.append(f"| {name} | {w} | {r['speedup_sharing']:.2f}x | {r['speedup_vs_naive']:.2f}x |")
+    lines += [
+        "",
+        "| model | workload | JSON bytes (rows in full / grouped) | frames bytes (rows in full / grouped) |",
+        "| --- | --- | ---: | ---: |",
+    ]
+    for name, m in results["models"].items():
+        for w, r in m["workloads"].items():
+            b = r["wire_bytes"]
+            json_ratio, frames_ratio = b["json"] / b["json_grouped"], b["frames"] / b["frames_grouped"]
+            lines.append(
+                f"| {name} | {w} | {b['json']:,} / {b['json_grouped']:,} ({json_ratio:.1f}x) | "
+                f"{b['frames']:,} / {b['frames_grouped']:,} ({frames_ratio:.1f}x) |"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grpo", description=__doc__)
     parser.add_argument("--models", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=DEFAULT_WORKLOADS)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention", default="auto")

@@ -49,7 +49,7 @@ from benchmarks.client import write_bodies
 from benchmarks.workload import SHAPES, Sample, floor_flops, jobs, workload
 from service.app import create_app
 from service.batcher import Batcher
-from service.client.wire import to_frame
+from service.client.wire import group_prompts, to_frame
 from service.engine.attention import choose_backend, register
 from service.engine.loading import LoadedModel
 from service.engine.scorer import PackedScorer
@@ -149,14 +149,23 @@ class HttpServer:
         self.thread.join(timeout=60)
 
 
-def http_bodies(samples: list[Sample], frames: bool = True, per: int | None = None) -> list[bytes]:
+def http_bodies(
+    samples: list[Sample], frames: bool = True, per: int | None = None, grouped: bool = False
+) -> list[bytes]:
     """The 8 clients' bodies (or bodies of `per` sequences): compact frames (what logprobd's client
-    sends) or JSON."""
+    sends) or JSON; `grouped`: each distinct prompt of a body once (prompt_ids + prompt_index), the
+    rows its responses (every response token an action, as num_actions says otherwise)."""
     per = per or len(samples) // CLIENTS or 1
     groups = [samples[i : i + per] for i in range(0, len(samples), per)]
-    bodies = [
-        {"input_ids": [s.tokens for s in g], "num_actions": [len(s.response) for s in g]} for g in groups
-    ]
+    bodies: list[dict[str, Any]] = []
+    for g in groups:
+        if grouped:
+            prompt_ids, prompt_index = group_prompts([s.prompt for s in g])
+            bodies.append(
+                {"prompt_ids": prompt_ids, "prompt_index": prompt_index, "input_ids": [s.response for s in g]}
+            )
+        else:
+            bodies.append({"input_ids": [s.tokens for s in g], "num_actions": [len(s.response) for s in g]})
     if not frames:
         return [orjson.dumps(body) for body in bodies]
     framed = [to_frame(body) for body in bodies]

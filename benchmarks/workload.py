@@ -159,6 +159,21 @@ def grpo_long(vocab: int, scale: float = 1.0) -> list[Sample]:
     )
 
 
+def chat_header(vocab: int, scale: float = 1.0, *, header: int = 32) -> list[Sample]:
+    """The standard workload (64 sequences, nothing else in common) whose every prompt starts with
+    the same `header` tokens, as a chat template's: what sharing a short prefix costs or saves
+    (the share_min_tokens default)."""
+    rng = np.random.default_rng(13)
+    common = rng.integers(0, vocab, size=max(1, round(header * scale))).tolist()
+    samples = workload(
+        vocab,
+        prompt_range=_scaled(256, 1024, scale),
+        response_mean=250.0 * scale,
+        response_clip=_scaled(16, 1024, scale),
+    )
+    return [Sample(prompt=common + s.prompt[len(common) :], response=s.response) for s in samples]
+
+
 def multi_turn(vocab: int, scale: float = 1.0, *, conversations: int = 8, seed: int = 12) -> list[Sample]:
     """`conversations` trees of 4 samples, two levels of sharing:
 

@@ -24,6 +24,7 @@ from service.client.wire import to_frame as wire_frame
 from service.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
 from service.frame import MEDIA_TYPE
 from service.normalise import ModelLimits, normalise
+from service.prefixes import share
 from service.schemas import LogprobsRequest
 from tests import critics, models
 from tests.conftest import TOLERANCE, running, settings_for
@@ -358,8 +359,13 @@ def test_a_grpo_batch_of_g_8_is_a_fraction_of_the_bytes_and_scores_the_same(serv
             == {
                 "input_tokens": 32 * 120 + sum(map(len, responses)),
                 "scored_tokens": sum(map(len, responses)),
+                # each prompt once (and the odd response token two responses share)
+                "computed_tokens": share(
+                    [np.asarray(prompts[p] + r) for p, r in zip(index, responses, strict=True)], 64
+                ).computed_tokens,
             }
         )
+        assert got["usage"]["computed_tokens"] <= 4 * 120 + sum(map(len, responses))
         for g, w in zip(got["logprobs"], want["logprobs"], strict=True):
             np.testing.assert_allclose(
                 np.asarray(g, np.float32), np.asarray(w, np.float32), atol=1e-5, rtol=0
