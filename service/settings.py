@@ -113,10 +113,11 @@ class Settings(BaseSettings):
         "tokens; the budget counts tokens computed. Off in batch-invariant mode.",
     )
     share_min_tokens: int = Field(
-        64,
+        16,
         ge=1,
-        description="Sequences share their prefix only when it is at least this many tokens long "
-        "(shorter ones, e.g. a chat template's header, are computed with each sequence).",
+        description="Sequences share their prefix only when it is at least this many tokens long; a "
+        "shorter one (a beginning-of-sequence token, a few template tokens) is computed with each "
+        "sequence, as sharing it would cost more than it saves.",
     )
     batch_wait_ms: float = Field(
         5.0,

@@ -26,6 +26,7 @@ from service.frame import MEDIA_TYPE
 from service.normalise import ModelLimits, normalise
 from service.prefixes import share
 from service.schemas import LogprobsRequest
+from service.settings import Settings
 from tests import critics, models
 from tests.conftest import TOLERANCE, running, settings_for
 from tests.reference import expected, max_diff
@@ -361,7 +362,8 @@ def test_a_grpo_batch_of_g_8_is_a_fraction_of_the_bytes_and_scores_the_same(serv
                 "scored_tokens": sum(map(len, responses)),
                 # each prompt once (and the odd response token two responses share)
                 "computed_tokens": share(
-                    [np.asarray(prompts[p] + r) for p, r in zip(index, responses, strict=True)], 64
+                    [np.asarray(prompts[p] + r) for p, r in zip(index, responses, strict=True)],
+                    Settings().share_min_tokens,
                 ).computed_tokens,
             }
         )
