@@ -54,9 +54,12 @@ def run_with_wait(
     body: Callable[[Batcher], Awaitable[T]],
     *,
     hold_s: float = LAUNCH_HOLD_S,
+    share_min_tokens: int | None = None,
 ) -> T:
     async def main() -> T:
-        batcher = Batcher(engine, budget, Metrics(), wait_s=wait_s, hold_s=hold_s)
+        batcher = Batcher(
+            engine, budget, Metrics(), wait_s=wait_s, hold_s=hold_s, share_min_tokens=share_min_tokens
+        )
         batcher.start()
         try:
             return await body(batcher)
@@ -580,15 +583,7 @@ def grouped(prompt: int, response: int, first: int) -> SequenceJob:
 def run_sharing(
     loop: asyncio.AbstractEventLoop, engine: FakeEngine, budget: int, body: Callable[[Batcher], Awaitable[T]]
 ) -> T:
-    async def main() -> T:
-        batcher = Batcher(engine, budget, Metrics(), wait_s=0.05, share_min_tokens=16)
-        batcher.start()
-        try:
-            return await body(batcher)
-        finally:
-            await batcher.stop()
-
-    return loop.run_until_complete(main())
+    return run_with_wait(loop, engine, budget, 0.05, body, share_min_tokens=16)
 
 
 def test_a_group_fits_the_budget_by_the_tokens_it_computes(loop: asyncio.AbstractEventLoop) -> None:

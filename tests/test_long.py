@@ -18,25 +18,18 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.engine import ScoringEngine, load_engine
 from service.engine.context import KVContext
-from service.engine.scorer import PackedScorer
-from service.jobs import Chunk
-from service.settings import Settings
 from tests import critics, models
-from tests.conftest import TOLERANCE, Reply, eager, settings_for, wait_ready
+from tests.conftest import TOLERANCE, Reply, eager, settings_for
 from tests.reference import check_reply, expected, max_diff, row_tokens_and_window
 from tests.requests import LAYOUTS, PAD, make
+from tests.serving import Served, serve
 
 LONG_POSITIONS = 1280
 BUDGET = 64
@@ -58,45 +51,6 @@ def long_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def long_refs(long_dirs: dict[str, Path]) -> dict[str, Any]:
     return {name: eager(path) for name, path in long_dirs.items()}
-
-
-@dataclass
-class Served:
-    """A running app, its engine, and every micro-batch the engine launched: (whole sequences, chunk)."""
-
-    client: TestClient
-    engine: PackedScorer
-    launches: list[tuple[int, Chunk | None]] = field(default_factory=list)
-
-    def chunks(self) -> list[Chunk]:
-        return [chunk for _, chunk in self.launches if chunk is not None]
-
-
-@contextmanager
-def serve(settings: Settings, delay_s: float = 0.0) -> Iterator[Served]:
-    """The app on `settings`, recording the engine's launches (each delayed by `delay_s`)."""
-    box: list[Served] = []
-
-    def factory(s: Settings) -> ScoringEngine:
-        engine = load_engine(s)
-        assert isinstance(engine, PackedScorer)
-        launch = engine.launch
-
-        def recording(jobs: Any, chunk: Chunk | None = None, forest: Any = None) -> Any:
-            box[0].launches.append((len(jobs), chunk))
-            if delay_s:
-                time.sleep(delay_s)
-            return launch(jobs, chunk, forest)
-
-        engine.launch = recording  # type: ignore[method-assign]
-        box[0].engine = engine
-        return engine
-
-    with TestClient(create_app(settings, engine_factory=factory)) as client:
-        box.append(Served(client, cast(PackedScorer, None)))
-        wait_ready(client)
-        box[0].launches.clear()  # the warm-up's
-        yield box[0]
 
 
 @pytest.fixture(scope="module", params=models.ARCHITECTURES)
@@ -218,7 +172,7 @@ def test_long_rows_equal_reference(
     rows = VARIANTS[layout][0]
     long_rows = [i for i, r in enumerate(rows) if r == "L"]
     assert any(_spans_chunks(request, i, reply.json()) for i in long_rows)
-    chunks = [c for _, c in s.launches[before:] if c is not None]
+    chunks = s.chunks(before)
     assert len({c.sequence for c in chunks}) == rows.count("L")  # each long row went in chunks
     assert len(chunks) >= rows.count("L") * LONG[0] // BUDGET
     if request.get("eos_token_id") is not None:  # the EOS ended the window inside it
@@ -254,7 +208,7 @@ def test_concurrent_long_and_short_requests(served: tuple[str, Served], long_ref
         replies = list(pool.map(lambda r: s.client.post("/logprobs", json=r), requests))
     for request, reply in zip(requests, replies, strict=True):
         check_reply(reply, request, long_refs[name])
-    chunks = [c for _, c in s.launches[before:] if c is not None]
+    chunks = s.chunks(before)
     assert chunks
     assert chunks[-1].last
 
@@ -389,7 +343,7 @@ def test_long_and_short_requests_asking_different_models(
             replies = [f.result() for f in futures]
         for request, reply in zip([long, *shorts], replies, strict=True):
             check_ppo(reply, request, long_refs["qwen2"], reference, critic_dir)
-        mixed = [(n, c) for n, c in s.launches[before:] if c is not None and n > 0]
+        mixed = [launch for launch in s.launches[before:] if launch.chunk is not None and launch.jobs > 0]
         assert mixed, "no short sequence rode beside a chunk"
     assert s.engine._stores == {}
 

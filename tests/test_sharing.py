@@ -15,66 +15,20 @@ import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.engine import ScoringEngine, load_engine
-from service.engine.scorer import PackedScorer
-from service.jobs import Chunk
-from service.prefixes import Forest, share
-from service.settings import Settings
+from service.prefixes import share
 from tests import critics, models
-from tests.conftest import TOLERANCE, Reply, eager, settings_for, wait_ready
+from tests.conftest import TOLERANCE, Reply, eager, settings_for
 from tests.reference import check_reply, expected, max_diff, row_tokens_and_window
 from tests.requests import LAYOUTS, lay_out
+from tests.serving import Served, serve
 
 MIN_TOKENS = 8
-
-
-@dataclass
-class Served:
-    """A running app, its engine, and every micro-batch it launched: (its forest, its chunk)."""
-
-    client: TestClient
-    engine: PackedScorer
-    launches: list[tuple[Forest | None, Chunk | None]] = field(default_factory=list)
-
-    def forests(self, since: int = 0) -> list[Forest]:
-        return [f for f, _ in self.launches[since:] if f is not None]
-
-
-@contextmanager
-def serve(settings: Settings, delay_s: float = 0.0) -> Iterator[Served]:
-    """The app on `settings`, recording the engine's launches (each delayed by `delay_s`)."""
-    box: list[Served] = []
-
-    def factory(s: Settings) -> ScoringEngine:
-        engine = load_engine(s)
-        assert isinstance(engine, PackedScorer)
-        launch = engine.launch
-
-        def recording(jobs: Any, chunk: Chunk | None = None, forest: Forest | None = None) -> Any:
-            box[0].launches.append((forest, chunk))
-            if delay_s:
-                time.sleep(delay_s)
-            return launch(jobs, chunk, forest)
-
-        engine.launch = recording  # type: ignore[method-assign]
-        box[0].engine = engine
-        return engine
-
-    with TestClient(create_app(settings, engine_factory=factory)) as client:
-        box.append(Served(client, cast(PackedScorer, None)))
-        wait_ready(client)
-        box[0].launches.clear()
-        yield box[0]
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -257,7 +211,7 @@ def test_shared_prefixes_beside_a_chunk(model_dirs: dict[str, Path], tmp_path: P
             replies = [f.result() for f in futures]
         for request, reply in zip([long, *groups], replies, strict=True):
             check_reply(reply, request, reference)
-        assert any(f is not None and c is not None for f, c in s.launches), "no shared rows beside a chunk"
+        assert any(launch.forest and launch.chunk for launch in s.launches), "no shared rows beside a chunk"
 
 
 def test_sharing_off(model_dirs: dict[str, Path], reference_models: dict[str, Any]) -> None:
