@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import functools
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -53,12 +51,11 @@ from benchmarks.run import (
     build_model,
     http_bodies,
     http_rounds,
-    isolated,
-    matmul_rate,
     max_abs_diff,
     non_embedding_params,
     peak_memory,
     reference_logprobs,
+    run_models,
     timed,
 )
 from benchmarks.workload import (
@@ -314,31 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "grpo-latest.json")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    import transformers
-
-    rate = matmul_rate(device, getattr(torch, args.dtype))
-    results: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "date": dt.date.today().isoformat(),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": sys.version.split()[0],
-        },
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "matmul_tflops": rate / 1e12,
-        "models": {},
-    }
-    print(f"{results['device']}: measured {args.dtype} matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    for name in args.models:
-        if len(args.models) == 1:
-            results["models"][name] = bench_model(name, args, device, rate)
-        else:  # one process per model, as benchmarks.run
-            argv_ = argv if argv is not None else sys.argv[1:]
-            results["models"][name] = isolated(name, argv_, module="benchmarks.grpo")
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(results, indent=2))
+    results = run_models(args, argv, bench_model, module="benchmarks.grpo")
     print(table(results))
     return 0
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import statistics
 import subprocess
@@ -46,10 +45,10 @@ from benchmarks.run import (
     build_model,
     http_bodies,
     http_rounds,
-    matmul_rate,
     max_abs_diff,
     non_embedding_params,
     peak_memory,
+    run_models,
     sync,
 )
 from benchmarks.workload import SHAPES, Sample, floor_flops, workload
@@ -344,25 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         longs = read_bodies(args.long) if args.long else []
         print(json.dumps(asyncio.run(_load(url, read_bodies(Path(short_path)), longs, float(seconds)))))
         return 0
-    import transformers
-
-    device = torch.device(args.device)
-    rate = matmul_rate(device, getattr(torch, args.dtype))
-    results: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "date": dt.date.today().isoformat(),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "matmul_tflops": rate / 1e12,
-        "models": {},
-    }
-    print(f"{results['device']}: measured {args.dtype} matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    for name in args.models:
-        results["models"][name] = bench_model(name, args, device, rate)
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(results, indent=2))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    run_models(args, argv, bench_model, module=None)
     return 0
 
 

@@ -393,6 +393,44 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     return result
 
 
+Bench = Callable[[str, argparse.Namespace, torch.device, float], dict[str, Any]]
+
+
+def run_models(
+    args: argparse.Namespace, argv: list[str] | None, bench: Bench, module: str | None = "benchmarks.run"
+) -> dict[str, Any]:
+    """The matmul rate, then `bench` of each of args.models (each in a process of its own, `python
+    -m module`, when there are several and `module` is given: nothing one model patches or caches
+    reaches the next): a results file's content, written to args.output after each model."""
+    import transformers
+
+    device = torch.device(args.device)
+    rate = matmul_rate(device, getattr(torch, args.dtype))
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "date": dt.date.today().isoformat(),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": sys.version.split()[0],
+        },
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "matmul_tflops": rate / 1e12,
+        "models": {},
+    }
+    print(f"{results['device']}: measured {args.dtype} matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    for name in args.models:
+        if len(args.models) == 1 or module is None:
+            results["models"][name] = bench(name, args, device, rate)
+        else:
+            results["models"][name] = isolated(name, argv if argv is not None else sys.argv[1:], module)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(results, indent=2))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
 def isolated(name: str, argv: list[str], module: str = "benchmarks.run") -> dict[str, Any]:
     """`python -m module ... --models name` in a process of its own: that model's result."""
     keep: list[str] = []
@@ -479,30 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-bodies", type=int, default=32, help="distinct request bodies of the load")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "latest.json")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    import transformers
-
-    rate = matmul_rate(device, getattr(torch, args.dtype))
-    results: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "date": dt.date.today().isoformat(),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": sys.version.split()[0],
-        },
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "matmul_tflops": rate / 1e12,
-        "models": {},
-    }
-    print(f"{results['device']}: measured {args.dtype} matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    for name in args.models:
-        if len(args.models) == 1:
-            results["models"][name] = bench_model(name, args, device, rate)
-        else:  # one process per model: nothing one model patches or caches reaches the next
-            results["models"][name] = isolated(name, argv if argv is not None else sys.argv[1:])
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2))
+    results = run_models(args, argv, bench_model)
     print(table(results))
     return 0
 
