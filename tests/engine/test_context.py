@@ -15,6 +15,7 @@ from service.engine.attention import Segments, sdpa_kernel
 from service.engine.context import CONTEXT_KWARG, KVContext, KVStore, cache_bytes_per_token
 from service.engine.packing import pack
 from service.jobs import Chunk, SequenceJob
+from service.prefixes import share
 
 # --- (a) attention over a context: the kernel against whole-sequence attention, last rows kept ---
 
@@ -290,3 +291,50 @@ def test_pack_a_chunk_alone_and_its_context() -> None:
     whole = pack([long], torch.device("cpu"), step=16)
     assert whole.chunk_start is None
     assert whole.attach(store).context is None  # no chunk: no context, whatever the store
+
+
+# --- (d) shared prefixes: packing a forest, with and without a chunk ---
+
+
+def test_pack_a_forest_gathers_each_nodes_ancestors_then_its_own_keys() -> None:
+    """Two sequences sharing 6 tokens, a third alone, then a chunk: the prefix once; each node's
+    keys its ancestors' rows then its own; the chunk's segment its own rows (no store) or its cached
+    context (a store); actions read the node that holds t - 1."""
+    prompt = np.arange(10, 16, dtype=np.int64)
+    a = SequenceJob(np.concatenate([prompt, [50, 51]]), np.asarray([5, 6, 7]), 1.0, False)
+    b = SequenceJob(np.concatenate([prompt, [60, 61, 62]]), np.asarray([6, 8]), 1.0, False)
+    alone = SequenceJob(np.asarray([70, 71, 72], dtype=np.int64), np.asarray([2]), 1.0, False)
+    forest = share([a.tokens, b.tokens, alone.tokens], 4)
+    assert [(n.start, n.end) for n in forest.nodes] == [(0, 6), (6, 8), (6, 9), (0, 3)]
+    long = _job(100, list(range(40, 100)))
+    batch = pack([a, b, alone], torch.device("cpu"), step=1, chunk=Chunk(long, 0, 40, 52), forest=forest)
+    # rows: prompt 0-5 | a's 6-7 | b's 8-10 | alone 11-13 | chunk 14-25
+    assert batch.input_ids[0, :14].tolist() == [*prompt, 50, 51, 60, 61, 62, 70, 71, 72]
+    assert batch.position_ids[0].tolist() == [*range(6), 6, 7, 6, 7, 8, 0, 1, 2, *range(40, 52)]
+    assert batch.cu_seqlens.tolist() == [0, 6, 8, 11, 14, 26]
+    assert batch.key_index is not None
+    want_keys = [*range(6), *range(6), 6, 7, *range(6), 8, 9, 10, 11, 12, 13, *range(14, 26)]
+    assert batch.key_index.tolist() == want_keys
+    assert batch.shared_keys == 6 + 8 + 9 + 3
+    assert batch.cu_k_own is not None
+    assert batch.cu_k_own.tolist() == [0, 6, 14, 23, 26, 38]
+    # a: t-1 = 4 (prompt row 4), 5, 6 (its row 6); b: 5 (row 5), 7 (its row 9); alone: 1 (row 12)
+    assert batch.hidden_index.tolist()[:6] == [4, 5, 6, 5, 9, 12]
+    assert batch.targets.tolist()[:6] == [15, 50, 51, 60, 62, 72]
+    alone_context = batch.attach(None).context  # a model not asked for the chunk: its own rows
+    assert alone_context is not None
+    assert alone_context.store is None
+    assert alone_context.cu_k is batch.cu_k_own
+    assert alone_context.gather is batch.key_index
+    store = KVStore(capacity=128)
+    cached = batch.attach(store).context
+    assert cached is not None
+    assert cached.store is store
+    assert cached.gather is not None
+    assert cached.gather.tolist() == want_keys[: batch.shared_keys]
+    assert cached.cu_k is not None
+    assert cached.cu_k.tolist() == [0, 6, 14, 23, 26, 26 + 40 + 12]
+    k = torch.randn(26, 1, 2)
+    keys, _ = cached.extend(0, k, -k)
+    assert torch.equal(keys[: batch.shared_keys], k[want_keys[: batch.shared_keys]])
+    assert torch.equal(keys[batch.shared_keys + 40 :], k[14:])  # after the 40 cached: its own
