@@ -16,6 +16,7 @@ rotary, another layout, a tensor elsewhere) takes the original path.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
@@ -98,13 +99,15 @@ def _fusable(
 def fuse_rope(model: torch.nn.Module, fused: RopeFn, device_type: str = "cuda") -> int:
     """Route the RoPE of `model`'s attention modules through `fused`; return how many modules.
 
-    A module qualifies when its class's forward calls the global `apply_rotary_pos_emb` of the
-    module that defines it; that global becomes a dispatcher (once). `fused` runs on tensors of
-    `device_type` only. Nothing else changes.
+    A module qualifies when its class's forward (under any decorators) calls the global
+    `apply_rotary_pos_emb` of the module that defines it; that global becomes a dispatcher (once).
+    `fused` runs on tensors of `device_type` only. Nothing else changes.
     """
     count = 0
     for module in model.modules():
         forward = getattr(type(module), "forward", None)
+        if forward is not None:  # the function itself, under decorators (transformers' deprecate_kwarg)
+            forward = inspect.unwrap(forward)
         code = getattr(forward, "__code__", None)
         if code is None or NAME not in code.co_names or isinstance(module.forward, _Fused):
             continue
