@@ -268,6 +268,11 @@ class Info(BaseModel):
         description='Fused kernels in use: "triton" (the fused decoder\'s), "liger" (patched into the '
         'transformers decoder) or "none" (plain torch).'
     )
+    moe_kernel: str = Field(
+        description='The fused decoder\'s mixture-of-experts layers: "grouped_mm" (torch\'s grouped GEMM '
+        'over every expert at once), "loop" (one GEMM per expert) or "none" (no sparse layer runs fused: a '
+        "dense model, or the transformers decoder)."
+    )
     vocab_size: int
     max_positions: int = Field(description="Positions the model covers, with its rope scaling (422 past it).")
     max_sequence_tokens: int = Field(

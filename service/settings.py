@@ -17,6 +17,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attn_cute", "flash_attn", "torch_varlen", "sdpa"]
 Kernels = Literal["auto", "liger", "none"]
 MlpKernel = Literal["auto", "split", "quack"]
+MoeKernel = Literal["auto", "grouped_mm", "loop"]
 CudaGraphs = Literal["auto", "on", "off"]
 Decoder = Literal["auto", "fused", "transformers"]
 ReloadMode = Literal["auto", "copy", "swap"]
@@ -69,6 +70,13 @@ class Settings(BaseSettings):
         description="The fused decoder's gate|up projection and SwiGLU. split: a GEMM, then the SwiGLU "
         "kernel; quack: one quack-kernels GEMM whose epilogue applies SwiGLU (CUDA compute capability "
         "9.0+, bf16/fp16); auto: quack where it can run (not with kernels=none), split elsewhere.",
+    )
+    moe_kernel: MoeKernel = Field(
+        "auto",
+        description="The fused decoder's mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral). "
+        "grouped_mm: torch's grouped GEMM over every expert at once (no loop over experts, no host "
+        "synchronisation); loop: one GEMM per expert; auto: grouped_mm on cuda where it passes a start-up "
+        "probe (otherwise loop, with a warning), loop elsewhere.",
     )
     cuda_graphs: CudaGraphs = Field(
         "auto",
