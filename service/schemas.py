@@ -269,7 +269,7 @@ class Info(BaseModel):
         'transformers decoder) or "none" (plain torch).'
     )
     moe_kernel: str = Field(
-        description='The fused decoder\'s mixture-of-experts layers: "grouped_mm" (torch\'s grouped GEMM '
+        description="The fused decoder's mixture-of-experts layers: \"grouped_mm\" (torch's grouped GEMM "
         'over every expert at once), "loop" (one GEMM per expert) or "none" (no sparse layer runs fused: a '
         "dense model, or the transformers decoder)."
     )
