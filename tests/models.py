@@ -62,9 +62,8 @@ def configs(**overrides: Any) -> dict[str, Any]:
             final_logit_softcapping=2.0,
         ),
         "phi3": Phi3Config(**common, sliding_window=6),
-        "qwen3_moe": Qwen3MoeConfig(
+        "qwen3_moe": Qwen3MoeConfig(  # head_dim: hidden / heads = 16
             **common,
-            head_dim=16,
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=32,

@@ -431,13 +431,11 @@ def _mlp_unsupported(mlp: Any, model_type: str, config: Any) -> str | None:
         if model_type not in moe.MOE_TYPES:
             return f"a mixture-of-experts block in a {model_type} model"
         return moe.unsupported(mlp, model_type, config)
-    dense = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    dense: list[Any] = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     if not all(type(p) is torch.nn.Linear for p in dense):
         return "the MLP is not three plain Linear modules (gate, up, down)"
     if len({p.bias is None for p in dense[:2]}) != 1:
         return "one of gate and up has a bias and the other not"
-    if model_type == "qwen2_moe" and hasattr(mlp, "shared_expert"):
-        return "a shared expert without experts"
     return None
 
 
