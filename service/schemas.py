@@ -262,7 +262,8 @@ class Info(BaseModel):
     device: str
     attention_backend: str
     decoder: str = Field(
-        description='The decoder forward: "fused" (logprobd\'s own, Llama-family models) or "transformers".'
+        description='The decoder forward: "fused" (logprobd\'s own: Llama-family models and Qwen3-MoE, '
+        'Qwen2-MoE, Mixtral) or "transformers".'
     )
     kernels: str = Field(
         description='Fused kernels in use: "triton" (the fused decoder\'s), "liger" (patched into the '

@@ -55,7 +55,8 @@ class Settings(BaseSettings):
     )
     decoder: Decoder = Field(
         "auto",
-        description="The decoder forward. fused: logprobd's own for Llama, Mistral, Qwen2 and Qwen3 (one "
+        description="The decoder forward. fused: logprobd's own for Llama, Mistral, Qwen2, Qwen3 and the "
+        "mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral (one "
         "GEMM for q|k|v and one for gate|up, RoPE in place, GEMMs that add into the residual); transformers: "
         "the model's own modules, any architecture; auto: fused wherever the model fits (kernels not liger).",
     )

@@ -295,7 +295,11 @@ class FusedDecoder:
 
     def warm(self, rows: int) -> None:
         """A layer's four GEMMs as the forward calls them, per distinct layer shape; the last layer's
-        output projection and MLP run on the read rows, whose count is padded like the tokens'."""
+        output projection and MLP run on the read rows, whose count is padded like the tokens'. A
+        sparse layer runs its router and grouped expert GEMMs on zeros (every token routed alike):
+        the grouped GEMM takes the per-expert row counts on the device, and the host, which picks
+        its kernel, sees only the total rows (rows · k) and the weights' shape (moe.py), so one call
+        per row count meets every routing a micro-batch of that size can have."""
         embed = self.decoder.embed_tokens.weight
         _warm_rotary(self.decoder, _zeros(embed, rows, embed.shape[1]))
         seen = set()
