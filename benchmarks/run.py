@@ -120,13 +120,15 @@ def non_embedding_params(model: Any) -> int:
 
 
 class HttpServer:
-    """The real app under uvicorn on loopback, in this process, serving an already-built engine."""
+    """The real app under uvicorn on loopback, in this process, serving an already-built engine (or
+    the one a factory builds as the app starts)."""
 
-    def __init__(self, engine: PackedScorer, settings: Settings) -> None:
+    def __init__(self, engine: PackedScorer | Callable[[Settings], PackedScorer], settings: Settings) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        app = create_app(settings, engine_factory=lambda _: engine)
+        factory = engine if callable(engine) else lambda _: engine
+        app = create_app(settings, engine_factory=factory)
         self.server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         )

@@ -95,15 +95,17 @@ def jobs(samples: list[Sample]) -> list[SequenceJob]:
 
 
 def floor_flops(shape: dict[str, int | bool], non_embedding_params: int, samples: list[Sample]) -> float:
-    """2·params·tokens + 2·vocab·hidden·actions + causal attention (QKᵀ and PV over L²/2 pairs)."""
+    """2·params·tokens + 2·vocab·hidden·actions + causal attention (QKᵀ and PV over L²/2 pairs, over
+    the shape's `attention_width`, heads · head_dim, where it is not the hidden size)."""
     hidden, layers, vocab = (
         int(shape["hidden_size"]),
         int(shape["num_hidden_layers"]),
         int(shape["vocab_size"]),
     )
+    width = int(shape.get("attention_width", hidden))
     tokens = sum(len(s.tokens) for s in samples)
     actions = sum(len(s.response) for s in samples)
-    attention = sum(2.0 * layers * hidden * len(s.tokens) ** 2 for s in samples)
+    attention = sum(2.0 * layers * width * len(s.tokens) ** 2 for s in samples)
     return 2.0 * non_embedding_params * tokens + 2.0 * vocab * hidden * actions + attention
 
 

@@ -276,11 +276,17 @@ class Info(BaseModel):
     device: str
     attention_backend: str
     decoder: str = Field(
-        description='The decoder forward: "fused" (logprobd\'s own, Llama-family models) or "transformers".'
+        description='The decoder forward: "fused" (logprobd\'s own: Llama-family models and Qwen3-MoE, '
+        'Qwen2-MoE, Mixtral) or "transformers".'
     )
     kernels: str = Field(
         description='Fused kernels in use: "triton" (the fused decoder\'s), "liger" (patched into the '
         'transformers decoder) or "none" (plain torch).'
+    )
+    moe_kernel: str = Field(
+        description="The fused decoder's mixture-of-experts layers: \"grouped_mm\" (torch's grouped GEMM "
+        'over every expert at once), "loop" (one GEMM per expert) or "none" (no sparse layer runs fused: a '
+        "dense model, or the transformers decoder)."
     )
     vocab_size: int
     max_positions: int = Field(description="Positions the model covers, with its rope scaling (422 past it).")

@@ -17,6 +17,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attn_cute", "flash_attn", "torch_varlen", "sdpa"]
 Kernels = Literal["auto", "liger", "none"]
 MlpKernel = Literal["auto", "split", "quack"]
+MoeKernel = Literal["auto", "grouped_mm", "loop"]
 CudaGraphs = Literal["auto", "on", "off"]
 Decoder = Literal["auto", "fused", "transformers"]
 ReloadMode = Literal["auto", "copy", "swap"]
@@ -54,7 +55,8 @@ class Settings(BaseSettings):
     )
     decoder: Decoder = Field(
         "auto",
-        description="The decoder forward. fused: logprobd's own for Llama, Mistral, Qwen2 and Qwen3 (one "
+        description="The decoder forward. fused: logprobd's own for Llama, Mistral, Qwen2, Qwen3 and the "
+        "mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral (one "
         "GEMM for q|k|v and one for gate|up, RoPE in place, GEMMs that add into the residual); transformers: "
         "the model's own modules, any architecture; auto: fused wherever the model fits (kernels not liger).",
     )
@@ -69,6 +71,13 @@ class Settings(BaseSettings):
         description="The fused decoder's gate|up projection and SwiGLU. split: a GEMM, then the SwiGLU "
         "kernel; quack: one quack-kernels GEMM whose epilogue applies SwiGLU (CUDA compute capability "
         "9.0+, bf16/fp16); auto: quack where it can run (not with kernels=none), split elsewhere.",
+    )
+    moe_kernel: MoeKernel = Field(
+        "auto",
+        description="The fused decoder's mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral). "
+        "grouped_mm: torch's grouped GEMM over every expert at once (no loop over experts, no host "
+        "synchronisation); loop: one GEMM per expert; auto: grouped_mm on cuda where it passes a start-up "
+        "probe (otherwise loop, with a warning), loop elsewhere.",
     )
     cuda_graphs: CudaGraphs = Field(
         "auto",

@@ -35,7 +35,7 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.05}[DTYPE]
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {name: models.save(name, root / name) for name in models.ARCHITECTURES}
+    return {name: models.save(name, root / name) for name in models.EVERY}
 
 
 def eager(path: Path) -> Any:

@@ -1,5 +1,8 @@
 """Tiny random-weight models of every supported architecture, saved like real checkpoints.
 
+ARCHITECTURES are the dense ones every suite runs; MOE_ARCHITECTURES the mixtures of experts, which
+the parity suite and the MoE tests run (8 or 4 experts, top-2; Qwen3-MoE's first layer is dense).
+
 Weights are drawn wider than the usual init so that log-probs depend strongly on the context: a
 packing or masking mistake then moves scores far beyond the 1e-4 tolerance.
 """
@@ -34,9 +37,12 @@ def configs(**overrides: Any) -> dict[str, Any]:
         Gemma2Config,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     common = {**COMMON, **overrides}
@@ -56,10 +62,29 @@ def configs(**overrides: Any) -> dict[str, Any]:
             final_logit_softcapping=2.0,
         ),
         "phi3": Phi3Config(**common, sliding_window=6),
+        "qwen3_moe": Qwen3MoeConfig(  # head_dim: hidden / heads = 16
+            **common,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+        "mixtral": MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=6),
+        "qwen2_moe": Qwen2MoeConfig(
+            **common,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=False,
+        ),
     }
 
 
-ARCHITECTURES = tuple(configs())
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe")
+ARCHITECTURES = tuple(name for name in configs() if name not in MOE_ARCHITECTURES)
+EVERY = ARCHITECTURES + MOE_ARCHITECTURES
 
 
 def build(name: str, seed: int = 0, **overrides: Any) -> Any:

@@ -2,6 +2,7 @@
 
 Runs the whole service path (HTTP -> normalise -> batcher -> packed engine -> response) against
 tests/reference.py, which runs each unpadded sequence alone through the model's own eager forward.
+The mixtures of experts run twice: in the fused decoder (decoder=auto) and in transformers' own.
 """
 
 from __future__ import annotations
@@ -26,10 +27,19 @@ REQUESTS_PER_CASE = 3
 _worst: dict[str, float] = {}
 
 
-@pytest.fixture(scope="module", params=models.ARCHITECTURES)
+SERVED = [*models.EVERY, *(f"{name}/transformers" for name in models.MOE_ARCHITECTURES)]
+
+
+@pytest.fixture(scope="module", params=SERVED)
 def served(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> Iterator[tuple[str, TestClient]]:
-    name = request.param
-    with running(settings_for(model_dirs[name], max_batch_tokens=64)) as client:
+    """An app serving `name`, or `name/decoder` with that decoder setting."""
+    name, _, decoder = str(request.param).partition("/")
+    settings = settings_for(model_dirs[name], max_batch_tokens=64, decoder=decoder or "auto")
+    with running(settings) as client:
+        info = client.get("/info").json()
+        if name in models.MOE_ARCHITECTURES:  # the path this case is about runs
+            want = ("transformers", "none") if decoder else ("fused", "loop")
+            assert (info["decoder"], info["moe_kernel"]) == want
         yield name, client
 
 
@@ -55,7 +65,7 @@ def test_report_worst_difference() -> None:
     assert all(v <= TOLERANCE for v in _worst.values())
 
 
-@pytest.mark.parametrize("name", models.ARCHITECTURES)
+@pytest.mark.parametrize("name", models.EVERY)
 def test_chunked_mlp_changes_no_score(
     name: str, model_dirs: dict[str, Path], reference_models: dict[str, Any]
 ) -> None:

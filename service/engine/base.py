@@ -51,6 +51,7 @@ class EngineInfo:
     max_sequence_tokens: int = 0  # the longest sequence scored (0: max_positions)
     max_sequence_limit: str = "positions"  # what sets it: positions | memory | setting
     batch_invariant: bool = False  # scores bitwise independent of the batch (invariant.py)
+    moe_kernel: str = "none"  # the fused decoder's experts: grouped_mm | loop; none: no sparse layer fused
 
     @property
     def roles(self) -> frozenset[str]:

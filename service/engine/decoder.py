@@ -1,4 +1,5 @@
-"""A decoder's forward over one packed row: transformers' own, or a lean one for Llama-family models.
+"""A decoder's forward over one packed row: transformers' own, or a lean one for Llama-family models
+and their mixture-of-experts kin.
 
 Both give the final hidden states, normalised, of the rows the heads read (the position before
 each action), and nothing for the other rows.
@@ -6,8 +7,9 @@ each action), and nothing for the other rows.
 TransformersDecoder calls the model's forward with the packed-attention kwargs: every architecture.
 
 FusedDecoder computes the same function for Llama, Mistral, Qwen2 and Qwen3 decoders (SiLU MLP, RoPE
-over the whole head, RMSNorm), from the same parameters, in fewer kernels and no per-module Python.
-A layer is:
+over the whole head, RMSNorm) and for Qwen3-MoE, Qwen2-MoE and Mixtral, whose sparse layers' MLP is
+moe.py's (router, grouped expert GEMMs); from the same parameters, in fewer kernels and no
+per-module Python. A layer is:
 
     h = rms_norm(x)                      x: the residual stream [N, H], in the model's dtype
     qkv = h @ Wqkv + b                   one GEMM for the three projections
@@ -16,7 +18,8 @@ A layer is:
     x += o @ Wo                          the GEMM accumulates into the residual (no add kernel)
     h = rms_norm(x)
     x += swiglu(h @ Wgate|up) @ Wdown    per MLP chunk of rows (gated.py: a GEMM then the SwiGLU op,
-                                         or one GEMM whose epilogue applies SwiGLU)
+                                         or one GEMM whose epilogue applies SwiGLU); a sparse layer:
+                                         x += moe(h) (moe.py)
 
 The last layer's attention reads every row's keys and values; from its output projection on, it runs
 on the rows the heads read only (a quarter of the tokens in a typical RL batch).
@@ -24,7 +27,8 @@ on the rows the heads read only (a quarter of the tokens in a typical RL batch).
 The q|k|v and gate|up weights are concatenated once at start, and the model's own parameters become
 views of the concatenations: no second copy, and the transformers forward (the self-check), hot
 reloads in copy mode and state dicts see them as before. A reload in swap mode rebinds parameters;
-`refresh` then copies them into the concatenations and makes them views again.
+`refresh` then copies them into the concatenations and makes them views again. Experts' weights are
+the model's own 3-D parameters, read at each call.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from service.engine import invariant
+from service.engine import invariant, moe
 from service.engine.attention import Kernel, Segments
 from service.engine.context import KVContext
 from service.engine.decoder_ops import HeadNorms, Ops
@@ -52,7 +56,11 @@ _WINDOW: dict[str, Callable[[Any], int | None]] = {
     "mistral": lambda attn: getattr(attn.config, "sliding_window", None),
     "qwen2": lambda attn: attn.sliding_window,
     "qwen3": lambda attn: attn.sliding_window,
+    "qwen3_moe": lambda attn: attn.sliding_window,
+    "qwen2_moe": lambda attn: getattr(attn, "sliding_window", None),
+    "mixtral": lambda attn: getattr(attn.config, "sliding_window", None),
 }
+HEAD_NORMS = frozenset({"qwen3", "qwen3_moe"})  # per-head q/k RMSNorm before RoPE
 SUPPORTED = tuple(_WINDOW)
 
 
@@ -170,6 +178,14 @@ class Stream:
 
 
 @dataclass(slots=True)
+class _Dense:
+    """A SwiGLU MLP: [gate; up] concatenated, and the down projection."""
+
+    gate_up: _Concat
+    down_proj: torch.nn.Linear
+
+
+@dataclass(slots=True)
 class _Layer:
     input_norm: Any  # RMSNorm modules: .weight, .variance_epsilon (read per call: a reload may rebind)
     qkv: _Concat
@@ -177,8 +193,7 @@ class _Layer:
     q_norm: Any
     k_norm: Any
     post_norm: Any
-    gate_up: _Concat
-    down_proj: torch.nn.Linear
+    mlp: _Dense | moe.SparseMoe
     window: int | None
     scale: float
     index: int  # of the layer in the model (its keys' and values' place in a context)
@@ -196,9 +211,10 @@ class FusedDecoder:
         projection: Callable[[], GatedProjection] | None = None,
         *,
         gemm_rows: int | None = None,
+        moe_kernel: moe.MoeKernel = moe.LOOP,
     ) -> None:
         """gemm_rows: run every GEMM over tokens in calls of that many rows (batch invariance,
-        invariant.py); None: one call each."""
+        invariant.py); None: one call each. moe_kernel: the sparse layers' grouped GEMM (moe.py)."""
         reason = unsupported(decoder)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
@@ -215,17 +231,19 @@ class FusedDecoder:
         self.head_dim = int(first.head_dim)
         self.q_heads = int(config.num_attention_heads)
         self.k_heads = int(config.num_key_value_heads)
-        window = _WINDOW[str(config.model_type)]
+        model_type = str(config.model_type)
+        window = _WINDOW[model_type]
+        self.moe_kernel = moe_kernel
+        self._concats: list[_Concat] = []  # every concatenation, for refresh
         self.layers = [
             _Layer(
                 input_norm=layer.input_layernorm,
-                qkv=_Concat.of(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                qkv=self._concat(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                 o_proj=layer.self_attn.o_proj,
                 q_norm=getattr(layer.self_attn, "q_norm", None),
                 k_norm=getattr(layer.self_attn, "k_norm", None),
                 post_norm=layer.post_attention_layernorm,
-                gate_up=_Concat.of(layer.mlp.gate_proj, layer.mlp.up_proj),
-                down_proj=layer.mlp.down_proj,
+                mlp=self._mlp(layer.mlp, model_type),
                 window=window(layer.self_attn),
                 scale=float(layer.self_attn.scaling),
                 index=index,
@@ -233,22 +251,62 @@ class FusedDecoder:
             for index, layer in enumerate(decoder.layers[: config.num_hidden_layers])
         ]
 
+    def _concat(self, *linears: torch.nn.Linear) -> _Concat:
+        concat = _Concat.of(*linears)
+        self._concats.append(concat)
+        return concat
+
+    def _mlp(self, mlp: Any, model_type: str) -> _Dense | moe.SparseMoe:
+        if not hasattr(mlp, "experts"):
+            return _Dense(self._concat(mlp.gate_proj, mlp.up_proj), mlp.down_proj)
+        rule = moe.routing(model_type, self.decoder.config)
+        assert rule is not None
+        shared = None
+        if getattr(mlp, "shared_expert", None) is not None:
+            shared = self._shared_expert(
+                _Dense(
+                    self._concat(mlp.shared_expert.gate_proj, mlp.shared_expert.up_proj),
+                    mlp.shared_expert.down_proj,
+                ),
+                mlp.shared_expert_gate,
+            )
+        return moe.SparseMoe(mlp.gate, mlp.experts, rule, self.moe_kernel, self.ops.swiglu, shared)
+
+    def _shared_expert(self, dense: _Dense, gate: torch.nn.Linear) -> moe.SharedExpert:
+        """Qwen2-MoE's shared expert: sigmoid(h·wgᵀ) · mlp(h), rounded as transformers does."""
+
+        def shared(h: torch.Tensor) -> torch.Tensor:
+            out = invariant.linear(self._mlp_in(dense, h), dense.down_proj.weight, None, self.rows)
+            return torch.sigmoid(invariant.linear(h, gate.weight, None, self.rows)) * out
+
+        return shared
+
+    @property
+    def sparse(self) -> bool:
+        """Whether a layer is a mixture of experts."""
+        return any(isinstance(layer.mlp, moe.SparseMoe) for layer in self.layers)
+
     def capture(self, probe: PackedBatch) -> None:
         pass
 
     def refresh(self) -> None:
-        for layer in self.layers:
-            layer.qkv.refresh()
-            layer.gate_up.refresh()
+        for concat in self._concats:
+            concat.refresh()
 
     def warm(self, rows: int) -> None:
         """A layer's four GEMMs as the forward calls them, per distinct layer shape; the last layer's
-        output projection and MLP run on the read rows, whose count is padded like the tokens'."""
+        output projection and MLP run on the read rows, whose count is padded like the tokens'. A
+        sparse layer runs its router and grouped expert GEMMs on zeros (every token routed alike):
+        the grouped GEMM takes the per-expert row counts on the device, and the host, which picks
+        its kernel, sees only the total rows (rows · k) and the weights' shape (moe.py), so one call
+        per row count meets every routing a micro-batch of that size can have."""
         embed = self.decoder.embed_tokens.weight
         _warm_rotary(self.decoder, _zeros(embed, rows, embed.shape[1]))
         seen = set()
         for layer in self.layers:
-            key = (layer.qkv.weight.shape, layer.o_proj.weight.shape, layer.gate_up.weight.shape)
+            mlp = layer.mlp
+            width = mlp.gate_up.weight.shape if isinstance(mlp, _Dense) else mlp.experts.gate_up_proj.shape
+            key = (layer.qkv.weight.shape, layer.o_proj.weight.shape, type(mlp), width)
             if key in seen:
                 continue
             seen.add(key)
@@ -257,7 +315,7 @@ class FusedDecoder:
             _accumulate(x, _zeros(x, rows, layer.o_proj.in_features), layer.o_proj)
             for start in range(0, rows, self.chunk):
                 end = min(start + self.chunk, rows)
-                _accumulate(x[start:end], self._mlp_in(layer, x[start:end]), layer.down_proj)
+                self._run_mlp(mlp, x[start:end], x[start:end])
 
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         stream = self.start(batch.input_ids[0], batch.position_ids, batch.cu_seqlens, batch.max_len)
@@ -309,12 +367,19 @@ class FusedDecoder:
         h = ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
         for start in range(0, x.shape[0], self.chunk):
             end = min(start + self.chunk, x.shape[0])
-            _accumulate(x[start:end], self._mlp_in(layer, h[start:end]), layer.down_proj, self.rows)
+            self._run_mlp(layer.mlp, x[start:end], h[start:end])
         return x
 
-    def _mlp_in(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+    def _run_mlp(self, mlp: _Dense | moe.SparseMoe, x: torch.Tensor, h: torch.Tensor) -> None:
+        """x += mlp(h) in place, for x and h [rows, H]."""
+        if isinstance(mlp, moe.SparseMoe):
+            mlp.add_to(x, h, self.rows)
+        else:
+            _accumulate(x, self._mlp_in(mlp, h), mlp.down_proj, self.rows)
+
+    def _mlp_in(self, mlp: _Dense, h: torch.Tensor) -> torch.Tensor:
         """silu(h·Wgateᵀ) · (h·Wupᵀ): [rows, I]."""
-        weight, bias = layer.gate_up.weight, layer.gate_up.bias
+        weight, bias = mlp.gate_up.weight, mlp.gate_up.bias
         return invariant.by_rows(lambda part: self.gated.project(part, weight, bias), h, self.rows)
 
 
@@ -337,21 +402,20 @@ def unsupported(decoder: Any) -> str | None:
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(decoder, name):
             return f"{type(decoder).__name__} has no {name}"
-    linear = torch.nn.Linear
     for i, layer in enumerate(decoder.layers[: config.num_hidden_layers]):
         attn: Any = getattr(layer, "self_attn", None)
-        mlp: Any = getattr(layer, "mlp", None)
         parts: list[Any] = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        parts += [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-        if not all(type(p) is linear for p in parts):
-            return f"layer {i}: the projections are not the seven plain Linear modules of a Llama layer"
-        for group in (parts[:3], parts[4:6]):
-            if len({p.bias is None for p in group}) != 1:
-                return f"layer {i}: some projections of a fused group have a bias and some not"
+        if not all(type(p) is torch.nn.Linear for p in parts):
+            return f"layer {i}: q, k, v and o are not the four plain Linear modules of a Llama layer"
+        if len({p.bias is None for p in parts[:3]}) != 1:
+            return f"layer {i}: some of q, k and v have a bias and some not"
+        reason = _mlp_unsupported(getattr(layer, "mlp", None), model_type, config)
+        if reason is not None:
+            return f"layer {i}: {reason}"
         norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
-        if (getattr(attn, "q_norm", None) is None) != (model_type != "qwen3"):
+        if (getattr(attn, "q_norm", None) is None) != (model_type not in HEAD_NORMS):
             return f"layer {i}: per-head q/k norms do not match {model_type}"
-        if model_type == "qwen3":
+        if model_type in HEAD_NORMS:
             norms += [attn.q_norm, attn.k_norm]
         if not all(_is_rms_norm(m) for m in [*norms, decoder.norm]):
             return f"layer {i}: a norm is not a plain RMSNorm (weight · x / rms)"
@@ -363,6 +427,25 @@ def unsupported(decoder: Any) -> str | None:
     if cos.shape[-1] != head_dim:
         return f"RoPE covers {cos.shape[-1]} of {head_dim} head dimensions"
     return None
+
+
+def _mlp_unsupported(mlp: Any, model_type: str, config: Any) -> str | None:
+    """Why a layer's MLP is neither a plain SwiGLU MLP nor a sparse block moe.py computes."""
+    if hasattr(mlp, "experts"):
+        if model_type not in moe.MOE_TYPES:
+            return f"a mixture-of-experts block in a {model_type} model"
+        return moe.unsupported(mlp, model_type, config)
+    dense: list[Any] = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(type(p) is torch.nn.Linear for p in dense):
+        return "the MLP is not three plain Linear modules (gate, up, down)"
+    if len({p.bias is None for p in dense[:2]}) != 1:
+        return "one of gate and up has a bias and the other not"
+    return None
+
+
+def sparse(decoder: Any) -> bool:
+    """Whether a layer of `decoder` (transformers' modules) is a mixture of experts."""
+    return any(hasattr(layer.mlp, "experts") for layer in decoder.layers)
 
 
 def _is_rms_norm(module: Any) -> bool:
@@ -383,16 +466,20 @@ def build(  # noqa: PLR0917
     mlp_chunk_tokens: int,
     projection: Callable[[], GatedProjection] | None = None,
     gemm_rows: int | None = None,
+    moe_kernel: Callable[[], moe.MoeKernel] | None = None,
 ) -> Decoder:
     """The forward the `decoder` setting asks for: auto takes the fused one wherever it fits.
-    `projection` makes the fused decoder's gate|up projection (called only when it is built);
-    gemm_rows: batch invariance (invariant.py; the transformers decoder's Linear modules are blocked
-    by the caller)."""
+    `projection` makes the fused decoder's gate|up projection and `moe_kernel` its sparse layers'
+    grouped GEMM (each called only when a fused decoder is built); gemm_rows: batch invariance
+    (invariant.py; the transformers decoder's Linear modules are blocked by the caller)."""
     if setting == "transformers":
         return TransformersDecoder(decoder)
     reason = unsupported(decoder)
     if reason is None:
-        return FusedDecoder(decoder, attention, ops, mlp_chunk_tokens, projection, gemm_rows=gemm_rows)
+        kernel = moe_kernel() if moe_kernel is not None and sparse(decoder) else moe.LOOP
+        return FusedDecoder(
+            decoder, attention, ops, mlp_chunk_tokens, projection, gemm_rows=gemm_rows, moe_kernel=kernel
+        )
     if setting == "fused":
         raise RuntimeError(f"decoder=fused: {reason}")
     return TransformersDecoder(decoder)

@@ -298,6 +298,8 @@ def wrap(  # noqa: PLR0917
         reason = f"attention={backend} reads the sequence boundaries on the host"
     elif dtype not in FAST_DTYPES:
         reason = f"{dtype} attention falls back to a kernel that reads the boundaries on the host"
+    elif forward.sparse and forward.moe_kernel.name == "loop":
+        reason = "the experts' loop reads each expert's rows on the host (moe_kernel=loop)"
     if reason is not None:
         if setting == "on":
             raise RuntimeError(f"cuda_graphs=on: {reason}")

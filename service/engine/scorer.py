@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 import service
-from service.engine import decoder, gated, graphs, invariant, weights
+from service.engine import decoder, gated, graphs, invariant, moe, weights
 from service.engine.attention import AttentionBackend, choose_backend, register
 from service.engine.base import (
     EngineInfo,
@@ -259,6 +259,7 @@ class PackedScorer:
             attention_backend=backend.name,
             decoder=policy_forward.kind,
             kernels=kernels,
+            moe_kernel=_moe_kernel(policy_forward),
             vocab_size=vocab,
             max_positions=max_positions(text),
             batch_invariant=settings.batch_invariant,
@@ -560,19 +561,33 @@ def _prepare(  # noqa: PLR0917
     def projection() -> gated.GatedProjection:  # chosen (and probed) only for a fused decoder
         return gated.choose(mlp_kernel, device, dtype, ops.swiglu)
 
+    def moe_kernel() -> moe.MoeKernel:  # chosen (and probed) only for a fused decoder with experts
+        return moe.choose(settings.moe_kernel, device, dtype)
+
     if gemm_rows is not None and chunk > 0:
         chunk = max(gemm_rows, chunk // gemm_rows * gemm_rows)
-    forward = decoder.build(base, setting, backend.kernel, ops, chunk, projection, gemm_rows)
+    forward = decoder.build(base, setting, backend.kernel, ops, chunk, projection, gemm_rows, moe_kernel)
     if isinstance(forward, decoder.FusedDecoder):
         kernels = "triton" if ops.name == "triton" else "none"
         return forward, f"{kernels}+quack" if forward.gated.name == "quack" else kernels
     if settings.mlp_kernel == "quack":
         raise RuntimeError("mlp_kernel=quack runs in the fused decoder, which this model does not run")
+    if settings.moe_kernel == "grouped_mm" and decoder.sparse(base):
+        raise RuntimeError("moe_kernel=grouped_mm runs in the fused decoder, which this model does not run")
     kernels = apply_fused_kernels(model, settings.kernels, device)
     chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
     if gemm_rows is not None:
         invariant.block_linears(base, gemm_rows)
     return forward, kernels
+
+
+def _moe_kernel(forward: Decoder) -> str:
+    """What runs the experts of `forward`'s sparse layers: grouped_mm | loop; none: no sparse layer
+    runs fused."""
+    inner = forward.inner if isinstance(forward, graphs.GraphedDecoder) else forward
+    if isinstance(inner, decoder.FusedDecoder) and inner.sparse:
+        return inner.moe_kernel.name
+    return "none"
 
 
 @torch.inference_mode()

@@ -1,0 +1,353 @@
+"""The mixture-of-experts benchmark: the fused MoE path against transformers' own experts, in one run.
+
+    python -m benchmarks.moe                        # on an H200: every shape; results/moe-latest.json
+    python -m benchmarks.moe --models qwen3-30b-a3b-8l mixtral-8l   # fits an H100
+    python -m benchmarks.moe --models tiny-moe --device cpu --dtype float32 --sequences 4 --reps 1
+
+Shapes (random bf16 weights built on the device; nothing downloaded): Qwen3-30B-A3B in full (48
+layers, 61 GB of weights: an H200) and its first 8 layers, and a Mixtral-style 8-layer model (8
+experts of 14336, top-2). Per shape, on the standard workload (workload.py, 64 sequences):
+
+- transformers_eager / transformers_grouped_mm: the engine in-process with decoder=transformers, the
+  model's experts run by transformers' `eager` (a loop over experts) and `grouped_mm` experts
+  implementations (`default_experts_implementation` says which one transformers picks unasked);
+- fused: the engine in-process with logprobd's fused decoder and MoE layer (moe.py);
+- http: the same over HTTP, 8 connections of one client process (as benchmarks.run's `http`).
+
+Each variant: every round's ms after a warm-up round, the median, its fraction of the floor and
+the slowest round over the median. The floor is (2 · active non-embedding parameters · tokens +
+2 · vocab · hidden · action tokens + causal attention over heads · head_dim) at the measured bf16
+matmul rate. `ready_s`: the server's time from the weights built to /health/ready (the engine's
+set-up, warm-up, shapes met and self-check). `max_abs_diff_vs_transformers`: the fused path's
+log-probs against transformers' grouped_mm path's on a sample of sequences (both in the run's dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.run import HttpServer, http_bodies, http_rounds, isolated, matmul_rate, sync
+from benchmarks.workload import Sample, floor_flops, jobs, workload
+from service.batcher import Batcher
+from service.engine.attention import choose_backend, register
+from service.engine.loading import LoadedModel
+from service.engine.scorer import PackedScorer
+from service.jobs import SequenceJob
+from service.metrics import Metrics
+from service.settings import Settings
+
+ACCURACY_SAMPLE = 4
+
+_QWEN3_30B_A3B: dict[str, Any] = {  # Qwen/Qwen3-30B-A3B config.json
+    "family": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "vocab_size": 151936,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "qwen3-30b-a3b-8l": {**_QWEN3_30B_A3B, "num_hidden_layers": 8},
+    "mixtral-8l": {  # Mixtral-8x7B's layer, 8 of them: 11.6B parameters
+        "family": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
+    "tiny-moe": {  # CPU smoke test only
+        "family": "qwen3_moe",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "vocab_size": 512,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def build_model(shape: dict[str, Any], dtype: torch.dtype, device: torch.device, attn: str) -> Any:
+    """A random-weight model of `shape`, built on `device` in `dtype` (no host copy of the weights)."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    kwargs = {k: v for k, v in shape.items() if k != "family"}
+    family = {"qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[shape["family"]]
+    config = family(**kwargs, max_position_embeddings=32768)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)  # type: ignore[no-untyped-call]
+    return model.eval().requires_grad_(False)
+
+
+def active_params(model: Any) -> int:
+    """Non-embedding parameters a token runs through: all but the experts it is not routed to."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    total -= embedding.numel() + (0 if head is embedding else head.numel())
+    k = int(model.config.num_experts_per_tok)
+    for layer in model.base_model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            per_expert = experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()
+            total -= (experts.gate_up_proj.shape[0] - k) * per_expert
+    return int(total)
+
+
+def floor_shape(shape: dict[str, Any], layers: int) -> dict[str, int | bool]:
+    return {
+        "hidden_size": int(shape["hidden_size"]),
+        "num_hidden_layers": layers,
+        "vocab_size": int(shape["vocab_size"]),
+        "attention_width": int(shape["num_attention_heads"]) * int(shape["head_dim"]),
+    }
+
+
+def summary(rounds: list[float], tokens: int, floor_s: float, device: torch.device) -> dict[str, Any]:
+    median = statistics.median(rounds)
+    return {
+        "ms": median * 1e3,
+        "rounds_ms": [round(r * 1e3, 1) for r in rounds],
+        "slowest_over_median": max(rounds) / median - 1.0,
+        "tokens_per_s": tokens / median,
+        "floor_fraction": floor_s / median,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+    }
+
+
+def engine_rounds(
+    engine: PackedScorer, settings: Settings, the_jobs: list[SequenceJob], reps: int, device: torch.device
+) -> tuple[list[float], list[np.ndarray]]:
+    """Seconds of each round of every job through the batcher in-process (after a warm-up round),
+    and the log-probs of the first ACCURACY_SAMPLE jobs."""
+    loop = asyncio.new_event_loop()
+    batcher = Batcher.from_settings(engine, settings, Metrics())
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.call_soon(batcher.start)
+    sample = loop.run_until_complete(batcher.score(the_jobs[:ACCURACY_SAMPLE])).scores
+    loop.run_until_complete(batcher.score(the_jobs))
+    rounds = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        loop.run_until_complete(batcher.score(the_jobs))
+        sync(device)
+        rounds.append(time.perf_counter() - start)
+    loop.run_until_complete(batcher.stop())
+    loop.close()
+    return rounds, [s.logprobs for s in sample]
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def experts_variants(
+    loaded: LoadedModel, backend: Any, settings: Settings, the_jobs: list[SequenceJob], reps: int
+) -> dict[str, tuple[list[float], list[np.ndarray]]]:
+    """engine_rounds with transformers' decoder, per experts implementation it has (eager, grouped_mm);
+    the model's own implementation is restored after."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    model, device = loaded.model, torch.device(settings.device)
+    default = model.config._experts_implementation
+    out = {}
+    for implementation in [i for i in ("eager", "grouped_mm") if i == "eager" or i in ALL_EXPERTS_FUNCTIONS]:
+        model.set_experts_implementation(implementation)
+        engine = PackedScorer(loaded, device, backend, settings)
+        engine.warm_up()
+        _release(device)
+        out[implementation] = engine_rounds(engine, settings, the_jobs, reps, device)
+        del engine
+        _release(device)
+    model.set_experts_implementation(default)
+    return out
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
+    shape = dict(SHAPES[name])
+    if args.layers is not None:
+        shape["num_hidden_layers"] = args.layers
+    dtype = getattr(torch, args.dtype)
+    backend = choose_backend(args.attention, device)
+    model = build_model(shape, dtype, device, register(backend))
+    loaded = time.perf_counter()  # the weights are in place: a server's start counts from here
+    default = str(model.config._experts_implementation)
+    samples: list[Sample] = workload(int(shape["vocab_size"]), sequences=args.sequences)
+    the_jobs = jobs(samples)
+    tokens = sum(len(s.tokens) for s in samples)
+    active = active_params(model)
+    floor_s = floor_flops(floor_shape(shape, int(shape["num_hidden_layers"])), active, samples) / rate
+    common = {"device": device.type, "dtype": args.dtype, "max_batch_tokens": args.max_batch_tokens}
+    variants: dict[str, dict[str, Any]] = {}
+    scores: dict[str, list[np.ndarray]] = {}
+
+    def report(variant: str, rounds: list[float]) -> None:
+        variants[variant] = summary(rounds, tokens, floor_s, device)
+        v = variants[variant]
+        print(
+            f"  {name} {variant:>24}: {v['ms']:9.1f} ms  {v['floor_fraction']:6.1%} of floor  "
+            f"slowest round +{v['slowest_over_median']:.1%}",
+            flush=True,
+        )
+
+    # the service's fused path first: its start is timed from the weights built
+    settings = Settings(**common, decoder="fused", kernels=args.kernels, cuda_graphs=args.cuda_graphs)
+    built: list[PackedScorer] = []
+
+    def factory(_: Settings) -> PackedScorer:
+        built.append(PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings))
+        return built[0]
+
+    _release(device)
+    with HttpServer(factory, settings) as url:
+        ready_s = time.perf_counter() - loaded
+        engine = built[0]
+        print(
+            f"  {name}: ready {ready_s:.1f} s after the weights; moe_kernel {engine.info.moe_kernel}",
+            flush=True,
+        )
+        report("http", http_rounds(url, http_bodies(samples), args.reps))
+    _release(device)
+    rounds, scores["fused"] = engine_rounds(engine, settings, the_jobs, args.reps, device)
+    report("fused", rounds)
+    info = engine.info
+    del engine, built[:]
+    _release(device)
+
+    plain = Settings(**common, decoder="transformers", kernels="none", cuda_graphs="off")
+    for implementation, (rounds, scores[implementation]) in experts_variants(
+        LoadedModel(model, name, demo=False), backend, plain, the_jobs, args.reps
+    ).items():
+        report(f"transformers_{implementation}", rounds)
+    against = scores.get("grouped_mm", scores["eager"])
+    diff = max(
+        float(np.max(np.abs(g.astype(np.float64) - w))) for g, w in zip(scores["fused"], against, strict=True)
+    )
+    best = min((v for k, v in variants.items() if k.startswith("transformers")), key=lambda v: v["ms"])
+    return {
+        "shape": shape,
+        "active_non_embedding_params": active,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "attention": info.attention_backend,
+        "kernels": info.kernels,
+        "moe_kernel": info.moe_kernel,
+        "default_experts_implementation": default,
+        "tokens": tokens,
+        "action_tokens": sum(len(s.response) for s in samples),
+        "floor_ms": floor_s * 1e3,
+        "ready_s": ready_s,
+        "variants": variants,
+        "speedup_vs_transformers": best["ms"] / variants["http"]["ms"],
+        "max_abs_diff_vs_transformers": diff,
+    }
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        "| model | variant | ms | tokens/s | floor | slowest round vs median | peak GiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in results["models"].items():
+        for variant, v in r["variants"].items():
+            lines.append(
+                f"| {name} | {variant} | {v['ms']:.1f} | {v['tokens_per_s']:,.0f} | "
+                f"{v['floor_fraction']:.1%} | +{v['slowest_over_median']:.1%} | {v['peak_memory_gib']:.1f} |"
+            )
+    lines += [
+        "",
+        "| model | floor ms | HTTP floor | speed-up vs transformers' best | ready s | moe_kernel | kernels | "
+        "max abs Δ vs transformers |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
+    ]
+    for name, r in results["models"].items():
+        lines.append(
+            f"| {name} | {r['floor_ms']:.1f} | {r['variants']['http']['floor_fraction']:.1%} | "
+            f"{r['speedup_vs_transformers']:.2f} | {r['ready_s']:.1f} | {r['moe_kernel']} | {r['kernels']} | "
+            f"{r['max_abs_diff_vs_transformers']:.3g} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe", description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["qwen3-30b-a3b-8l", "mixtral-8l", "qwen3-30b-a3b"])
+    parser.add_argument("--layers", type=int, help="every model cut to this many layers")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "none"])
+    parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "moe-latest.json")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    import transformers
+
+    rate = matmul_rate(device, getattr(torch, args.dtype))
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "date": dt.date.today().isoformat(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "matmul_tflops": rate / 1e12,
+        "models": {},
+    }
+    print(f"{results['device']}: measured {args.dtype} matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    for name in args.models:
+        if len(args.models) == 1:
+            results["models"][name] = bench_model(name, args, device, rate)
+        else:  # one process per model: its weights and caches go with it
+            argv = argv if argv is not None else sys.argv[1:]
+            results["models"][name] = isolated(name, argv, "benchmarks.moe")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

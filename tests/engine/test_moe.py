@@ -1,0 +1,267 @@
+"""The mixture-of-experts layer (moe.py) against transformers' own MoE blocks, and in the fused decoder.
+
+CPU, float32. The grouped path runs torch's grouped GEMM, which this torch also runs on CPU; a
+reference grouped GEMM written here checks the grouping (order and group ends) on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from service.engine import decoder, moe
+from service.engine.decoder import FusedDecoder, TransformersDecoder
+from service.engine.decoder_ops import TORCH
+from service.engine.scorer import PackedScorer, check_hidden
+from service.jobs import SequenceJob
+from service.settings import Settings
+from tests import models
+from tests.engine.test_decoder import CPU, KERNEL, batch_of, every_row, packed_model
+
+MOE = models.MOE_ARCHITECTURES
+GROUPED = moe.choose("grouped_mm", CPU, torch.float32)
+
+
+def _reference_grouped(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Row r of x belongs to the expert whose group holds it (ends: each group's end): x[r] @ W[e]ᵀ."""
+    rows = torch.arange(x.shape[0])
+    expert = torch.searchsorted(ends.long(), rows, right=True)  # the first group ending past r
+    return torch.einsum("rk,rnk->rn", x, weight[expert])
+
+
+REFERENCE = moe.MoeKernel("grouped_mm", _reference_grouped)
+
+
+def sparse_block(name: str, seed: int = 0) -> tuple[Any, Any]:
+    """A model of `name` and its last layer's MoE block (sparse in every MOE model)."""
+    model = packed_model(name, seed)
+    return model, model.base_model.layers[-1].mlp
+
+
+def ours(model: Any, block: Any, kernel: moe.MoeKernel) -> moe.SparseMoe:
+    """The fused decoder's layer over the block's own modules."""
+    fused = FusedDecoder(model.base_model, KERNEL, TORCH, 0, moe_kernel=kernel)
+    layer = fused.layers[-1].mlp
+    assert isinstance(layer, moe.SparseMoe)
+    assert layer.router is block.gate
+    return layer
+
+
+def tokens(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("kernel", [moe.LOOP, GROUPED, REFERENCE], ids=["loop", "grouped", "reference"])
+def test_layer_equals_the_transformers_block(name: str, implementation: str, kernel: moe.MoeKernel) -> None:
+    model, block = sparse_block(name)
+    model.set_experts_implementation(implementation)
+    h = tokens(200)
+    with torch.inference_mode():
+        want = block(h[None])[0]
+        got = ours(model, block, kernel)(h)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-6)
+
+
+class _OtherTie(moe.Routing):
+    """The same routing with a three-way tie of experts 0, 1, 2 resolved another way."""
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = super().__call__(logits)
+        return weights, 2 - experts
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_tied_router_logits_resolve_as_transformers(name: str) -> None:
+    """Three experts with the same router row, far ahead of the others: every token's top 2 come
+    out of a three-way tie, and resolving it another way changes the output."""
+    model, block = sparse_block(name)
+    with torch.no_grad():
+        block.gate.weight[1:3] = block.gate.weight[0]
+        block.gate.weight[0:3] *= 20
+    row = block.gate.weight[0].detach()
+    h = tokens(64, seed=1) + 4 * row / row.norm()  # the tied logits positive: ahead
+    rule = moe.routing(name, model.config)
+    assert rule is not None
+    layer = ours(model, block, moe.LOOP)
+    with torch.inference_mode():
+        _, _, want_experts = block.gate(h)
+        _, got_experts = rule(F.linear(h, block.gate.weight))
+        assert torch.equal(got_experts, want_experts)
+        assert set(got_experts.flatten().tolist()) <= {0, 1, 2}
+        want = block(h[None])[0]
+        got = layer(h)
+        layer.routing = _OtherTie(rule.top_k, rule.normalise, rule.round_weights)
+        other = layer(h)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-6)
+    assert float((other - want).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("kernel", [moe.LOOP, GROUPED], ids=["loop", "grouped"])
+def test_a_token_does_not_depend_on_the_batch(name: str, kernel: moe.MoeKernel) -> None:
+    """A token alone, in 7s and among 301: the same up to the CPU GEMM's one-row path (which rounds
+    apart from the many-row one; a token reading another's rows would be off by O(1))."""
+    model, block = sparse_block(name)
+    layer = ours(model, block, kernel)
+    h = tokens(301, seed=2)
+    with torch.inference_mode():
+        whole = layer(h)
+        alone = torch.cat([layer(h[i : i + 1]) for i in range(0, 301, 37)])
+        sevens = torch.cat([layer(h[i : i + 7]) for i in range(0, 301, 7)])
+    scale = float(whole.abs().max())
+    assert float((alone - whole[::37]).abs().max()) <= 1e-6 * scale
+    assert torch.equal(sevens, whole) or float((sevens - whole).abs().max()) <= 1e-6 * scale
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_grouped_gemm_equals_the_loop(name: str) -> None:
+    model, block = sparse_block(name)
+    h = tokens(150, seed=3)
+    with torch.inference_mode():
+        loop = ours(model, block, moe.LOOP)(h)
+        grouped = ours(model, block, GROUPED)(h)
+        reference = ours(model, block, REFERENCE)(h)
+    torch.testing.assert_close(grouped, loop, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(reference, loop, atol=1e-5, rtol=1e-5)  # einsum sums in its own order
+
+
+def test_groups_are_stable_and_end_where_each_expert_ends() -> None:
+    """Slots grouped by expert, tokens ascending within one, through the layer's own arithmetic: a
+    grouped GEMM that records what it is given."""
+    model, block = sparse_block("qwen3_moe")
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def spy(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        seen.append((x.clone(), ends.clone()))
+        return moe.LOOP.matmul(x, weight, ends)
+
+    h = tokens(40, seed=4)
+    with torch.inference_mode():
+        ours(model, block, moe.MoeKernel("loop", spy))(h)
+        _, _, experts = block.gate(h)
+    grouped, ends = seen[0]
+    counts = torch.bincount(experts.flatten(), minlength=8)
+    assert ends.dtype == torch.int32
+    assert ends.tolist() == torch.cumsum(counts, 0).tolist()
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        rows = torch.nonzero((experts == expert).any(-1)).flatten()  # ascending token ids
+        assert torch.equal(grouped[start:end], h[rows])
+        start = end
+
+
+def test_the_kernel_setting(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    assert moe.choose("auto", CPU, torch.float32) is moe.LOOP
+    assert moe.choose("loop", CPU, torch.float32) is moe.LOOP
+    assert GROUPED.name == "grouped_mm"
+
+    def broken(*_: Any, **__: Any) -> torch.Tensor:
+        raise RuntimeError("no kernel image for this architecture")
+
+    monkeypatch.setattr(moe, "_grouped_function", lambda: broken)
+    with pytest.raises(RuntimeError, match="moe_kernel=grouped_mm: RuntimeError: no kernel image"):
+        moe.choose("grouped_mm", CPU, torch.float32)
+    monkeypatch.setattr(moe, "_wants_grouped", lambda device: True)
+    with caplog.at_level(logging.WARNING):
+        assert moe.choose("auto", CPU, torch.float32) is moe.LOOP
+    assert "grouped GEMM cannot run here" in caplog.text
+    monkeypatch.setattr(moe, "_grouped_function", lambda: None)
+    with pytest.raises(RuntimeError, match="has no grouped GEMM"):
+        moe.choose("grouped_mm", CPU, torch.float32)
+
+
+# ---- in the fused decoder ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_the_fused_decoder_runs_mixtures_of_experts(name: str) -> None:
+    model = packed_model(name)
+    assert decoder.unsupported(model.base_model) is None
+    built = decoder.build(model.base_model, "auto", KERNEL, TORCH, 0, moe_kernel=lambda: GROUPED)
+    assert isinstance(built, FusedDecoder)
+    assert built.sparse
+    assert built.moe_kernel is GROUPED
+    kinds = [type(layer.mlp).__name__ for layer in built.layers]
+    assert kinds == (["_Dense", "SparseMoe"] if name == "qwen3_moe" else ["SparseMoe", "SparseMoe"])
+    batch = batch_of()
+    rows = torch.tensor([0, 5, 19, 20, 52, 53, 60, batch.num_tokens - 1])
+    with torch.inference_mode():
+        want = TransformersDecoder(model.base_model)(batch, rows)
+        got = built(batch, rows)
+        chunked = FusedDecoder(model.base_model, KERNEL, TORCH, 5)(batch, rows)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked, want, atol=1e-5, rtol=1e-5)
+
+
+def test_experts_stay_where_they_are_and_follow_a_rebinding_reload() -> None:
+    model, other = packed_model("mixtral"), packed_model("mixtral", seed=1)
+    experts = model.base_model.layers[0].mlp.experts
+    before = experts.gate_up_proj.data_ptr()
+    fused = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    assert experts.gate_up_proj.data_ptr() == before
+    with torch.no_grad():
+        for param, new in zip(model.parameters(), other.parameters(), strict=True):
+            param.data = new.detach().clone()  # a swap reload
+    fused.refresh()
+    batch = batch_of()
+    with torch.inference_mode():
+        want = TransformersDecoder(other.base_model)(batch, every_row(batch))
+        got = fused(batch, every_row(batch))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_other_mixtures_keep_the_transformers_decoder() -> None:
+    from transformers import AutoModelForCausalLM, OlmoeConfig
+
+    config = OlmoeConfig(**models.COMMON, num_experts=4, num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    assert "model_type 'olmoe'" in str(decoder.unsupported(model.base_model))
+    assert decoder.build(model.base_model, "auto", KERNEL, TORCH, 0).kind == "transformers"
+    mixtral = packed_model("mixtral")
+    mixtral.base_model.layers[1].mlp.experts.is_transposed = True
+    assert "layer 1: experts.is_transposed" in str(decoder.unsupported(mixtral.base_model))
+
+
+def test_self_check_catches_a_misread_router() -> None:
+    model = packed_model("qwen3_moe")
+    fused = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    job = SequenceJob(np.arange(3, 40), np.arange(1, 37), 1.0, False)
+    assert check_hidden(model.base_model, fused, job, CPU, "policy") < 1e-5
+    layer = fused.layers[1].mlp
+    assert isinstance(layer, moe.SparseMoe)
+    layer.routing = moe.Routing(layer.routing.top_k, normalise=False, round_weights=True)
+    with pytest.raises(RuntimeError, match="fused decoder"):
+        check_hidden(model.base_model, fused, job, CPU, "policy")
+
+
+@pytest.mark.parametrize(
+    ("name", "settings", "kind", "kernel"),
+    [
+        ("qwen3_moe", {}, "fused", "loop"),
+        ("mixtral", {"moe_kernel": "grouped_mm"}, "fused", "grouped_mm"),
+        ("qwen2_moe", {"decoder": "transformers"}, "transformers", "none"),
+        ("qwen2", {"moe_kernel": "grouped_mm"}, "fused", "none"),
+    ],
+)
+def test_the_engine_reports_its_moe_kernel(
+    name: str, settings: dict[str, Any], kind: str, kernel: str, model_dirs: dict[str, Path]
+) -> None:
+    engine = PackedScorer.from_settings(Settings(model=model_dirs[name], device="cpu", **settings))
+    assert (engine.info.decoder, engine.info.moe_kernel) == (kind, kernel)
+    engine.warm_up()  # the self-check against transformers' forward
+
+
+def test_grouped_mm_without_the_fused_decoder_fails(model_dirs: dict[str, Path]) -> None:
+    settings = Settings(
+        model=model_dirs["mixtral"], device="cpu", decoder="transformers", moe_kernel="grouped_mm"
+    )
+    with pytest.raises(RuntimeError, match="moe_kernel=grouped_mm runs in the fused decoder"):
+        PackedScorer.from_settings(settings)
