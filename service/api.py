@@ -157,6 +157,7 @@ def build_router(state: ServiceState) -> APIRouter:
             batch_invariant=i.batch_invariant,
             share_prefixes=sharing(state.settings) is not None,
             share_min_tokens=state.settings.share_min_tokens,
+            tensor_parallel_size=i.tensor_parallel_size,
             versions=i.versions,
             models=[ModelSummary(**dataclasses.asdict(m)) for m in i.models],
             weights_version=state.serving.reloader.weights["policy"].version,

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 import service
 from service.api import build_router
 from service.batcher import Batcher
-from service.engine import ScoringEngine, load_engine
+from service.engine import ScoringEngine, Supervised, load_engine
 from service.errors import ServiceError, from_pydantic, status_for
 from service.follow import follow_version_file
 from service.metrics import Metrics
@@ -56,6 +56,8 @@ def create_app(
                     await asyncio.gather(state.serving.follower, return_exceptions=True)
                 await state.serving.reloader.stop()
                 await state.serving.batcher.stop()
+                if state.serving.supervised is not None:
+                    await asyncio.to_thread(state.serving.supervised.close)
 
     app = FastAPI(
         title="logprobd",
@@ -72,10 +74,21 @@ async def _start(
     state: ServiceState, engine_factory: EngineFactory, on_fatal: Callable[[], None] | None
 ) -> None:
     settings = state.settings
+    supervised: Supervised | None = None
     try:
         engine = await asyncio.to_thread(engine_factory, settings)
+        if isinstance(engine, Supervised):  # its processes fail together, from now on
+            supervised = engine
+            loop = asyncio.get_running_loop()
+
+            def failed(reason: str) -> None:  # called on the engine's watchdog thread
+                loop.call_soon_threadsafe(_engine_failed, state, reason, on_fatal)
+
+            engine.supervise(failed)
         await asyncio.to_thread(engine.warm_up)
     except Exception as exc:  # reported and fatal: the process must not serve half-ready
+        if supervised is not None:
+            await asyncio.to_thread(supervised.close)
         state.failure = f"{type(exc).__name__}: {exc}"
         log.critical("model failed to load: %s", state.failure, exc_info=exc)
         if on_fatal is not None:
@@ -100,7 +113,9 @@ async def _start(
     if settings.weights_follow is not None:
         follow = follow_version_file(reloader, settings.weights_follow, settings.weights_follow_interval_s)
         follower = asyncio.create_task(follow, name="logprobd-follow")
-    state.serving = Serving(info=info, limits=limits, batcher=batcher, reloader=reloader, follower=follower)
+    state.serving = Serving(
+        info=info, limits=limits, batcher=batcher, reloader=reloader, follower=follower, supervised=supervised
+    )
     state.metrics.ready.set(1)
     state.metrics.model_info.info(
         {"model": info.model, "architecture": info.architecture, "dtype": info.dtype, "demo": str(info.demo)}
@@ -114,6 +129,15 @@ async def _start(
         info.dtype,
         info.attention_backend,
     )
+
+
+def _engine_failed(state: ServiceState, reason: str, on_fatal: Callable[[], None] | None) -> None:
+    """A process of the engine died (tensor parallel): fail readiness and stop the server (exit 1)."""
+    state.failure = f"engine failed: {reason}"
+    state.metrics.ready.set(0)
+    log.critical("%s", state.failure)
+    if on_fatal is not None:
+        on_fatal()
 
 
 def _install_error_handlers(app: FastAPI, state: ServiceState) -> None:

@@ -307,6 +307,9 @@ class Info(BaseModel):
         "batch-invariant mode)."
     )
     share_min_tokens: int = Field(description="The shortest prefix shared.")
+    tensor_parallel_size: int = Field(
+        1, description="GPUs (ranks) each model is sharded over (--tensor-parallel-size; 1: one process)."
+    )
     versions: dict[str, str]
     models: list[ModelSummary] = Field(description="Every model loaded, with its memory.")
     weights_version: str = Field(description="Version of the policy weights now serving.")

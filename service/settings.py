@@ -92,6 +92,15 @@ class Settings(BaseSettings):
         description="Most CUDA graphs one decoder keeps (the least recently used goes first). With "
         "flash-attn 4 one graph serves every micro-batch of the same padded size: max_batch_tokens / 128.",
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="GPUs of this host one replica spreads each model over (tensor parallel: one process "
+        "per GPU, started by serve; rank 0 serves HTTP). 1: one process, one device. Over 1: the fused "
+        "decoder's models only (Llama, Mistral, Qwen2, Qwen3), their query and key/value heads divisible "
+        "by it; no CUDA graphs, no batch-invariant mode.",
+    )
     max_batch_tokens: int = Field(
         16384,
         ge=16,

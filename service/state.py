@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from service.batcher import Batcher
-from service.engine.base import EngineInfo
+from service.engine.base import EngineInfo, Supervised
 from service.errors import NotReady
 from service.metrics import Metrics
 from service.normalise import ModelLimits
@@ -23,6 +23,7 @@ class Serving:
     batcher: Batcher
     reloader: Reloader
     follower: asyncio.Task[None] | None = None  # follows settings.weights_follow
+    supervised: Supervised | None = None  # an engine of several processes (tensor parallel)
 
 
 @dataclass(slots=True)
@@ -42,6 +43,6 @@ class ServiceState:
         return "ready" if self.serving is not None else "loading"
 
     def require_serving(self) -> Serving:
-        if self.serving is None or self.draining:
+        if self.serving is None or self.draining or self.failure is not None:
             raise NotReady(f"the model is not ready to score (state: {self.phase})")
         return self.serving

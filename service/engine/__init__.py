@@ -8,16 +8,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from service.engine.base import EngineInfo, ModelInfo, OutOfMemory, ScoringEngine
+from service.engine.base import EngineInfo, ModelInfo, OutOfMemory, ScoringEngine, Supervised
 
 if TYPE_CHECKING:
     from service.settings import Settings
 
-__all__ = ["EngineInfo", "ModelInfo", "OutOfMemory", "ScoringEngine", "load_engine"]
+__all__ = ["EngineInfo", "ModelInfo", "OutOfMemory", "ScoringEngine", "Supervised", "load_engine"]
 
 
 def load_engine(settings: Settings) -> ScoringEngine:
     """Load the configured model (or the demo model) and return a ready-to-warm engine."""
+    if settings.tensor_parallel_size > 1:
+        from service.engine import parallel
+
+        return parallel.load(settings)
     from service.engine.scorer import PackedScorer
 
     return PackedScorer.from_settings(settings)

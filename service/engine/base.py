@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from service.jobs import Chunk, SequenceJob, SequenceScores
 from service.prefixes import Forest
@@ -52,6 +52,7 @@ class EngineInfo:
     max_sequence_limit: str = "positions"  # what sets it: positions | memory | setting
     batch_invariant: bool = False  # scores bitwise independent of the batch (invariant.py)
     moe_kernel: str = "none"  # the fused decoder's experts: grouped_mm | loop; none: no sparse layer fused
+    tensor_parallel_size: int = 1  # ranks (GPUs) each model is sharded over
 
     @property
     def roles(self) -> frozenset[str]:
@@ -145,3 +146,15 @@ class ScoringEngine(Protocol):
     def stage(self, order: ReloadOrder) -> StagedWeights: ...
 
     def apply(self, staged: StagedWeights) -> WeightsState: ...
+
+
+@runtime_checkable
+class Supervised(Protocol):
+    """An engine of several processes (tensor parallel: parallel.py), which fail together."""
+
+    def supervise(self, on_failure: Callable[[str], None]) -> None:
+        """Call `on_failure(reason)`, on another thread, once one of the engine's processes has died or
+        diverged; the engine ends this process itself (exit status 1) if it has not ended soon after."""
+
+    def close(self) -> None:
+        """Stop the engine's other processes; after the batcher has stopped."""

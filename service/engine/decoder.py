@@ -201,6 +201,9 @@ class _Layer:
 
 class FusedDecoder:
     kind: DecoderKind = "fused"
+    # Tensor parallel (sharding.py): sums a row-parallel GEMM's partial [rows, H] outputs over the
+    # ranks, in place; None (one process): the GEMMs add into the residual stream themselves.
+    reduce: Callable[[torch.Tensor], None] | None = None
 
     def __init__(
         self,
@@ -362,6 +365,8 @@ class FusedDecoder:
         del qkv, q, k, v
         if rows is not None:
             x, attended = x.index_select(0, rows), attended.index_select(0, rows)
+        if self.reduce is not None:
+            return self._run_sharded_out(layer, x, attended, self.reduce)
         _accumulate(x, attended, layer.o_proj, self.rows)
         del attended
         h = ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
@@ -376,6 +381,29 @@ class FusedDecoder:
             mlp.add_to(x, h, self.rows)
         else:
             _accumulate(x, self._mlp_in(mlp, h), mlp.down_proj, self.rows)
+
+    def _run_sharded_out(
+        self, layer: _Layer, x: torch.Tensor, attended: torch.Tensor, reduce: Callable[[torch.Tensor], None]
+    ) -> torch.Tensor:
+        """run_layer from the output projection on, tensor parallel: o_proj and down_proj hold this
+        rank's input columns, so each gives a partial [rows, H] that one all-reduce sums (the MLP's
+        chunks into one buffer: one all-reduce per layer each); their biases are added once, after."""
+        partial = F.linear(attended, layer.o_proj.weight)  # [rows, H]
+        reduce(partial)
+        x.add_(partial)
+        if layer.o_proj.bias is not None:
+            x.add_(layer.o_proj.bias)
+        mlp = layer.mlp
+        assert isinstance(mlp, _Dense)  # tensor parallel refuses mixture-of-experts models
+        h = self.ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
+        for start in range(0, x.shape[0], self.chunk):
+            end = min(start + self.chunk, x.shape[0])
+            partial[start:end] = F.linear(self._mlp_in(mlp, h[start:end]), mlp.down_proj.weight)
+        reduce(partial)
+        x.add_(partial)
+        if mlp.down_proj.bias is not None:
+            x.add_(mlp.down_proj.bias)
+        return x
 
     def _mlp_in(self, mlp: _Dense, h: torch.Tensor) -> torch.Tensor:
         """silu(h·Wgateᵀ) · (h·Wupᵀ): [rows, I]."""

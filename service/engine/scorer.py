@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 import service
-from service.engine import decoder, gated, graphs, invariant, moe, weights
+from service.engine import decoder, gated, graphs, invariant, moe, vocab_parallel, weights
 from service.engine.attention import AttentionBackend, choose_backend, register
 from service.engine.base import (
     EngineInfo,
@@ -42,6 +42,7 @@ from service.engine.base import (
     WeightsRejected,
     WeightsState,
 )
+from service.engine.checkpoint import read_all
 from service.engine.chunking import chunk_mlps, resolve_tokens
 from service.engine.context import KVStore, cache_bytes_per_token
 from service.engine.critic import Critic, load_critic, read_value_head
@@ -51,6 +52,7 @@ from service.engine.head import ActionScores, LogitTransform, score_actions
 from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype, text_part
 from service.engine.packing import SHAPE_STEP, PackedBatch, pack
+from service.engine.sharding import Sharded
 from service.jobs import Chunk, FloatArray, SequenceJob, SequenceScores
 from service.prefixes import Forest
 from service.settings import Settings
@@ -74,8 +76,11 @@ class CausalLM:
         self.lm_head = model.get_output_embeddings()
         self.transform = LogitTransform.from_config(model.config)
         self.chunk_rows = chunk_rows
-        embed_rows = model.get_input_embeddings().num_embeddings
-        self.vocab_size = min(int(embed_rows), int(self.lm_head.out_features))
+        self.vocab_size = min(
+            vocab_parallel.full_rows(model.get_input_embeddings()), vocab_parallel.full_rows(self.lm_head)
+        )
+        sharded = isinstance(self.lm_head, vocab_parallel.VocabParallelHead)
+        self.score = vocab_parallel.score_actions if sharded else score_actions
 
     def warm_head(self, step: int) -> None:
         """The lm_head's GEMM over every row count a chunk of padded actions can have."""
@@ -84,7 +89,7 @@ class CausalLM:
             self.lm_head(torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device))
 
     def logprobs(self, batch: PackedBatch, want_entropy: bool) -> ActionScores:
-        return score_actions(
+        return self.score(
             hidden=self.forward(batch, batch.hidden_index),
             targets=batch.targets,
             inv_temperature=batch.inv_temperature,
@@ -198,8 +203,11 @@ class PackedScorer:
         *,
         reference: LoadedModel | None = None,
         critic: Critic | None = None,
+        sharded: Sharded | None = None,
     ) -> None:
-        """Prepare each model's forward per settings.decoder and settings.kernels, and describe them."""
+        """Prepare each model's forward per settings.decoder and settings.kernels, and describe them.
+        `sharded`: the models are this rank's shards (tensor parallel; sharded.py): fused decoders
+        whose row-parallel GEMMs all-reduce, no CUDA graphs."""
         ops = Ops.for_device(device, allow_triton=settings.kernels != "none")
         # batch invariance (invariant.py): GEMMs of GEMM_ROWS rows, rows and actions padded to them
         self._gemm_rows = invariant.GEMM_ROWS if settings.batch_invariant else None
@@ -207,15 +215,21 @@ class PackedScorer:
         chunk_rows = settings.logits_chunk_rows
         if settings.batch_invariant and invariant.GEMM_ROWS % chunk_rows:  # whole chunks of padded actions
             chunk_rows = invariant.GEMM_ROWS
+        self._sharded = sharded
+        cuda_graphs = settings.cuda_graphs if sharded is None else "off"  # a graph of collectives: not yet
         recorder = None
-        if device.type == "cuda" and settings.cuda_graphs != "off":
+        if device.type == "cuda" and cuda_graphs != "off":
             recorder = graphs.CudaRecorder(device)  # one memory pool for every model's graphs
 
         def forward(model: Any, base: Any) -> tuple[Decoder, str]:
             built, kernels = _prepare(model, base, settings, backend, ops, device, self._gemm_rows)
+            if sharded is not None:
+                if not isinstance(built, decoder.FusedDecoder):
+                    raise RuntimeError("tensor parallel runs the fused decoder; this model runs another")
+                built.reduce = sharded.shard.all_reduce_
             wrapped = graphs.wrap(
                 built,
-                settings.cuda_graphs,
+                cuda_graphs,
                 backend.name,
                 device,
                 recorder,
@@ -244,7 +258,7 @@ class PackedScorer:
                 f"reference model vocabulary {self._reference.vocab_size} differs from the policy's {vocab}"
             )
         if critic is not None:
-            vocab = min(vocab, int(critic.decoder.get_input_embeddings().num_embeddings))
+            vocab = min(vocab, vocab_parallel.full_rows(critic.decoder.get_input_embeddings()))
         models = [_model_info("policy", loaded.name, loaded.model)]
         if reference is not None:
             models.append(_model_info("reference", reference.name, reference.model))
@@ -265,6 +279,7 @@ class PackedScorer:
             batch_invariant=settings.batch_invariant,
             versions=_versions(),
             models=tuple(models),
+            tensor_parallel_size=sharded.shard.world if sharded is not None else 1,
         )
         longest = _longest(self._info.max_positions, None, settings.max_sequence_tokens)
         self._info = dataclasses.replace(self._info, **longest)
@@ -312,7 +327,10 @@ class PackedScorer:
                 head = read_value_head(order.path, int(module.config.hidden_size), self._device)
             except (OSError, ValueError) as exc:
                 raise WeightsRejected(str(exc)) from exc
-        weights.check_config(order.path, text_part(module.config))
+        served, read = text_part(module.config), read_all
+        if self._sharded is not None:  # this rank's slices, checked against the whole model's config
+            served, read = self._sharded.configs[order.target], self._sharded.layouts[order.target].read
+        weights.check_config(order.path, served)
         mode = weights.choose_mode(order.mode, weights.module_bytes(module), self._device)
         return weights.stage(
             dataclasses.replace(order, mode=mode),
@@ -320,6 +338,7 @@ class PackedScorer:
             prefix=prefix,
             allow_extra=lambda name: bool(prefix) and not name.startswith(prefix),  # the critic's heads
             extra=head,
+            read=read,
         )
 
     def apply(self, staged: StagedWeights) -> WeightsState:
@@ -444,6 +463,11 @@ class PackedScorer:
             for _ in range(4)
         ]
         self.score(jobs)
+        if self._sharded is not None:  # the models' own forwards need every rank's shard: no self-check
+            log.info("warm-up done (rank %d of %d)", self._sharded.shard.rank, self._sharded.shard.world)
+            if self._device.type == "cuda":
+                self.meet_shapes()
+            return
         delta = self._policy.self_check(jobs[0], self._device)
         if self._reference is not None:
             delta = max(delta, self._reference.self_check(jobs[0], self._device))

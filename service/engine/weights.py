@@ -54,6 +54,8 @@ STRUCTURAL = (
     "logits_scaling",
 )
 _GIB = 1 << 30
+# checkpoint files, tensor names -> their values on the host
+Read = Callable[[dict[str, Path], set[str]], dict[str, torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -102,10 +104,12 @@ def stage(
     prefix: str = "",
     allow_extra: Callable[[str], bool] = lambda name: False,
     extra: Any = None,
+    read: Read = read_all,
 ) -> Staged:
     """Read `order.path` into new values for every parameter of `module` and place them for
     `order.mode` ("copy" or "swap"; choose with `choose_mode` first). Checkpoint names are the
-    module's own, or `prefix` + its own (a critic's backbone saved under "model.")."""
+    module's own, or `prefix` + its own (a critic's backbone saved under "model."). `read`: the
+    tensors' values as the module holds them (sharding.Layout.read: a tensor-parallel rank's slices)."""
     if not order.path.exists():
         raise WeightsRejected(f"{order.path}: no such file or directory")
     try:
@@ -117,7 +121,7 @@ def stage(
     aliases = _aliases(module)
     chosen = _match(order.path, files, aliases, prefix, allow_extra)
     try:
-        host = read_all(files, {name for names in chosen.values() for name in names})
+        host = read(files, {name for names in chosen.values() for name in names})
     except Exception as exc:
         raise WeightsRejected(f"{order.path}: unreadable ({type(exc).__name__}: {exc})") from exc
     device = next(iter(aliases.values()))[0].device
@@ -139,6 +143,25 @@ def stage(
     if side is not None:
         side.synchronize()
     return Staged(order, slots, nbytes, extra)
+
+
+def load(
+    path: Path,
+    module: torch.nn.Module,
+    *,
+    prefix: str = "",
+    allow_extra: Callable[[str], bool] = lambda name: False,
+    read: Read = read_all,
+) -> None:
+    """Read `path` into the parameters of `module`, built without its weights, in place: checked as
+    `stage` checks, one tensor at a time, so the host holds one tensor's values (or slice) at most."""
+    files = tensor_files(path)
+    aliases = _aliases(module)
+    chosen = _match(path, files, aliases, prefix, allow_extra)
+    with torch.no_grad():
+        for key, (served, _) in aliases.items():
+            if key in chosen:
+                served.copy_(_checked(path, read(files, set(chosen[key])), chosen[key], served))
 
 
 def apply(staged: Staged) -> None:

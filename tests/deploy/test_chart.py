@@ -70,6 +70,8 @@ def test_values_pass_the_schema_and_lint_is_clean(values_file: Path) -> None:
         {"model": {"volume": {"type": "nfs"}}},
         {"model": {"path": "relative/dir"}},
         {"gpu": {"count": -1}},
+        {"gpu": {"perPod": 0}},
+        {"shm": {"sizeLimitPerGpu": "lots"}},
         {"drain": {"seconds": "15s"}},
         {"serverr": {}},
     ],
@@ -87,6 +89,7 @@ def test_schema_rejects_bad_values(bad: dict[str, Any]) -> None:
         ({"model": {"volume": {"type": "existingClaim"}}}, "existingClaim is required"),
         ({"model": {"volume": {"type": "hostPath"}}}, "hostPath.path is required"),
         ({"auth": {"enabled": True}}, "existingSecret is required"),
+        ({"gpu": {"perPod": 2, "resourceKey": "nvidia.com/mig-3g.40gb"}}, "needs whole GPUs"),
     ],
 )
 def test_render_refuses_inconsistent_values(values: dict[str, Any], error: str) -> None:
@@ -257,8 +260,33 @@ def test_service_monitor_and_ingress_reach_the_container(values_file: Path) -> N
 def test_gpu_requests_equal_limits(values_file: Path) -> None:
     values = merged_values(values_file)
     resources = container(render(values_file))["resources"]
-    key, count = values["gpu"]["resourceKey"], values["gpu"]["count"]
-    assert resources["requests"][key] == resources["limits"][key] == count
+    key, count, per_pod = values["gpu"]["resourceKey"], values["gpu"]["count"], values["gpu"]["perPod"]
+    assert resources["requests"][key] == resources["limits"][key] == (per_pod if per_pod > 1 else count)
+
+
+@values_files
+def test_gpus_per_pod_set_the_ranks_the_gpus_and_shm(values_file: Path) -> None:
+    """gpu.perPod > 1: LOGPROBD_TENSOR_PARALLEL_SIZE, that many GPUs, /dev/shm per GPU; 1: none of it."""
+    values = merged_values(values_file)
+    manifests = render(values_file)
+    per_pod = values["gpu"]["perPod"]
+    env = env_of(manifests)
+    pod = only(manifests, "Deployment")["spec"]["template"]["spec"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")["emptyDir"]
+    assert shm["medium"] == "Memory"
+    if per_pod == 1:
+        assert "LOGPROBD_TENSOR_PARALLEL_SIZE" not in env
+        assert shm["sizeLimit"] == values["shm"]["sizeLimit"]
+        return
+    assert env["LOGPROBD_TENSOR_PARALLEL_SIZE"] == str(per_pod)
+    assert Settings(tensor_parallel_size=env["LOGPROBD_TENSOR_PARALLEL_SIZE"]).tensor_parallel_size == per_pod
+    assert container(manifests)["resources"]["limits"]["nvidia.com/gpu"] == per_pod
+    per_gpu = values["shm"]["sizeLimitPerGpu"]
+    assert shm["sizeLimit"] == f"{int(per_gpu[:-2]) * per_pod}{per_gpu[-2:]}"
+
+
+def test_there_is_a_tensor_parallel_values_file() -> None:
+    assert any(merged_values(path)["gpu"]["perPod"] > 1 for path in VALUES_FILES)
 
 
 @values_files

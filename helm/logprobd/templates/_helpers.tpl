@@ -68,4 +68,16 @@ GRACEFUL_SHUTDOWN_S), plus a margin. An explicit value wins.
 {{- if lt (int .Values.autoscaling.maxReplicas) (int .Values.autoscaling.minReplicas) }}
 {{- fail "autoscaling.maxReplicas must be at least autoscaling.minReplicas" }}
 {{- end }}
+{{- if and (gt (int .Values.gpu.perPod) 1) (ne .Values.gpu.resourceKey "nvidia.com/gpu") }}
+{{- fail "gpu.perPod > 1 (tensor parallel) needs whole GPUs: gpu.resourceKey nvidia.com/gpu, not a MIG slice" }}
+{{- end }}
+{{- end }}
+
+{{/* /dev/shm for tensor-parallel ranks: (list sizeLimitPerGpu gpus) -> e.g. 4Gi x 2 = 8Gi */}}
+{{- define "logprobd.shmPerGpu" -}}
+{{- $per := index . 0 | toString }}
+{{- $gpus := index . 1 | int }}
+{{- $number := regexFind "^[0-9]+" $per | int }}
+{{- $unit := regexReplaceAll "^[0-9]+" $per "" }}
+{{- printf "%d%s" (mul $number $gpus) $unit }}
 {{- end }}
