@@ -248,6 +248,7 @@ class PackedScorer:
         self._critic_forward = forward(critic.decoder, critic.decoder)[0] if critic is not None else None
         self._device = device
         self._max_tokens = settings.max_batch_tokens
+        self._decoder_setting = settings.decoder
         self._stores: dict[int, dict[Target, KVStore]] = {}  # chunked sequence -> each model's store
         self._max_sequence_setting = settings.max_sequence_tokens
         config = loaded.model.config
@@ -468,9 +469,9 @@ class PackedScorer:
             if self._device.type == "cuda":
                 self.meet_shapes()
             return
-        delta = self._policy.self_check(jobs[0], self._device)
+        delta = self._self_check(self._policy, jobs[0], "policy")
         if self._reference is not None:
-            delta = max(delta, self._reference.self_check(jobs[0], self._device))
+            delta = max(delta, self._self_check(self._reference, jobs[0], "reference"))
         if self._critic is not None and self._critic_forward is not None:
             check_hidden(self._critic.decoder, self._critic_forward, jobs[0], self._device, "critic")
         log.info("warm-up done; self-check max |Δ logits| = %.3g", delta)
@@ -485,6 +486,25 @@ class PackedScorer:
         if isinstance(policy, graphs.GraphedDecoder) and policy.disabled is not None:
             kernels = self._info.kernels.replace("+graphs", "")
             self._info = dataclasses.replace(self._info, kernels=kernels)
+
+    def _self_check(self, lm: CausalLM, job: SequenceJob, role: str) -> float:
+        """lm.self_check; under decoder=auto, a fused decoder whose hidden states are off gives way to
+        the transformers decoder, with a warning, instead of failing the start (in half precision
+        a mixture-of-experts model with near-tied router logits, random weights above all, may route
+        some tokens to other experts than transformers' forward does)."""
+        try:
+            return lm.self_check(job, self._device)
+        except DecoderMismatch as exc:
+            if self._decoder_setting != "auto":
+                raise
+            log.warning("%s: %s; serving it with the transformers decoder instead", role, exc)
+        lm.forward = decoder.TransformersDecoder(lm.model.base_model)
+        if role == "policy":
+            kernels = "none" if self._info.kernels.startswith(("triton", "none")) else self._info.kernels
+            self._info = dataclasses.replace(
+                self._info, decoder="transformers", kernels=kernels, moe_kernel="none"
+            )
+        return lm.self_check(job, self._device)
 
     def _measure_longest(self, rng: random.Random) -> None:
         """Score a sequence of two full chunks, every model asked (the chunked path's kernels met
@@ -614,6 +634,10 @@ def _moe_kernel(forward: Decoder) -> str:
     return "none"
 
 
+class DecoderMismatch(RuntimeError):
+    """A fused decoder's hidden states are further from transformers' than rounding explains."""
+
+
 @torch.inference_mode()
 def check_hidden(base: Any, forward: Decoder, job: SequenceJob, device: torch.device, role: str) -> float:
     """‖ours - transformers'‖ / ‖transformers'‖ over the final hidden states of one sequence; raise
@@ -626,7 +650,7 @@ def check_hidden(base: Any, forward: Decoder, job: SequenceJob, device: torch.de
     error = decoder.relative_error(forward(batch, every), own)
     bound = _DECODER_TOL[next(base.parameters()).dtype]
     if not error <= bound:
-        raise RuntimeError(
+        raise DecoderMismatch(
             f"{role}: the {forward.kind} decoder's hidden states differ from transformers' by {error:.3g} "
             f"of their norm (allowed {bound:.3g}); try decoder=transformers"
         )

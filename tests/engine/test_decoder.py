@@ -173,6 +173,28 @@ def test_the_engine_reports_its_decoder(
     assert engine.info.kernels == "none"
 
 
+@pytest.mark.parametrize("setting", ["auto", "fused"])
+def test_a_fused_decoder_off_transformers_gives_way_under_auto_only(
+    setting: str, model_dirs: dict[str, Path]
+) -> None:
+    """The warm-up's self-check finds the fused decoder off (its sliding windows lost): under auto
+    the engine serves the transformers decoder, exact, and says so; decoder=fused fails the start."""
+    engine = PackedScorer.from_settings(Settings(model=model_dirs["qwen2"], device="cpu", decoder=setting))
+    fused = engine._policy.forward
+    assert isinstance(fused, FusedDecoder)
+    for layer in fused.layers:
+        layer.window = None
+    if setting == "fused":
+        with pytest.raises(RuntimeError, match="fused decoder"):
+            engine.warm_up()
+        return
+    engine.warm_up()
+    assert engine.info.decoder == "transformers"
+    assert isinstance(engine._policy.forward, TransformersDecoder)
+    job = SequenceJob(np.arange(3, 40), np.arange(1, 37), 1.0, False)
+    assert engine._policy.self_check(job, CPU) < 1e-4
+
+
 def test_liger_and_fused_do_not_go_together(model_dirs: dict[str, Path]) -> None:
     with pytest.raises(RuntimeError, match="kernels=liger"):
         PackedScorer.from_settings(
