@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -32,8 +34,11 @@ def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
     return tensor
 
 
-def read_all(files: dict[str, Path], names: set[str]) -> dict[str, torch.Tensor]:
-    """The named tensors, on the host, opening each file once."""
+def read_all(
+    files: dict[str, Path], names: set[str], read: Callable[[Any, str], torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The named tensors, on the host, opening each file once; `read(opened file, name)` reads one
+    (default: whole; sharding.py reads a rank's slice)."""
     by_file: dict[Path, list[str]] = {}
     for name in sorted(names):
         by_file.setdefault(files[name], []).append(name)
@@ -41,5 +46,5 @@ def read_all(files: dict[str, Path], names: set[str]) -> dict[str, torch.Tensor]
     for file, wanted in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             for name in wanted:
-                tensors[name] = f.get_tensor(name)
+                tensors[name] = f.get_tensor(name) if read is None else read(f, name)
     return tensors

@@ -24,6 +24,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -328,7 +329,8 @@ class PackedScorer:
                 head = read_value_head(order.path, int(module.config.hidden_size), self._device)
             except (OSError, ValueError) as exc:
                 raise WeightsRejected(str(exc)) from exc
-        served, read = text_part(module.config), read_all
+        served: Any = text_part(module.config)
+        read: Callable[[dict[str, Path], set[str]], dict[str, torch.Tensor]] = read_all
         if self._sharded is not None:  # this rank's slices, checked against the whole model's config
             served, read = self._sharded.configs[order.target], self._sharded.layouts[order.target].read
         weights.check_config(order.path, served)

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+
+from service.engine.checkpoint import read_all
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,21 +131,18 @@ class Layout:
 
     def read(self, files: dict[str, Path], names: set[str]) -> dict[str, torch.Tensor]:
         """This rank's slices of the named tensors, on the host (only the slices' bytes are read)."""
-        by_file: dict[Path, list[str]] = {}
-        for name in sorted(names):
-            by_file.setdefault(files[name], []).append(name)
-        tensors: dict[str, torch.Tensor] = {}
-        for file, wanted in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                for name in wanted:
-                    part = self.part(name)
-                    if part is None:
-                        tensors[name] = f.get_tensor(name)
-                        continue
-                    dim, start, end = part
-                    view = f.get_slice(name)
-                    tensors[name] = view[start:end] if dim == 0 else view[:, start:end]
-        return tensors
+
+        def one(opened: Any, name: str) -> torch.Tensor:
+            part = self.part(name)
+            if part is None:
+                whole: torch.Tensor = opened.get_tensor(name)
+                return whole
+            dim, start, end = part
+            view = opened.get_slice(name)
+            sliced: torch.Tensor = view[start:end] if dim == 0 else view[:, start:end]
+            return sliced
+
+        return read_all(files, names, one)
 
 
 @dataclass(frozen=True, slots=True)
