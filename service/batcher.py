@@ -544,6 +544,7 @@ class Batcher:
         looked: int | None = None  # behind the first that did not fit: how many looked at
         while self._queue:
             p = self._queue.popleft()
+            cost: int | None = None  # what it computes beside the micro-batch, once known
             if looked is not None:
                 assert grouper is not None
                 if looked == LOOKAHEAD:
@@ -569,7 +570,8 @@ class Batcher:
                 else:
                     skipped.append(p)
                 continue
-            cost = grouper.cost(p.job.tokens) if grouper is not None else p.job.num_tokens
+            if cost is None:
+                cost = grouper.cost(p.job.tokens) if grouper is not None else p.job.num_tokens
             if batch and tokens + cost > room:
                 if grouper is None:
                     self._queue.appendleft(p)

@@ -129,6 +129,9 @@ def _hidden_rows(
     rows = []
     for job, path in zip(jobs, forest.paths, strict=True):
         before = job.actions - 1
+        if len(path) == 1:  # a sequence in one node (nothing shared): no search
+            rows.append(before + (starts[path[0]] - node_first[path[0]]))
+            continue
         nodes = np.asarray(path, dtype=np.int64)
         at = nodes[np.searchsorted(node_first[nodes] + node_lengths[nodes], before, side="right")]
         rows.append(starts[at] + before - node_first[at])
