@@ -284,9 +284,10 @@ class Info(BaseModel):
         'transformers decoder) or "none" (plain torch).'
     )
     moe_kernel: str = Field(
-        description="The fused decoder's mixture-of-experts layers: \"grouped_mm\" (torch's grouped GEMM "
-        'over every expert at once), "loop" (one GEMM per expert) or "none" (no sparse layer runs fused: a '
-        "dense model, or the transformers decoder)."
+        description="The fused decoder's mixture-of-experts layers: \"quack\" (quack-kernels' varlen GEMMs "
+        'over every expert at once, the gather and SwiGLU inside), "grouped_mm" (torch\'s grouped GEMM over '
+        'every expert at once), "loop" (one GEMM per expert) or "none" (no sparse layer runs fused: a dense '
+        "model, or the transformers decoder)."
     )
     vocab_size: int
     max_positions: int = Field(description="Positions the model covers, with its rope scaling (422 past it).")

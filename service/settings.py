@@ -17,7 +17,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attn_cute", "flash_attn", "torch_varlen", "sdpa"]
 Kernels = Literal["auto", "liger", "none"]
 MlpKernel = Literal["auto", "split", "quack"]
-MoeKernel = Literal["auto", "grouped_mm", "loop"]
+MoeKernel = Literal["auto", "quack", "grouped_mm", "loop"]
 CudaGraphs = Literal["auto", "on", "off"]
 Decoder = Literal["auto", "fused", "transformers"]
 ReloadMode = Literal["auto", "copy", "swap"]
@@ -75,8 +75,10 @@ class Settings(BaseSettings):
     moe_kernel: MoeKernel = Field(
         "auto",
         description="The fused decoder's mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral). "
-        "grouped_mm: torch's grouped GEMM over every expert at once (no loop over experts, no host "
-        "synchronisation); loop: one GEMM per expert; auto: grouped_mm on cuda where it passes a start-up "
+        "quack: quack-kernels' varlen GEMMs over every expert at once, the tokens' rows gathered and "
+        "SwiGLU applied inside the first (CUDA compute capability 9.0+, bf16/fp16); grouped_mm: torch's "
+        "grouped GEMM over every expert at once; neither loops over experts or synchronises with the host. "
+        "loop: one GEMM per expert. auto: on cuda the first of quack and grouped_mm that passes a start-up "
         "probe (otherwise loop, with a warning), loop elsewhere.",
     )
     cuda_graphs: CudaGraphs = Field(

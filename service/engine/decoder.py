@@ -41,7 +41,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from service.engine import invariant, moe
+from service.engine import invariant, moe, moe_ops
 from service.engine.attention import Kernel, Segments
 from service.engine.context import KVContext
 from service.engine.decoder_ops import HeadNorms, Ops
@@ -273,7 +273,8 @@ class FusedDecoder:
                 ),
                 mlp.shared_expert_gate,
             )
-        return moe.SparseMoe(mlp.gate, mlp.experts, rule, self.moe_kernel, self.ops.swiglu, shared)
+        combine = moe_ops.combine_kernel if self.ops.name == "triton" else moe_ops.combine_torch
+        return moe.SparseMoe(mlp.gate, mlp.experts, rule, self.moe_kernel, self.ops.swiglu, shared, combine)
 
     def _shared_expert(self, dense: _Dense, gate: torch.nn.Linear) -> moe.SharedExpert:
         """Qwen2-MoE's shared expert: sigmoid(h·wgᵀ) · mlp(h), rounded as transformers does."""

@@ -6,11 +6,11 @@ k of them per token, expert width I), into the residual stream x [T, H]:
     logits = h @ Wrouterᵀ                         [T, E] in the model's dtype, as transformers
     w, e = route(logits)                          [T, k] float32 weights, int64 expert ids (Routing)
     order = argsort(e.flatten(), stable)          [T·k] slots grouped by expert, tokens ascending in one
-    ends = searchsorted(sorted ids, 0..E-1)       [E] int32: expert j owns grouped rows ends[j-1]:ends[j]
+    offsets = searchsorted(sorted ids, -1..E-1)   [E+1] int32: expert j's grouped rows from offsets[j] on
     a = swiglu(grouped(h[order // k], Wgate|up))  [T·k, I]
     y = grouped(a, Wdown)                         [T·k, H]
-    out = Σ_k y[slot] · w[slot]                   [T, H] each token's k outputs, in its top-k order
-    x += out (+ the shared expert, Qwen2-MoE)     one rounding into the residual
+    x += Σ_k y[slot] · w[slot]                    [T, H] each token's k outputs, in its top-k order (moe_ops)
+                                                  (+ the shared expert, Qwen2-MoE), one rounding
 
 Rounding as transformers' forward (its `grouped_mm` experts implementation, the default in 5.x): the
 weights are rounded to the model's dtype before the product where the architecture's router does so
@@ -24,17 +24,23 @@ The experts' weights are read from the model's own 3-D parameters at every call 
 [E, 2·I, H], down_proj [E, H, I]; the transposed views the grouped GEMM takes are views): no copy,
 and a reload that rebinds them is taken up as it is.
 
-Two grouped GEMMs compute the same function:
+Three kernels compute the same function:
 
-- grouped_mm: torch's grouped GEMM (`torch.nn.functional.grouped_mm`, else `torch._grouped_mm`) over
-  every expert in one call, the group ends read on the device: no loop over experts and no host
-  synchronisation, so a layer can be captured in a CUDA graph. What the host sees of a call (and
-  what a kernel is chosen by) is the total rows T·k and the weight's shape, never the per-expert
-  counts, so a warm-up over each padded token count meets every call a micro-batch can make.
+- quack: quack-kernels' varlen GEMMs (CUDA compute capability 9.0+). The first gathers the tokens'
+  rows itself (h[order // k] is never written) and applies SwiGLU to its float32 accumulators (one
+  rounding where transformers rounds gate|up first: within bf16 noise); the second is plain.
+- grouped_mm: torch's grouped GEMM (`torch.nn.functional.grouped_mm`, else `torch._grouped_mm`), the
+  gathered rows and the SwiGLU as separate steps.
 - loop: one GEMM per expert over its rows, the group ends read on the host; the CPU twin.
 
-`choose` resolves the `moe_kernel` setting; before `auto` takes grouped_mm it runs it once against
-the loop on a small input, and any failure leaves the loop with a warning.
+quack and grouped_mm run every expert in one call, the group offsets read on the device: no loop
+over experts and no host synchronisation, so a layer can be captured in a CUDA graph. What the host
+sees of a call (and what a kernel is chosen by) is the total rows T·k and the weight's shape, never
+the per-expert counts, so a warm-up over each padded token count meets every call a micro-batch can
+make.
+
+`choose` resolves the `moe_kernel` setting; `auto` takes quack, else grouped_mm, else the loop, each
+after running it once against the loop on a small input (a failure there: a warning, the next one).
 """
 
 from __future__ import annotations
@@ -47,25 +53,46 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from service.engine import invariant
+from service.engine import gated, invariant, moe_ops
+from service.engine.optional import FAST_DTYPES
 
 log = logging.getLogger(__name__)
 
-MoeKernelName = Literal["grouped_mm", "loop"]
-# x [S, K] grouped by expert, weight [E, N, K] (the checkpoint's layout), ends [E] int32 -> [S, N]
-GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MoeKernelName = Literal["quack", "grouped_mm", "loop"]
+
+
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """Where each expert's rows lie in the grouped order: offsets [E+1] int32 (offsets[0] = 0), ends
+    [E] its view offsets[1:]."""
+
+    offsets: torch.Tensor
+
+    @property
+    def ends(self) -> torch.Tensor:
+        return self.offsets[1:]
+
+
+# x [S, K] grouped by expert, weight [E, N, K] (the checkpoint's layout), groups -> [S, N]
+GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, Groups], torch.Tensor]
+# h [T, H], rows [S] int32 (the token of each grouped row), gate|up weight [E, 2·I, H], groups -> [S, I]
+GatheredSwiglu = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Groups], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
 class MoeKernel:
+    """The grouped GEMMs of one kernel: `matmul` for the down projection (and the gate|up one where
+    `gathered_swiglu` is None: then the rows are gathered and the SwiGLU applied as separate steps)."""
+
     name: MoeKernelName
     matmul: GroupedMatmul
+    gathered_swiglu: GatheredSwiglu | None = None
 
 
-def _loop(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def _loop(x: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
     out = x.new_empty((x.shape[0], weight.shape[1]))
     start = 0
-    for expert, end in enumerate(ends.tolist()):  # the host reads the ends: the CPU twin only
+    for expert, end in enumerate(groups.ends.tolist()):  # the host reads the ends: the CPU twin only
         if end > start:
             out[start:end] = F.linear(x[start:end], weight[expert])
         start = end
@@ -78,60 +105,122 @@ def _grouped_function() -> Callable[..., torch.Tensor] | None:
 
 
 def _grouped(fn: Callable[..., torch.Tensor]) -> GroupedMatmul:
-    def matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        return fn(x, weight.transpose(1, 2), offs=ends)  # [E, K, N]: a view, column-major per expert
+    def matmul(x: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
+        return fn(x, weight.transpose(1, 2), offs=groups.ends)  # [E, K, N]: a view, column-major per expert
 
     return matmul
+
+
+def _quack() -> MoeKernel:
+    from quack.gemm_interface import gemm, gemm_act
+
+    def matmul(x: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
+        out: torch.Tensor = gemm(x, weight.transpose(1, 2), cu_seqlens_m=groups.offsets, tuned=False)
+        return out
+
+    def gathered_swiglu(
+        h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, groups: Groups
+    ) -> torch.Tensor:
+        outputs = gemm_act(
+            h,
+            weight.transpose(1, 2),  # [E, H, 2·I] whose columns are [gate; up]: concat_layout says so
+            activation="swiglu",
+            cu_seqlens_m=groups.offsets,
+            A_idx=rows,
+            store_preact=False,
+            tuned=False,  # quack's heuristic tile: tuning would run every candidate per new shape
+            concat_layout=("B",),
+        )
+        act: torch.Tensor = outputs[1]
+        return act
+
+    return MoeKernel("quack", matmul, gathered_swiglu)
 
 
 LOOP = MoeKernel("loop", _loop)
 
 
-def _wants_grouped(device: torch.device) -> bool:
-    """Where auto tries the grouped GEMM: CUDA (on CPU the loop is the twin the tests hold)."""
+def _wants_fast(device: torch.device) -> bool:
+    """Where auto tries the device kernels: CUDA (on CPU the loop is the twin the tests hold)."""
     return device.type == "cuda"
 
 
-def choose(setting: str, device: torch.device, dtype: torch.dtype) -> MoeKernel:
-    """loop: the per-expert loop; grouped_mm: torch's grouped GEMM (failing the start where it is
-    missing or fails its probe); auto: grouped_mm on CUDA where it passes the probe, else the loop
-    (one warning where it is there but fails)."""
-    if setting == "loop" or (setting == "auto" and not _wants_grouped(device)):
-        return LOOP
+def _candidates(setting: str, device: torch.device, dtype: torch.dtype) -> list[Callable[[], MoeKernel]]:
+    """The kernels `setting` allows, best first, each built on demand (an import may fail)."""
+    quack: list[Callable[[], MoeKernel]] = []
+    if dtype in FAST_DTYPES and (setting == "quack" or gated.quack_available(device)):
+        quack = [_quack]
+    grouped: list[Callable[[], MoeKernel]] = [_grouped_mm]
+    return {"quack": quack or [_quack], "grouped_mm": grouped, "auto": [*quack, *grouped]}[setting]
+
+
+def _grouped_mm() -> MoeKernel:
     fn = _grouped_function()
     if fn is None:
-        if setting == "grouped_mm":
-            raise RuntimeError(f"moe_kernel=grouped_mm: torch {torch.__version__} has no grouped GEMM")
-        log.warning(
-            "moe_kernel=auto: torch %s has no grouped GEMM; experts run one by one", torch.__version__
-        )
+        raise RuntimeError(f"torch {torch.__version__} has no grouped GEMM")
+    return MoeKernel("grouped_mm", _grouped(fn))
+
+
+def choose(setting: str, device: torch.device, dtype: torch.dtype) -> MoeKernel:
+    """loop: the per-expert loop; quack / grouped_mm: that kernel (failing the start where it is
+    missing or fails its probe); auto: on CUDA the first of quack (compute capability 9.0+, bf16 or
+    fp16) and grouped_mm that passes its probe, else the loop (one warning per kernel that fails)."""
+    if setting == "loop" or (setting == "auto" and not _wants_fast(device)):
         return LOOP
-    kernel = MoeKernel("grouped_mm", _grouped(fn))
-    try:
-        probe(kernel, device, dtype)
-    except Exception as exc:  # an unsupported dtype, architecture or layout of this torch build
-        if setting == "grouped_mm":
-            raise RuntimeError(f"moe_kernel=grouped_mm: {type(exc).__name__}: {exc}") from exc
-        log.warning(
-            "moe_kernel=auto: torch's grouped GEMM cannot run here (%s: %s); experts run one by one",
-            type(exc).__name__,
-            exc,
-        )
-        return LOOP
-    return kernel
+    for build in _candidates(setting, device, dtype):
+        try:
+            kernel = build()
+            probe(kernel, device, dtype)
+        except Exception as exc:  # an import, compile or launch failure, or a result off the loop's
+            if setting != "auto":
+                raise RuntimeError(f"moe_kernel={setting}: {type(exc).__name__}: {exc}") from exc
+            log.warning(
+                "moe_kernel=auto: %s cannot run here (%s: %s)",
+                build.__name__.strip("_"),
+                type(exc).__name__,
+                exc,
+            )
+            continue
+        return kernel
+    log.warning("moe_kernel=auto: no grouped GEMM runs here; experts run one by one")
+    return LOOP
 
 
 def probe(kernel: MoeKernel, device: torch.device, dtype: torch.dtype) -> None:
-    """Run `kernel` once on a small input with an empty group; raise unless it is within rounding of
-    the loop's result."""
+    """Run `kernel`'s GEMMs once on a small input with an empty group; raise unless each is within
+    rounding of the loop's result."""
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(96, 128, device=device, dtype=dtype, generator=gen)
-    weight = torch.randn(4, 64, 128, device=device, dtype=dtype, generator=gen) / 8
-    ends = torch.tensor([40, 40, 90, 96], device=device, dtype=torch.int32)
-    got, want = kernel.matmul(x, weight, ends).float(), _loop(x, weight, ends).float()
-    error = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
-    if not error <= 2e-2:
-        raise RuntimeError(f"its result is {error:.3g} (relative) from one GEMM per expert")
+    h = torch.randn(48, 128, device=device, dtype=dtype, generator=gen)
+    rows = torch.randint(0, 48, (96,), device=device, generator=gen, dtype=torch.int32)
+    gate_up = torch.randn(4, 128, 128, device=device, dtype=dtype, generator=gen) / 8
+    down = torch.randn(4, 128, 64, device=device, dtype=dtype, generator=gen) / 8
+    groups = Groups(torch.tensor([0, 40, 40, 90, 96], device=device, dtype=torch.int32))
+    want_act = _swiglu_torch(_loop(h.index_select(0, rows), gate_up, groups))
+    got_act = _expand(kernel, h, rows, gate_up, groups, _swiglu_torch)
+    pairs = [(got_act, want_act), (kernel.matmul(want_act, down, groups), _loop(want_act, down, groups))]
+    for what, (got, want) in zip(("gate|up GEMM and SwiGLU", "down GEMM"), pairs, strict=True):
+        error = float((got.float() - want.float()).abs().max()) / max(float(want.float().abs().max()), 1e-30)
+        if not error <= 2e-2:
+            raise RuntimeError(f"its {what} is {error:.3g} (relative) from one GEMM per expert")
+
+
+def _swiglu_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _expand(  # noqa: PLR0917
+    kernel: MoeKernel,
+    h: torch.Tensor,
+    rows: torch.Tensor,
+    gate_up: torch.Tensor,
+    groups: Groups,
+    swiglu: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """h [T, H] -> swiglu(h[rows] · gate|up of each row's expert) [S, I]."""
+    if kernel.gathered_swiglu is not None:
+        return kernel.gathered_swiglu(h, rows, gate_up, groups)
+    return swiglu(kernel.matmul(h.index_select(0, rows), gate_up, groups))
 
 
 # ---- routing ---------------------------------------------------------------------------------------
@@ -174,6 +263,31 @@ MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 # h [T, H] -> sigmoid(h·wgᵀ) · mlp(h) [T, H] in the model's dtype (Qwen2-MoE's gated shared expert)
 SharedExpert = Callable[[torch.Tensor], torch.Tensor]
+# x [T, H] += Σ_j y[slots[:, j]] · w[:, j] (+ extra), in place: moe_ops
+Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Where a micro-batch's tokens go (S = T·k slots, slot t·k + j: token t's j-th expert)."""
+
+    weights: torch.Tensor  # [T, k] routing weights (Routing's dtype)
+    rows: torch.Tensor  # [S] int32: the token of each grouped row (grouped by expert, ascending in one)
+    slots: torch.Tensor  # [T, k] int64: where each slot's row sits in the grouped order
+    groups: Groups
+
+
+def plan(h: torch.Tensor, router: torch.Tensor, rule: Routing, rows: int | None = None) -> Plan:
+    """Route h [T, H] with the router weight [E, H] (GEMMs in blocks of `rows`: invariant.py)."""
+    count, k = router.shape[0], rule.top_k
+    logits = invariant.linear(h, router, None, rows)  # [T, E]
+    weights, experts = rule(logits)  # [T, k] each
+    ids, order = torch.sort(experts.flatten(), stable=True)  # grouped by expert, tokens ascending in each
+    bounds = torch.arange(-1, count, device=h.device, dtype=ids.dtype)
+    offsets = torch.searchsorted(ids, bounds, right=True).to(torch.int32)  # [E+1], offsets[0] = 0
+    positions = torch.arange(order.shape[0], device=h.device)
+    slots = torch.empty_like(order).index_copy_(0, order, positions).view(weights.shape)
+    return Plan(weights, (order // k).to(torch.int32), slots, Groups(offsets))
 
 
 @dataclass(slots=True)
@@ -186,40 +300,31 @@ class SparseMoe:
     kernel: MoeKernel
     swiglu: Callable[[torch.Tensor], torch.Tensor]  # [S, 2·I] gate|up -> [S, I]
     shared: SharedExpert | None = None
+    combine: Combine = moe_ops.combine_torch
 
     def add_to(self, x: torch.Tensor, h: torch.Tensor, rows: int | None = None) -> None:
         """x += moe(h), in place, for x and h [T, H]; in blocks of `rows` tokens where given (batch
         invariance: every call then has one shape)."""
         n = x.shape[0]
         if rows is None or n <= rows or n % rows:
-            x.add_(self(h, rows))
+            self._add(x, h, rows)
             return
         for start in range(0, n, rows):
-            x[start : start + rows].add_(self(h[start : start + rows], rows))
+            self._add(x[start : start + rows], h[start : start + rows], rows)
 
     def __call__(self, h: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """h [T, H] -> the block's output [T, H] in h's dtype."""
-        t, width = h.shape
-        k = self.routing.top_k
-        logits = invariant.linear(h, self.router.weight, None, rows)  # [T, E]
-        weights, experts = self.routing(logits)  # [T, k] each
-        flat = experts.flatten()  # [T·k] slot t·k + j: token t's j-th expert
-        ids, order = torch.sort(flat, stable=True)  # grouped by expert, tokens ascending in each
-        count = self.experts.gate_up_proj.shape[0]
-        wanted = torch.arange(count, device=h.device, dtype=ids.dtype)
-        ends = torch.searchsorted(ids, wanted, right=True).to(torch.int32)  # [E]
-        grouped = h.index_select(0, order // k)  # [T·k, H]
-        act = self.swiglu(self.kernel.matmul(grouped, self.experts.gate_up_proj, ends))  # [T·k, I]
-        del grouped
-        down = self.kernel.matmul(act, self.experts.down_proj, ends)  # [T·k, H]
-        del act
-        slots = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0], device=h.device))
-        per_slot = down.index_select(0, slots).view(t, k, width)  # back in slot order
-        del down
-        out = (per_slot * weights[..., None]).sum(dim=1).to(h.dtype)  # [T, H]
-        if self.shared is not None:
-            out = out + self.shared(h)
+        out = torch.zeros_like(h)
+        self._add(out, h, rows)
         return out
+
+    def _add(self, x: torch.Tensor, h: torch.Tensor, rows: int | None) -> None:
+        route = plan(h, self.router.weight, self.routing, rows)
+        act = _expand(self.kernel, h, route.rows, self.experts.gate_up_proj, route.groups, self.swiglu)
+        down = self.kernel.matmul(act, self.experts.down_proj, route.groups)  # [S, H]
+        del act
+        extra = self.shared(h) if self.shared is not None else None
+        self.combine(x, down, route.slots, route.weights, extra)
 
 
 def unsupported(mlp: Any, model_type: str, config: Any) -> str | None:

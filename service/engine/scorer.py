@@ -618,8 +618,10 @@ def _prepare(  # noqa: PLR0917
         return forward, f"{kernels}+quack" if forward.gated.name == "quack" else kernels
     if settings.mlp_kernel == "quack":
         raise RuntimeError("mlp_kernel=quack runs in the fused decoder, which this model does not run")
-    if settings.moe_kernel == "grouped_mm" and decoder.sparse(base):
-        raise RuntimeError("moe_kernel=grouped_mm runs in the fused decoder, which this model does not run")
+    if settings.moe_kernel in {"quack", "grouped_mm"} and decoder.sparse(base):
+        raise RuntimeError(
+            f"moe_kernel={settings.moe_kernel} runs in the fused decoder, which this model does not run"
+        )
     kernels = apply_fused_kernels(model, settings.kernels, device)
     chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
     if gemm_rows is not None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.engine import decoder, moe
+from service.engine import decoder, decoder_ops, moe, moe_ops
 from service.engine.decoder import FusedDecoder, TransformersDecoder
 from service.engine.decoder_ops import TORCH
 from service.engine.scorer import PackedScorer, check_hidden
@@ -28,10 +28,10 @@ MOE = models.MOE_ARCHITECTURES
 GROUPED = moe.choose("grouped_mm", CPU, torch.float32)
 
 
-def _reference_grouped(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def _reference_grouped(x: torch.Tensor, weight: torch.Tensor, groups: moe.Groups) -> torch.Tensor:
     """Row r of x belongs to the expert whose group holds it (ends: each group's end): x[r] @ W[e]ᵀ."""
     rows = torch.arange(x.shape[0])
-    expert = torch.searchsorted(ends.long(), rows, right=True)  # the first group ending past r
+    expert = torch.searchsorted(groups.ends.long(), rows, right=True)  # the first group ending past r
     return torch.einsum("rk,rnk->rn", x, weight[expert])
 
 
@@ -139,20 +139,20 @@ def test_groups_are_stable_and_end_where_each_expert_ends() -> None:
     model, block = sparse_block("qwen3_moe")
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def spy(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        seen.append((x.clone(), ends.clone()))
-        return moe.LOOP.matmul(x, weight, ends)
+    def spy(x: torch.Tensor, weight: torch.Tensor, groups: moe.Groups) -> torch.Tensor:
+        seen.append((x.clone(), groups.offsets.clone()))
+        return moe.LOOP.matmul(x, weight, groups)
 
     h = tokens(40, seed=4)
     with torch.inference_mode():
         ours(model, block, moe.MoeKernel("loop", spy))(h)
         _, _, experts = block.gate(h)
-    grouped, ends = seen[0]
+    grouped, offsets = seen[0]
     counts = torch.bincount(experts.flatten(), minlength=8)
-    assert ends.dtype == torch.int32
-    assert ends.tolist() == torch.cumsum(counts, 0).tolist()
+    assert offsets.dtype == torch.int32
+    assert offsets.tolist() == [0, *torch.cumsum(counts, 0).tolist()]
     start = 0
-    for expert, end in enumerate(ends.tolist()):
+    for expert, end in enumerate(offsets[1:].tolist()):
         rows = torch.nonzero((experts == expert).any(-1)).flatten()  # ascending token ids
         assert torch.equal(grouped[start:end], h[rows])
         start = end
@@ -169,13 +169,45 @@ def test_the_kernel_setting(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogC
     monkeypatch.setattr(moe, "_grouped_function", lambda: broken)
     with pytest.raises(RuntimeError, match="moe_kernel=grouped_mm: RuntimeError: no kernel image"):
         moe.choose("grouped_mm", CPU, torch.float32)
-    monkeypatch.setattr(moe, "_wants_grouped", lambda device: True)
+    with pytest.raises(RuntimeError, match="moe_kernel=quack: "):  # no quack on a CPU
+        moe.choose("quack", CPU, torch.float32)
+    monkeypatch.setattr(moe, "_wants_fast", lambda device: True)
     with caplog.at_level(logging.WARNING):
         assert moe.choose("auto", CPU, torch.float32) is moe.LOOP
-    assert "grouped GEMM cannot run here" in caplog.text
+    assert "grouped_mm cannot run here (RuntimeError: no kernel image" in caplog.text
+    assert "experts run one by one" in caplog.text
     monkeypatch.setattr(moe, "_grouped_function", lambda: None)
     with pytest.raises(RuntimeError, match="has no grouped GEMM"):
         moe.choose("grouped_mm", CPU, torch.float32)
+
+
+# ---- the device kernels (GPU) -------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("setting", ["quack", "grouped_mm"])
+def test_device_kernels_are_within_bf16_noise_of_transformers(name: str, setting: str) -> None:
+    """The sparse block in bf16 through each device kernel and the Triton combine, against the
+    float32 block: no further off than transformers' own bf16 block (its grouped_mm experts) is."""
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    model, block = sparse_block(name)
+    model.set_experts_implementation("grouped_mm")
+    h = tokens(3000, seed=5).to(cuda)
+    with torch.inference_mode():
+        want = block.to(cuda)(h[None])[0]
+        model = model.to(cuda, bf16)
+        noise = float((block(h.to(bf16)[None])[0].float() - want).abs().max())
+        fused = FusedDecoder(
+            model.base_model, KERNEL, decoder_ops.TRITON, 0, moe_kernel=moe.choose(setting, cuda, bf16)
+        )
+        layer = fused.layers[-1].mlp
+        assert isinstance(layer, moe.SparseMoe)
+        assert layer.kernel.name == setting
+        assert layer.combine is moe_ops.combine_kernel
+        got = layer(h.to(bf16)).float()
+    assert float((got - want).abs().max()) <= 1.5 * noise + 1e-3 * float(want.abs().max())
 
 
 # ---- in the fused decoder ------------------------------------------------------------------------
