@@ -39,7 +39,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.run import HttpServer, http_bodies, http_rounds, isolated, matmul_rate, sync
+from benchmarks.run import (
+    HttpServer,
+    http_bodies,
+    http_rounds,
+    isolated,
+    matmul_rate,
+    max_abs_diff,
+    reference_logprobs,
+    sync,
+)
 from benchmarks.workload import Sample, floor_flops, jobs, workload
 from service.batcher import Batcher
 from service.engine.attention import choose_backend, register
@@ -205,6 +214,23 @@ def experts_variants(
     return out
 
 
+def float32_accuracy(
+    model: Any, samples: list[Sample], scores: dict[str, list[np.ndarray]], device: torch.device
+) -> dict[str, float] | None:
+    """Each variant's largest |Δ| against the float32 forward (transformers' own, sdpa and `eager`
+    experts, one sequence at a time) on the sample; None where the float32 copy does not fit. Leaves
+    the model in float32: the last thing a run does with it."""
+    params = sum(p.numel() for p in model.parameters())
+    if device.type == "cuda" and params * 2 + 4 * 2**30 > torch.cuda.mem_get_info(device)[0]:
+        return None
+    _release(device)
+    model.set_attn_implementation("sdpa")
+    model.set_experts_implementation("eager")
+    model.float()
+    want = reference_logprobs(model, samples, device)
+    return {variant: max_abs_diff(got, want) for variant, got in scores.items()}
+
+
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
     shape = dict(SHAPES[name])
     if args.layers is not None:
@@ -276,6 +302,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         )
         best = min((v for k, v in variants.items() if k.startswith("transformers")), key=lambda v: v["ms"])
         peers["speedup_vs_transformers"] = best["ms"] / variants["http"]["ms"]
+    peers["max_abs_diff_vs_float32"] = float32_accuracy(model, samples[:ACCURACY_SAMPLE], scores, device)
     return {
         "shape": shape,
         "active_non_embedding_params": active,
@@ -297,6 +324,14 @@ def _number(value: float | None, spec: str) -> str:
     return "not run" if value is None else format(value, spec)
 
 
+def _float32(result: dict[str, Any]) -> str:
+    diffs = result.get("max_abs_diff_vs_float32")
+    if not diffs:
+        return "not run"
+    peer = diffs.get("grouped_mm", diffs.get("eager"))
+    return f"{diffs['fused']:.3g} / {_number(peer, '.3g')}"
+
+
 def table(results: dict[str, Any]) -> str:
     lines = [
         "| model | variant | ms | tokens/s | floor | slowest round vs median | peak GiB |",
@@ -311,14 +346,14 @@ def table(results: dict[str, Any]) -> str:
     lines += [
         "",
         "| model | floor ms | HTTP floor | speed-up vs transformers' best | ready s | moe_kernel | kernels | "
-        "max abs Δ vs transformers |",
-        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
+        "max abs Δ vs transformers | max abs Δ vs float32 (fused / transformers) |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |",
     ]
     for name, r in results["models"].items():
         lines.append(
             f"| {name} | {r['floor_ms']:.1f} | {r['variants']['http']['floor_fraction']:.1%} | "
             f"{_number(r['speedup_vs_transformers'], '.2f')} | {r['ready_s']:.1f} | {r['moe_kernel']} | "
-            f"{r['kernels']} | {_number(r['max_abs_diff_vs_transformers'], '.3g')} |"
+            f"{r['kernels']} | {_number(r['max_abs_diff_vs_transformers'], '.3g')} | {_float32(r)} |"
         )
     return "\n".join(lines)
 

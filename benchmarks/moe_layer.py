@@ -30,15 +30,27 @@ from service.engine import decoder_ops, moe, moe_ops
 
 
 def timed(fn: Callable[[], object], reps: int) -> float:
-    """Median ms of `fn` over `reps` calls after two warm-ups."""
-    for _ in range(2):
+    """Median GPU ms of `fn` over `reps` replays of a CUDA graph of it (as the server replays a layer:
+    no launch overhead), after a warm-up call; eager calls where it cannot be captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
         fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+        run: Callable[[], object] = graph.replay
+    except RuntimeError:
+        run = fn
+    run()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -94,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     weight1, weight2 = experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
     grouped = moe.choose("grouped_mm", dev, dtype)
     steps["route_and_sort"] = timed(lambda: moe.plan(hidden, router.weight, rule), args.reps)
+    steps["route_and_sort_kernels"] = timed(lambda: moe.plan_kernel(hidden, router.weight, rule), args.reps)
     logits = hidden @ router.weight.t()
     _, chosen = rule(logits)
     steps["route_router_gemm"] = timed(lambda: hidden @ router.weight.t(), args.reps)
@@ -135,6 +148,17 @@ def main(argv: list[str] | None = None) -> int:
             tag = "tuned" if tuned else "heuristic"
             steps[f"gemm1_quack_gather_swiglu_{tag}"] = timed(quack1(plan.rows, tuned), args.reps)
             steps[f"gemm1_quack_swiglu_{tag}"] = timed(quack1(None, tuned), args.reps)
+            steps["gemm2_quack_dynamic"] = timed(
+                lambda: gemm(
+                    act,
+                    weight2,
+                    out=down,
+                    cu_seqlens_m=plan.groups.offsets,
+                    tuned=False,
+                    dynamic_scheduler=True,
+                ),
+                args.reps,
+            )
             steps[f"gemm2_quack_{tag}"] = timed(
                 lambda tuned=tuned: gemm(
                     act, weight2, out=down, cu_seqlens_m=plan.groups.offsets, tuned=tuned
@@ -153,7 +177,13 @@ def main(argv: list[str] | None = None) -> int:
             results[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
             continue
         layer = moe.SparseMoe(
-            router, experts, rule, kernel, decoder_ops.swiglu_kernel, combine=moe_ops.combine_kernel
+            router,
+            experts,
+            rule,
+            kernel,
+            decoder_ops.swiglu_kernel,
+            combine=moe_ops.combine_kernel,
+            planner=moe.plan_kernel,
         )
         out = residual.clone()
         layer.add_to(out, hidden)

@@ -273,8 +273,17 @@ class FusedDecoder:
                 ),
                 mlp.shared_expert_gate,
             )
-        combine = moe_ops.combine_kernel if self.ops.name == "triton" else moe_ops.combine_torch
-        return moe.SparseMoe(mlp.gate, mlp.experts, rule, self.moe_kernel, self.ops.swiglu, shared, combine)
+        kernels = self.ops.name == "triton"
+        return moe.SparseMoe(
+            mlp.gate,
+            mlp.experts,
+            rule,
+            self.moe_kernel,
+            self.ops.swiglu,
+            shared,
+            moe_ops.combine_kernel if kernels else moe_ops.combine_torch,
+            moe.plan_kernel if kernels else moe.plan,
+        )
 
     def _shared_expert(self, dense: _Dense, gate: torch.nn.Linear) -> moe.SharedExpert:
         """Qwen2-MoE's shared expert: sigmoid(h·wgᵀ) · mlp(h), rounded as transformers does."""

@@ -129,6 +129,7 @@ def _quack() -> MoeKernel:
             A_idx=rows,
             store_preact=False,
             tuned=False,  # quack's heuristic tile: tuning would run every candidate per new shape
+            dynamic_scheduler=True,  # tiles taken as CTAs free up: groups of uneven size (1.42 ms vs 1.60)
             concat_layout=("B",),
         )
         act: torch.Tensor = outputs[1]
@@ -277,8 +278,13 @@ class Plan:
     groups: Groups
 
 
+# h [T, H], router weight [E, H], the rule, GEMM rows (invariant.py) -> Plan
+Planner = Callable[[torch.Tensor, torch.Tensor, Routing, "int | None"], Plan]
+
+
 def plan(h: torch.Tensor, router: torch.Tensor, rule: Routing, rows: int | None = None) -> Plan:
-    """Route h [T, H] with the router weight [E, H] (GEMMs in blocks of `rows`: invariant.py)."""
+    """Route h [T, H] with the router weight [E, H] (GEMMs in blocks of `rows`: invariant.py): torch
+    ops, the rule's own topk (ties as transformers resolves them) and a stable sort."""
     count, k = router.shape[0], rule.top_k
     logits = invariant.linear(h, router, None, rows)  # [T, E]
     weights, experts = rule(logits)  # [T, k] each
@@ -288,6 +294,16 @@ def plan(h: torch.Tensor, router: torch.Tensor, rule: Routing, rows: int | None 
     positions = torch.arange(order.shape[0], device=h.device)
     slots = torch.empty_like(order).index_copy_(0, order, positions).view(weights.shape)
     return Plan(weights, (order // k).to(torch.int32), slots, Groups(offsets))
+
+
+def plan_kernel(h: torch.Tensor, router: torch.Tensor, rule: Routing, rows: int | None = None) -> Plan:
+    """plan in two Triton kernels and a few small ops (moe_ops: the same order; a tie of the top-k goes
+    to the lower expert id)."""
+    logits = invariant.linear(h, router, None, rows)  # [T, E]
+    weight_dtype = logits.dtype if rule.round_weights else torch.float32
+    routed = moe_ops.route_kernel(logits, rule.top_k, rule.normalise, weight_dtype)
+    grouped, slots, offsets = moe_ops.group_kernel(routed)
+    return Plan(routed.weights, grouped, slots, Groups(offsets))
 
 
 @dataclass(slots=True)
@@ -301,6 +317,7 @@ class SparseMoe:
     swiglu: Callable[[torch.Tensor], torch.Tensor]  # [S, 2·I] gate|up -> [S, I]
     shared: SharedExpert | None = None
     combine: Combine = moe_ops.combine_torch
+    planner: Planner = plan
 
     def add_to(self, x: torch.Tensor, h: torch.Tensor, rows: int | None = None) -> None:
         """x += moe(h), in place, for x and h [T, H]; in blocks of `rows` tokens where given (batch
@@ -319,7 +336,7 @@ class SparseMoe:
         return out
 
     def _add(self, x: torch.Tensor, h: torch.Tensor, rows: int | None) -> None:
-        route = plan(h, self.router.weight, self.routing, rows)
+        route = self.planner(h, self.router.weight, self.routing, rows)
         act = _expand(self.kernel, h, route.rows, self.experts.gate_up_proj, route.groups, self.swiglu)
         down = self.kernel.matmul(act, self.experts.down_proj, route.groups)  # [S, H]
         del act

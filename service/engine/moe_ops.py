@@ -1,4 +1,17 @@
-"""The last step of a sparse MoE layer: each token's k expert outputs, weighted, summed, into the residual.
+"""The steps of a sparse MoE layer around its grouped GEMMs, as Triton kernels with torch twins.
+
+Routing (`route_kernel`, `group_kernel`; the twin is moe.plan's torch ops), T tokens, E experts:
+
+    p = softmax(logits [T, E] in float32)         as the architecture's router (moe.Routing)
+    w, e = top-k of p                             [T, k], descending; a tie goes to the lower expert id
+    w = w / Σ w (normalise), rounded (round_weights)
+    slots grouped by expert, in slot order within one: a counting sort (per block of tokens, each
+    expert's count and each slot's rank among the block's slots of its expert; a prefix sum of the
+    counts over the blocks; then each slot's place), the same order as a stable sort
+
+A token's routing reads only its own logits, so it does not depend on the batch it is in.
+
+Combining (`combine_kernel`, `combine_torch`), each token's k expert outputs into the residual:
 
     x[t] += round(Σ_j round_w(y[slots[t, j]] · w[t, j]) (+ extra[t]))
 
@@ -15,6 +28,7 @@ is its twin (the CPU path and the reference the tests hold the kernel to).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -102,3 +116,158 @@ def _combine(  # noqa: PLR0917 (a Triton kernel takes its arguments positionally
     target = x_ptr + row * x_stride + cols
     x = tl.load(target, mask=mask, other=0.0).to(tl.float32)
     tl.store(target, (x + out).to(dtype), mask=mask)
+
+
+# ---- routing ---------------------------------------------------------------------------------------
+
+ROUTE_TOKENS = 32  # tokens per program of route_kernel (a block of the counting sort)
+GROUP_SLOTS = 1024  # slots per program of group_kernel
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """route_kernel's output: weights [T, k], experts [T, k] int32, ranks [T, k] int32 (how many of its
+    block's earlier tokens chose the same expert), counts [blocks, E] int32 (each block of ROUTE_TOKENS
+    tokens' slots per expert)."""
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+    ranks: torch.Tensor
+    counts: torch.Tensor
+
+
+def route_kernel(logits: torch.Tensor, k: int, normalise: bool, weight_dtype: torch.dtype) -> Routed:
+    """Softmax, top-k and renormalisation of logits [T, E] (see the module), in one Triton pass."""
+    triton_jit.runnable(logits)
+    t, count = logits.shape
+    blocks = triton_jit.cdiv(t, ROUTE_TOKENS)
+    weights = torch.empty((t, k), device=logits.device, dtype=weight_dtype)
+    experts = torch.empty((t, k), device=logits.device, dtype=torch.int32)
+    ranks = torch.empty((t, k), device=logits.device, dtype=torch.int32)
+    counts = torch.empty((blocks, count), device=logits.device, dtype=torch.int32)
+    if t:
+        with triton_jit.on_device(logits):
+            triton_jit.jit(_route)[(blocks,)](
+                logits,
+                logits.stride(0),
+                weights,
+                experts,
+                ranks,
+                counts,
+                t,
+                EXPERTS=count,
+                K=k,
+                BLOCK_T=ROUTE_TOKENS,
+                BLOCK_E=triton_jit.next_power_of_2(count),
+                BLOCK_K=triton_jit.next_power_of_2(k),
+                NORMALISE=normalise,
+                num_warps=4,
+            )
+    return Routed(weights, experts, ranks, counts)
+
+
+def group_kernel(routed: Routed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped order of routed's slots: rows [T·k] int32 (each grouped row's token), slots [T, k]
+    int64 (each slot's grouped row), offsets [E+1] int32 (each expert's first grouped row)."""
+    experts, counts = routed.experts, routed.counts
+    t, k = experts.shape
+    count = counts.shape[1]
+    totals = counts.sum(dim=0, dtype=torch.int32)
+    offsets = torch.zeros(count + 1, device=experts.device, dtype=torch.int32)
+    torch.cumsum(totals, dim=0, out=offsets[1:])
+    starts = (offsets[:-1] + counts.cumsum(dim=0, dtype=torch.int32) - counts).contiguous()  # [blocks, E]
+    rows = torch.empty(t * k, device=experts.device, dtype=torch.int32)
+    slots = torch.empty((t, k), device=experts.device, dtype=torch.int64)
+    if t:
+        with triton_jit.on_device(experts):
+            triton_jit.jit(_group)[(triton_jit.cdiv(t * k, GROUP_SLOTS),)](
+                experts,
+                routed.ranks,
+                starts,
+                rows,
+                slots,
+                t * k,
+                EXPERTS=count,
+                PER_BLOCK=ROUTE_TOKENS * k,
+                K=k,
+                BLOCK=GROUP_SLOTS,
+                num_warps=4,
+            )
+    return rows, slots, offsets
+
+
+def _route(  # noqa: PLR0917
+    logits_ptr: tl.tensor,
+    stride: tl.tensor,
+    w_ptr: tl.tensor,
+    e_ptr: tl.tensor,
+    ranks_ptr: tl.tensor,
+    counts_ptr: tl.tensor,
+    tokens: tl.tensor,
+    EXPERTS: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORMALISE: tl.constexpr,
+) -> None:
+    """BLOCK_T tokens: float32 softmax, k rounds of (largest, lowest id among equals); which experts
+    each token took, whose running sum over the block's tokens gives the ranks and the counts."""
+    block = tl.program_id(0).to(tl.int64)
+    tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = tok < tokens
+    ids = tl.arange(0, BLOCK_E)
+    real = ids < EXPERTS
+    x = tl.load(
+        logits_ptr + tok[:, None] * stride + ids[None, :], mask=live[:, None] & real[None, :], other=0.0
+    ).to(tl.float32)
+    x = tl.where(real[None, :], x, float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = e / tl.sum(e, axis=1)[:, None]
+    p = tl.where(real[None, :], p, -1.0)  # below every probability: never taken
+    cols = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    chosen = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(p, axis=1)
+        pick = tl.min(tl.where(p == best[:, None], ids[None, :], BLOCK_E), axis=1)  # the lowest id of a tie
+        p = tl.where(ids[None, :] == pick[:, None], -2.0, p)
+        weights = tl.where(cols[None, :] == j, best[:, None], weights)
+        chosen = tl.where(cols[None, :] == j, pick[:, None], chosen)
+    took = ((p == -2.0) & live[:, None]).to(tl.int32)  # [tokens, experts]: 1 where the token chose it
+    before = tl.cumsum(took, axis=0) - took  # the block's earlier tokens that chose it
+    ranks = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
+    for j in tl.static_range(K):
+        pick = tl.sum(tl.where(cols[None, :] == j, chosen, 0), axis=1)
+        rank = tl.sum(tl.where(ids[None, :] == pick[:, None], before, 0), axis=1)
+        ranks = tl.where(cols[None, :] == j, rank[:, None], ranks)
+    if NORMALISE:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    out = tok[:, None] * K + cols[None, :]
+    mask = live[:, None] & (cols[None, :] < K)
+    tl.store(w_ptr + out, weights.to(w_ptr.dtype.element_ty), mask=mask)
+    tl.store(e_ptr + out, chosen, mask=mask)
+    tl.store(ranks_ptr + out, ranks, mask=mask)
+    tl.store(counts_ptr + block * EXPERTS + ids, tl.sum(took, axis=0), mask=real)
+
+
+def _group(  # noqa: PLR0917
+    e_ptr: tl.tensor,
+    ranks_ptr: tl.tensor,
+    starts_ptr: tl.tensor,
+    rows_ptr: tl.tensor,
+    slots_ptr: tl.tensor,
+    slots: tl.tensor,
+    EXPERTS: tl.constexpr,
+    PER_BLOCK: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+) -> None:
+    """BLOCK slots: each one's place = its expert's start in its block + its rank there."""
+    slot = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = slot < slots
+    expert = tl.load(e_ptr + slot, mask=live, other=0)
+    rank = tl.load(ranks_ptr + slot, mask=live, other=0)
+    place = tl.load(starts_ptr + (slot // PER_BLOCK) * EXPERTS + expert, mask=live, other=0) + rank
+    tl.store(rows_ptr + place, (slot // K).to(tl.int32), mask=live)
+    tl.store(slots_ptr + slot, place.to(tl.int64), mask=live)

@@ -1,12 +1,14 @@
-"""The MoE layer's last step (moe_ops): the torch twin against a per-token loop written here, the Triton
-kernel against the twin (CPU: Triton's interpreter in float32, in a fresh process; GPU: bf16, bitwise)."""
+"""The MoE layer's steps around its GEMMs (moe_ops). Combining: the torch twin against a per-token loop
+written here, the Triton kernel against the twin. Routing: moe.plan_kernel against moe.plan (torch's
+softmax, topk and stable sort). The kernels run on CPU in Triton's interpreter in float32, in a fresh
+process; on a GPU in bf16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from service.engine import moe_ops
+from service.engine import moe, moe_ops
 from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
@@ -37,7 +39,7 @@ def loop_reference(
     for t in range(x.shape[0]):
         acc = torch.zeros(x.shape[1], dtype=torch.float32)
         for j in range(w.shape[1]):
-            acc += (y[slots[t, j]] * w[t, j]).to(w.dtype).float()
+            acc += (y[slots[t, j]].float() * w[t, j].float()).to(w.dtype).float()
         total = acc.to(x.dtype)
         if extra is not None:
             total = total + extra[t]
@@ -84,11 +86,95 @@ def test_kernel_refuses_cpu_tensors_outside_the_interpreter() -> None:
 @pytest.mark.parametrize("w_dtype", ["model", torch.float32], ids=["w_bf16", "w_float32"])
 @pytest.mark.parametrize("shared", [False, True], ids=["plain", "extra"])
 def test_kernel_equals_the_loop_on_cuda(w_dtype: torch.dtype | str, shared: bool) -> None:
-    """Qwen3-30B-A3B's width and top-8: the same rounding steps as the loop, and the same float32 sum
-    order, so the same bits."""
+    """Qwen3-30B-A3B's width and top-8: the same rounding steps as the loop and the same float32 sum
+    order. With bf16 weights each product is rounded, so the same bits; with float32 ones the compiler
+    may fuse a product into its sum (one rounding fewer): within one bf16 rounding."""
     dtype = torch.bfloat16
     x, y, slots, w, extra = inputs(300, 8, 2048, dtype, dtype if w_dtype == "model" else torch.float32)
     want = loop_reference(x, y, slots, w, extra if shared else None)
     x, y, slots, w, extra = (a.cuda() for a in (x, y, slots, w, extra))
     moe_ops.combine_kernel(x, y, slots, w, extra if shared else None)
-    assert torch.equal(x.cpu(), want)
+    if w.dtype == dtype:
+        assert torch.equal(x.cpu(), want)
+    else:
+        torch.testing.assert_close(
+            x.cpu().float(), want.float(), atol=2**-8 * float(want.float().abs().max()), rtol=0
+        )
+
+
+# ---- routing -------------------------------------------------------------------------------------
+
+
+def distinct_logits(t: int, experts: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """[t, experts] logits, each row a permutation of distinct values exact in bf16 (no ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.arange(experts, dtype=torch.float32) / 16 - experts / 32
+    rows = torch.stack([values[torch.randperm(experts, generator=gen)] for _ in range(t)])
+    return rows.to(device)
+
+
+def assert_same_plan(got: moe.Plan, want: moe.Plan) -> None:
+    assert torch.equal(got.rows, want.rows)
+    assert torch.equal(got.slots, want.slots)
+    assert torch.equal(got.groups.offsets, want.groups.offsets)
+    assert got.weights.dtype == want.weights.dtype
+    torch.testing.assert_close(got.weights.float(), want.weights.float(), atol=1e-6, rtol=1e-5)
+
+
+RULES = [
+    moe.Routing(2, normalise=True, round_weights=True),  # Qwen3-MoE
+    moe.Routing(2, normalise=True, round_weights=False),  # Mixtral
+    moe.Routing(8, normalise=False, round_weights=True),  # Qwen2-MoE without norm_topk_prob, top-8
+]
+
+
+@only_interpreted
+@pytest.mark.parametrize("rule", RULES, ids=["qwen3", "mixtral", "qwen2_top8"])
+@pytest.mark.parametrize(("tokens", "experts"), [(1, 8), (31, 8), (77, 16), (100, 128)])
+def test_interpreter_plan_kernel_equals_torch(rule: moe.Routing, tokens: int, experts: int) -> None:
+    """Every block size around the kernel's 32 tokens, E a power of two and not; the router an
+    identity so the logits are exactly the ones given."""
+    if rule.top_k > experts:
+        pytest.skip("top-k over the experts")
+    logits = distinct_logits(tokens, experts, seed=tokens) + torch.randn(tokens, experts) * 1e-3
+    router = torch.eye(experts)
+    assert_same_plan(moe.plan_kernel(logits, router, rule), moe.plan(logits, router, rule))
+
+
+@only_interpreted
+def test_interpreter_plan_kernel_of_no_tokens() -> None:
+    rule = RULES[0]
+    got = moe.plan_kernel(torch.zeros(0, 8), torch.eye(8), rule)
+    assert got.rows.shape == (0,)
+    assert got.slots.shape == (0, 2)
+    assert got.groups.offsets.tolist() == [0] * 9
+
+
+@only_interpreted
+def test_interpreter_ties_go_to_the_lower_expert_whatever_the_batch() -> None:
+    """Rows of four equal logits ahead of the rest: the two lowest ids of the tie, the same for a token
+    alone as among others."""
+    rule = moe.Routing(2, normalise=True, round_weights=False)
+    tied = torch.full((40, 8), -1.0)
+    for t in range(40):
+        tied[t, torch.randperm(8, generator=torch.Generator().manual_seed(t))[:4]] = 2.0
+    router = torch.eye(8)
+    whole = moe.plan_kernel(tied, router, rule)
+    for t in (0, 17, 39):
+        alone = moe.plan_kernel(tied[t : t + 1], router, rule)
+        lowest = torch.nonzero(tied[t] == 2.0).flatten()[:2].tolist()
+        assert sorted(alone.rows.tolist()) == [0, 0]
+        assert torch.equal(alone.weights[0], whole.weights[t])
+        experts = torch.searchsorted(whole.groups.offsets[1:], whole.slots[t], right=True).tolist()
+        assert experts == lowest
+        assert torch.searchsorted(alone.groups.offsets[1:], alone.slots[0], right=True).tolist() == lowest
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rule", RULES, ids=["qwen3", "mixtral", "qwen2_top8"])
+def test_plan_kernel_equals_torch_on_cuda(rule: moe.Routing) -> None:
+    """Qwen3-30B-A3B's router shape at 16k + 5 tokens in bf16, no ties: the same plan as torch's."""
+    logits = distinct_logits(16389, 128, seed=1, device="cuda").to(torch.bfloat16)
+    router = torch.eye(128, device="cuda", dtype=torch.bfloat16)
+    assert_same_plan(moe.plan_kernel(logits, router, rule), moe.plan(logits, router, rule))
