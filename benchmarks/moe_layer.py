@@ -20,6 +20,8 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -32,7 +34,7 @@ from service.engine import decoder_ops, moe, moe_ops
 def timed(fn: Callable[[], object], reps: int) -> float:
     """Median GPU ms of `fn` over `reps` replays of a CUDA graph of it (as the server replays a layer:
     no launch overhead), after a warm-up call; eager calls where it cannot be captured."""
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()
@@ -48,13 +50,14 @@ def timed(fn: Callable[[], object], reps: int) -> float:
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        times.append(float(start.elapsed_time(end)))
+    return float(statistics.median(times))
 
 
 def dense_rate(reps: int) -> float:
@@ -62,6 +65,131 @@ def dense_rate(reps: int) -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     return 2 * 8192**3 / timed(lambda: a @ b, reps) / 1e9
+
+
+@dataclass
+class Layer:
+    """One MoE layer's random weights and inputs, and a plan of its routing."""
+
+    router: SimpleNamespace  # .weight [E, H]
+    experts: SimpleNamespace  # .gate_up_proj [E, 2·I, H], .down_proj [E, H, I]
+    hidden: torch.Tensor  # [T, H]
+    residual: torch.Tensor  # [T, H]
+    rule: moe.Routing
+    plan: moe.Plan
+
+    @staticmethod
+    def random(t: int, h: int, e: int, i: int, k: int) -> Layer:
+        dev, dtype = torch.device("cuda"), torch.bfloat16
+        router = SimpleNamespace(weight=torch.randn(e, h, device=dev, dtype=dtype) * h**-0.5)
+        experts = SimpleNamespace(
+            gate_up_proj=torch.randn(e, 2 * i, h, device=dev, dtype=dtype) * h**-0.5,
+            down_proj=torch.randn(e, h, i, device=dev, dtype=dtype) * i**-0.5,
+        )
+        hidden = torch.randn(t, h, device=dev, dtype=dtype)
+        rule = moe.Routing(k, normalise=True, round_weights=True)
+        plan = moe.plan(hidden, router.weight, rule)
+        return Layer(router, experts, hidden, torch.randn_like(hidden), rule, plan)
+
+
+def torch_steps(layer: Layer, reps: int) -> dict[str, float]:
+    """The routing, the gather, torch's grouped GEMMs, the SwiGLU and the weighted sum, one by one."""
+    hidden, router, experts, plan, rule = layer.hidden, layer.router, layer.experts, layer.plan, layer.rule
+    s, i = plan.rows.shape[0], experts.down_proj.shape[2]
+    gathered = hidden.index_select(0, plan.rows)
+    gate_up = torch.empty(s, 2 * i, device=hidden.device, dtype=hidden.dtype)
+    act = torch.empty(s, i, device=hidden.device, dtype=hidden.dtype)
+    down = torch.empty_like(gathered)
+    grouped = moe.choose("grouped_mm", hidden.device, hidden.dtype)
+    logits = hidden @ router.weight.t()
+    _, chosen = rule(logits)
+    x = layer.residual.clone()
+    return {
+        "route_and_sort": timed(lambda: moe.plan(hidden, router.weight, rule), reps),
+        "route_and_sort_kernels": timed(lambda: moe.plan_kernel(hidden, router.weight, rule), reps),
+        "route_router_gemm": timed(lambda: hidden @ router.weight.t(), reps),
+        "route_softmax_topk": timed(lambda: rule(logits), reps),
+        "route_sort": timed(lambda: torch.sort(chosen.flatten(), stable=True), reps),
+        "gather": timed(lambda: hidden.index_select(0, plan.rows), reps),
+        "gemm1_grouped_mm": timed(
+            lambda: gate_up.copy_(grouped.matmul(gathered, experts.gate_up_proj, plan.groups)), reps
+        ),
+        "swiglu": timed(lambda: decoder_ops.swiglu_kernel(gate_up), reps),
+        "gemm2_grouped_mm": timed(lambda: grouped.matmul(act, experts.down_proj, plan.groups), reps),
+        "combine_torch": timed(lambda: moe_ops.combine_torch(x, down, plan.slots, plan.weights, None), reps),
+        "combine_kernel": timed(
+            lambda: moe_ops.combine_kernel(x, down, plan.slots, plan.weights, None), reps
+        ),
+    }
+
+
+def quack_steps(layer: Layer, reps: int, tuned: bool) -> dict[str, float]:
+    """quack's varlen GEMMs: gate|up with and without the gather, with the heuristic tile, its dynamic
+    scheduler and (tuned) the autotuner's pick; the down GEMM the same ways."""
+    from quack.gemm_interface import gemm, gemm_act
+
+    hidden, plan = layer.hidden, layer.plan
+    weight1, weight2 = layer.experts.gate_up_proj.transpose(1, 2), layer.experts.down_proj.transpose(1, 2)
+    gathered = hidden.index_select(0, plan.rows)
+    act = torch.empty(plan.rows.shape[0], weight2.shape[1], device=hidden.device, dtype=hidden.dtype)
+    down = torch.empty_like(gathered)
+    offsets = plan.groups.offsets
+
+    def first(gather: bool, **options: Any) -> Callable[[], object]:
+        return lambda: gemm_act(
+            hidden if gather else gathered,
+            weight1,
+            activation="swiglu",
+            cu_seqlens_m=offsets,
+            A_idx=plan.rows if gather else None,
+            store_preact=False,
+            concat_layout=("B",),
+            **options,
+        )
+
+    def second(**options: Any) -> Callable[[], object]:
+        return lambda: gemm(act, weight2, out=down, cu_seqlens_m=offsets, **options)
+
+    modes: dict[str, dict[str, bool]] = {
+        "heuristic": {"tuned": False},
+        "dynamic": {"tuned": False, "dynamic_scheduler": True},
+    }
+    if tuned:
+        modes["tuned"] = {"tuned": True}
+    steps = {}
+    for mode, options in modes.items():
+        steps[f"gemm1_quack_gather_swiglu_{mode}"] = timed(first(True, **options), reps)
+        steps[f"gemm1_quack_swiglu_{mode}"] = timed(first(False, **options), reps)
+        steps[f"gemm2_quack_{mode}"] = timed(second(**options), reps)
+    return steps
+
+
+def whole_layers(layer: Layer, reps: int, results: dict[str, Any]) -> dict[str, float]:
+    """moe.SparseMoe as the fused decoder builds it on CUDA, per device kernel: its ms; the largest
+    |Δ| of quack's output from grouped_mm's, over the largest |output|, into `results`."""
+    times: dict[str, float] = {}
+    outputs: dict[str, torch.Tensor] = {}
+    for name in ("grouped_mm", "quack"):
+        try:
+            kernel = moe.choose(name, layer.hidden.device, layer.hidden.dtype)
+        except Exception as exc:  # a kernel this machine cannot run is reported
+            results[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+            continue
+        sparse = moe.SparseMoe(
+            layer.router,
+            layer.experts,
+            layer.rule,
+            kernel,
+            decoder_ops.swiglu_kernel,
+            combine=moe_ops.combine_kernel,
+            planner=moe.plan_kernel,
+        )
+        outputs[name] = sparse(layer.hidden).float()
+        times[name] = timed(partial(sparse.add_to, layer.residual.clone(), layer.hidden), reps)
+    if len(outputs) == 2:
+        a, b = outputs["grouped_mm"], outputs["quack"]
+        results["quack_vs_grouped_mm_max_abs_over_max"] = float((a - b).abs().max() / a.abs().max())
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,120 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    dev, dtype = torch.device("cuda"), torch.bfloat16
     t, h, e, i, k = args.tokens, args.hidden, args.experts, args.width, args.top_k
-    router = SimpleNamespace(weight=torch.randn(e, h, device=dev, dtype=dtype) * h**-0.5)
-    experts = SimpleNamespace(
-        gate_up_proj=torch.randn(e, 2 * i, h, device=dev, dtype=dtype) * h**-0.5,
-        down_proj=torch.randn(e, h, i, device=dev, dtype=dtype) * i**-0.5,
-    )
-    hidden = torch.randn(t, h, device=dev, dtype=dtype)
-    residual = torch.randn(t, h, device=dev, dtype=dtype)
-    rule = moe.Routing(k, normalise=True, round_weights=True)
+    layer = Layer.random(t, h, e, i, k)
     rate = dense_rate(args.reps)
     flops1, flops2 = 2 * t * k * h * 2 * i, 2 * t * k * i * h
-    results: dict[str, Any] = {
-        "tokens": t,
-        "hidden": h,
-        "experts": e,
-        "width": i,
-        "top_k": k,
-        "dense_tflops": rate,
-    }
-    steps: dict[str, float] = {}
-
-    plan = moe.plan(hidden, router.weight, rule)
-    gathered = hidden.index_select(0, plan.rows)
-    gate_up = torch.empty(t * k, 2 * i, device=dev, dtype=dtype)
-    act = torch.empty(t * k, i, device=dev, dtype=dtype)
-    down = torch.empty(t * k, h, device=dev, dtype=dtype)
-    weight1, weight2 = experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
-    grouped = moe.choose("grouped_mm", dev, dtype)
-    steps["route_and_sort"] = timed(lambda: moe.plan(hidden, router.weight, rule), args.reps)
-    steps["route_and_sort_kernels"] = timed(lambda: moe.plan_kernel(hidden, router.weight, rule), args.reps)
-    logits = hidden @ router.weight.t()
-    _, chosen = rule(logits)
-    steps["route_router_gemm"] = timed(lambda: hidden @ router.weight.t(), args.reps)
-    steps["route_softmax_topk"] = timed(lambda: rule(logits), args.reps)
-    steps["route_sort"] = timed(lambda: torch.sort(chosen.flatten(), stable=True), args.reps)
-    steps["gather"] = timed(lambda: hidden.index_select(0, plan.rows), args.reps)
-    steps["gemm1_grouped_mm"] = timed(
-        lambda: gate_up.copy_(grouped.matmul(gathered, experts.gate_up_proj, plan.groups)), args.reps
-    )
-    steps["swiglu"] = timed(lambda: decoder_ops.swiglu_kernel(gate_up), args.reps)
-    steps["gemm2_grouped_mm"] = timed(lambda: grouped.matmul(act, experts.down_proj, plan.groups), args.reps)
-    x = residual.clone()
-    steps["combine_torch"] = timed(
-        lambda: moe_ops.combine_torch(x, down, plan.slots, plan.weights, None), args.reps
-    )
-    steps["combine_kernel"] = timed(
-        lambda: moe_ops.combine_kernel(x, down, plan.slots, plan.weights, None), args.reps
-    )
+    results: dict[str, Any] = {"tokens": t, "hidden": h, "experts": e, "width": i, "top_k": k}
+    results["dense_tflops"] = rate
+    steps = torch_steps(layer, args.reps)
     try:
-        from quack.gemm_interface import gemm, gemm_act
-
-        def quack1(a_idx: torch.Tensor | None, tuned: bool, dynamic: bool = False) -> Callable[[], object]:
-            source = hidden if a_idx is not None else gathered
-            return lambda: gemm_act(
-                source,
-                weight1,
-                activation="swiglu",
-                cu_seqlens_m=plan.groups.offsets,
-                A_idx=a_idx,
-                store_preact=False,
-                tuned=tuned,
-                concat_layout=("B",),
-                dynamic_scheduler=dynamic,
-            )
-
-        steps["gemm1_quack_gather_swiglu_dynamic"] = timed(quack1(plan.rows, False, True), args.reps)
-
-        for tuned in (False, True) if args.tuned else (False,):
-            tag = "tuned" if tuned else "heuristic"
-            steps[f"gemm1_quack_gather_swiglu_{tag}"] = timed(quack1(plan.rows, tuned), args.reps)
-            steps[f"gemm1_quack_swiglu_{tag}"] = timed(quack1(None, tuned), args.reps)
-            steps["gemm2_quack_dynamic"] = timed(
-                lambda: gemm(
-                    act,
-                    weight2,
-                    out=down,
-                    cu_seqlens_m=plan.groups.offsets,
-                    tuned=False,
-                    dynamic_scheduler=True,
-                ),
-                args.reps,
-            )
-            steps[f"gemm2_quack_{tag}"] = timed(
-                lambda tuned=tuned: gemm(
-                    act, weight2, out=down, cu_seqlens_m=plan.groups.offsets, tuned=tuned
-                ),
-                args.reps,
-            )
+        steps.update(quack_steps(layer, args.reps, args.tuned))
     except Exception as exc:  # report what failed and go on with the rest
         results["quack_error"] = f"{type(exc).__name__}: {exc}"
-
-    layers: dict[str, float] = {}
-    outputs: dict[str, torch.Tensor] = {}
-    for name in ("grouped_mm", "quack"):
-        try:
-            kernel = moe.choose(name, dev, dtype)
-        except Exception as exc:
-            results[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
-            continue
-        layer = moe.SparseMoe(
-            router,
-            experts,
-            rule,
-            kernel,
-            decoder_ops.swiglu_kernel,
-            combine=moe_ops.combine_kernel,
-            planner=moe.plan_kernel,
-        )
-        out = residual.clone()
-        layer.add_to(out, hidden)
-        outputs[name] = out
-        x = residual.clone()
-        layers[name] = timed(lambda layer=layer, x=x: layer.add_to(x, hidden), args.reps)
+    layers = whole_layers(layer, args.reps, results)
     floor_ms = (flops1 + flops2) / rate / 1e9
     results["steps_ms"] = steps
     results["layer_ms"] = layers
@@ -200,10 +226,6 @@ def main(argv: list[str] | None = None) -> int:
         for name, ms in steps.items()
         if name.startswith("gemm")
     }
-    base = residual.float()
-    if "grouped_mm" in outputs and "quack" in outputs:
-        a, b = outputs["grouped_mm"].float() - base, outputs["quack"].float() - base
-        results["quack_vs_grouped_mm_max_abs_over_max"] = float((a - b).abs().max() / a.abs().max())
     results["device"] = torch.cuda.get_device_name()
     results["torch"] = torch.__version__
     text = json.dumps(results, indent=2)
