@@ -103,6 +103,7 @@ def torch_steps(layer: Layer, reps: int) -> dict[str, float]:
     grouped = moe.choose("grouped_mm", hidden.device, hidden.dtype)
     logits = hidden @ router.weight.t()
     _, chosen = rule(logits)
+    routed = moe_ops.route_kernel(logits, rule.top_k, True, logits.dtype)
     x = layer.residual.clone()
     return {
         "route_and_sort": timed(lambda: moe.plan(hidden, router.weight, rule), reps),
@@ -110,6 +111,8 @@ def torch_steps(layer: Layer, reps: int) -> dict[str, float]:
         "route_router_gemm": timed(lambda: hidden @ router.weight.t(), reps),
         "route_softmax_topk": timed(lambda: rule(logits), reps),
         "route_sort": timed(lambda: torch.sort(chosen.flatten(), stable=True), reps),
+        "route_kernel": timed(lambda: moe_ops.route_kernel(logits, rule.top_k, True, logits.dtype), reps),
+        "group_kernel": timed(lambda: moe_ops.group_kernel(routed), reps),
         "gather": timed(lambda: hidden.index_select(0, plan.rows), reps),
         "gemm1_grouped_mm": timed(
             lambda: gate_up.copy_(grouped.matmul(gathered, experts.gate_up_proj, plan.groups)), reps

@@ -122,6 +122,7 @@ def _combine(  # noqa: PLR0917 (a Triton kernel takes its arguments positionally
 
 ROUTE_TOKENS = 32  # tokens per program of route_kernel (a block of the counting sort)
 GROUP_SLOTS = 1024  # slots per program of group_kernel
+SCAN_BLOCKS = 32  # blocks' counts per step of the prefix sum over them (one program)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,11 +172,20 @@ def group_kernel(routed: Routed) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     int64 (each slot's grouped row), offsets [E+1] int32 (each expert's first grouped row)."""
     experts, counts = routed.experts, routed.counts
     t, k = experts.shape
-    count = counts.shape[1]
-    totals = counts.sum(dim=0, dtype=torch.int32)
-    offsets = torch.zeros(count + 1, device=experts.device, dtype=torch.int32)
-    torch.cumsum(totals, dim=0, out=offsets[1:])
-    starts = (offsets[:-1] + counts.cumsum(dim=0, dtype=torch.int32) - counts).contiguous()  # [blocks, E]
+    blocks, count = counts.shape
+    offsets = torch.empty(count + 1, device=experts.device, dtype=torch.int32)
+    starts = torch.empty_like(counts)  # [blocks, E]: each expert's first grouped row for each block
+    with triton_jit.on_device(experts):
+        triton_jit.jit(_starts)[(1,)](
+            counts,
+            starts,
+            offsets,
+            blocks,
+            EXPERTS=count,
+            BLOCK_E=triton_jit.next_power_of_2(count),
+            CHUNK=SCAN_BLOCKS,
+            num_warps=4,
+        )
     rows = torch.empty(t * k, device=experts.device, dtype=torch.int32)
     slots = torch.empty((t, k), device=experts.device, dtype=torch.int64)
     if t:
@@ -249,6 +259,39 @@ def _route(  # noqa: PLR0917
     tl.store(e_ptr + out, chosen, mask=mask)
     tl.store(ranks_ptr + out, ranks, mask=mask)
     tl.store(counts_ptr + block * EXPERTS + ids, tl.sum(took, axis=0), mask=real)
+
+
+def _starts(  # noqa: PLR0917
+    counts_ptr: tl.tensor,
+    starts_ptr: tl.tensor,
+    offsets_ptr: tl.tensor,
+    blocks: tl.tensor,
+    EXPERTS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+) -> None:
+    """One program over counts [blocks, E]: offsets [E+1] = the exclusive prefix sum of the experts'
+    totals (then the total), starts[b, e] = offsets[e] + Σ_{b' < b} counts[b', e]."""
+    ids = tl.arange(0, BLOCK_E)
+    real = ids < EXPERTS
+    rows = tl.arange(0, CHUNK)
+    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for first in range(0, blocks, CHUNK):
+        block = first + rows
+        mask = (block < blocks)[:, None] & real[None, :]
+        total += tl.sum(
+            tl.load(counts_ptr + block[:, None] * EXPERTS + ids[None, :], mask=mask, other=0), axis=0
+        )
+    running = tl.cumsum(total, axis=0) - total
+    tl.store(offsets_ptr + ids, running, mask=real)
+    tl.store(offsets_ptr + EXPERTS, tl.sum(total, axis=0))
+    for first in range(0, blocks, CHUNK):
+        block = first + rows
+        mask = (block < blocks)[:, None] & real[None, :]
+        at = block[:, None] * EXPERTS + ids[None, :]
+        counts = tl.load(counts_ptr + at, mask=mask, other=0)
+        tl.store(starts_ptr + at, running[None, :] + tl.cumsum(counts, axis=0) - counts, mask=mask)
+        running += tl.sum(counts, axis=0)
 
 
 def _group(  # noqa: PLR0917

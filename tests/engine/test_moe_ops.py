@@ -130,10 +130,10 @@ RULES = [
 
 @only_interpreted
 @pytest.mark.parametrize("rule", RULES, ids=["qwen3", "mixtral", "qwen2_top8"])
-@pytest.mark.parametrize(("tokens", "experts"), [(1, 8), (31, 8), (77, 16), (100, 128)])
+@pytest.mark.parametrize(("tokens", "experts"), [(1, 8), (31, 8), (77, 12), (100, 128), (1100, 16)])
 def test_interpreter_plan_kernel_equals_torch(rule: moe.Routing, tokens: int, experts: int) -> None:
-    """Every block size around the kernel's 32 tokens, E a power of two and not; the router an
-    identity so the logits are exactly the ones given."""
+    """Every block size around the kernel's 32 tokens, more blocks than one step of the prefix sum over
+    them, E a power of two and not; the router an identity so the logits are exactly the ones given."""
     if rule.top_k > experts:
         pytest.skip("top-k over the experts")
     logits = distinct_logits(tokens, experts, seed=tokens) + torch.randn(tokens, experts) * 1e-3
