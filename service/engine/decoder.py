@@ -297,7 +297,12 @@ class FusedDecoder:
     @property
     def sparse(self) -> bool:
         """Whether a layer is a mixture of experts."""
-        return any(isinstance(layer.mlp, moe.SparseMoe) for layer in self.layers)
+        return bool(self.sparse_layers)
+
+    @property
+    def sparse_layers(self) -> list[moe.SparseMoe]:
+        """The mixture-of-experts layers, in order."""
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, moe.SparseMoe)]
 
     def capture(self, probe: PackedBatch) -> None:
         pass

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -240,11 +240,18 @@ class Routing:
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [T, E] -> weights [T, k] (float32, or logits' dtype), expert ids [T, k] int64.
         torch.topk as transformers calls it, on the same float32 values: ties resolve alike."""
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        return self._finish(weights, logits.dtype), experts
+
+    def weights_at(self, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The weights [T, k] of the given expert ids [T, k] (int64) under this rule."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        return self._finish(probs.gather(1, experts), logits.dtype)
+
+    def _finish(self, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.normalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return (weights.to(logits.dtype) if self.round_weights else weights), experts
+        return weights.to(dtype) if self.round_weights else weights
 
 
 def routing(model_type: str, config: Any) -> Routing | None:
@@ -285,15 +292,44 @@ Planner = Callable[[torch.Tensor, torch.Tensor, Routing, "int | None"], Plan]
 def plan(h: torch.Tensor, router: torch.Tensor, rule: Routing, rows: int | None = None) -> Plan:
     """Route h [T, H] with the router weight [E, H] (GEMMs in blocks of `rows`: invariant.py): torch
     ops, the rule's own topk (ties as transformers resolves them) and a stable sort."""
-    count, k = router.shape[0], rule.top_k
-    logits = invariant.linear(h, router, None, rows)  # [T, E]
-    weights, experts = rule(logits)  # [T, k] each
+    weights, experts = rule(invariant.linear(h, router, None, rows))  # [T, k] each
+    return _sorted(weights, experts, router.shape[0])
+
+
+def _sorted(weights: torch.Tensor, experts: torch.Tensor, count: int) -> Plan:
+    """The Plan of weights and expert ids [T, k] over `count` experts, grouped by a stable sort."""
+    k = experts.shape[1]
     ids, order = torch.sort(experts.flatten(), stable=True)  # grouped by expert, tokens ascending in each
-    bounds = torch.arange(-1, count, device=h.device, dtype=ids.dtype)
+    bounds = torch.arange(-1, count, device=ids.device, dtype=ids.dtype)
     offsets = torch.searchsorted(ids, bounds, right=True).to(torch.int32)  # [E+1], offsets[0] = 0
-    positions = torch.arange(order.shape[0], device=h.device)
+    positions = torch.arange(order.shape[0], device=ids.device)
     slots = torch.empty_like(order).index_copy_(0, order, positions).view(weights.shape)
     return Plan(weights, (order // k).to(torch.int32), slots, Groups(offsets))
+
+
+@dataclass(slots=True)
+class Pin:
+    """Expert ids [T, k] a layer takes instead of its own top-k (the start-up check against
+    transformers' forward: its routing, so that a near-tie flipped by rounding is not counted against
+    the rest of the layer), consumed in order by the layer's calls; the ids the layer would have
+    chosen, recorded alongside."""
+
+    experts: torch.Tensor
+    used: int = 0
+    own: list[torch.Tensor] = field(default_factory=list)
+
+    def take(self, h: torch.Tensor, router: torch.Tensor, rule: Routing, rows: int | None) -> Plan:
+        """The Plan of h [n, H] with the next n rows of pinned ids, weighted by `rule`."""
+        logits = invariant.linear(h, router, None, rows)
+        experts = self.experts[self.used : self.used + h.shape[0]]
+        if experts.shape != (h.shape[0], rule.top_k):
+            raise ValueError(
+                f"pinned expert ids {tuple(self.experts.shape)} do not fit {h.shape[0]} more tokens' "
+                f"top-{rule.top_k}"
+            )
+        self.used += h.shape[0]
+        self.own.append(rule(logits)[1])
+        return _sorted(rule.weights_at(logits, experts), experts, router.shape[0])
 
 
 def plan_kernel(h: torch.Tensor, router: torch.Tensor, rule: Routing, rows: int | None = None) -> Plan:
@@ -318,12 +354,13 @@ class SparseMoe:
     shared: SharedExpert | None = None
     combine: Combine = moe_ops.combine_torch
     planner: Planner = plan
+    pinned: Pin | None = None  # set only for the start-up check's eager forward
 
     def add_to(self, x: torch.Tensor, h: torch.Tensor, rows: int | None = None) -> None:
         """x += moe(h), in place, for x and h [T, H]; in blocks of `rows` tokens where given (batch
         invariance: every call then has one shape)."""
         n = x.shape[0]
-        if rows is None or n <= rows or n % rows:
+        if rows is None or n <= rows or n % rows or self.pinned is not None:
             self._add(x, h, rows)
             return
         for start in range(0, n, rows):
@@ -336,7 +373,10 @@ class SparseMoe:
         return out
 
     def _add(self, x: torch.Tensor, h: torch.Tensor, rows: int | None) -> None:
-        route = self.planner(h, self.router.weight, self.routing, rows)
+        if self.pinned is not None:
+            route = self.pinned.take(h, self.router.weight, self.routing, rows)
+        else:
+            route = self.planner(h, self.router.weight, self.routing, rows)
         act = _expand(self.kernel, h, route.rows, self.experts.gate_up_proj, route.groups, self.swiglu)
         down = self.kernel.matmul(act, self.experts.down_proj, route.groups)  # [S, H]
         del act

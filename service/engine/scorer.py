@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 _SELF_CHECK_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
 # ‖fused - transformers‖ / ‖transformers‖ over final hidden states, per dtype, in the same self-check
 _DECODER_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.02}
+# Share of token-expert pairs a fused MoE router must choose as transformers' does at start: rounding
+# flips a few near-tied pairs in half precision; a misread router (rule, top-k, weight) most of them
+_ROUTING_AGREEMENT = 0.8
 # Share of the accelerator's memory the engine plans to use (the rest: fragmentation, the CUDA context)
 _MEMORY_FRACTION = 0.95
 
@@ -490,10 +493,9 @@ class PackedScorer:
             self._info = dataclasses.replace(self._info, kernels=kernels)
 
     def _self_check(self, lm: CausalLM, job: SequenceJob, role: str) -> float:
-        """lm.self_check; under decoder=auto, a fused decoder whose hidden states are off gives way to
-        the transformers decoder, with a warning, instead of failing the start (in half precision
-        a mixture-of-experts model with near-tied router logits, random weights above all, may route
-        some tokens to other experts than transformers' forward does)."""
+        """lm.self_check; under decoder=auto, a fused decoder that fails it gives way to the
+        transformers decoder, with a warning, instead of failing the start (a model whose hidden states
+        drift further in half precision than the bound expects is served, if slower)."""
         try:
             return lm.self_check(job, self._device)
         except DecoderMismatch as exc:
@@ -629,13 +631,17 @@ def _prepare(  # noqa: PLR0917
     return forward, kernels
 
 
-def _moe_kernel(forward: Decoder) -> str:
-    """What runs the experts of `forward`'s sparse layers: grouped_mm | loop; none: no sparse layer
-    runs fused."""
+def _fused(forward: Decoder) -> decoder.FusedDecoder | None:
+    """The FusedDecoder `forward` runs (itself, or the one its CUDA graphs replay); None for another."""
     inner = forward.inner if isinstance(forward, graphs.GraphedDecoder) else forward
-    if isinstance(inner, decoder.FusedDecoder) and inner.sparse:
-        return inner.moe_kernel.name
-    return "none"
+    return inner if isinstance(inner, decoder.FusedDecoder) else None
+
+
+def _moe_kernel(forward: Decoder) -> str:
+    """What runs the experts of `forward`'s sparse layers: quack | grouped_mm | loop; none: no sparse
+    layer runs fused."""
+    fused = _fused(forward)
+    return fused.moe_kernel.name if fused is not None and fused.sparse else "none"
 
 
 class DecoderMismatch(RuntimeError):
@@ -644,14 +650,27 @@ class DecoderMismatch(RuntimeError):
 
 @torch.inference_mode()
 def check_hidden(base: Any, forward: Decoder, job: SequenceJob, device: torch.device, role: str) -> float:
-    """‖ours - transformers'‖ / ‖transformers'‖ over the final hidden states of one sequence; raise
-    past _DECODER_TOL. Two half-precision forwards that round in another order drift apart over the
-    layers (a few % at 28 bf16 layers), so the norm ratio, not the largest element, is bounded;
-    a misread layer (a lost window, norm or rotation) moves it by tens of %."""
+    """‖ours - transformers'‖ / ‖transformers'‖ over the final hidden states [T, H] of one sequence;
+    raise past _DECODER_TOL. Two half-precision forwards that round in another order drift apart over
+    the layers (a few % at 28 bf16 layers), so the norm ratio, not the largest element, is bounded;
+    a misread layer (a lost window, norm or rotation) moves it by tens of %.
+
+    A fused decoder with mixture-of-experts layers runs pinned to the experts transformers' forward
+    chose (its own router weights them): rounding flips near-tied router logits for a few tokens,
+    and one token sent to another expert would count as a misread layer. What the routing itself
+    gets right is bounded apart: in every sparse layer the experts it would have chosen must match
+    transformers' for _ROUTING_AGREEMENT of the token-expert pairs."""
     batch = pack([job], device, step=1)
     every = torch.arange(batch.num_tokens, device=device)
-    own = decoder.TransformersDecoder(base)(batch, every)
-    error = decoder.relative_error(forward(batch, every), own)
+    fused = _fused(forward)
+    layers = fused.sparse_layers if fused is not None else []
+    routes, own = _recorded_routes(base, batch, every, len(layers))
+    if routes is None:
+        ours = forward(batch, every)
+    else:
+        assert fused is not None
+        ours = _pinned_forward(fused, layers, routes, batch, every, role)
+    error = decoder.relative_error(ours, own)
     bound = _DECODER_TOL[next(base.parameters()).dtype]
     if not error <= bound:
         raise DecoderMismatch(
@@ -660,6 +679,69 @@ def check_hidden(base: Any, forward: Decoder, job: SequenceJob, device: torch.de
         )
     log.info("%s: the %s decoder is within %.3g of transformers' hidden states", role, forward.kind, error)
     return error
+
+
+def _recorded_routes(
+    base: Any, batch: PackedBatch, every: torch.Tensor, sparse_layers: int
+) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+    """transformers' final hidden states [T, H] of `batch`, and the expert ids [T, k] its sparse
+    layers' routers chose (None where the fused decoder has no sparse layer, or the routers do not
+    return (logits, weights, ids) as transformers 5's do)."""
+    blocks = [layer.mlp for layer in base.layers if hasattr(layer.mlp, "experts")]
+    if not sparse_layers or len(blocks) != sparse_layers:
+        return None, decoder.TransformersDecoder(base)(batch, every)
+    seen: list[Any] = []
+    hooks = [block.gate.register_forward_hook(lambda _m, _i, out: seen.append(out)) for block in blocks]
+    try:
+        own = decoder.TransformersDecoder(base)(batch, every)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if len(seen) != len(blocks) or not all(isinstance(out, tuple) and len(out) == 3 for out in seen):
+        return None, own
+    return [out[2] for out in seen], own
+
+
+def _pinned_forward(  # noqa: PLR0917
+    fused: decoder.FusedDecoder,
+    layers: list[moe.SparseMoe],
+    routes: list[torch.Tensor],
+    batch: PackedBatch,
+    every: torch.Tensor,
+    role: str,
+) -> torch.Tensor:
+    """The fused decoder's hidden states, run eagerly (no graph keeps the pins) with each sparse layer
+    pinned to `routes`; raise where a layer's own routing agrees with them too little."""
+    for i, (layer, route) in enumerate(zip(layers, routes, strict=True)):
+        if route.shape != (batch.num_tokens, layer.routing.top_k):
+            raise DecoderMismatch(
+                f"{role}: sparse layer {i}: transformers' router chose {tuple(route.shape)} expert ids "
+                f"where the fused decoder routes {batch.num_tokens} tokens to {layer.routing.top_k} each"
+            )
+        layer.pinned = moe.Pin(route)
+    try:
+        ours = fused(batch, every)
+    finally:
+        pins = [layer.pinned for layer in layers]
+        for layer in layers:
+            layer.pinned = None
+    shares = [_agreement(torch.cat(pin.own), route) for pin, route in zip(pins, routes, strict=True) if pin]
+    worst = min(range(len(shares)), key=shares.__getitem__)
+    if not shares[worst] >= _ROUTING_AGREEMENT:
+        raise DecoderMismatch(
+            f"{role}: sparse layer {worst}: the fused decoder's router chose transformers' experts for "
+            f"{shares[worst]:.1%} of the token-expert pairs (at least {_ROUTING_AGREEMENT:.0%} expected); "
+            "try decoder=transformers"
+        )
+    log.info(
+        "%s: the fused routers chose transformers' experts for >= %.1f%% of pairs", role, 100 * shares[worst]
+    )
+    return ours
+
+
+def _agreement(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The share of token-expert pairs of want [T, k] that got [T, k] also has (each token's set)."""
+    return float((got[:, :, None] == want[:, None, :]).any(dim=-1).float().mean())
 
 
 def max_positions(config: Any) -> int:

@@ -7,6 +7,7 @@ reference grouped GEMM written here checks the grouping (order and group ends) o
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 from service.engine import decoder, decoder_ops, moe, moe_ops
 from service.engine.decoder import FusedDecoder, TransformersDecoder
 from service.engine.decoder_ops import TORCH
-from service.engine.scorer import PackedScorer, check_hidden
+from service.engine.packing import pack
+from service.engine.scorer import DecoderMismatch, PackedScorer, check_hidden
 from service.jobs import SequenceJob
 from service.settings import Settings
 from tests import models
@@ -272,6 +274,77 @@ def test_self_check_catches_a_misread_router() -> None:
     layer.routing = moe.Routing(layer.routing.top_k, normalise=False, round_weights=True)
     with pytest.raises(RuntimeError, match="fused decoder"):
         check_hidden(model.base_model, fused, job, CPU, "policy")
+
+
+class _Flipped(moe.Routing):
+    """The same routing but every 20th token's first expert swapped for the next expert id that it did
+    not choose: the near-tie flips rounding makes in half precision, on 5 % of the tokens."""
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = super().__call__(logits)
+        experts = experts.clone()
+        count = logits.shape[1]
+        for t in range(0, experts.shape[0], 20):
+            other = (int(experts[t, 0]) + 1) % count
+            while other in experts[t].tolist():
+                other = (other + 1) % count
+            experts[t, 0] = other
+        return weights, experts
+
+
+class _Elsewhere(moe.Routing):
+    """Every token to other experts: a misread router."""
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = super().__call__(logits)
+        return weights, (experts + 1) % logits.shape[1]
+
+
+def _fused_with(name: str, rule: type[moe.Routing]) -> tuple[Any, FusedDecoder]:
+    model = packed_model(name)
+    fused = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    for layer in fused.sparse_layers:
+        layer.routing = rule(layer.routing.top_k, layer.routing.normalise, layer.routing.round_weights)
+    return model, fused
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_self_check_pins_transformers_routing(name: str, caplog: pytest.LogCaptureFixture) -> None:
+    """5 % of tokens routed elsewhere: the hidden states move far past the bound unpinned, and pinned to
+    transformers' experts the check passes, reporting that 95 % of the pairs agree."""
+    model, fused = _fused_with(name, _Flipped)
+    job = SequenceJob(np.arange(3, 83), np.arange(1, 80), 1.0, False)
+    packed = pack([job], CPU, step=1)  # as the check packs it
+    every = torch.arange(packed.num_tokens)
+    with torch.inference_mode():
+        unpinned = decoder.relative_error(
+            fused(packed, every), TransformersDecoder(model.base_model)(packed, every)
+        )
+    with caplog.at_level(logging.INFO):
+        error = check_hidden(model.base_model, fused, job, CPU, "policy")
+    assert error < 1e-5
+    assert unpinned > 1e-2
+    share = float(re.search(r"experts for >= ([0-9.]+)% of pairs", caplog.text).group(1))  # type: ignore[union-attr]
+    assert 93 <= share < 100  # every 20th token's first expert: 1/20 of its k pairs off
+    assert all(layer.pinned is None for layer in fused.sparse_layers)
+    assert all(
+        not block.mlp.gate._forward_hooks for block in model.base_model.layers if hasattr(block.mlp, "gate")
+    )
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_self_check_catches_a_router_that_chooses_other_experts(name: str) -> None:
+    model, fused = _fused_with(name, _Elsewhere)
+    job = SequenceJob(np.arange(3, 40), np.arange(1, 37), 1.0, False)
+    with pytest.raises(
+        DecoderMismatch,
+        match=r"sparse layer 0: the fused decoder's router chose transformers' experts for [0-9.]+% of",
+    ):
+        check_hidden(model.base_model, fused, job, CPU, "policy")
+    assert all(layer.pinned is None for layer in fused.sparse_layers)
+    assert all(
+        not block.mlp.gate._forward_hooks for block in model.base_model.layers if hasattr(block.mlp, "gate")
+    )
 
 
 @pytest.mark.parametrize(
