@@ -24,7 +24,8 @@ def test_moe_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     assert tiny["ready_s"] > 0
     assert tiny["max_abs_diff_vs_transformers"] < 1e-4  # float32: the same scores
     assert set(tiny["max_abs_diff_vs_float32"]) == {"fused", "eager", "grouped_mm"}
-    assert max(tiny["max_abs_diff_vs_float32"].values()) < 1e-4
+    for diffs in tiny["max_abs_diff_vs_float32"].values():
+        assert diffs["mean"] <= diffs["max"] < 1e-4
 
 
 def test_the_floor_counts_active_experts_only() -> None:
