@@ -178,3 +178,26 @@ def test_plan_kernel_equals_torch_on_cuda(rule: moe.Routing) -> None:
     logits = distinct_logits(16389, 128, seed=1, device="cuda").to(torch.bfloat16)
     router = torch.eye(128, device="cuda", dtype=torch.bfloat16)
     assert_same_plan(moe.plan_kernel(logits, router, rule), moe.plan(logits, router, rule))
+
+
+@pytest.mark.gpu
+@gpu
+def test_tied_routing_on_cuda_does_not_depend_on_the_batch() -> None:
+    """bf16 logits with four-way ties at the top in every token: each token's experts and weights are
+    the same alone as among 16k others, and the tie goes to the lowest ids."""
+    rule = moe.Routing(2, normalise=True, round_weights=True)
+    gen = torch.Generator().manual_seed(0)
+    tied = torch.full((16384, 8), -1.0)
+    tied[:, :4] = 2.0  # a tie among experts 0-3, and every 97th token among four others
+    for t in range(0, 16384, 97):
+        tied[t] = -1.0
+        tied[t, torch.randperm(8, generator=gen)[:4]] = 2.0
+    logits = tied.to("cuda", torch.bfloat16)
+    router = torch.eye(8, device="cuda", dtype=torch.bfloat16)
+    whole = moe.plan_kernel(logits, router, rule)
+    for t in (0, 97, 5044, 16383):
+        alone = moe.plan_kernel(logits[t : t + 1], router, rule)
+        lowest = torch.nonzero(tied[t] == 2.0).flatten()[:2].tolist()
+        assert torch.equal(alone.weights[0], whole.weights[t])
+        assert torch.searchsorted(whole.groups.offsets[1:], whole.slots[t], right=True).tolist() == lowest
+        assert torch.searchsorted(alone.groups.offsets[1:], alone.slots[0], right=True).tolist() == lowest
