@@ -122,7 +122,7 @@ def _combine(  # noqa: PLR0917 (a Triton kernel takes its arguments positionally
 
 ROUTE_TOKENS = 32  # tokens per program of route_kernel (a block of the counting sort)
 GROUP_SLOTS = 1024  # slots per program of group_kernel
-SCAN_BLOCKS = 32  # blocks' counts per step of the prefix sum over them (one program)
+SCAN_BLOCKS = 32  # blocks' counts per step of the prefix sum over them (one program), at least
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +175,7 @@ def group_kernel(routed: Routed) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     blocks, count = counts.shape
     offsets = torch.empty(count + 1, device=experts.device, dtype=torch.int32)
     starts = torch.empty_like(counts)  # [blocks, E]: each expert's first grouped row for each block
+    span = max(SCAN_BLOCKS, triton_jit.next_power_of_2(blocks))  # compiled per power of 2 of T
     with triton_jit.on_device(experts):
         triton_jit.jit(_starts)[(1,)](
             counts,
@@ -183,7 +184,8 @@ def group_kernel(routed: Routed) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
             blocks,
             EXPERTS=count,
             BLOCK_E=triton_jit.next_power_of_2(count),
-            CHUNK=SCAN_BLOCKS,
+            CHUNK=max(SCAN_BLOCKS, span // 16),  # at most 16 steps, unrolled
+            BLOCKS=span,
             num_warps=4,
         )
     rows = torch.empty(t * k, device=experts.device, dtype=torch.int32)
@@ -269,6 +271,7 @@ def _starts(  # noqa: PLR0917
     EXPERTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ) -> None:
     """One program over counts [blocks, E]: offsets [E+1] = the exclusive prefix sum of the experts'
     totals (then the total), starts[b, e] = offsets[e] + Σ_{b' < b} counts[b', e]."""
@@ -276,7 +279,7 @@ def _starts(  # noqa: PLR0917
     real = ids < EXPERTS
     rows = tl.arange(0, CHUNK)
     total = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for first in range(0, blocks, CHUNK):
+    for first in tl.static_range(0, BLOCKS, CHUNK):  # unrolled, the blocks past `blocks` masked
         block = first + rows
         mask = (block < blocks)[:, None] & real[None, :]
         total += tl.sum(
@@ -285,7 +288,7 @@ def _starts(  # noqa: PLR0917
     running = tl.cumsum(total, axis=0) - total
     tl.store(offsets_ptr + ids, running, mask=real)
     tl.store(offsets_ptr + EXPERTS, tl.sum(total, axis=0))
-    for first in range(0, blocks, CHUNK):
+    for first in tl.static_range(0, BLOCKS, CHUNK):  # unrolled, the blocks past `blocks` masked
         block = first + rows
         mask = (block < blocks)[:, None] & real[None, :]
         at = block[:, None] * EXPERTS + ids[None, :]
