@@ -36,8 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.run import (
     HttpServer,
@@ -238,6 +240,24 @@ def float32_accuracy(
     }
 
 
+def expert_load(text: str) -> dict[str, float]:
+    """The server's logprobd_moe_expert_load histogram over the HTTP rounds: observations, the mean
+    share (1 by construction), and the shares of idle experts and of ones over 4x an even share."""
+    found = {
+        f"{s.name}{s.labels.get('le', '')}": s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "logprobd_moe_expert_load"
+        for s in family.samples
+    }
+    count = found["logprobd_moe_expert_load_count"]
+    return {
+        "observations": count,
+        "mean_share": found["logprobd_moe_expert_load_sum"] / count if count else float("nan"),
+        "idle": found["logprobd_moe_expert_load_bucket0.0"] / count if count else float("nan"),
+        "over_4x": 1 - found["logprobd_moe_expert_load_bucket4.0"] / count if count else float("nan"),
+    }
+
+
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
     shape = dict(SHAPES[name])
     if args.layers is not None:
@@ -288,6 +308,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             flush=True,
         )
         report("http", http_rounds(url, http_bodies(samples), args.reps))
+        load = expert_load(httpx.get(f"{url}/metrics", timeout=30).text)
+        print(f"  {name}: expert load {load}", flush=True)
     _release(device)
     rounds, scores["fused"] = engine_rounds(engine, settings, the_jobs, args.reps, device)
     report("fused", rounds)
@@ -322,6 +344,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         "action_tokens": sum(len(s.response) for s in samples),
         "floor_ms": floor_s * 1e3,
         "ready_s": ready_s,
+        "expert_load": load,
         "variants": variants,
         **peers,
     }

@@ -38,7 +38,7 @@ from service.engine.attention import choose_backend, register
 from service.engine.base import Launched
 from service.engine.loading import LoadedModel
 from service.engine.scorer import PackedScorer
-from service.jobs import SequenceScores
+from service.jobs import IntArray, SequenceScores
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings
 
@@ -57,6 +57,9 @@ class RecordedLaunch:
             return self.launched.result()
         finally:
             self.events.append(("collected", start, time.perf_counter()))
+
+    def expert_load(self) -> IntArray | None:
+        return self.launched.expert_load()
 
 
 GpuMarks = dict[float, tuple[Any, Any]]  # a launch's host start -> CUDA events around its work

@@ -443,6 +443,7 @@ class Batcher:
         self._metrics.batch_tokens.observe(flight.tokens)
         self._metrics.computed_tokens.inc(flight.tokens)
         self._metrics.batch_sequences.observe(len(batch))
+        self._metrics.observe_expert_load(handle.expert_load())
         self._metrics.sequences.inc(len(batch.pending))
         for p, result, computed in zip(batch.pending, results, batch.shares(), strict=False):
             p.request.computed += computed

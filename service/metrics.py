@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import cast
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, utils
 from prometheus_client import Info as InfoMetric
+from prometheus_client.core import HistogramMetricFamily, Metric
 
 from service.errors import OUTCOMES
+from service.jobs import IntArray
 from service.schemas import RolloutMismatch
 
 PREFIX = "logprobd"
@@ -13,7 +20,45 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 19))  # 16 .. 262144
 MISMATCH_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 FRACTION_BUCKETS = (0.0, 1e-4, 1e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+# an expert's tokens as a multiple of an even share: 0 idle, 1 even
+LOAD_BUCKETS = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0)
+# how prometheus_client writes a bucket's `le` (untyped there)
+_go_float = cast(Callable[[float], str], utils.floatToGoString)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class BulkHistogram:
+    """A histogram observed an array at a time: bucketed with numpy, exposed like prometheus_client's
+    Histogram (cumulative `le` buckets, _sum, _count). For thousands of values per micro-batch, which
+    Histogram.observe would take one call each."""
+
+    def __init__(
+        self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry
+    ) -> None:
+        self._name, self._documentation = name, documentation
+        self._bounds = np.asarray(buckets, dtype=np.float64)
+        self._counts = np.zeros(len(buckets) + 1, dtype=np.int64)  # per bucket; the last above every bound
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, values: np.ndarray) -> None:
+        """Each value counts in the first bucket whose bound it does not exceed."""
+        values = np.ravel(values)
+        counts = np.bincount(np.searchsorted(self._bounds, values), minlength=self._counts.shape[0])
+        with self._lock:
+            self._counts += counts
+            self._sum += float(values.sum())
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self._name, self._documentation)]
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            cumulative, total = np.cumsum(self._counts), self._sum
+        bounds = [_go_float(float(bound)) for bound in self._bounds] + ["+Inf"]
+        buckets = [(bound, float(count)) for bound, count in zip(bounds, cumulative, strict=True)]
+        yield HistogramMetricFamily(self._name, self._documentation, buckets=buckets, sum_value=total)
 
 
 class Metrics:
@@ -53,6 +98,13 @@ class Metrics:
         )
         self.batch_tokens = Histogram(
             f"{PREFIX}_batch_tokens", "Tokens per packed micro-batch.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.expert_load = BulkHistogram(
+            f"{PREFIX}_moe_expert_load",
+            "Per micro-batch, each expert of each counted sparse layer of the policy: its real tokens as a "
+            "multiple of an even share (the layer's routed tokens / its experts). 0: idle; 1: even.",
+            LOAD_BUCKETS,
+            r,
         )
         self.batch_sequences = Histogram(
             f"{PREFIX}_batch_sequences",
@@ -121,6 +173,14 @@ class Metrics:
             self.rollout_max_abs_diff.observe(rollout.max_abs_diff)
             self.rollout_kl.observe(rollout.mean_kl_k3)
             self.rollout_ratio_outside.observe(rollout.ratio_outside_fraction)
+
+    def observe_expert_load(self, counts: IntArray | None) -> None:
+        """counts [layers, experts]: the real tokens each expert took in one micro-batch."""
+        if counts is None or counts.size == 0:
+            return
+        counts = counts[counts.sum(axis=1) > 0]  # a layer that routed nothing has no shares
+        if counts.size:
+            self.expert_load.observe(counts * counts.shape[1] / counts.sum(axis=1, keepdims=True))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -47,6 +47,9 @@ class FakeLaunched:
             raise RuntimeError("injected device error")
         return self.scores
 
+    def expert_load(self) -> None:
+        return None
+
 
 class FakeEngine:
     """logprob of action t = -(x_t + t) / T - shift; entropy = t. Records every micro-batch it sees.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-from service.jobs import Chunk, SequenceJob, SequenceScores
+from service.jobs import Chunk, IntArray, SequenceJob, SequenceScores
 from service.prefixes import Forest
 
 # Token and action counts are padded up to a multiple of this, so that a micro-batch's GEMMs take one
@@ -113,6 +113,11 @@ class Launched(Protocol):
 
     def result(self) -> list[SequenceScores]:
         """Wait for the accelerator to finish it; its scores, in the order of its jobs. Any thread."""
+
+    def expert_load(self) -> IntArray | None:
+        """The real tokens each expert of each of the policy's sparse layers took in it, [layers,
+        experts] (the layers the engine counts); None for a dense policy or one it does not count.
+        Waits like `result`."""
 
 
 class ScoringEngine(Protocol):

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from service.engine import invariant, moe, moe_ops
 from service.engine.attention import Kernel, Segments
+from service.engine.base import SHAPE_STEP
 from service.engine.context import KVContext
 from service.engine.decoder_ops import HeadNorms, Ops
 from service.engine.gated import GatedProjection, split
@@ -80,6 +81,11 @@ class Decoder(Protocol):
     def capture(self, probe: PackedBatch) -> None:
         """Capture the CUDA graphs that serve micro-batches, checked on `probe` (graphs.py); none here."""
 
+    def expert_counts(self) -> torch.Tensor | None:
+        """After a forward (read on the device's stream after it): the real tokens each expert of each
+        sparse layer but the last took, [layers, E] int32 on the device (the last layer runs its experts
+        on the rows the heads read only); None where no layer is counted."""
+
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """‖got - want‖ / ‖want‖ over every element, in float32: how two forwards' hidden states differ."""
@@ -110,6 +116,9 @@ class TransformersDecoder:
 
     def capture(self, probe: PackedBatch) -> None:
         pass
+
+    def expert_counts(self) -> torch.Tensor | None:
+        return None
 
     def refresh(self) -> None:
         pass
@@ -253,6 +262,7 @@ class FusedDecoder:
             )
             for index, layer in enumerate(decoder.layers[: config.num_hidden_layers])
         ]
+        self.load = self._count_experts(decoder.embed_tokens.weight.device)
 
     def _concat(self, *linears: torch.nn.Linear) -> _Concat:
         concat = _Concat.of(*linears)
@@ -285,6 +295,19 @@ class FusedDecoder:
             moe.plan_kernel if kernels else moe.plan,
         )
 
+    def _count_experts(self, device: torch.device) -> moe.Load | None:
+        """A Load over the sparse layers but the last, each layer given its Tally; None if there are none."""
+        counted = [layer.mlp for layer in self.layers[:-1] if isinstance(layer.mlp, moe.SparseMoe)]
+        if not counted:
+            return None
+        filler = max(SHAPE_STEP, self.rows or 0)  # a packed row's filler is less than its step
+        experts = counted[0].experts.gate_up_proj.shape[0]
+        load = moe.Load(len(counted), experts, 1 << (filler - 1).bit_length(), device)
+        for index, mlp in enumerate(counted):
+            mlp.tally = load.tally(index)
+            mlp.count = moe_ops.count_kernel if self.ops.name == "triton" else moe_ops.count_torch
+        return load
+
     def _shared_expert(self, dense: _Dense, gate: torch.nn.Linear) -> moe.SharedExpert:
         """Qwen2-MoE's shared expert: sigmoid(h·wgᵀ) · mlp(h), rounded as transformers does."""
 
@@ -306,6 +329,14 @@ class FusedDecoder:
 
     def capture(self, probe: PackedBatch) -> None:
         pass
+
+    def expert_counts(self) -> torch.Tensor | None:
+        return self.load.counts if self.load is not None else None
+
+    def begin(self, batch: PackedBatch) -> None:
+        """Before a forward over `batch` (outside any graph): the expert counts start from zero."""
+        if self.load is not None:
+            self.load.begin(batch.num_tokens, batch.filler)
 
     def refresh(self) -> None:
         for concat in self._concats:
@@ -336,6 +367,7 @@ class FusedDecoder:
                 self._run_mlp(mlp, x[start:end], x[start:end])
 
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
+        self.begin(batch)
         stream = self.start(batch.input_ids[0], batch.position_ids, batch.cu_seqlens, batch.max_len)
         if batch.context is not None:
             stream = dataclasses.replace(stream, context=batch.context)
@@ -387,13 +419,13 @@ class FusedDecoder:
         h = ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
         for start in range(0, x.shape[0], self.chunk):
             end = min(start + self.chunk, x.shape[0])
-            self._run_mlp(layer.mlp, x[start:end], h[start:end])
+            self._run_mlp(layer.mlp, x[start:end], h[start:end], start)
         return x
 
-    def _run_mlp(self, mlp: _Dense | moe.SparseMoe, x: torch.Tensor, h: torch.Tensor) -> None:
-        """x += mlp(h) in place, for x and h [rows, H]."""
+    def _run_mlp(self, mlp: _Dense | moe.SparseMoe, x: torch.Tensor, h: torch.Tensor, first: int = 0) -> None:
+        """x += mlp(h) in place, for x and h [rows, H] (the forward's rows from `first` on)."""
         if isinstance(mlp, moe.SparseMoe):
-            mlp.add_to(x, h, self.rows)
+            mlp.add_to(x, h, self.rows, first)
         else:
             _accumulate(x, self._mlp_in(mlp, h), mlp.down_proj, self.rows)
 

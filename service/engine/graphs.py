@@ -167,6 +167,7 @@ class GraphedDecoder:
         if key is None or self.disabled is not None or batch.context is not None:  # a chunk runs eagerly
             return self.inner(batch, rows)
         buffers, n = self._ready(), key.tokens
+        self.inner.begin(batch)
         buffers.ids[:n].copy_(batch.input_ids[0])
         buffers.positions[:, :n].copy_(batch.position_ids)
         buffers.cu[: sequences + 1].copy_(batch.cu_seqlens)
@@ -191,6 +192,9 @@ class GraphedDecoder:
 
     def warm(self, rows: int) -> None:
         self.inner.warm(rows)
+
+    def expert_counts(self) -> torch.Tensor | None:
+        return self.inner.expert_counts()
 
     def capture(self, probe: PackedBatch) -> None:
         """Check a graph against the eager forward on `probe` (turning graphs off, with a warning, if

@@ -39,6 +39,10 @@ sees of a call (and what a kernel is chosen by) is the total rows T·k and the w
 the per-expert counts, so a warm-up over each padded token count meets every call a micro-batch can
 make.
 
+A layer given a Tally (the fused decoder's sparse layers but the last) also adds the real tokens each
+of its experts took to the decoder's Load [layers, E] (moe_ops' counting), which the engine copies
+out per micro-batch for the expert-load metric.
+
 `choose` resolves the `moe_kernel` setting; `auto` takes quack, else grouped_mm, else the loop, each
 after running it once against the loop on a small input (a failure there: a warning, the next one).
 """
@@ -269,6 +273,43 @@ MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 # ---- the layer -------------------------------------------------------------------------------------
 
+# rows [S] int32, offsets [E+1] int32, real [1] int32, first, counts [E] int32, tail: moe_ops
+Count = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Tally:
+    """Where one sparse layer counts the real tokens each of its experts takes: `counts` [E] int32, its
+    row of the decoder's Load; `load` for the bound on the filler rows."""
+
+    counts: torch.Tensor
+    load: Load
+
+
+class Load:
+    """The real tokens each expert of each counted sparse layer took in a decoder's last forward:
+    counts [layers, E] int32 on the device, which the layers' kernels add to (CUDA graphs included).
+
+    `begin` zeroes it and sets `real` [1] int32, the micro-batch's tokens before its filler (the filler
+    ends a packed row: packing.py), outside any graph; `tail`, a power of 2 above the filler a packed
+    row can have, bounds what the counting kernel reads (moe_ops)."""
+
+    def __init__(self, layers: int, experts: int, tail: int, device: torch.device) -> None:
+        self.counts = torch.zeros((layers, experts), dtype=torch.int32, device=device)
+        self.real = torch.zeros(1, dtype=torch.int32, device=device)
+        self.tail = tail
+
+    def tally(self, layer: int) -> Tally:
+        return Tally(self.counts[layer], self)
+
+    def begin(self, tokens: int, filler: int) -> None:
+        """A forward over `tokens` rows whose last `filler` are filler."""
+        if filler >= self.tail:
+            raise ValueError(f"{filler} filler rows: the expert counts take fewer than {self.tail}")
+        self.counts.zero_()
+        self.real.fill_(tokens - filler)
+
+
 # h [T, H] -> sigmoid(h·wgᵀ) · mlp(h) [T, H] in the model's dtype (Qwen2-MoE's gated shared expert)
 SharedExpert = Callable[[torch.Tensor], torch.Tensor]
 # x [T, H] += Σ_j y[slots[:, j]] · w[:, j] (+ extra), in place: moe_ops
@@ -355,28 +396,33 @@ class SparseMoe:
     combine: Combine = moe_ops.combine_torch
     planner: Planner = plan
     pinned: Pin | None = None  # set only for the start-up check's eager forward
+    tally: Tally | None = None  # where it counts its experts' real tokens (None: it does not)
+    count: Count = moe_ops.count_torch
 
-    def add_to(self, x: torch.Tensor, h: torch.Tensor, rows: int | None = None) -> None:
-        """x += moe(h), in place, for x and h [T, H]; in blocks of `rows` tokens where given (batch
-        invariance: every call then has one shape)."""
+    def add_to(self, x: torch.Tensor, h: torch.Tensor, rows: int | None = None, first: int = 0) -> None:
+        """x += moe(h), in place, for x and h [T, H] (the forward's rows from `first` on); in blocks of
+        `rows` tokens where given (batch invariance: every call then has one shape)."""
         n = x.shape[0]
         if rows is None or n <= rows or n % rows or self.pinned is not None:
-            self._add(x, h, rows)
+            self._add(x, h, rows, first)
             return
         for start in range(0, n, rows):
-            self._add(x[start : start + rows], h[start : start + rows], rows)
+            self._add(x[start : start + rows], h[start : start + rows], rows, first + start)
 
     def __call__(self, h: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """h [T, H] -> the block's output [T, H] in h's dtype."""
         out = torch.zeros_like(h)
-        self._add(out, h, rows)
+        self._add(out, h, rows, 0)
         return out
 
-    def _add(self, x: torch.Tensor, h: torch.Tensor, rows: int | None) -> None:
+    def _add(self, x: torch.Tensor, h: torch.Tensor, rows: int | None, first: int) -> None:
         if self.pinned is not None:
             route = self.pinned.take(h, self.router.weight, self.routing, rows)
         else:
             route = self.planner(h, self.router.weight, self.routing, rows)
+            if self.tally is not None:
+                load = self.tally.load
+                self.count(route.rows, route.groups.offsets, load.real, first, self.tally.counts, load.tail)
         act = _expand(self.kernel, h, route.rows, self.experts.gate_up_proj, route.groups, self.swiglu)
         down = self.kernel.matmul(act, self.experts.down_proj, route.groups)  # [S, H]
         del act

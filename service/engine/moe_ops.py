@@ -24,6 +24,15 @@ float32 and rounded once to x's dtype, `extra` added in that dtype, then the res
 The k rows of a token are read in slot order and added in that order: no atomics, so a score does not
 change from run to run. `combine_kernel` is one Triton pass (reads k rows, writes one); `combine_torch`
 is its twin (the CPU path and the reference the tests hold the kernel to).
+
+Counting (`count_kernel`, `count_torch`), the real tokens each expert took, for the expert-load
+metric: the rows of h below a bound are real tokens and the filler that pads a micro-batch follows
+them, so within an expert's group (tokens ascending) the filler is its last rows:
+
+    counts[e] += #{grouped rows r of expert e : rows[r] < real - first}          counts [E] int32
+
+`first` is the row of the whole micro-batch where this call's h starts. The kernel reads only the last
+`tail` rows of each group (a bound on the filler tokens), one program per expert.
 """
 
 from __future__ import annotations
@@ -116,6 +125,45 @@ def _combine(  # noqa: PLR0917 (a Triton kernel takes its arguments positionally
     target = x_ptr + row * x_stride + cols
     x = tl.load(target, mask=mask, other=0.0).to(tl.float32)
     tl.store(target, (x + out).to(dtype), mask=mask)
+
+
+def count_torch(  # noqa: PLR0917 (the Count signature moe.SparseMoe calls)
+    rows: torch.Tensor, offsets: torch.Tensor, real: torch.Tensor, first: int, counts: torch.Tensor, tail: int
+) -> None:
+    """counts [E] += the real tokens among each expert's grouped rows (see the module), in place;
+    rows [S] int32, offsets [E+1] int32, real [1] int32. `tail` is the kernel's bound (unused here)."""
+    del tail
+    below = (rows < real - first).to(torch.int64)
+    running = torch.cat((below.new_zeros(1), below.cumsum(0)))  # [S+1]
+    counts.add_((running[offsets[1:].long()] - running[offsets[:-1].long()]).to(counts.dtype))
+
+
+def count_kernel(  # noqa: PLR0917 (the Count signature moe.SparseMoe calls)
+    rows: torch.Tensor, offsets: torch.Tensor, real: torch.Tensor, first: int, counts: torch.Tensor, tail: int
+) -> None:
+    """count_torch in one Triton kernel, given that fewer than `tail` (a power of 2) rows of h are filler."""
+    triton_jit.runnable(rows)
+    with triton_jit.on_device(rows):
+        triton_jit.jit(_count)[(counts.shape[0],)](rows, offsets, real, counts, first, TAIL=tail, num_warps=4)
+
+
+def _count(  # noqa: PLR0917
+    rows_ptr: tl.tensor,
+    offsets_ptr: tl.tensor,
+    real_ptr: tl.tensor,
+    counts_ptr: tl.tensor,
+    first: tl.tensor,
+    TAIL: tl.constexpr,
+) -> None:
+    """One expert: its group's size less the filler among its last TAIL rows."""
+    expert = tl.program_id(0)
+    lo = tl.load(offsets_ptr + expert)
+    hi = tl.load(offsets_ptr + expert + 1)
+    at = hi - TAIL + tl.arange(0, TAIL)
+    live = at >= lo
+    row = tl.load(rows_ptr + at, mask=live, other=0)
+    filler = tl.sum((live & (row >= tl.load(real_ptr) - first)).to(tl.int32), axis=0)
+    tl.store(counts_ptr + expert, tl.load(counts_ptr + expert) + (hi - lo) - filler)
 
 
 # ---- routing ---------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class PackedBatch:
     cu_k_own: torch.Tensor | None = None  # [S+1] int32 boundaries of key_index's segments
     max_len_k_own: int | None = None
     context: KVContext | None = None
+    filler: int = 0  # the row's last tokens, the filler (no sequence's)
 
     def attach(self, store: KVStore | None) -> PackedBatch:
         """This batch with one model's keys beyond each segment's own: the store of the chunk's
@@ -233,4 +234,5 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
         shared_keys=0 if key_index is None else int(key_lengths[: len(nodes)].sum()),
         cu_k_own=None if key_index is None else bounds(key_lengths),
         max_len_k_own=None if key_index is None else int(key_lengths.max()),
+        filler=filler,
     )

@@ -54,7 +54,7 @@ from service.engine.kernels import apply_fused_kernels
 from service.engine.loading import LoadedModel, load_model, resolve_device, resolve_dtype, text_part
 from service.engine.packing import SHAPE_STEP, PackedBatch, pack
 from service.engine.sharding import Sharded
-from service.jobs import Chunk, FloatArray, SequenceJob, SequenceScores
+from service.jobs import Chunk, FloatArray, IntArray, SequenceJob, SequenceScores
 from service.prefixes import Forest
 from service.settings import Settings
 
@@ -148,6 +148,12 @@ class InFlight:
     ref_logprobs: torch.Tensor | None
     values: torch.Tensor | None
     done: torch.cuda.Event | None
+    expert_counts: torch.Tensor | None = None  # [layers, E] int32 host copy: decoder.expert_counts
+
+    def expert_load(self) -> IntArray | None:
+        if self.done is not None:
+            self.done.synchronize()
+        return None if self.expert_counts is None else self.expert_counts.numpy().astype(np.int64)
 
     def result(self) -> list[SequenceScores]:
         if self.done is not None:
@@ -187,6 +193,15 @@ def _host_copier(device: torch.device, rows: int) -> Callable[[torch.Tensor | No
         return host
 
     return copy
+
+
+def _host_counts(counts: torch.Tensor | None) -> torch.Tensor | None:
+    """A host copy of device counts; on CUDA, into pinned memory, queued on the stream."""
+    if counts is None or counts.device.type != "cuda":
+        return None if counts is None else counts.clone()
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    return host
 
 
 def _event(device: torch.device) -> torch.cuda.Event | None:
@@ -427,6 +442,7 @@ class PackedScorer:
         stores = self._stores_of(chunk)
         every = [*jobs, chunk.job] if chunk is not None else list(jobs)
         policy = self._policy.logprobs(batch.attach(stores.get("policy")), batch.want_entropy)
+        expert_counts = _host_counts(self._policy.forward.expert_counts())  # before another forward
         ref = None
         if self._reference is not None and any(job.return_ref for job in every):
             ref = self._reference.logprobs(batch.attach(stores.get("reference")), want_entropy=False).logprobs
@@ -449,6 +465,7 @@ class PackedScorer:
             ref_logprobs=to_host(ref),
             values=to_host(values),
             done=_event(self._device),
+            expert_counts=expert_counts,
         )
 
     @torch.inference_mode()

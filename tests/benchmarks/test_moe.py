@@ -22,6 +22,11 @@ def test_moe_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     assert tiny["moe_kernel"] == "loop"  # cpu: the twin
     assert tiny["default_experts_implementation"] in {"eager", "grouped_mm"}
     assert tiny["ready_s"] > 0
+    load = tiny["expert_load"]  # one counted layer of 8 experts, per micro-batch of the HTTP rounds
+    assert load["observations"] > 0
+    assert load["observations"] % 8 == 0
+    assert abs(load["mean_share"] - 1) < 1e-9
+    assert 0 <= load["idle"] <= 1
     assert tiny["max_abs_diff_vs_transformers"] < 1e-4  # float32: the same scores
     assert set(tiny["max_abs_diff_vs_float32"]) == {"fused", "eager", "grouped_mm"}
     for diffs in tiny["max_abs_diff_vs_float32"].values():

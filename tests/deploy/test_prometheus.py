@@ -8,6 +8,9 @@ rule and the KEDA query are asked of Prometheus' HTTP API: each parses, has the 
 expects and returns data; the alerts are in the state the traffic causes (pending where their
 condition holds: their `for` is minutes), and Prometheus' counts equal what the client saw.
 
+The replicas serve a dense model, so the mixture-of-experts row has no data there: a third replica
+serving a tiny Mixtral, scraped by a Prometheus of its own, gives it its data and its numbers.
+
 The scrape and rule-evaluation interval is 1 s instead of the chart's 15 s; Grafana's
 $__rate_interval for a 15 s scrape (4 x 15 s) is 1m, which is what the dashboard queries get here.
 """
@@ -219,9 +222,24 @@ def test_every_panel_query_returns_data(observed: Observed) -> None:
         if any(name in expr for name in EXTERNAL):  # another exporter's series: parse and type only
             assert data["result"] == [], (title, sent)
             continue
+        if title in SPARSE_PANELS:  # a dense policy's: no expert load (test_expert_load_panels)
+            assert not numbers(data["result"]), (title, sent)
+            continue
         if not numbers(data["result"]):
             empty.append((title, sent))
     assert not empty, f"panels without data after the traffic: {empty}"
+
+
+def _row_panels(title: str) -> list[str]:
+    """The titles of the panels under the dashboard's row `title` (up to the next row)."""
+    panels = sorted(dashboard()["panels"], key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
+    rows = [i for i, p in enumerate(panels) if p["type"] == "row"]
+    (start,) = [i for i in rows if panels[i]["title"] == title]
+    end = next((i for i in rows if i > start), len(panels))
+    return [p["title"] for p in panels[start + 1 : end]]
+
+
+SPARSE_PANELS = _row_panels("Mixture of experts (sparse policies)")
 
 
 def _instant(observed: Observed, expr: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -306,3 +324,40 @@ def test_the_keda_query_returns_the_queue(observed: Observed) -> None:
     assert data["resultType"] == "vector"
     (sample,) = data["result"]
     assert 0 <= float(sample["value"][1]) <= QUEUE_CAP
+
+
+@pytest.fixture(scope="module")
+def sparse(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
+    """One replica serving the tiny Mixtral (4 experts, one counted sparse layer), scraped by a
+    Prometheus of its own after six requests of 13 tokens, one after another."""
+    manifests = render(MONITORED)
+    settings = settings_for(model_dirs["mixtral"], batch_wait_ms=0)
+    with loopback(create_app(settings), log_level="error") as base:
+        scrape = scrape_config(manifests, NAMESPACE, {PODS[0]: base.removeprefix("http://")}, INTERVAL)
+        workdir = tmp_path_factory.mktemp("prometheus-sparse")
+        with running_prometheus(workdir, scrape, rule_groups(manifests), INTERVAL) as prometheus:
+            started = time.time()
+            wait_for(prometheus, 'sum(up{job="rl-logprobd"}) == 1')
+            with httpx.Client(timeout=60) as http:
+                for i in range(6):
+                    assert http.post(f"{base}/logprobs", json=good(i)).status_code == 200
+            count = metric(base, "logprobd_moe_expert_load_count")
+            assert count == 4 * metric(base, "logprobd_forward_duration_seconds_count") >= 4 * 6
+            wait_for(prometheus, f"sum(logprobd_moe_expert_load_count) == {count}")
+            yield Observed(prometheus, manifests, Counter(ok=6), 30, started, time.time())
+
+
+def test_expert_load_panels_show_a_sparse_policys_load(sparse: Observed) -> None:
+    """Every query of the row returns numbers; the shares of idle and overloaded experts are the ones
+    the replica's own buckets give (over all of its micro-batches: their rate over the same window)."""
+    assert SPARSE_PANELS == ["Expert load (1 = an even share)", "Idle and overloaded experts"]
+    for title in SPARSE_PANELS:
+        for expr in _panel(title):
+            assert numbers(sparse.prometheus.query(as_grafana_sends(expr))["result"]), (title, expr)
+    total = _instant(sparse, "sum(logprobd_moe_expert_load_count)")[()]
+    idle = _instant(sparse, 'sum(logprobd_moe_expert_load_bucket{le="0.0"})')[()]
+    within = _instant(sparse, 'sum(logprobd_moe_expert_load_bucket{le="4.0"})')[()]
+    idle_panel, over_panel = _panel("Idle and overloaded experts")
+    assert _instant(sparse, idle_panel)[()] == pytest.approx(idle / total)
+    assert _instant(sparse, over_panel)[()] == pytest.approx(1 - within / total)
+    assert total >= 24

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from service.engine import decoder, decoder_ops, moe, moe_ops
 from service.engine.decoder import FusedDecoder, TransformersDecoder
 from service.engine.decoder_ops import TORCH
-from service.engine.packing import pack
+from service.engine.graphs import EagerRecorder, GraphedDecoder
+from service.engine.packing import PackedBatch, pack
 from service.engine.scorer import DecoderMismatch, PackedScorer, check_hidden
 from service.jobs import SequenceJob
 from service.settings import Settings
@@ -233,6 +234,72 @@ def test_the_fused_decoder_runs_mixtures_of_experts(name: str) -> None:
         chunked = FusedDecoder(model.base_model, KERNEL, TORCH, 5)(batch, rows)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunked, want, atol=1e-5, rtol=1e-5)
+
+
+def three_layers(name: str) -> Any:
+    """A model of `name` with three layers: one sparse layer (qwen3_moe) or two counted before the last."""
+    return packed_model(name, num_hidden_layers=3, layer_types=["full_attention"] * 3)
+
+
+def transformers_counts(base: Any, batch: PackedBatch, real: int) -> list[list[int]]:
+    """Per sparse layer but the last: how many of the first `real` rows transformers' router sent to
+    each expert (the ids its TopKRouter returns third)."""
+    blocks = [layer.mlp for layer in base.layers[:-1] if hasattr(layer.mlp, "experts")]
+    seen: list[torch.Tensor] = []
+    hooks = [block.gate.register_forward_hook(lambda _m, _i, out: seen.append(out[2])) for block in blocks]
+    try:
+        TransformersDecoder(base)(batch, every_row(batch))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    experts = blocks[0].experts.gate_up_proj.shape[0]
+    return [torch.bincount(ids[:real].flatten(), minlength=experts).tolist() for ids in seen]
+
+
+COUNTING = ["plain", "mlp-chunks", "gemm-rows", "graph-replay"]
+
+
+@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("how", COUNTING)
+def test_the_decoder_counts_each_experts_real_tokens(name: str, how: str) -> None:
+    """The fused decoder's counts after a forward equal transformers' routing of the real tokens (the
+    filler that pads the row left out), whether the MLP runs in chunks of 5 tokens, in GEMM blocks of 16
+    rows, or as a graph replayed over a second batch of the row's length."""
+    model = three_layers(name)
+    lengths, other = (20, 33, 7, 12), (40, 10, 9)
+    batch, second = batch_of(lengths), batch_of(other, seed=1)
+    assert batch.num_tokens == second.num_tokens == 128
+    fused = FusedDecoder(
+        model.base_model,
+        KERNEL,
+        TORCH,
+        5 if how == "mlp-chunks" else 0,
+        gemm_rows=16 if how == "gemm-rows" else None,
+    )
+    forward: Any = fused
+    if how == "graph-replay":
+        forward = GraphedDecoder(fused, EagerRecorder(), 128, total_bounded=True, limit=4)
+    with torch.inference_mode():
+        forward(batch, batch.hidden_index)
+        want = transformers_counts(model.base_model, batch, sum(lengths))
+        if how == "graph-replay":
+            assert forward.graphs == 1
+            forward(second, second.hidden_index)
+            assert forward.graphs == 1
+            want = transformers_counts(model.base_model, second, sum(other))
+    counts = forward.expert_counts()
+    assert counts is not None
+    assert counts.tolist() == want
+    assert len(want) == (1 if name == "qwen3_moe" else 2)
+
+
+def test_only_sparse_layers_before_the_last_are_counted() -> None:
+    """The last layer's experts run on the rows the heads read only; a dense model and the transformers
+    decoder count nothing."""
+    two = packed_model("qwen3_moe")  # a dense layer, then the last, sparse
+    assert FusedDecoder(two.base_model, KERNEL, TORCH, 0).expert_counts() is None
+    assert FusedDecoder(packed_model("qwen2").base_model, KERNEL, TORCH, 0).expert_counts() is None
+    assert TransformersDecoder(three_layers("mixtral").base_model).expert_counts() is None
 
 
 def test_experts_stay_where_they_are_and_follow_a_rebinding_reload() -> None:

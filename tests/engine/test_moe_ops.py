@@ -201,3 +201,60 @@ def test_tied_routing_on_cuda_does_not_depend_on_the_batch() -> None:
         assert torch.equal(alone.weights[0], whole.weights[t])
         assert torch.searchsorted(whole.groups.offsets[1:], whole.slots[t], right=True).tolist() == lowest
         assert torch.searchsorted(alone.groups.offsets[1:], alone.slots[0], right=True).tolist() == lowest
+
+
+# ---- counting ------------------------------------------------------------------------------------
+
+
+def routed(tokens: int, experts: int, seed: int, device: str = "cpu") -> tuple[moe.Plan, torch.Tensor]:
+    """The plan of top-2 routing over distinct logits, and each token's expert ids [tokens, 2]."""
+    logits = distinct_logits(tokens, experts, seed=seed, device=device)
+    rule = moe.Routing(2, normalise=True, round_weights=False)
+    return moe.plan(logits, torch.eye(experts, device=device), rule), rule(logits)[1]
+
+
+def loop_counts(experts: torch.Tensor, real: int, first: int, count: int) -> list[int]:
+    """Token by token: the experts of the tokens whose row in the forward (first + t) is below `real`."""
+    counts = [0] * count
+    for t, chosen in enumerate(experts.tolist()):
+        if first + t < real:
+            for expert in chosen:
+                counts[expert] += 1
+    return counts
+
+
+COUNT_CASES = [(40, 40, 0), (40, 33, 0), (40, 70, 37), (40, 20, 30), (1, 1, 0), (300, 250, 0)]
+COUNT_IDS = ["no-filler", "filler", "from-row-37", "all-filler", "one-token", "many-tokens"]
+
+
+@pytest.mark.parametrize(("tokens", "real", "first"), COUNT_CASES, ids=COUNT_IDS)
+def test_twin_counts_the_real_tokens(tokens: int, real: int, first: int) -> None:
+    plan, experts = routed(tokens, 8, seed=tokens)
+    counts = torch.full((8,), 5, dtype=torch.int32)  # the counts of earlier calls, added to
+    moe_ops.count_torch(
+        plan.rows, plan.groups.offsets, torch.tensor([real], dtype=torch.int32), first, counts, 64
+    )
+    assert counts.tolist() == [5 + n for n in loop_counts(experts, real, first, 8)]
+
+
+@only_interpreted
+@pytest.mark.parametrize(("tokens", "real", "first"), COUNT_CASES, ids=COUNT_IDS)
+def test_interpreter_count_kernel_equals_the_twin(tokens: int, real: int, first: int) -> None:
+    """A tail of 64 rows: more than any expert's filler here (at most 40), fewer than a group's rows."""
+    plan, _ = routed(tokens, 8, seed=tokens)
+    bound = torch.tensor([real], dtype=torch.int32)
+    want, got = torch.full((8,), 5, dtype=torch.int32), torch.full((8,), 5, dtype=torch.int32)
+    moe_ops.count_torch(plan.rows, plan.groups.offsets, bound, first, want, 64)
+    moe_ops.count_kernel(plan.rows, plan.groups.offsets, bound, first, got, 64)
+    assert got.tolist() == want.tolist()
+
+
+@pytest.mark.gpu
+@gpu
+def test_count_kernel_equals_the_loop_on_cuda() -> None:
+    """16k tokens over 128 experts, the last 127 filler (a packed row's most), tail 128."""
+    plan, experts = routed(16384, 128, seed=2, device="cuda")
+    counts = torch.zeros(128, dtype=torch.int32, device="cuda")
+    real = torch.tensor([16384 - 127], dtype=torch.int32, device="cuda")
+    moe_ops.count_kernel(plan.rows, plan.groups.offsets, real, 0, counts, 128)
+    assert counts.tolist() == loop_counts(experts.cpu(), 16384 - 127, 0, 128)
