@@ -1,6 +1,7 @@
 """Batch invariance on a GPU: the same sequence's bits in every batching, with --batch-invariant on and off.
 
     python -m benchmarks.invariance --model qwen2.5-7b --out DIR   # on a GPU host: both modes
+    python -m benchmarks.invariance --model qwen3-30b-a3b-8l --out DIR   # a mixture of experts (moe.py)
     python -m benchmarks.invariance --model tiny --device cpu --out DIR   # CPU smoke test
 
 Per mode (random bf16 weights with the real shape, the engine under the server's batcher, in this
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import moe
 from benchmarks.run import build_model, matmul_rate, non_embedding_params, sync
 from benchmarks.workload import SHAPES, floor_flops, jobs, workload
 from service.batcher import Batcher
@@ -52,7 +54,8 @@ def grpo(vocab: int, seed: int) -> list[SequenceJob]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.invariance", description=__doc__)
-    parser.add_argument("--model", default="qwen2.5-7b")
+    parser.add_argument("--model", default="qwen2.5-7b", choices=[*SHAPES, *moe.SHAPES])
+    parser.add_argument("--decoder", default="auto", choices=["auto", "fused", "transformers"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--modes", nargs="+", default=["off", "on"])
@@ -64,15 +67,27 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     rate = matmul_rate(device, dtype)
     backend = choose_backend("auto", device)
-    model = build_model(args.model, dtype, device, register(backend))
-    vocab = int(SHAPES[args.model]["vocab_size"])
+    sparse = args.model in moe.SHAPES
+    if sparse:  # the floor counts the parameters a token runs through
+        shape = moe.SHAPES[args.model]
+        model = moe.build_model(shape, dtype, device, register(backend))
+        params, floor_shape = (
+            moe.active_params(model),
+            moe.floor_shape(shape, int(shape["num_hidden_layers"])),
+        )
+    else:
+        model = build_model(args.model, dtype, device, register(backend))
+        params, floor_shape = non_embedding_params(model), SHAPES[args.model]
+    vocab = int(floor_shape["vocab_size"])
     samples = workload(vocab, sequences=args.sequences)
-    floor_s = floor_flops(SHAPES[args.model], non_embedding_params(model), samples) / rate
+    floor_s = floor_flops(floor_shape, params, samples) / rate
     standard = [dataclasses.replace(job, return_entropy=True) for job in jobs(samples)]
     target = standard[5]
     args.out.mkdir(parents=True, exist_ok=True)
     for mode in args.modes:
-        settings = Settings(device=device.type, dtype=args.dtype, batch_invariant=mode == "on")
+        settings = Settings(
+            device=device.type, dtype=args.dtype, batch_invariant=mode == "on", decoder=args.decoder
+        )
         engine = PackedScorer(LoadedModel(model, args.model, demo=False), device, backend, settings)
         engine.warm_up()
         result = asyncio.run(_cases(engine, settings, standard, target, vocab, args.reps))
@@ -82,10 +97,14 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "versions": engine.info.versions,
             "kernels": engine.info.kernels,
+            "decoder": engine.info.decoder,
+            "moe_kernel": engine.info.moe_kernel,
             "attention": engine.info.attention_backend,
             "floor_fraction": floor_s / (result["standard_ms"] / 1e3),
         }
-        (args.out / f"{args.model}-{mode}.json").write_text(json.dumps(result, indent=2))
+        (
+            args.out / f"{args.model}{'' if args.decoder == 'auto' else '-' + args.decoder}-{mode}.json"
+        ).write_text(json.dumps(result, indent=2))
         shown = {k: v for k, v in result.items() if k not in ("bits", "versions")}
         print(json.dumps(shown), flush=True)
         del engine

@@ -32,9 +32,7 @@ DTYPES = ("float32", "bfloat16")
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("invariant")
-    out = {
-        name: models.save(name, root / name, max_position_embeddings=4096) for name in models.ARCHITECTURES
-    }
+    out = {name: models.save(name, root / name, max_position_embeddings=4096) for name in models.EVERY}
     out["ref"] = models.save("qwen2", root / "ref", seed=7, max_position_embeddings=4096)
     out["critic"] = critics.save("openrlhf", root / "critic")
     return out
@@ -103,12 +101,19 @@ def test_blocked_gemms_give_each_row_the_same_bits_whatever_the_row_count() -> N
     assert torch.equal(acc[rows:], single)  # a block's bits do not depend on the blocks before it
 
 
+SERVED = [*models.EVERY, *(f"{name}/transformers" for name in models.MOE_ARCHITECTURES)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", models.ARCHITECTURES)
+@pytest.mark.parametrize("served", SERVED)
 def test_a_sequence_scores_the_same_bits_however_it_is_batched(
-    dirs: dict[str, Path], name: str, dtype: str
+    dirs: dict[str, Path], served: str, dtype: str
 ) -> None:
-    engine, settings = _engine(dirs[name], dtype)
+    """`name/transformers`: a mixture of experts in transformers' own modules (moe.block_sparse)."""
+    name, _, decoder = served.partition("/")
+    engine, settings = _engine(dirs[name], dtype, decoder=decoder or "auto")
+    if name in models.MOE_ARCHITECTURES:
+        assert engine.info.decoder == (decoder or "fused")
     target = _jobs(1, 1, 300, 301)[0]
     long = _jobs(2, 1, 3000, 3001)[0]  # past the budget: chunks of 1024 tokens
     others = _jobs(3, 14, 20, 400)
@@ -125,7 +130,7 @@ def test_a_sequence_scores_the_same_bits_however_it_is_batched(
     for label, got in seen.items():
         assert _bits(got) == _bits(alone), label
     assert _bits(concurrent[3][0]) == _bits(long_alone), "a long sequence's chunks beside other requests"
-    restarted, _ = _engine(dirs[name], dtype)
+    restarted, _ = _engine(dirs[name], dtype, decoder=decoder or "auto")
     assert _bits(_score(restarted, settings, [[target]])[0][0]) == _bits(alone), "after a restart"
 
 

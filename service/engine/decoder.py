@@ -245,7 +245,7 @@ class FusedDecoder:
         self.k_heads = int(config.num_key_value_heads)
         model_type = str(config.model_type)
         window = _WINDOW[model_type]
-        self.moe_kernel = moe_kernel
+        self.moe_kernel = moe.blocked(moe_kernel) if gemm_rows is not None else moe_kernel
         self._concats: list[_Concat] = []  # every concatenation, for refresh
         self.layers = [
             _Layer(

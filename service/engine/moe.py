@@ -49,6 +49,7 @@ after running it once against the loop on a small input (a failure there: a warn
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,6 +102,34 @@ def _loop(x: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor
             out[start:end] = F.linear(x[start:end], weight[expert])
         start = end
     return out
+
+
+EXPERT_ROWS = 64  # the loop's call size in batch-invariant mode (blocked)
+
+
+def _loop_blocked(x: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """_loop with every GEMM call of EXPERT_ROWS rows (an expert's last call zero-padded): a row's
+    bits then do not depend on how many other rows its expert took."""
+    out = x.new_empty((x.shape[0], weight.shape[1]))
+    block = x.new_zeros((EXPERT_ROWS, x.shape[1]))
+    start = 0
+    for expert, end in enumerate(groups.ends.tolist()):
+        for first in range(start, end, EXPERT_ROWS):
+            n = min(EXPERT_ROWS, end - first)
+            block[:n] = x[first : first + n]
+            block[n:] = 0
+            out[first : first + n] = F.linear(block, weight[expert])[:n]
+        start = end
+    return out
+
+
+def blocked(kernel: MoeKernel) -> MoeKernel:
+    """`kernel` as batch-invariant mode runs it: every GEMM call of one shape whatever the routing.
+    quack and grouped_mm make one call over a block's T·k rows, a shape the layer's fixed token blocks
+    fix (a row's tile reduces over K alone, whichever group it is in: benchmarks.invariance checks it
+    on the GPU); the loop's per-expert calls, whose rows the routing decides, become calls of
+    EXPERT_ROWS rows."""
+    return MoeKernel("loop", _loop_blocked) if kernel.matmul is _loop else kernel
 
 
 def _grouped_function() -> Callable[..., torch.Tensor] | None:
@@ -457,3 +486,91 @@ def unsupported(mlp: Any, model_type: str, config: Any) -> str | None:
     if (getattr(mlp, "shared_expert", None) is not None) != (model_type == "qwen2_moe"):
         return f"the block's shared expert does not match {model_type}"
     return None
+
+
+# ---- transformers' own sparse blocks in batch-invariant mode ----------------------------------------
+
+
+def block_sparse(model: Any, rows: int) -> int:
+    """Make every sparse block of `model` (transformers' modules, for the transformers decoder) give a
+    token the same bits however it is batched; returns how many blocks.
+
+    The block runs over `rows` tokens at a time (its router's GEMM then has one shape; a block is
+    token-wise, so this is the same function), and its experts module computes transformers'
+    `grouped_mm` arithmetic with GEMM calls of fixed shapes (`_experts`): on CUDA one grouped GEMM
+    over the block's rows·k rows, elsewhere the loop in EXPERT_ROWS-row calls. Raises where an
+    experts module is not one of transformers' `use_experts_implementation` modules (its own code,
+    whose GEMMs this cannot reach)."""
+    count = 0
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if not isinstance(experts, torch.nn.Module):
+            continue
+        if not all(hasattr(experts, name) for name in ("has_gate", "has_bias", "is_transposed", "down_proj")):
+            raise RuntimeError(
+                f"batch_invariant: the experts of {type(module).__name__} run their own code, whose GEMMs "
+                "the batch-invariant mode cannot fix (it covers transformers' use_experts_implementation "
+                "modules, and the fused decoder's Qwen3-MoE, Qwen2-MoE and Mixtral)"
+            )
+        device = experts.down_proj.device
+        grouped = _grouped_function() if device.type == "cuda" else None
+        kernel = MoeKernel("grouped_mm", _grouped(grouped)) if grouped is not None else blocked(LOOP)
+        experts.forward = functools.partial(_experts, experts, kernel)
+        module.forward = functools.partial(_in_blocks, module.forward, rows)
+        count += 1
+    return count
+
+
+def _in_blocks(
+    forward: Callable[..., Any], rows: int, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+) -> Any:
+    """A sparse block's forward over hidden_states [..., H] as calls of `rows` tokens [1, rows, H] where
+    the tokens are a multiple of `rows` (the packed row in batch-invariant mode), else one call. A
+    tuple's tensors (router logits [tokens, E]) are joined along their first dimension."""
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    n = flat.shape[0]
+    if n <= rows or n % rows:
+        return forward(hidden_states, *args, **kwargs)
+    parts = [forward(flat[start : start + rows].unsqueeze(0), *args, **kwargs) for start in range(0, n, rows)]
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat([p.reshape(rows, -1) for p in parts]).reshape(hidden_states.shape)
+    first = torch.cat([p[0].reshape(rows, -1) for p in parts]).reshape(hidden_states.shape)
+    rest = [
+        torch.cat(list(column)) if isinstance(column[0], torch.Tensor) else column[0]
+        for column in zip(*(p[1:] for p in parts), strict=True)
+    ]
+    return (first, *rest)
+
+
+def _experts(
+    module: Any,
+    kernel: MoeKernel,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' `grouped_mm` experts forward (hidden_states [T, H], top_k_index and top_k_weights
+    [T, k] -> [T, H]) with `kernel`'s grouped GEMMs: the slots grouped by expert, gate|up (or up) GEMM
+    + bias, the module's own gate or activation, down GEMM + bias, weighted, each token's k rows summed
+    in slot order."""
+    tokens, k = top_k_index.shape
+    ids, order = torch.sort(top_k_index.flatten(), stable=True)
+    experts = module.down_proj.shape[0]
+    bounds = torch.arange(-1, experts, device=ids.device, dtype=ids.dtype)
+    groups = Groups(torch.searchsorted(ids, bounds, right=True).to(torch.int32))
+    x = hidden_states.index_select(0, order // k)
+
+    def linear(x: torch.Tensor, name: str) -> torch.Tensor:
+        weight = getattr(module, name)  # [E, out, in], or [E, in, out] where is_transposed
+        out = kernel.matmul(
+            x.to(weight.dtype), weight.transpose(1, 2) if module.is_transposed else weight, groups
+        )
+        return out + getattr(module, f"{name}_bias")[ids] if module.has_bias else out
+
+    if module.has_gate:
+        act = module._apply_gate(linear(x, "gate_up_proj"))
+    else:
+        act = module.act_fn(linear(x, "up_proj"))
+    weighted = linear(act, "down_proj") * top_k_weights.flatten()[order].unsqueeze(-1)
+    slots = torch.empty_like(weighted).index_copy_(0, order, weighted)  # back to token-major order
+    return slots.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)

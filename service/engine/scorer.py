@@ -645,6 +645,7 @@ def _prepare(  # noqa: PLR0917
     chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
     if gemm_rows is not None:
         invariant.block_linears(base, gemm_rows)
+        moe.block_sparse(base, gemm_rows)
     return forward, kernels
 
 

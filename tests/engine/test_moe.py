@@ -136,6 +136,24 @@ def test_grouped_gemm_equals_the_loop(name: str) -> None:
     torch.testing.assert_close(reference, loop, atol=1e-5, rtol=1e-5)  # einsum sums in its own order
 
 
+def test_the_blocked_loop_gives_a_row_the_same_bits_whatever_its_group_holds() -> None:
+    """Batch-invariant mode's loop (moe.blocked): every call EXPERT_ROWS rows, so a row's bits do not
+    depend on how many rows its expert took; the same products as the loop."""
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(3, 48, 40, generator=gen)
+    x = torch.randn(300, 40, generator=gen)
+    kernel = moe.blocked(moe.LOOP)
+    assert moe.blocked(GROUPED) is GROUPED
+    outs = []
+    for ends in ([1, 150, 300], [130, 200, 300], [5, 10, 300]):
+        groups = moe.Groups(torch.tensor([0, *ends], dtype=torch.int32))
+        got = kernel.matmul(x, weight, groups)
+        torch.testing.assert_close(got, moe.LOOP.matmul(x, weight, groups), atol=1e-5, rtol=1e-5)
+        outs.append(got)
+    assert torch.equal(outs[0][0], outs[1][0])  # expert 0 either way: row 0 alone, then among 130
+    assert torch.equal(outs[1][250], outs[2][250])  # expert 2: among 100, then among 290
+
+
 def test_groups_are_stable_and_end_where_each_expert_ends() -> None:
     """Slots grouped by expert, tokens ascending within one, through the layer's own arithmetic: a
     grouped GEMM that records what it is given."""
@@ -329,6 +347,60 @@ def test_other_mixtures_keep_the_transformers_decoder() -> None:
     mixtral = packed_model("mixtral")
     mixtral.base_model.layers[1].mlp.experts.is_transposed = True
     assert "layer 1: experts.is_transposed" in str(decoder.unsupported(mixtral.base_model))
+
+
+def _sparse_model(name: str) -> Any:
+    """A tiny model of a parity MoE architecture, or of OLMoE or gpt-oss (router bias, expert biases,
+    interleaved gate|up in transposed weights, its own gate function, a block that returns a tuple)."""
+    if name in MOE:
+        return packed_model(name)
+    from transformers import AutoModelForCausalLM, GptOssConfig, OlmoeConfig
+
+    config: Any = OlmoeConfig(**models.COMMON, num_experts=8, num_experts_per_tok=2)
+    if name == "gpt_oss":
+        common = {**models.COMMON, "intermediate_size": 32}
+        config = GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    return model.eval()
+
+
+def _output(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+@pytest.mark.parametrize("name", [*MOE, "olmoe", "gpt_oss"])
+def test_blocked_sparse_blocks_compute_transformers_function(name: str) -> None:
+    """Batch-invariant mode's sparse blocks in the transformers decoder (moe.block_sparse): the block's
+    output as transformers computes it (a tuple's other tensors too), and a token's bits fixed when the
+    other tokens of its GEMM block change."""
+    model = _sparse_model(name)
+    blocks = [m for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)]
+    h = tokens(96, seed=4)[None]
+    other = h.clone()
+    other[0, 1:32] = tokens(31, seed=5)
+    with torch.inference_mode():
+        want = [block(h) for block in blocks]
+        assert moe.block_sparse(model, 32) == len(blocks)
+        for block, before in zip(blocks, want, strict=True):
+            got = block(h)
+            torch.testing.assert_close(_output(got), _output(before), atol=2e-6, rtol=1e-6)
+            if not isinstance(before, torch.Tensor):
+                for a, b in zip(got[1:], before[1:], strict=True):
+                    torch.testing.assert_close(a, b)
+            assert float(_output(got).abs().max()) > 1e-3
+            assert torch.equal(_output(block(other))[0, 0], _output(got)[0, 0])
+
+
+def test_experts_in_their_own_code_refuse_batch_invariance() -> None:
+    class OwnExperts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+    with pytest.raises(RuntimeError, match="batch_invariant: the experts of OwnExperts run their own code"):
+        moe.block_sparse(OwnExperts(), 32)
 
 
 def test_self_check_catches_a_misread_router() -> None:
