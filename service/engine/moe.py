@@ -87,11 +87,14 @@ GatheredSwiglu = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Groups], to
 @dataclass(frozen=True, slots=True)
 class MoeKernel:
     """The grouped GEMMs of one kernel: `matmul` for the down projection (and the gate|up one where
-    `gathered_swiglu` is None: then the rows are gathered and the SwiGLU applied as separate steps)."""
+    `gathered_swiglu` is None: then the rows are gathered and the SwiGLU applied as separate steps).
+    `row_invariant`: a row's result does not depend on the call's other rows or their grouping (one
+    configuration for every call), so batch-invariant mode need not cut the tokens into fixed blocks."""
 
     name: MoeKernelName
     matmul: GroupedMatmul
     gathered_swiglu: GatheredSwiglu | None = None
+    row_invariant: bool = False
 
 
 def _loop(x: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
@@ -124,12 +127,11 @@ def _loop_blocked(x: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torc
 
 
 def blocked(kernel: MoeKernel) -> MoeKernel:
-    """`kernel` as batch-invariant mode runs it: every GEMM call of one shape whatever the routing.
-    quack and grouped_mm make one call over a block's T·k rows, a shape the layer's fixed token blocks
-    fix (a row's tile reduces over K alone, whichever group it is in: benchmarks.invariance checks it
-    on the GPU); the loop's per-expert calls, whose rows the routing decides, become calls of
-    EXPERT_ROWS rows."""
-    return MoeKernel("loop", _loop_blocked) if kernel.matmul is _loop else kernel
+    """`kernel` as batch-invariant mode runs it. The loop's per-expert calls, whose rows the routing
+    decides, become calls of EXPERT_ROWS rows (row-invariant); quack is row-invariant as it is (its
+    varlen GEMMs take one configuration whatever the rows, a tile reducing over K alone); grouped_mm
+    makes one call over T·k rows, which the layer then runs over fixed blocks of tokens (add_to)."""
+    return MoeKernel("loop", _loop_blocked, row_invariant=True) if kernel.matmul is _loop else kernel
 
 
 def _grouped_function() -> Callable[..., torch.Tensor] | None:
@@ -168,7 +170,7 @@ def _quack() -> MoeKernel:
         act: torch.Tensor = outputs[1]
         return act
 
-    return MoeKernel("quack", matmul, gathered_swiglu)
+    return MoeKernel("quack", matmul, gathered_swiglu, row_invariant=True)  # tuned=False: one config
 
 
 LOOP = MoeKernel("loop", _loop)
@@ -429,10 +431,11 @@ class SparseMoe:
     count: Count = moe_ops.count_torch
 
     def add_to(self, x: torch.Tensor, h: torch.Tensor, rows: int | None = None, first: int = 0) -> None:
-        """x += moe(h), in place, for x and h [T, H] (the forward's rows from `first` on); in blocks of
-        `rows` tokens where given (batch invariance: every call then has one shape)."""
+        """x += moe(h), in place, for x and h [T, H] (the forward's rows from `first` on). `rows`
+        (batch invariance): the router's GEMM in calls of that many rows, and where the kernel is not
+        row-invariant the whole layer over blocks of `rows` tokens (every call then has one shape)."""
         n = x.shape[0]
-        if rows is None or n <= rows or n % rows or self.pinned is not None:
+        if rows is None or n <= rows or n % rows or self.pinned is not None or self.kernel.row_invariant:
             self._add(x, h, rows, first)
             return
         for start in range(0, n, rows):

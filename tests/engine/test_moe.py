@@ -144,6 +144,7 @@ def test_the_blocked_loop_gives_a_row_the_same_bits_whatever_its_group_holds() -
     x = torch.randn(300, 40, generator=gen)
     kernel = moe.blocked(moe.LOOP)
     assert moe.blocked(GROUPED) is GROUPED
+    assert kernel.row_invariant
     outs = []
     for ends in ([1, 150, 300], [130, 200, 300], [5, 10, 300]):
         groups = moe.Groups(torch.tensor([0, *ends], dtype=torch.int32))
