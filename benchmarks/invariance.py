@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.invariance", description=__doc__)
     parser.add_argument("--model", default="qwen2.5-7b", choices=[*SHAPES, *moe.SHAPES])
     parser.add_argument("--decoder", default="auto", choices=["auto", "fused", "transformers"])
+    parser.add_argument("--kernels", default="auto", choices=["auto", "triton", "liger", "none"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--modes", nargs="+", default=["off", "on"])
@@ -86,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for mode in args.modes:
         settings = Settings(
-            device=device.type, dtype=args.dtype, batch_invariant=mode == "on", decoder=args.decoder
+            device=device.type,
+            dtype=args.dtype,
+            batch_invariant=mode == "on",
+            decoder=args.decoder,
+            kernels=args.kernels,
         )
         engine = PackedScorer(LoadedModel(model, args.model, demo=False), device, backend, settings)
         engine.warm_up()

@@ -34,8 +34,9 @@ _WANTED = {
 }
 
 
-def apply_fused_kernels(model: Any, setting: str, device: torch.device) -> str:
-    """Patch `model` per the `kernels` setting; return what runs ("liger" or "none")."""
+def apply_fused_kernels(model: Any, setting: str, device: torch.device, batch_invariant: bool = False) -> str:
+    """Patch `model` per the `kernels` setting; return what runs ("liger" or "none").
+    batch_invariant: liger's RMSNorm keeps its one-row kernel whatever the row count (`_pin_rows`)."""
     if setting == "none" or (setting == "auto" and device.type != "cuda"):
         return "none"
     model_type = str(model.config.model_type)
@@ -57,8 +58,23 @@ def apply_fused_kernels(model: Any, setting: str, device: torch.device) -> str:
     rope = params.get("rope")  # liger fuses RoPE by default only where its kernel fits the architecture
     if rope is not None and rope.default is True and fuse_rope(model, _liger_rope()):
         fused = "RMSNorm, MLP and RoPE"
+    if batch_invariant:
+        _pin_rows(model)
     log.info("liger-kernel fused %s applied to this %s model", fused, model_type)
     return "liger"
+
+
+def _pin_rows(model: Any) -> int:
+    """liger's RMSNorm takes a one-row kernel below 32k rows of at most 256 columns and a 16-row block
+    kernel above, which round apart (Qwen3's per-head q/k norms cross it at 1024 tokens): pin each
+    patched norm to the row kernel (its `row_mode`), so a row's bits do not depend on the batch.
+    Returns how many."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "row_mode") and hasattr(module, "casting_mode"):  # a liger-patched RMSNorm
+            module.row_mode = True
+            count += 1
+    return count
 
 
 def _liger_patch(model_type: str, setting: str) -> Any:

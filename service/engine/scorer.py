@@ -641,7 +641,7 @@ def _prepare(  # noqa: PLR0917
         raise RuntimeError(
             f"moe_kernel={settings.moe_kernel} runs in the fused decoder, which this model does not run"
         )
-    kernels = apply_fused_kernels(model, settings.kernels, device)
+    kernels = apply_fused_kernels(model, settings.kernels, device, batch_invariant=gemm_rows is not None)
     chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
     if gemm_rows is not None:
         invariant.block_linears(base, gemm_rows)

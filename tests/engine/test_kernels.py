@@ -24,3 +24,20 @@ def test_auto_is_off_on_cpu() -> None:
 def test_asking_for_liger_without_it_fails_loudly() -> None:
     with pytest.raises(RuntimeError, match="liger-kernel"):
         apply_fused_kernels(models.build("qwen2"), "liger", torch.device("cuda"))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
+    reason="needs CUDA and liger-kernel",
+)
+def test_batch_invariance_pins_liger_norms_to_their_row_kernel() -> None:
+    """liger's RMSNorm switches to a 16-row block kernel at 32k rows of at most 256 columns (Qwen3's
+    per-head q/k norms: 32 heads x 1024 tokens); pinned, a row's bits do not depend on the row count."""
+    device = torch.device("cuda")
+    model = models.build("qwen3_moe").to(device=device, dtype=torch.bfloat16)
+    assert apply_fused_kernels(model, "liger", device, batch_invariant=True) == "liger"
+    norm = model.base_model.layers[0].self_attn.q_norm
+    assert norm.row_mode is True
+    rows = torch.randn(40_000, 16, device=device, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(norm(rows)[:100], norm(rows[:100].clone()))
