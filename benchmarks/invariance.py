@@ -107,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             "attention": engine.info.attention_backend,
             "floor_fraction": floor_s / (result["standard_ms"] / 1e3),
         }
-        (
-            args.out / f"{args.model}{'' if args.decoder == 'auto' else '-' + args.decoder}-{mode}.json"
-        ).write_text(json.dumps(result, indent=2))
+        variant = "".join(f"-{v}" for v in (args.decoder, args.kernels) if v != "auto")
+        (args.out / f"{args.model}{variant}-{mode}.json").write_text(json.dumps(result, indent=2))
         shown = {k: v for k, v in result.items() if k not in ("bits", "versions")}
         print(json.dumps(shown), flush=True)
         del engine
