@@ -34,7 +34,7 @@ def test_batch_invariance_pins_liger_norms_to_their_row_kernel() -> None:
     """liger's RMSNorm switches to a 16-row block kernel at 32k rows of at most 256 columns (Qwen3's
     per-head q/k norms: 32 heads x 1024 tokens); pinned, a row's bits do not depend on the row count."""
     device = torch.device("cuda")
-    model = models.build("qwen3_moe").to(device=device, dtype=torch.bfloat16)
+    model = models.build("qwen3").to(device=device, dtype=torch.bfloat16)
     assert apply_fused_kernels(model, "liger", device, batch_invariant=True) == "liger"
     norm = model.base_model.layers[0].self_attn.q_norm
     assert norm.row_mode is True
