@@ -1,5 +1,6 @@
 """Batch-invariant mode (--batch-invariant): a sequence's scores are bitwise the same however it is
-batched, on every architecture of the parity suite, in float32 and bfloat16, on the CPU.
+batched, on every architecture of the parity suite (the mixtures of experts in both decoders), in
+float32 and bfloat16, on the CPU.
 
 On these tiny CPU models the default path happens to be invariant too (the GEMM libraries pick one
 kernel for every row count the packing makes); what the mode removes is shown on a GEMM alone, whose
