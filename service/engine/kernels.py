@@ -50,10 +50,23 @@ def apply_fused_kernels(model: Any, setting: str, device: torch.device, batch_in
     params = inspect.signature(patch).parameters
     modeling = sys.modules[type(model).__module__]
     before = dict(vars(modeling))
-    patch(model=model, **{k: v for k, v in _WANTED.items() if k in params})
-    for name, value in before.items():  # keep the patch on this instance only
-        if getattr(modeling, name, None) is not value:
-            setattr(modeling, name, value)
+    own = {module: set(vars(module)) for module in model.modules()}  # what liger binds goes in here
+    try:
+        patch(model=model, **{k: v for k, v in _WANTED.items() if k in params})
+    except Exception as exc:  # liger fails on a model it names (e.g. qwen3_moe with mlp_only_layers)
+        if setting == "liger":
+            raise RuntimeError(
+                f"kernels=liger: liger-kernel's patch for {model_type} failed: {exc!r}"
+            ) from exc
+        for module, names in own.items():  # undo what it bound before failing
+            for name in set(vars(module)) - names:
+                delattr(module, name)
+        log.warning("kernels=auto: liger-kernel's patch for %s failed (%r); it runs without", model_type, exc)
+        return "none"
+    finally:
+        for name, value in before.items():  # keep the patch on this instance only
+            if getattr(modeling, name, None) is not value:
+                setattr(modeling, name, value)
     fused = "RMSNorm and MLP"
     rope = params.get("rope")  # liger fuses RoPE by default only where its kernel fits the architecture
     if rope is not None and rope.default is True and fuse_rope(model, _liger_rope()):

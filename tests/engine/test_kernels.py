@@ -7,10 +7,13 @@ fused kernels applied (`kernels=auto`), which is their correctness check against
 from __future__ import annotations
 
 import importlib.util
+import logging
+from typing import Any
 
 import pytest
 import torch
 
+from service.engine import kernels
 from service.engine.kernels import apply_fused_kernels
 from tests import models
 
@@ -24,6 +27,32 @@ def test_auto_is_off_on_cpu() -> None:
 def test_asking_for_liger_without_it_fails_loudly() -> None:
     with pytest.raises(RuntimeError, match="liger-kernel"):
         apply_fused_kernels(models.build("qwen2"), "liger", torch.device("cuda"))
+
+
+def test_a_liger_patch_that_fails_is_undone_under_auto(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """liger's qwen3_moe patch raises on a model with dense layers (mlp_only_layers) after patching
+    the final norm: under auto the model runs without liger, as it was; kernels=liger fails the start."""
+
+    def patch(model: Any, rms_norm: bool = True) -> None:
+        norm = model.base_model.norm
+        norm.forward = lambda x: x * 0
+        norm.row_mode = None
+        raise AttributeError("'Qwen3MoeMLP' object has no attribute 'experts'")
+
+    monkeypatch.setattr(kernels, "_liger_patch", lambda model_type, setting: patch)
+    model = models.build("qwen3_moe")
+    x = torch.randn(3, 64)
+    want = model.base_model.norm(x)
+    with caplog.at_level(logging.WARNING):
+        assert apply_fused_kernels(model, "auto", torch.device("cuda")) == "none"
+    assert "liger-kernel's patch for qwen3_moe failed" in caplog.text
+    assert "forward" not in vars(model.base_model.norm)
+    assert not hasattr(model.base_model.norm, "row_mode")
+    torch.testing.assert_close(model.base_model.norm(x), want)
+    with pytest.raises(RuntimeError, match="kernels=liger: liger-kernel's patch for qwen3_moe failed"):
+        apply_fused_kernels(model, "liger", torch.device("cuda"))
 
 
 @pytest.mark.skipif(
