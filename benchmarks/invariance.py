@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from service.engine.loading import LoadedModel
 from service.engine.scorer import PackedScorer
 from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
-from service.settings import Settings
+from service.settings import Kernels, Settings
 
 
 def grpo(vocab: int, seed: int) -> list[SequenceJob]:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.invariance", description=__doc__)
     parser.add_argument("--model", default="qwen2.5-7b", choices=[*SHAPES, *moe.SHAPES])
     parser.add_argument("--decoder", default="auto", choices=["auto", "fused", "transformers"])
-    parser.add_argument("--kernels", default="auto", choices=["auto", "triton", "liger", "none"])
+    parser.add_argument("--kernels", default="auto", choices=get_args(Kernels))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--modes", nargs="+", default=["off", "on"])
@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     rate = matmul_rate(device, dtype)
     backend = choose_backend("auto", device)
-    sparse = args.model in moe.SHAPES
-    if sparse:  # the floor counts the parameters a token runs through
+    if args.model in moe.SHAPES:  # the floor counts the parameters a token runs through
         shape = moe.SHAPES[args.model]
         model = moe.build_model(shape, dtype, device, register(backend))
         params, floor_shape = (

@@ -553,27 +553,27 @@ def _experts(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """transformers' `grouped_mm` experts forward (hidden_states [T, H], top_k_index and top_k_weights
-    [T, k] -> [T, H]) with `kernel`'s grouped GEMMs: the slots grouped by expert, gate|up (or up) GEMM
-    + bias, the module's own gate or activation, down GEMM + bias, weighted, each token's k rows summed
-    in slot order."""
-    tokens, k = top_k_index.shape
-    ids, order = torch.sort(top_k_index.flatten(), stable=True)
-    experts = module.down_proj.shape[0]
-    bounds = torch.arange(-1, experts, device=ids.device, dtype=ids.dtype)
-    groups = Groups(torch.searchsorted(ids, bounds, right=True).to(torch.int32))
-    x = hidden_states.index_select(0, order // k)
+    [T, k] -> [T, H]) with `kernel`'s grouped GEMMs: the slots grouped by expert (`_sorted`), gate|up
+    (or up) GEMM + bias, the module's own gate or activation, down GEMM + bias, each token's k rows
+    weighted and summed in slot order (`moe_ops.combine_torch`)."""
+    route = _sorted(top_k_weights, top_k_index, module.down_proj.shape[0])
+    x = hidden_states.index_select(0, route.rows)
+    ids = None  # each grouped row's expert, for the biases
+    if module.has_bias:
+        grouped = torch.arange(x.shape[0], device=x.device, dtype=route.groups.ends.dtype)
+        ids = torch.searchsorted(route.groups.ends, grouped, right=True)
 
     def linear(x: torch.Tensor, name: str) -> torch.Tensor:
         weight = getattr(module, name)  # [E, out, in], or [E, in, out] where is_transposed
         out = kernel.matmul(
-            x.to(weight.dtype), weight.transpose(1, 2) if module.is_transposed else weight, groups
+            x.to(weight.dtype), weight.transpose(1, 2) if module.is_transposed else weight, route.groups
         )
-        return out + getattr(module, f"{name}_bias")[ids] if module.has_bias else out
+        return out + getattr(module, f"{name}_bias")[ids] if ids is not None else out
 
     if module.has_gate:
         act = module._apply_gate(linear(x, "gate_up_proj"))
     else:
         act = module.act_fn(linear(x, "up_proj"))
-    weighted = linear(act, "down_proj") * top_k_weights.flatten()[order].unsqueeze(-1)
-    slots = torch.empty_like(weighted).index_copy_(0, order, weighted)  # back to token-major order
-    return slots.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    out = torch.zeros_like(hidden_states)
+    moe_ops.combine_torch(out, linear(act, "down_proj"), route.slots, top_k_weights, None)
+    return out
