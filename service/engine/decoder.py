@@ -234,7 +234,10 @@ class FusedDecoder:
         self.decoder = decoder
         self.attention = attention
         self.ops = ops
-        self.gated = projection() if projection is not None else split(ops.swiglu)
+        layers = decoder.layers[: config.num_hidden_layers]
+        # the gate|up kernel is chosen (and probed: a compile on a cold cache) only if a layer runs one
+        gated = any(not hasattr(x.mlp, "experts") or getattr(x.mlp, "shared_expert", None) for x in layers)
+        self.gated = projection() if projection is not None and gated else split(ops.swiglu)
         self.chunk = mlp_chunk_tokens if mlp_chunk_tokens > 0 else 1 << 62
         self.rows = gemm_rows
         if gemm_rows is not None:  # every MLP chunk a whole number of GEMM calls
@@ -260,7 +263,7 @@ class FusedDecoder:
                 scale=float(layer.self_attn.scaling),
                 index=index,
             )
-            for index, layer in enumerate(decoder.layers[: config.num_hidden_layers])
+            for index, layer in enumerate(layers)
         ]
         self.load = self._count_experts(decoder.embed_tokens.weight.device)
 

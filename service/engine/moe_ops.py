@@ -170,7 +170,7 @@ def _count(  # noqa: PLR0917
 
 ROUTE_TOKENS = 32  # tokens per program of route_kernel (a block of the counting sort)
 GROUP_SLOTS = 1024  # slots per program of group_kernel
-SCAN_BLOCKS = 32  # blocks' counts per step of the prefix sum over them (one program), at least
+SCAN_BLOCKS = 32  # blocks' counts per step of the prefix sum over them (one program)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,17 +223,15 @@ def group_kernel(routed: Routed) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     blocks, count = counts.shape
     offsets = torch.empty(count + 1, device=experts.device, dtype=torch.int32)
     starts = torch.empty_like(counts)  # [blocks, E]: each expert's first grouped row for each block
-    span = max(SCAN_BLOCKS, triton_jit.next_power_of_2(blocks))  # compiled per power of 2 of T
     with triton_jit.on_device(experts):
-        triton_jit.jit(_starts)[(1,)](
+        triton_jit.jit(_starts, runtime=("blocks",))[(1,)](  # compiled once, whatever the tokens
             counts,
             starts,
             offsets,
             blocks,
             EXPERTS=count,
             BLOCK_E=triton_jit.next_power_of_2(count),
-            CHUNK=max(SCAN_BLOCKS, span // 16),  # at most 16 steps, unrolled
-            BLOCKS=span,
+            CHUNK=SCAN_BLOCKS,
             num_warps=4,
         )
     rows = torch.empty(t * k, device=experts.device, dtype=torch.int32)
@@ -319,30 +317,35 @@ def _starts(  # noqa: PLR0917
     EXPERTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
-    BLOCKS: tl.constexpr,
 ) -> None:
-    """One program over counts [blocks, E]: offsets [E+1] = the exclusive prefix sum of the experts'
-    totals (then the total), starts[b, e] = offsets[e] + Σ_{b' < b} counts[b', e]."""
+    """One program over counts [blocks, E], CHUNK blocks a step: offsets [E+1] = the exclusive prefix
+    sum of the experts' totals (then the total), starts[b, e] = offsets[e] + Σ_{b' < b} counts[b', e].
+    The steps are a while loop on the runtime `blocks` (Triton 3.6's interpreter cannot take a range
+    over a runtime bound; a bound fixed at compile time would compile once per token count)."""
     ids = tl.arange(0, BLOCK_E)
     real = ids < EXPERTS
     rows = tl.arange(0, CHUNK)
     total = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for first in tl.static_range(0, BLOCKS, CHUNK):  # unrolled, the blocks past `blocks` masked
+    first = 0
+    while first < blocks:
         block = first + rows
         mask = (block < blocks)[:, None] & real[None, :]
         total += tl.sum(
             tl.load(counts_ptr + block[:, None] * EXPERTS + ids[None, :], mask=mask, other=0), axis=0
         )
+        first += CHUNK
     running = tl.cumsum(total, axis=0) - total
     tl.store(offsets_ptr + ids, running, mask=real)
     tl.store(offsets_ptr + EXPERTS, tl.sum(total, axis=0))
-    for first in tl.static_range(0, BLOCKS, CHUNK):  # unrolled, the blocks past `blocks` masked
+    first = 0
+    while first < blocks:
         block = first + rows
         mask = (block < blocks)[:, None] & real[None, :]
         at = block[:, None] * EXPERTS + ids[None, :]
         counts = tl.load(counts_ptr + at, mask=mask, other=0)
         tl.store(starts_ptr + at, running[None, :] + tl.cumsum(counts, axis=0) - counts, mask=mask)
         running += tl.sum(counts, axis=0)
+        first += CHUNK
 
 
 def _group(  # noqa: PLR0917

@@ -42,13 +42,15 @@ def runnable(tensor: torch.Tensor) -> None:
 
 
 @functools.cache
-def jit(kernel: Callable[..., None]) -> Any:
-    """`kernel` jitted (compiled, or interpreted under TRITON_INTERPRET=1), with `tl` bound for it."""
+def jit(kernel: Callable[..., None], runtime: tuple[str, ...] = ()) -> Any:
+    """`kernel` jitted (compiled, or interpreted under TRITON_INTERPRET=1), with `tl` bound for it.
+    `runtime`: integer arguments compiled for any value (Triton otherwise compiles a kernel again for
+    an integer equal to 1 and for one divisible by 16)."""
     module = triton()
     if module is None:
         raise RuntimeError("this kernel needs triton, which is not importable")
     kernel.__globals__["tl"] = importlib.import_module("triton.language")
-    return module.jit(kernel)
+    return module.jit(kernel, do_not_specialize=list(runtime))
 
 
 def on_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager[Any]:

@@ -160,3 +160,24 @@ def test_the_engine_runs_the_projection_its_settings_pick(
         PackedScorer.from_settings(
             Settings(model=qwen2, device="cpu", decoder="transformers", mlp_kernel="quack")
         )
+
+
+def test_the_projection_is_chosen_only_for_a_model_that_runs_one(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Choosing quack probes it (a compile on a cold cache): a model whose every layer is sparse
+    without a shared expert (Mixtral) does not choose one; a dense layer (Qwen3-MoE's mlp_only_layers)
+    or a shared expert (Qwen2-MoE) does."""
+    chosen: list[str] = []
+
+    def choose(setting: str, *_: object) -> gated.GatedProjection:
+        chosen.append(setting)
+        return gated.GatedProjection("quack", lambda x, w, b: TORCH.swiglu(F.linear(x, w, b)))
+
+    monkeypatch.setattr(gated, "choose", choose)
+    kernels = {}
+    for name in ("mixtral", "qwen3_moe", "qwen2_moe"):
+        settings = Settings(model=model_dirs[name], device="cpu", mlp_kernel="quack")
+        kernels[name] = PackedScorer.from_settings(settings).info.kernels
+    assert kernels == {"mixtral": "none", "qwen3_moe": "none+quack", "qwen2_moe": "none+quack"}
+    assert chosen == ["quack", "quack"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine import moe, moe_ops
+from service.engine import moe, moe_ops, triton_jit
 from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
@@ -178,6 +178,30 @@ def test_plan_kernel_equals_torch_on_cuda(rule: moe.Routing) -> None:
     logits = distinct_logits(16389, 128, seed=1, device="cuda").to(torch.bfloat16)
     router = torch.eye(128, device="cuda", dtype=torch.bfloat16)
     assert_same_plan(moe.plan_kernel(logits, router, rule), moe.plan(logits, router, rule))
+
+
+@pytest.mark.gpu
+@gpu
+def test_routing_kernels_compile_once_whatever_the_token_count() -> None:
+    """A micro-batch of any padded size meets kernels already compiled (a compile costs seconds at
+    start and would stall a round met while serving): 128 to 16k tokens, one compile per kernel."""
+    triton = triton_jit.triton()
+    compiled: list[str] = []
+
+    def hook(**kwargs: object) -> None:
+        compiled.append(str(getattr(kwargs["fn"], "name", kwargs["fn"])))
+
+    before = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        router = torch.eye(128, device="cuda", dtype=torch.bfloat16)
+        for tokens in (128, 256, 1024, 1152, 4096, 8192, 16384):  # whole and odd counts of 512
+            logits = distinct_logits(tokens, 128, seed=tokens, device="cuda").to(torch.bfloat16)
+            moe.plan_kernel(logits, router, moe.Routing(8, normalise=True, round_weights=False))
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = before
+    assert len(compiled) == len(set(compiled)), compiled
 
 
 @pytest.mark.gpu
