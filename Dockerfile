@@ -73,9 +73,15 @@ RUN pip install --no-deps . && rm -rf build ./*.egg-info
 
 # Caches on /tmp: under Kubernetes the root filesystem is read-only and /tmp an emptyDir.
 # HF_HUB_OFFLINE: models come from the mounted volume, never from a hub.
+# The compiled kernels (Triton's, quack's, flash-attn 4's, whose cache is off unless turned on) under
+# /tmp/kernels: a restart of the container finds them, and the Helm chart can mount a volume there
+# that every pod shares (compileCache), so a new pod skips the compiles too (BENCHMARKS.md, start-up).
 ENV HF_HUB_OFFLINE=1 \
     HF_HOME=/tmp/hf \
-    TRITON_CACHE_DIR=/tmp/triton \
+    TRITON_CACHE_DIR=/tmp/kernels/triton \
+    QUACK_CACHE_DIR=/tmp/kernels/quack \
+    FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 \
+    FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/kernels/flash_attn_cute \
     XDG_CACHE_HOME=/tmp/cache
 
 USER 10001:10001

@@ -33,7 +33,10 @@ ENV = {
     "PYTHONUNBUFFERED": "1",
     "HF_HUB_OFFLINE": "1",
     "HF_HOME": "/tmp/hf",
-    "TRITON_CACHE_DIR": "/tmp/triton",
+    "TRITON_CACHE_DIR": "/tmp/kernels/triton",
+    "QUACK_CACHE_DIR": "/tmp/kernels/quack",
+    "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+    "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "/tmp/kernels/flash_attn_cute",
     "XDG_CACHE_HOME": "/tmp/cache",
 }
 # ENTRYPOINT ["python", "-m", "service"] + CMD (the chart passes the same args)

@@ -5,10 +5,11 @@
     python -m benchmarks.startup --model tiny-moe --device cpu --dtype float32 --runs 1
 
 Each start runs in a process of its own (kernels compiled in a process stay in it), with every
-compile cache the stack keeps on disk pointed under one directory: Triton's (TRITON_CACHE_DIR),
-quack's (QUACK_CACHE_DIR), flash-attn 4's (FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, read only where the
-service turns it on) and the CUDA driver's PTX cache (CUDA_CACHE_PATH). A fresh directory makes the
-first start cold, as on a new node; the later ones find what the first wrote, as after a restart.
+compile cache the stack keeps on disk pointed under one directory, as the Docker image points them
+under /tmp/kernels: Triton's (TRITON_CACHE_DIR), quack's (QUACK_CACHE_DIR), flash-attn 4's (turned
+on, as the image does) and the CUDA driver's PTX cache (CUDA_CACHE_PATH). A fresh directory makes
+the first start cold, as on a new node; the later ones find what the first wrote, as after a
+restart or on a pod sharing the chart's compileCache volume.
 
 Per start: `ready_s` (weights built to ready over HTTP: what benchmarks.moe reports), the
 engine's own phases (building the decoders, the warm-up's scoring, the self-check, the GEMM shapes
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         root = args.cache_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="logprobd-cc-")))
         env = os.environ | {var: str(root / sub) for var, sub in CACHES.items()}
+        env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"  # as the image sets it
         runs = []
         for n in range(args.runs):
             out = root / f"start-{n}.json"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any, get_args
 
@@ -37,6 +38,7 @@ from tests.deploy.chart import (
     services,
     values_of,
 )
+from tests.deploy.test_dockerfile import instructions
 
 SETTINGS_ENV = {f"LOGPROBD_{name.upper()}" for name in Settings.model_fields}
 
@@ -437,3 +439,22 @@ def test_weight_reload_values_wire_admin_keys_checkpoints_and_versions() -> None
     Settings(reload_mode=env["LOGPROBD_RELOAD_MODE"], weights_version=env["LOGPROBD_WEIGHTS_VERSION"])
     default_env = env_of(render(CHART / "ci" / "default-values.yaml"))
     assert "LOGPROBD_ADMIN_API_KEYS_FILE" not in default_env  # reload stays off unless asked
+
+
+def test_the_compile_cache_claim_is_mounted_where_the_image_keeps_its_kernels() -> None:
+    """compileCache.existingClaim: mounted writable at /tmp/kernels, over the /tmp emptyDir, and every
+    kernel cache directory the Dockerfile sets lies under it; unset, nothing is mounted there."""
+    manifests = render(CHART / "ci" / "loadbalancer-autoscaling-pvc-values.yaml")
+    mounts = {m["name"]: m for m in container(manifests)["volumeMounts"]}
+    assert mounts["compile-cache"] == {"name": "compile-cache", "mountPath": "/tmp/kernels"}
+    volumes = {v["name"]: v for v in only(manifests, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["compile-cache"]["persistentVolumeClaim"] == {"claimName": "logprobd-kernels"}
+    image_env: dict[str, str] = {}
+    for keyword, rest in instructions():
+        if keyword == "ENV":
+            image_env.update(re.findall(r"(\w+)=(\S+)", rest))
+    caches = ["TRITON_CACHE_DIR", "QUACK_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"]
+    assert all(image_env[var].startswith(mounts["compile-cache"]["mountPath"] + "/") for var in caches)
+    assert image_env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"  # off unless turned on
+    default = container(render(CHART / "ci" / "default-values.yaml"))["volumeMounts"]
+    assert "compile-cache" not in {m["name"] for m in default}
