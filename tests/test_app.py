@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -108,3 +109,20 @@ def test_metrics_count_tokens_and_latencies() -> None:
         assert "logprobd_batch_tokens_bucket" in text
         assert "logprobd_queue_requests 0.0" in text
         assert "logprobd_queue_tokens 0.0" in text
+
+
+def test_what_lives_from_ready_is_kept_out_of_the_full_collections() -> None:
+    engines: list[FakeEngine] = []
+
+    def factory(_: Settings) -> FakeEngine:
+        engines.append(FakeEngine())
+        return engines[-1]
+
+    with TestClient(create_app(Settings(), engine_factory=factory)) as client:
+        wait_ready(client)
+        assert gc.get_freeze_count() > 0
+        assert not any(o is engines[0] for o in gc.get_objects())  # a full collection skips it
+        r = client.post("/logprobs", json={"input_ids": [[1, 2, 3]], "num_actions": 1})
+        assert r.status_code == 200
+    assert gc.get_freeze_count() == 0  # handed back at shutdown
+    assert any(o is engines[0] for o in gc.get_objects())

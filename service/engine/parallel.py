@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from service import heap
 from service.engine import sharded
 from service.engine.attention import choose_backend, register
 from service.engine.base import (
@@ -380,6 +381,7 @@ def _serve(scorer: PackedScorer, conn: Connection) -> None:
                 scorer.release(argument)
             elif command == "warm_up":
                 scorer.warm_up()
+                heap.freeze()  # as rank 0 does at ready
             elif command == "stage":
                 loader = threading.Thread(target=stage, args=(argument,), name="logprobd-tp-stage")
                 loader.start()
