@@ -1,14 +1,15 @@
 """The objects a server holds from ready to exit, kept out of Python's full collections.
 
-By the time it is ready a server process holds millions of objects that live as long as it does:
-the modules of torch, transformers, Triton and the CuTe DSL, the model's modules, the compiled
-kernels' launchers. A full (generation 2) collection walks every one, holding the GIL, so neither
-the event loop nor the thread that launches the micro-batches moves meanwhile; it comes whenever
-enough new objects have survived, so now and then a round of requests waits for it (hundreds of
-milliseconds with a mixture-of-experts model's stack loaded on a GPU). `freeze` moves what is alive
-at ready into the permanent generation, which collections skip; what serving allocates is collected
-as before. `thaw` hands those objects back to the collector at shutdown, for a process that hosts one
-app after another (tests, benchmarks).
+By the time it is ready a server process holds hundreds of thousands of objects (about 750,000 with
+a mixture-of-experts model on a GPU) that live as long as it does: the modules of torch,
+transformers, Triton and the CuTe DSL, the model's modules, the compiled kernels' launchers. A full
+(generation 2) collection walks every one, holding the GIL, so neither the event loop nor the thread
+that launches the micro-batches moves meanwhile; it comes whenever enough new objects have survived,
+so now and then a round of requests waits for it (hundreds of milliseconds with a mixture-of-experts
+model's stack loaded on a GPU). `freeze` moves what is alive at ready into the permanent generation,
+which collections skip; what serving allocates is collected as before. `thaw` hands those objects
+back to the collector at shutdown, for a process that hosts one app after another (tests,
+benchmarks).
 """
 
 from __future__ import annotations

@@ -234,10 +234,6 @@ class FusedDecoder:
         self.decoder = decoder
         self.attention = attention
         self.ops = ops
-        layers = decoder.layers[: config.num_hidden_layers]
-        # the gate|up kernel is chosen (and probed: a compile on a cold cache) only if a layer runs one
-        gated = any(not hasattr(x.mlp, "experts") or getattr(x.mlp, "shared_expert", None) for x in layers)
-        self.gated = projection() if projection is not None and gated else split(ops.swiglu)
         self.chunk = mlp_chunk_tokens if mlp_chunk_tokens > 0 else 1 << 62
         self.rows = gemm_rows
         if gemm_rows is not None:  # every MLP chunk a whole number of GEMM calls
@@ -263,8 +259,11 @@ class FusedDecoder:
                 scale=float(layer.self_attn.scaling),
                 index=index,
             )
-            for index, layer in enumerate(layers)
+            for index, layer in enumerate(decoder.layers[: config.num_hidden_layers])
         ]
+        # the gate|up kernel is chosen (and probed: a compile on a cold cache) only if a layer runs one
+        gated = any(isinstance(x.mlp, _Dense) or x.mlp.shared is not None for x in self.layers)
+        self.gated = projection() if projection is not None and gated else split(ops.swiglu)
         self.load = self._count_experts(decoder.embed_tokens.weight.device)
 
     def _concat(self, *linears: torch.nn.Linear) -> _Concat:
