@@ -38,7 +38,7 @@ def test_what_is_alive_at_the_freeze_leaves_the_collections_until_thawed() -> No
     dead = weakref.ref(_cycle())  # garbage before the freeze: collected by it, never frozen
     frozen = heap.freeze()
     assert dead() is None
-    assert frozen.objects == gc.get_freeze_count() > 0
+    assert 0 < gc.get_freeze_count() <= frozen.objects  # frozen objects freed since leave the count
     assert frozen.seconds >= 0
     assert not _tracked(alive)
     heap.thaw()
