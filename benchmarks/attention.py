@@ -10,7 +10,7 @@ benchmarks.run times (between device synchronisations, after a warm-up; medians 
 the time, the largest |Δ| of each kernel's output against the exact float32 per-sequence reference
 on the first micro-batch.
 
-The kernels are the service's attention backends (service/engine/attention.py) that this host can
+The kernels are the service's attention backends (service/engine/ops/attention.py) that this host can
 run: torch's varlen_attn (FA2 kernels shipped with torch), flash-attn 2 and flash-attn 4's CuTe
 kernels (FA3-class on Hopper).
 """
@@ -25,8 +25,8 @@ import torch
 from benchmarks.kernels import cli, micro_batches
 from benchmarks.run import timed
 from benchmarks.workload import SHAPES, jobs, workload
-from service.engine.attention import BACKENDS, Kernel, Segments, choose_backend, sdpa_kernel
-from service.engine.packing import pack
+from service.engine.batch.packing import pack
+from service.engine.ops.attention import BACKENDS, Kernel, Segments, choose_backend, sdpa_kernel
 
 HEAD_DIM = 128
 

@@ -70,9 +70,9 @@ from benchmarks.workload import (
     unique_floor_flops,
     unique_tokens,
 )
-from service.engine.attention import choose_backend, register
-from service.engine.loading import LoadedModel
-from service.engine.scorer import PackedScorer
+from service.engine.loading.models import LoadedModel
+from service.engine.ops.attention import choose_backend, register
+from service.engine.scorer.engine import PackedScorer
 from service.settings import CudaGraphs, Settings
 
 WORKLOADS: dict[str, Callable[[int, float], list[Sample]]] = {

@@ -31,9 +31,9 @@ from benchmarks import moe
 from benchmarks.run import build_model, matmul_rate, non_embedding_params, sync
 from benchmarks.workload import SHAPES, floor_flops, jobs, workload
 from service.batcher import Batcher
-from service.engine.attention import choose_backend, register
-from service.engine.loading import LoadedModel
-from service.engine.scorer import PackedScorer
+from service.engine.loading.models import LoadedModel
+from service.engine.ops.attention import choose_backend, register
+from service.engine.scorer.engine import PackedScorer
 from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import Kernels, Settings

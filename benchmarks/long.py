@@ -52,10 +52,10 @@ from benchmarks.run import (
     sync,
 )
 from benchmarks.workload import SHAPES, Sample, floor_flops, workload
-from service.engine.attention import choose_backend, register
-from service.engine.context import cache_bytes_per_token
-from service.engine.loading import LoadedModel
-from service.engine.scorer import PackedScorer
+from service.engine.batch.kv_store import cache_bytes_per_token
+from service.engine.loading.models import LoadedModel
+from service.engine.ops.attention import choose_backend, register
+from service.engine.scorer.engine import PackedScorer
 from service.settings import Settings
 
 POSITIONS = 131072

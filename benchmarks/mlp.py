@@ -4,7 +4,7 @@
 
 For each model's MLP shape, the benchmark workload is cut into micro-batches as
 benchmarks.attention cuts it (benchmarks/kernels.py). Every implementation of
-service/engine/gated.py that this host can run computes silu(x·Wgateᵀ)·(x·Wupᵀ) for a whole
+service/engine/ops/gate_up.py that this host can run computes silu(x·Wgateᵀ)·(x·Wupᵀ) for a whole
 round: one call per layer per micro-batch, on random bf16 activations and weights, timed as
 benchmarks.run times (medians of --reps). Beside the time, the largest |Δ| against the float32
 product on the first 2,048 rows, relative to the largest |value| there.
@@ -20,9 +20,9 @@ import torch
 from benchmarks.kernels import cli, micro_batches
 from benchmarks.run import timed
 from benchmarks.workload import SHAPES, jobs, workload
-from service.engine import gated
-from service.engine.decoder_ops import TRITON
-from service.engine.packing import SHAPE_STEP
+from service.engine.batch.packing import SHAPE_STEP
+from service.engine.ops import gate_up as gated
+from service.engine.ops.elementwise import TRITON
 
 IMPLEMENTATIONS = ("split", "quack")
 

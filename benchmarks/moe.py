@@ -53,9 +53,9 @@ from benchmarks.run import (
 )
 from benchmarks.workload import Sample, floor_flops, jobs, workload
 from service.batcher import Batcher
-from service.engine.attention import choose_backend, register
-from service.engine.loading import LoadedModel
-from service.engine.scorer import PackedScorer
+from service.engine.loading.models import LoadedModel
+from service.engine.ops.attention import choose_backend, register
+from service.engine.scorer.engine import PackedScorer
 from service.jobs import SequenceJob
 from service.metrics import Metrics
 from service.settings import Settings

@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
-from service.engine import decoder_ops, moe, moe_ops
+from service.engine.moe import kernels as moe_ops
+from service.engine.moe import layer as moe
+from service.engine.ops import elementwise as decoder_ops
 
 
 def timed(fn: Callable[[], object], reps: int) -> float:

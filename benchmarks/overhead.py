@@ -34,10 +34,10 @@ from benchmarks.run import HttpServer, build_model, http_bodies, http_seconds
 from benchmarks.workload import SHAPES, jobs, workload
 from service import api
 from service.batcher import Batcher
-from service.engine.attention import choose_backend, register
-from service.engine.base import Launched
-from service.engine.loading import LoadedModel
-from service.engine.scorer import PackedScorer
+from service.engine.contract import Launched
+from service.engine.loading.models import LoadedModel
+from service.engine.ops.attention import choose_backend, register
+from service.engine.scorer.engine import PackedScorer
 from service.jobs import IntArray, SequenceScores
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings

@@ -50,9 +50,9 @@ from benchmarks.workload import SHAPES, Sample, floor_flops, jobs, workload
 from service.app import create_app
 from service.batcher import Batcher
 from service.client.wire import group_prompts, to_frame
-from service.engine.attention import choose_backend, register
-from service.engine.loading import LoadedModel
-from service.engine.scorer import PackedScorer
+from service.engine.loading.models import LoadedModel
+from service.engine.ops.attention import choose_backend, register
+from service.engine.scorer.engine import PackedScorer
 from service.jobs import SequenceScores
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings

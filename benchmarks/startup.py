@@ -115,8 +115,12 @@ def _cute_label(fn: Any, *_: Any, **__: Any) -> str:
 
 def instrument(clock: Clock) -> None:
     """Wrap the engine's start-up steps and the compilers with `clock`'s timers (this process only)."""
-    from service.engine import decoder, gated, graphs, moe, scorer
-    from service.engine.scorer import PackedScorer
+    from service.engine.decoder import fused as decoder
+    from service.engine.decoder import graphs
+    from service.engine.moe import layer as moe
+    from service.engine.ops import gate_up as gated
+    from service.engine.scorer import engine as scorer
+    from service.engine.scorer.engine import PackedScorer
 
     PackedScorer.__init__ = clock.timed_phase("build decoders", PackedScorer.__init__)  # type: ignore[method-assign]
     steps = {"score": "warm-up scoring", "_self_check": "self-check", "meet_shapes": "GEMM shapes"}
@@ -146,9 +150,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks.moe import SHAPES, build_model
     from benchmarks.run import HttpServer
-    from service.engine.attention import choose_backend, register
-    from service.engine.loading import LoadedModel
-    from service.engine.scorer import PackedScorer
+    from service.engine.loading.models import LoadedModel
+    from service.engine.ops.attention import choose_backend, register
+    from service.engine.scorer.engine import PackedScorer
     from service.settings import Settings
 
     device = torch.device(args.device)

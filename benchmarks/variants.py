@@ -29,12 +29,12 @@ import torch
 from benchmarks.run import build_model, peak_memory, timed
 from benchmarks.workload import SHAPES, jobs, workload
 from service.batcher import Batcher
-from service.engine import scorer
-from service.engine.attention import BACKENDS, choose_backend, register
-from service.engine.head import ActionScores, LogitTransform, score_actions
-from service.engine.loading import LoadedModel
-from service.engine.rope import unfuse_rope
-from service.engine.scorer import PackedScorer
+from service.engine.heads.chunked import ActionScores, LogitTransform, score_actions
+from service.engine.loading.models import LoadedModel
+from service.engine.ops.attention import BACKENDS, choose_backend, register
+from service.engine.ops.rope import unfuse_rope
+from service.engine.scorer import engine as scorer
+from service.engine.scorer.engine import PackedScorer
 from service.metrics import Metrics
 from service.settings import CudaGraphs, MlpKernel, Settings
 

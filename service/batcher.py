@@ -55,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine.base import (
+from service.engine.contract import (
     GEMM_ROWS,
     SHAPE_STEP,
     Launched,

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from service.batcher import Batcher
-from service.engine.base import ReloadOrder, ScoringEngine, WeightsRejected, WeightsState
+from service.engine.contract import ReloadOrder, ScoringEngine, WeightsRejected, WeightsState
 from service.errors import InvalidRequest, ReloadConflict
 from service.metrics import Metrics
 from service.schemas import ReloadStatus, WeightsInfo, WeightsUpdate

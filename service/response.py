@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 
 from service.diagnostics import kl
-from service.engine.base import EngineInfo
+from service.engine.contract import EngineInfo
 from service.jobs import FloatArray, SequenceScores
 from service.normalise import ScoringPlan
 from service.schemas import RolloutMismatch

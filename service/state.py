@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from service.batcher import Batcher
-from service.engine.base import EngineInfo, Supervised
+from service.engine.contract import EngineInfo, Supervised
 from service.errors import NotReady
 from service.metrics import Metrics
 from service.normalise import ModelLimits

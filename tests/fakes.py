@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.engine.base import (
+from service.engine.contract import (
     EngineInfo,
     OutOfMemory,
     ReloadOrder,

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.engine import ScoringEngine, load_engine
-from service.engine.scorer import PackedScorer
+from service.engine.scorer.engine import PackedScorer
 from service.jobs import Chunk
 from service.prefixes import Forest
 from service.settings import Settings

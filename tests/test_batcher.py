@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from service.batcher import IN_FLIGHT, LAUNCH_HOLD_S, Applied, Batcher, Scored
-from service.engine.base import Launched, ReloadOrder, WeightsState
+from service.engine.contract import Launched, ReloadOrder, WeightsState
 from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
 from service.jobs import Chunk, SequenceJob, SequenceScores
 from service.metrics import Metrics

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from service.batcher import Batcher
-from service.engine import invariant
-from service.engine.base import ReloadOrder
-from service.engine.scorer import PackedScorer
+from service.engine.contract import ReloadOrder
+from service.engine.scorer.engine import PackedScorer
+from service.engine.strategies import invariant
 from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import Settings

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from service.engine.context import KVContext
+from service.engine.batch.kv_store import KVContext
 from tests import critics, models
 from tests.conftest import TOLERANCE, Reply, eager, settings_for
 from tests.reference import check_reply, expected, max_diff, row_tokens_and_window

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.engine.critic import find_value_head
+from service.engine.loading.critic import find_value_head
 from tests import critics, models
 from tests.conftest import DTYPE, TOLERANCE, running, settings_for
 from tests.reference import expected, row_tokens_and_window

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.engine import parallel
+from service.engine.parallel import ranks as parallel
 from tests import critics, models
 from tests.conftest import TOLERANCE, running, settings_for
 from tests.reference import check_reply, expected

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from service.engine.base import EngineInfo, ModelInfo, OutOfMemory, ScoringEngine, Supervised
+from service.engine.contract import EngineInfo, ModelInfo, OutOfMemory, ScoringEngine, Supervised
 
 if TYPE_CHECKING:
     from service.settings import Settings
@@ -19,9 +19,9 @@ __all__ = ["EngineInfo", "ModelInfo", "OutOfMemory", "ScoringEngine", "Supervise
 def load_engine(settings: Settings) -> ScoringEngine:
     """Load the configured model (or the demo model) and return a ready-to-warm engine."""
     if settings.tensor_parallel_size > 1:
-        from service.engine import parallel
+        from service.engine.parallel import ranks as parallel
 
         return parallel.load(settings)
-    from service.engine.scorer import PackedScorer
+    from service.engine.scorer.engine import PackedScorer
 
     return PackedScorer.from_settings(settings)

@@ -9,7 +9,7 @@ import torch
 from benchmarks.attention import attention_flops
 from benchmarks.kernels import micro_batches
 from benchmarks.workload import jobs, workload
-from service.engine.attention import Segments
+from service.engine.ops.attention import Segments
 
 
 def test_micro_batches_keep_order_and_budget() -> None:

@@ -1,0 +1,238 @@
+"""SequenceJobs (their shared prefixes once, and at most one chunk of a long sequence) -> one packed
+row on the device, with everything the forward and the head need."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from service.engine.batch.kv_store import CONTEXT_KWARG, KVContext, KVStore
+from service.engine.contract import SHAPE_STEP
+from service.jobs import Chunk, SequenceJob
+from service.prefixes import Forest, alone
+
+__all__ = ["SHAPE_STEP", "PackedBatch", "pack"]
+
+
+@dataclass(frozen=True, slots=True)
+class PackedBatch:
+    """N tokens of S segments in one row; A action tokens to score.
+
+    input_ids, position_ids: [1, N]   (each segment's positions in its sequence)
+    cu_seqlens:              [S+1] int32 segment boundaries; max_len the longest segment
+    hidden_index:            [A] index in N of the position t-1 that predicts each action t
+    targets:                 [A] the action token ids
+    inv_temperature:         [A] float32, 1 / T of each action's request; None when every T is 1
+
+    A segment is a node of the micro-batch's Forest (prefixes.py): a whole sequence, or positions
+    [start, end) of the sequences below a shared prefix, whose keys are then its ancestors' rows'
+    keys followed by its own: key_index [K] gathers them, segment after segment, with key
+    boundaries cu_k_own / max_len_k_own (None: every segment's keys are its own tokens).
+
+    With `step` > 1, N and A are padded to multiples of it: a filler segment of token 0 ends the
+    row (S counts it), and filler actions (row 0, token 0, T = 1) end the actions; `num_actions`
+    are the real ones, first, and `actions_per_sequence` covers only them.
+
+    With a chunk (tokens [start, end) of a long sequence), the chunk is the row's last segment, its
+    positions start..end-1, and the filler joins it (after its real tokens, so no real token sees
+    one): cu_k / max_len_k are the key boundaries once the segment's context of `start` cached
+    tokens is in front of it, and `attach` gives the batch one model's context. Its actions come
+    last in the actions.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_len: int
+    hidden_index: torch.Tensor
+    targets: torch.Tensor
+    inv_temperature: torch.Tensor | None
+    actions_per_sequence: list[int]
+    want_entropy: bool
+    chunk_start: int | None = None  # the chunk's first position in its sequence; None: no chunk
+    chunk_row: int = 0  # where the chunk's segment starts in the row (the other segments' tokens)
+    cu_k: torch.Tensor | None = None  # [S+1] int32 key boundaries with the chunk's context
+    max_len_k: int | None = None
+    key_index: torch.Tensor | None = None  # [K] rows of every segment's keys (shared prefixes)
+    shared_keys: int = 0  # entries of key_index before the chunk's segment's own
+    cu_k_own: torch.Tensor | None = None  # [S+1] int32 boundaries of key_index's segments
+    max_len_k_own: int | None = None
+    context: KVContext | None = None
+    filler: int = 0  # the row's last tokens, the filler (no sequence's)
+
+    def attach(self, store: KVStore | None) -> PackedBatch:
+        """This batch with one model's keys beyond each segment's own: the store of the chunk's
+        context (None: the chunk's segment attends to itself only, for a model whose scores of it
+        are not read) and the shared prefixes' keys."""
+        context = None
+        if store is not None and self.chunk_start is not None:
+            assert self.cu_k is not None
+            assert self.max_len_k is not None
+            gather = None if self.key_index is None else self.key_index[: self.shared_keys]
+            context = KVContext(self.cu_k, self.max_len_k, gather, store, self.chunk_start, self.chunk_row)
+        elif self.key_index is not None:
+            assert self.cu_k_own is not None
+            assert self.max_len_k_own is not None
+            context = KVContext(self.cu_k_own, self.max_len_k_own, self.key_index)
+        return dataclasses.replace(self, context=context)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_actions(self) -> int:
+        return sum(self.actions_per_sequence)
+
+    def forward_kwargs(self) -> dict[str, object]:
+        """Keyword arguments of a transformers decoder forward over this batch (no transformers KV
+        cache; the packed attention reads the keys beyond each segment's own from CONTEXT_KWARG)."""
+        kwargs: dict[str, object] = {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "use_cache": False,
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": self.max_len,
+            "max_length_k": self.max_len,
+        }
+        if self.context is not None:
+            kwargs |= {
+                "cu_seq_lens_k": self.context.cu_k,
+                "max_length_k": self.context.max_len_k,
+                CONTEXT_KWARG: self.context,
+            }
+        return kwargs
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of arange(start, start + length) over the pairs."""
+    if lengths.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    ranges: np.ndarray = np.arange(int(lengths.sum()), dtype=np.int64) + offsets
+    return ranges
+
+
+def _hidden_rows(
+    jobs: Sequence[SequenceJob],
+    forest: Forest,
+    starts: np.ndarray,
+    node_first: np.ndarray,
+    node_lengths: np.ndarray,
+) -> list[np.ndarray]:
+    """Per job, [A] the row of the position t - 1 that predicts each action t: in the node of its
+    path that holds t - 1."""
+    rows = []
+    for job, path in zip(jobs, forest.paths, strict=True):
+        before = job.actions - 1
+        if len(path) == 1:  # a sequence in one node (nothing shared): no search
+            rows.append(before + (starts[path[0]] - node_first[path[0]]))
+            continue
+        nodes = np.asarray(path, dtype=np.int64)
+        at = nodes[np.searchsorted(node_first[nodes] + node_lengths[nodes], before, side="right")]
+        rows.append(starts[at] + before - node_first[at])
+    return rows
+
+
+def _key_index(forest: Forest, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[K] the rows of every segment's keys, in turn: a node's ancestors' rows, then its own; the
+    segments after the nodes (the filler, the chunk's) their own."""
+    nodes = forest.nodes
+    chains: list[list[int]] = []
+    for i, node in enumerate(nodes):
+        chains.append([*(chains[node.parent] if node.parent != -1 else []), i])
+    segments = [np.asarray(chain, dtype=np.int64) for chain in chains]
+    segments += [np.asarray([len(nodes)], dtype=np.int64)] * (lengths.shape[0] - len(nodes))
+    every = np.concatenate(segments)
+    return _ranges(starts[every], lengths[every])
+
+
+def pack(  # noqa: PLR0915 (one row's arrays, built together)
+    jobs: Sequence[SequenceJob],
+    device: torch.device,
+    step: int = SHAPE_STEP,
+    chunk: Chunk | None = None,
+    forest: Forest | None = None,
+) -> PackedBatch:
+    """The row of `jobs` (their shared prefixes once, per `forest`; None: each job whole), then the
+    chunk's segment; padded to multiples of `step`."""
+    if forest is None:
+        forest = alone([job.num_tokens for job in jobs])
+    nodes = forest.nodes
+    node_lengths = np.asarray([n.length for n in nodes], dtype=np.int64)
+    node_first = np.asarray([n.start for n in nodes], dtype=np.int64)
+    others = int(node_lengths.sum())
+    own = chunk.num_tokens if chunk is not None else 0
+    filler = -(others + own) % step
+    parts = [jobs[n.owner].tokens[n.start : n.end] for n in nodes]
+    if chunk is None:
+        lengths = np.concatenate((node_lengths, [filler] if filler else [])).astype(np.int64)
+        first = np.concatenate((node_first, [0] if filler else [])).astype(np.int64)
+    else:
+        lengths = np.concatenate((node_lengths, [own + filler])).astype(np.int64)
+        first = np.concatenate((node_first, [chunk.start])).astype(np.int64)
+        parts.append(chunk.job.tokens[chunk.start : chunk.end])
+    starts = np.concatenate(([0], np.cumsum(lengths)))  # [S+1]
+    tokens = np.concatenate([*parts, np.zeros(filler, dtype=np.int64)])  # [N]
+    positions = np.arange(tokens.shape[0], dtype=np.int64) + np.repeat(first - starts[:-1], lengths)
+    hidden_rows = _hidden_rows(jobs, forest, starts, node_first, node_lengths)
+    targets = [job.tokens[job.actions] for job in jobs]
+    inv_temperature = [np.full(job.actions.shape[0], 1.0 / job.temperature, dtype=np.float32) for job in jobs]
+    per_sequence = [int(job.actions.shape[0]) for job in jobs]
+    key_lengths = lengths.copy()
+    key_index = None
+    if forest.shared:
+        key_lengths[: len(nodes)] = [node.end for node in nodes]
+        key_index = _key_index(forest, starts, lengths)
+    if chunk is not None:
+        positions[others + own :] = 0  # the filler's: any position; 0 is one every model has
+        actions = chunk.actions
+        hidden_rows.append(actions - 1 - chunk.start + others)
+        targets.append(chunk.job.tokens[actions])
+        inv_temperature.append(np.full(actions.shape[0], 1.0 / chunk.job.temperature, dtype=np.float32))
+        per_sequence.append(int(actions.shape[0]))
+    everything = np.concatenate(hidden_rows) if hidden_rows else np.zeros(0, dtype=np.int64)
+    extra = -everything.shape[0] % step
+    hidden_index = np.concatenate([everything, np.zeros(extra, dtype=np.int64)])
+    target_ids = np.concatenate([*targets, np.zeros(extra, dtype=np.int64)])
+    inv_temperatures = np.concatenate([*inv_temperature, np.ones(extra, dtype=np.float32)])
+    temperatures = [job.temperature for job in jobs] + ([chunk.job.temperature] if chunk else [])
+    wants = [job.return_entropy for job in jobs] + ([chunk.job.return_entropy] if chunk else [])
+
+    def to(array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if device.type == "cuda":  # from pageable memory the copy may wait for the work queued before it
+            tensor = tensor.pin_memory()
+        return tensor.to(device, non_blocking=True)
+
+    def bounds(key_lengths: np.ndarray) -> torch.Tensor:
+        return to(np.concatenate(([0], np.cumsum(key_lengths))).astype(np.int32))
+
+    context_lengths = key_lengths.copy()
+    if chunk is not None:
+        context_lengths[-1] += chunk.start
+    return PackedBatch(
+        input_ids=to(tokens)[None],
+        position_ids=to(positions)[None],
+        cu_seqlens=to(starts.astype(np.int32)),
+        max_len=int(lengths.max()),
+        hidden_index=to(hidden_index),
+        targets=to(target_ids),
+        inv_temperature=None if all(t == 1.0 for t in temperatures) else to(inv_temperatures),
+        actions_per_sequence=per_sequence,
+        want_entropy=any(wants),
+        chunk_start=None if chunk is None else chunk.start,
+        chunk_row=others,
+        cu_k=None if chunk is None else bounds(context_lengths),
+        max_len_k=None if chunk is None else int(context_lengths.max()),
+        key_index=None if key_index is None else to(key_index),
+        shared_keys=0 if key_index is None else int(key_lengths[: len(nodes)].sum()),
+        cu_k_own=None if key_index is None else bounds(key_lengths),
+        max_len_k_own=None if key_index is None else int(key_lengths.max()),
+        filler=filler,
+    )

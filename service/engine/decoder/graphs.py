@@ -1,0 +1,314 @@
+"""CUDA graphs of the fused decoder's layers, one per padded micro-batch shape.
+
+The fused decoder launches about ten kernels a layer from Python, and the flash-attn 4 and quack
+kernels each pass through a Python wrapper: at Qwen2.5-0.5B the host needs most of a micro-batch's
+device time to launch it, and it shares the GIL with the HTTP event loop, so under load the device
+waits for launches. A graph launches a micro-batch's layers in one call.
+
+What a graph covers: the embedding, the rotary tables and every layer but the last. The last layer
+(whose output projection and MLP run on the rows the heads read, which vary per micro-batch) and the
+heads run as before, on views of the graph's outputs: about fifteen launches.
+
+Static buffers. The graphs of one decoder read token ids, positions and sequence boundaries from
+buffers sized for the largest micro-batch and write the residual stream and the rotary tables into
+others; a replay copies the batch in (four small copies), replays and hands the views to the last
+layer. Every graph of every decoder allocates its intermediates from one memory pool: one stream runs
+the replays one after another and no intermediate outlives its graph, so they share its blocks.
+
+Keys. A graph is fixed to N tokens (packing pads N to a multiple of SHAPE_STEP), to a number of
+sequence slots (the boundaries end in empty sequences up to it) and to the `max_len` bound the
+attention kernel is given. flash-attn 4's varlen grid depends on N and the slots only, so it takes
+max_len = N and at least 256 slots: one graph per N, all captured at start, largest first. The other
+kernels' grids grow with max_len x slots, so those round both up to powers of two and are captured the
+first time they are met. Past `limit` graphs the least recently used one goes.
+
+Safety. Capture runs in thread-local mode, so the results thread's waits on events go on meanwhile.
+`capture` checks a graph's result against the eager forward at start; a capture that fails turns
+graphs off for the decoder with a warning, and it runs eagerly from then on (cuda_graphs=on: graphs
+off by the end of the start fail it; while serving no request fails for them). A reload that rebinds
+parameters (swap mode) drops the graphs, which read the old tensors; they are captured again as met.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from service.engine.batch.packing import SHAPE_STEP, PackedBatch
+from service.engine.decoder.fused import Decoder, DecoderKind, FusedDecoder, Stream, relative_error
+from service.engine.runtime.packages import FAST_DTYPES
+
+log = logging.getLogger(__name__)
+
+# the attention kernels whose varlen grid depends on N and the number of sequences only
+TOTAL_BOUNDED = frozenset({"flash_attn_cute"})
+# the attention kernels that can be captured (sdpa reads the boundaries on the host)
+CAPTURABLE = frozenset({"flash_attn_cute", "flash_attn", "torch_varlen"})
+MIN_SLOTS = {True: 256, False: 8}  # sequence slots of a graph, by TOTAL_BOUNDED
+# ‖graph - eager‖ / ‖eager‖ over final hidden states in the start-up check: the same kernels on the
+# same shapes, so only a wrong buffer or boundary moves it
+_CHECK_TOL = 1e-3
+
+
+class Recorder(Protocol):
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        """Record `body`'s device work; the returned call runs it again, on the current stream."""
+
+
+class CudaRecorder:
+    """torch.cuda.CUDAGraph capture on a side stream, into one memory pool shared by every graph."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        # The allocator frees a pool once no graph uses it, and a later capture into the freed pool's
+        # handle fails an internal assertion: this graph of one tiny kernel keeps it while the others go
+        # (evicted, or dropped by a reload).
+        mark = torch.zeros(1, device=device)
+        self._anchor = self._graph(lambda: mark.add_(1))
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        replay: Callable[[], None] = self._graph(body).replay
+        return replay
+
+    def _graph(self, body: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                body()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return graph
+
+
+class EagerRecorder:
+    """The CPU twin of CudaRecorder: a replay runs the body again, over the same static buffers."""
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        return body
+
+
+@dataclass(frozen=True, slots=True)
+class GraphKey:
+    tokens: int  # N
+    slots: int  # sequence slots: cu has slots + 1 entries
+    max_len: int  # the bound the attention kernel is given
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class _Buffers:
+    """The static inputs and outputs every graph of one decoder reads and writes (views of these)."""
+
+    def __init__(self, inner: FusedDecoder, capacity: int, slots: int) -> None:
+        weight = inner.decoder.embed_tokens.weight
+        device, dtype = weight.device, weight.dtype
+        self.ids = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, capacity, dtype=torch.long, device=device)
+        self.cu = torch.zeros(slots + 1, dtype=torch.int32, device=device)
+        self.x = torch.zeros(capacity, weight.shape[1], dtype=dtype, device=device)
+        self.cos = torch.zeros(capacity, inner.head_dim, dtype=dtype, device=device)
+        self.sin = torch.zeros(capacity, inner.head_dim, dtype=dtype, device=device)
+
+
+class GraphedDecoder:
+    """A FusedDecoder whose layers but the last replay from CUDA graphs; the same function."""
+
+    kind: DecoderKind = "fused"
+
+    def __init__(  # noqa: PLR0917
+        self,
+        inner: FusedDecoder,
+        recorder: Recorder,
+        max_tokens: int,
+        total_bounded: bool,
+        limit: int,
+        strict: bool = False,
+    ) -> None:
+        self.inner = inner
+        self._recorder = recorder
+        self._capacity = -(-max_tokens // SHAPE_STEP) * SHAPE_STEP
+        self._total_bounded = total_bounded
+        self._limit = limit
+        self._strict = strict  # cuda_graphs=on: graphs off at the end of `capture` fail the start
+        self._graphs: OrderedDict[GraphKey, Callable[[], None]] = OrderedDict()
+        self._buffers: _Buffers | None = None
+        self._params = self._signature()
+        self.disabled: str | None = None  # why graphs are off for this decoder
+
+    @property
+    def graphs(self) -> int:
+        return len(self._graphs)
+
+    def key(self, tokens: int, sequences: int, max_len: int) -> GraphKey | None:
+        """The graph a micro-batch of `tokens` over `sequences` (the longest `max_len`) replays; None:
+        it runs eagerly (a shape packing does not give a micro-batch, or past the buffers)."""
+        if tokens % SHAPE_STEP or not 0 < tokens <= self._capacity:
+            return None
+        slots = max(_pow2(sequences), MIN_SLOTS[self._total_bounded])
+        bound = tokens if self._total_bounded else min(tokens, max(_pow2(max_len), SHAPE_STEP))
+        return GraphKey(tokens, slots, bound)
+
+    def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
+        sequences = batch.cu_seqlens.shape[0] - 1
+        key = self.key(batch.num_tokens, sequences, batch.max_len)
+        if key is None or self.disabled is not None or batch.context is not None:  # a chunk runs eagerly
+            return self.inner(batch, rows)
+        buffers, n = self._ready(), key.tokens
+        self.inner.begin(batch)
+        buffers.ids[:n].copy_(batch.input_ids[0])
+        buffers.positions[:, :n].copy_(batch.position_ids)
+        buffers.cu[: sequences + 1].copy_(batch.cu_seqlens)
+        buffers.cu[sequences + 1 : key.slots + 1].fill_(n)  # empty sequences up to the graph's slots
+        replay = self._graphs.get(key)
+        if replay is not None:
+            self._graphs.move_to_end(key)
+            replay()
+        else:  # first met: run what the graph will record, eagerly (every kernel of the shape is then
+            self._body(key)  # compiled and loaded: loading one inside a capture fails it), then record it
+            self._record(key)
+        stream = Stream(buffers.x[:n], buffers.cos[:n], buffers.sin[:n], batch.cu_seqlens, batch.max_len)
+        return self.inner.finish(stream, rows)
+
+    def refresh(self) -> None:
+        self.inner.refresh()
+        params = self._signature()
+        if params != self._params:  # a swap reload rebound parameters the graphs read
+            self._params = params
+            self._graphs.clear()
+            log.info("weights rebound: CUDA graphs dropped, captured again as micro-batches meet them")
+
+    def warm(self, rows: int) -> None:
+        self.inner.warm(rows)
+
+    def expert_counts(self) -> torch.Tensor | None:
+        return self.inner.expert_counts()
+
+    def capture(self, probe: PackedBatch) -> None:
+        """Check a graph against the eager forward on `probe` (turning graphs off, with a warning, if
+        it fails); then, where one graph serves each N, capture them all, largest first (the engine's
+        warm-up has run every kernel they record: meet_shapes the GEMMs of each N, the probe the rest).
+        With cuda_graphs=on, graphs off by then (here, or in the warm-up's scoring) fail the start."""
+        if self.disabled is None:
+            self._check(probe)
+        if self.disabled is None and self._total_bounded:
+            self._capture_sizes()
+        if self.disabled is not None and self._strict:
+            raise RuntimeError(f"cuda_graphs=on: {self.disabled}")
+
+    def _check(self, probe: PackedBatch) -> None:
+        key = self.key(probe.num_tokens, probe.cu_seqlens.shape[0] - 1, probe.max_len)
+        if key is None:
+            self._turn_off(f"no graph holds the {probe.num_tokens}-token probe to check them on")
+            return
+        every = torch.arange(probe.num_tokens, device=probe.input_ids.device)
+        self(probe, every)  # recorded (run eagerly first) unless the warm-up's scoring met the shape
+        if self.disabled is not None:
+            return
+        other = dataclasses.replace(probe, input_ids=probe.input_ids.flip(1))  # the same shape, new tokens
+        error = relative_error(self(other, every), self.inner(other, every))  # replayed, and eager
+        if not error <= _CHECK_TOL:
+            self._turn_off(f"a graph's hidden states are {error:.3g} of their norm from the eager ones")
+            return
+        log.info("CUDA graphs: within %.3g of the eager forward", error)
+
+    def _capture_sizes(self) -> None:
+        started = time.perf_counter()
+        for tokens in range(self._capacity, 0, -SHAPE_STEP):
+            if len(self._graphs) >= self._limit:  # keep the largest: the smaller ones are captured as met
+                break
+            key = self.key(tokens, 1, tokens)
+            if key is not None and key not in self._graphs and not self._record(key):
+                return
+        seconds = time.perf_counter() - started
+        log.info("CUDA graphs: captured %d shapes in %.1f s", len(self._graphs), seconds)
+
+    def _turn_off(self, reason: str) -> None:
+        """Graphs off for this decoder: the micro-batch at hand and every later one run eagerly."""
+        self.disabled = reason
+        self._graphs.clear()
+        log.warning("CUDA graphs off (%s); the decoder launches its kernels one by one", reason)
+
+    def _record(self, key: GraphKey) -> bool:
+        """Capture `key`'s graph; False if that failed, which turns graphs off."""
+        self._ready()  # the buffers are allocated outside every graph (inside, a replay would zero them)
+        try:
+            replay = self._recorder.capture(lambda: self._body(key))
+        except Exception as exc:  # graphs go off; micro-batches run eagerly
+            self._turn_off(f"capture of {key} failed: {type(exc).__name__}: {exc}")
+            return False
+        self._graphs[key] = replay
+        if len(self._graphs) > self._limit:
+            self._graphs.popitem(last=False)
+        return True
+
+    def _body(self, key: GraphKey) -> None:
+        """What a graph of `key` records: the static inputs through every layer but the last."""
+        buffers, n, inner = self._ready(), key.tokens, self.inner
+        cu = buffers.cu[: key.slots + 1]
+        fresh = inner.start(buffers.ids[:n], buffers.positions[:, :n], cu, key.max_len)
+        buffers.x[:n].copy_(fresh.x)
+        buffers.cos[:n].copy_(fresh.cos)
+        buffers.sin[:n].copy_(fresh.sin)
+        del fresh
+        stream = Stream(buffers.x[:n], buffers.cos[:n], buffers.sin[:n], cu, key.max_len)
+        for layer in inner.layers[:-1]:
+            inner.run_layer(layer, stream)
+
+    def _ready(self) -> _Buffers:
+        if self._buffers is None:
+            slots = max(_pow2(self._capacity), MIN_SLOTS[self._total_bounded])
+            self._buffers = _Buffers(self.inner, self._capacity, slots)
+        return self._buffers
+
+    def _signature(self) -> tuple[int, ...]:
+        """Where every tensor the graphs read lives."""
+        module = self.inner.decoder
+        return tuple(t.data_ptr() for t in (*module.parameters(), *module.buffers()))
+
+
+def wrap(  # noqa: PLR0917
+    forward: Decoder,
+    setting: str,
+    backend: str,
+    device: torch.device,
+    recorder: Recorder | None,
+    max_tokens: int,
+    limit: int,
+) -> Decoder:
+    """Resolve the `cuda_graphs` setting for one decoder: auto graphs a fused decoder on CUDA in bf16/fp16
+    with a capturable attention kernel; on requires it."""
+    if setting == "off":
+        return forward
+    dtype = forward.decoder.embed_tokens.weight.dtype if isinstance(forward, FusedDecoder) else None
+    reason = None
+    if not isinstance(forward, FusedDecoder):
+        reason = "the transformers decoder runs here (graphs cover the fused decoder)"
+    elif device.type != "cuda" or recorder is None:
+        reason = "the device is not CUDA"
+    elif backend not in CAPTURABLE:
+        reason = f"attention={backend} reads the sequence boundaries on the host"
+    elif dtype not in FAST_DTYPES:
+        reason = f"{dtype} attention falls back to a kernel that reads the boundaries on the host"
+    elif forward.sparse and forward.moe_kernel.name == "loop":
+        reason = "the experts' loop reads each expert's rows on the host (moe_kernel=loop)"
+    if reason is not None:
+        if setting == "on":
+            raise RuntimeError(f"cuda_graphs=on: {reason}")
+        return forward
+    assert isinstance(forward, FusedDecoder)
+    assert recorder is not None
+    strict = setting == "on"
+    return GraphedDecoder(forward, recorder, max_tokens, backend in TOTAL_BOUNDED, limit, strict)

@@ -1,0 +1,117 @@
+"""The lm_head on action positions only, in row chunks, with log-softmax and entropy in float32.
+
+Never builds a [tokens, vocab] tensor: at most [chunk_rows, vocab] logits exist at once, and only
+rows that predict an action are computed. Does not rely on `logits_to_keep`-style model kwargs.
+A chunk's logits are the head's largest tensors, so every pass over them costs memory bandwidth:
+- on CUDA with triton, when the final-logit transform is at most a positive scale, one Triton kernel
+  (fused_head.py) reads them once and writes each row's log-prob and entropy;
+- otherwise (CPU, no triton, soft-capping), one torch log-softmax over float32 logits (upcast inside
+  the kernel when there is nothing to apply first), a gather, and the entropy from its result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from service.engine.heads import fused_kernel as fused_head
+from service.engine.runtime import triton_jit
+
+
+@dataclass(frozen=True, slots=True)
+class LogitTransform:
+    """g in SEMANTICS.md: what a model's own forward applies to its final logits.
+
+    scale:   multiply (Cohere `logit_scale`; Granite's `1 / logits_scaling`)
+    softcap: tanh soft-capping (Gemma2/3 `final_logit_softcapping`)
+    """
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> LogitTransform:
+        scale = float(getattr(config, "logit_scale", None) or 1.0)
+        divide = getattr(config, "logits_scaling", None)
+        if divide:
+            scale /= float(divide)
+        softcap = getattr(config, "final_logit_softcapping", None)
+        return cls(scale=scale, softcap=float(softcap) if softcap else None)
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Applied in place: `logits` is a float32 temporary of the head."""
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
+        if self.softcap is not None:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
+
+
+@dataclass(frozen=True, slots=True)
+class ActionScores:
+    logprobs: torch.Tensor  # [A] float32
+    entropy: torch.Tensor | None  # [A] float32
+
+
+def score_actions(
+    *,
+    hidden: torch.Tensor,  # [A, H] final hidden state at t-1 for each action t
+    targets: torch.Tensor,  # [A]
+    inv_temperature: torch.Tensor | None,  # [A]; None: every T is 1
+    lm_head: torch.nn.Module,
+    transform: LogitTransform,
+    chunk_rows: int,
+    want_entropy: bool,
+    fused: bool | None = None,  # the Triton kernel; None: where triton_jit.available and it fits
+) -> ActionScores:
+    """Each row's log-prob of its target (and entropy) under softmax(g(z) / T), z = lm_head(hidden).
+
+    fused=None picks the Triton kernel on CUDA when triton imports and g is at most a positive scale
+    (folded into the kernel's per-row multiplier with 1 / T); fused=False forces the torch path;
+    fused=True forces the kernel (ValueError for a soft-capping g; CPU tensors need TRITON_INTERPRET=1).
+    """
+    fits = transform.softcap is None and transform.scale > 0.0  # a scale folds into the row multiplier
+    if fused is None:
+        fused = fits and triton_jit.available(hidden.device)
+    elif fused and not fits:
+        raise ValueError(f"the fused head cannot apply {transform}")
+    rows = hidden.shape[0]
+    logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+    entropy = torch.empty_like(logprobs) if want_entropy else None
+    multiplier = _row_multiplier(inv_temperature, transform.scale, rows, hidden.device) if fused else None
+    for start in range(0, rows, chunk_rows):
+        end = min(start + chunk_rows, rows)
+        z = lm_head(hidden[start:end])  # [c, V] in the model's dtype
+        if fused:
+            s = multiplier[start:end] if multiplier is not None else None
+            chunk_logprobs, chunk_entropy = fused_head.fused_logprobs(z, targets[start:end], s, want_entropy)
+            del z  # freed before the next chunk's logits are made
+            logprobs[start:end] = chunk_logprobs
+            if entropy is not None and chunk_entropy is not None:
+                entropy[start:end] = chunk_entropy
+        else:
+            if inv_temperature is not None or not transform.identity:
+                z = transform(z.float())  # float32 temporary, modified in place
+                if inv_temperature is not None:
+                    z.mul_(inv_temperature[start:end, None])
+            logp = torch.log_softmax(z, dim=-1, dtype=torch.float32)  # [c, V] float32
+            del z
+            logprobs[start:end] = logp.gather(1, targets[start:end, None]).squeeze(1)
+            if entropy is not None:
+                entropy[start:end] = torch.special.entr(logp.exp_()).sum(dim=-1)  # -Σ p·log p
+    return ActionScores(logprobs=logprobs, entropy=entropy)
+
+
+def _row_multiplier(
+    inv_temperature: torch.Tensor | None, scale: float, rows: int, device: torch.device
+) -> torch.Tensor | None:
+    """s of each row for the fused kernel: 1 / T times the logit scale; None when every s is 1."""
+    if inv_temperature is None:
+        return None if scale == 1.0 else torch.full((rows,), scale, dtype=torch.float32, device=device)
+    return inv_temperature.float() * scale if scale != 1.0 else inv_temperature.float()

@@ -1,0 +1,113 @@
+"""The vocabulary-parallel embedding and head: each rank holds rows [start, end) of the vocabulary.
+
+The head never gathers logits. Per chunk of action rows each rank computes its [c, V/N] logits
+z (float32, after the logit transform and 1 / T) and three statistics per row, relative to the
+row's global max m (one all-reduce MAX):
+
+    s = Σ exp(z - m)              t = Σ exp(z - m)·(z - m)          x = z[target] (0 off this rank)
+
+summed over the ranks in ONE all-reduce of [c, 3]. Then, as in head.py's unsharded softmax:
+
+    log p(target) = (x - m) - log S          entropy = log S - T / S
+
+(S, T the sums; entropy = -Σ p log p with log p = (z - m) - log S).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from service.engine.heads.chunked import ActionScores, LogitTransform
+from service.engine.parallel.sharding import Shard
+
+
+class VocabParallelEmbedding(torch.nn.Embedding):
+    """nn.Embedding of this rank's vocabulary rows; a forward sums every rank's lookups."""
+
+    def __init__(self, weight: torch.nn.Parameter, start: int, vocab_size: int, shard: Shard) -> None:
+        super().__init__(weight.shape[0], weight.shape[1], device="meta")
+        self.weight = weight  # the same Parameter: a tied head keeps sharing it
+        self.start, self.end, self.vocab_size, self.shard = start, start + weight.shape[0], vocab_size, shard
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., H]: the rows this rank holds, zeros elsewhere, all-reduced."""
+        local = ids - self.start
+        outside = (ids < self.start) | (ids >= self.end)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside[..., None], 0)
+        self.shard.all_reduce_(x)
+        return x
+
+
+class VocabParallelHead(torch.nn.Linear):
+    """The lm_head's rows [start, end) of the vocabulary: a forward gives this rank's logits only."""
+
+    def __init__(self, weight: torch.nn.Parameter, start: int, vocab_size: int, shard: Shard) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.weight = weight
+        self.start, self.vocab_size, self.shard = start, vocab_size, shard
+
+
+def install(model: Any, start: int, vocab_size: int, shard: Shard) -> None:
+    """Swap the model's embedding and lm_head (when it has one) for their vocabulary-parallel twins,
+    on the same parameters (tied ones stay tied)."""
+    embed = model.get_input_embeddings()
+    model.set_input_embeddings(VocabParallelEmbedding(embed.weight, start, vocab_size, shard))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        model.set_output_embeddings(VocabParallelHead(head.weight, start, vocab_size, shard))
+
+
+def full_rows(module: Any) -> int:
+    """Rows of the whole vocabulary of an embedding or a head, sharded or not."""
+    if isinstance(module, VocabParallelEmbedding | VocabParallelHead):
+        return module.vocab_size
+    return int(module.num_embeddings if isinstance(module, torch.nn.Embedding) else module.out_features)
+
+
+def score_actions(
+    *,
+    hidden: torch.Tensor,  # [A, H] final hidden state at t-1 for each action t (the same on every rank)
+    targets: torch.Tensor,  # [A] token ids of the whole vocabulary
+    inv_temperature: torch.Tensor | None,  # [A]; None: every T is 1
+    lm_head: torch.nn.Module,
+    transform: LogitTransform,
+    chunk_rows: int,
+    want_entropy: bool,
+    fused: bool | None = None,  # the signature of head.score_actions; always the torch path here
+) -> ActionScores:
+    """head.score_actions over a VocabParallelHead: the same scores, on every rank, from its rows."""
+    assert isinstance(lm_head, VocabParallelHead)
+    start, width, shard = lm_head.start, lm_head.out_features, lm_head.shard
+    rows = hidden.shape[0]
+    logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+    entropy = torch.empty_like(logprobs) if want_entropy else None
+    for begin in range(0, rows, chunk_rows):
+        end = min(begin + chunk_rows, rows)
+        z = transform(lm_head(hidden[begin:end]).float())  # [c, V/N] float32
+        if inv_temperature is not None:
+            z.mul_(inv_temperature[begin:end, None])
+        local = targets[begin:end] - start
+        mine = (local >= 0) & (local < width)
+        m = z.amax(dim=-1)  # [c]
+        shard.all_reduce_max_(m)
+        z.sub_(m[:, None])  # z - m, in place
+        p = torch.exp(z)
+        stats = torch.stack(
+            (
+                p.sum(dim=-1),
+                (p * z).sum(dim=-1) if entropy is not None else torch.zeros_like(m),
+                z.gather(1, local.clamp(0, width - 1)[:, None]).squeeze(1).masked_fill(~mine, 0.0),
+            ),
+            dim=1,
+        )  # [c, 3]: s, t, x - m
+        del z, p
+        shard.all_reduce_(stats)
+        log_total = torch.log(stats[:, 0])
+        logprobs[begin:end] = stats[:, 2] - log_total
+        if entropy is not None:
+            entropy[begin:end] = log_total - stats[:, 1] / stats[:, 0]
+    return ActionScores(logprobs=logprobs, entropy=entropy)

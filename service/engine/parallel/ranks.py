@@ -1,0 +1,398 @@
+"""Tensor parallel over the GPUs of one host: this process is rank 0 and serves; ranks 1..N-1 follow.
+
+`load` starts N - 1 processes (multiprocessing spawn, daemonic), joins them in one torch.distributed
+group (NCCL on CUDA, gloo on CPU; rendezvous through a file store in a fresh temporary directory)
+and loads rank 0's shards. Each rank loads its own shard of every model (sharded.py) into a
+PackedScorer of its own.
+
+Data flow stays one way: the batcher calls rank 0's engine as it calls any ScoringEngine. Every call
+that runs collectives or changes state (launch, release, warm_up, apply) is first sent, in order,
+down a pipe to every follower, which makes the same call on its scorer: all ranks pack the same
+micro-batch from the same jobs and run the same forward on their shards, meeting in the same
+all-reduces; only rank 0's scores are read. A reload: each rank stages its slices on a loader
+thread and says whether it could; rank 0 applies only when all could, and its `apply` is one more
+call in the stream, so every rank swaps at the same micro-batch boundary.
+
+Failure. A follower that dies (or whose forward fails, which ends it) leaves the others stuck in a
+collective, so a replica's ranks live and die together: rank 0 watches its followers' process
+sentinels; when one ends, rank 0 reports the failure to the app
+(readiness fails, the server stops, exit status 1) and ends the process itself EXIT_GRACE_S later if
+it has not ended by then (a forward stuck in a collective never returns). A follower watches rank 0
+the same way (its parent's sentinel) and exits at once when rank 0 is gone. An error in a forward
+(out of memory included) may have struck one rank only, so under tensor parallel it is fatal too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from service import heap
+from service.engine.contract import (
+    EngineInfo,
+    Launched,
+    ReloadOrder,
+    StagedWeights,
+    WeightsRejected,
+    WeightsState,
+)
+from service.engine.loading import shards as sharded
+from service.engine.loading.models import require_model_dir, resolve_device, resolve_dtype, text_config
+from service.engine.ops.attention import choose_backend, register
+from service.engine.parallel.sharding import Shard, Sharded
+from service.engine.scorer.engine import PackedScorer
+from service.jobs import Chunk, SequenceJob
+from service.prefixes import Forest
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# after a rank fails: how long the app has to stop before this process ends itself
+EXIT_GRACE_S = 10.0
+# a collective that waits longer than this for a peer fails (a peer busy meeting GEMM shapes or
+# staging weights is never that far behind)
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# NCCL's NVLink multicast (NVLS) and symmetric-memory multicast stay off in every rank, unless the
+# operator set them: they need a fabric manager set-up that GPU hosts often lack, and fail late.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def refusal(settings: Settings) -> str | None:
+    """Why `settings` cannot run tensor parallel (checked before any process starts); None: they can."""
+    if settings.model is None:
+        return "the demo model is not sharded; give --model"
+    if settings.decoder == "transformers" or settings.kernels == "liger":
+        return "tensor parallel runs logprobd's fused decoder (not decoder=transformers or kernels=liger)"
+    if settings.cuda_graphs == "on":
+        return "cuda_graphs=on: CUDA graphs are not captured under tensor parallel yet"
+    if settings.batch_invariant:
+        return "batch_invariant: the all-reduces' sums are not batch-invariant"
+    device = resolve_device(settings.device)
+    if device.type == "cuda" and torch.cuda.device_count() < settings.tensor_parallel_size:
+        seen = torch.cuda.device_count()
+        return f"{settings.tensor_parallel_size} ranks need as many GPUs; this process sees {seen}"
+    return None
+
+
+def _device(settings: Settings, rank: int) -> torch.device:
+    device = resolve_device(settings.device)
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _join(rank: int, world: int, store: Path, device: torch.device) -> Shard:
+    """Join the replica's process group (every rank calls it; it returns once all have)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=COLLECTIVE_TIMEOUT,
+        device_id=device if device.type == "cuda" else None,
+    )
+    return Shard(rank, world)
+
+
+def _load_scorer(settings: Settings, shard: Shard) -> PackedScorer:
+    """This rank's PackedScorer over its shards of the configured models."""
+    assert settings.model is not None
+    device = _device(settings, shard.rank)
+    dtype = resolve_dtype(settings.dtype, device)
+    backend = choose_backend(settings.attention, device)
+    attn = register(backend)
+    place = sharded.Placement(dtype, device, attn, shard)
+    loaded, layout, config = sharded.load_causal_lm(settings.model, settings.model_name, place, "policy")
+    layouts, configs = {"policy": layout}, {"policy": config}
+    reference = critic = None
+    if settings.ref_model is not None:
+        reference, layouts["reference"], configs["reference"] = sharded.load_causal_lm(
+            settings.ref_model, None, place, "reference"
+        )
+    if settings.critic is not None:
+        critic, layouts["critic"], configs["critic"] = sharded.load_critic(settings.critic, place)
+    return PackedScorer(
+        loaded,
+        device,
+        backend,
+        settings,
+        reference=reference,
+        critic=critic,
+        sharded=Sharded(shard, layouts, configs),
+    )
+
+
+@dataclass(slots=True)
+class _Follower:
+    rank: int
+    process: BaseProcess
+    conn: Connection
+    lock: threading.Lock  # sends come from the engine thread and the loader thread
+
+    def send(self, message: tuple[str, Any]) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelStaged:
+    """Rank 0's staged weights, once every follower has staged its own."""
+
+    local: StagedWeights
+
+    @property
+    def order(self) -> ReloadOrder:
+        return self.local.order
+
+    @property
+    def mode(self) -> str:
+        return self.local.mode
+
+    @property
+    def nbytes(self) -> int:
+        return self.local.nbytes
+
+
+class TensorParallelEngine:
+    """Rank 0's ScoringEngine: its own PackedScorer, each call sent first to the followers."""
+
+    def __init__(self, scorer: PackedScorer, followers: list[_Follower], store: Path) -> None:
+        self._scorer = scorer
+        self._followers = followers
+        self._store = store
+        self._stopping = threading.Event()
+        self._failed = threading.Event()
+        self._on_failure: Callable[[str], None] | None = None
+        self._stage_lock = threading.Lock()  # one reload at a time reads the followers' replies
+        threading.Thread(target=self._watch, name="logprobd-tp-watch", daemon=True).start()
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._scorer.info
+
+    @property
+    def weights(self) -> Mapping[str, WeightsState]:
+        return self._scorer.weights
+
+    def _broadcast(self, message: tuple[str, Any]) -> None:
+        for follower in self._followers:
+            follower.send(message)
+
+    def launch(
+        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+    ) -> Launched:
+        self._broadcast(("launch", (list(jobs), chunk, forest)))
+        try:
+            return self._scorer.launch(jobs, chunk, forest)
+        except Exception as exc:  # the followers may not have failed alike: the ranks have diverged
+            self.fail(f"rank 0: a forward failed ({type(exc).__name__}: {exc}); the ranks diverged")
+            raise
+
+    def release(self, sequence: int) -> None:
+        self._broadcast(("release", sequence))
+        self._scorer.release(sequence)
+
+    def warm_up(self) -> None:
+        self._broadcast(("warm_up", None))
+        self._scorer.warm_up()
+
+    def stage(self, order: ReloadOrder) -> StagedWeights:
+        """Every rank stages its slices; unless all could, WeightsRejected and every staged copy dropped."""
+        with self._stage_lock:
+            self._broadcast(("stage", order))
+            local: StagedWeights | None = None
+            failure: Exception | None = None
+            try:
+                local = self._scorer.stage(order)
+            except Exception as exc:  # the followers' replies are read all the same
+                failure = exc
+            refusals = [str(failure)] if isinstance(failure, WeightsRejected) else []
+            for follower in self._followers:
+                _, error = follower.conn.recv()  # ("staged", None | reason)
+                if error is not None:
+                    refusals.append(f"rank {follower.rank}: {error}")
+            if local is None or refusals:
+                self._broadcast(("drop", None))
+                if refusals:
+                    raise WeightsRejected("; ".join(refusals)) from failure
+                assert failure is not None
+                raise failure
+            return ParallelStaged(local)
+
+    def apply(self, staged: StagedWeights) -> WeightsState:
+        assert isinstance(staged, ParallelStaged)
+        self._broadcast(("apply", None))
+        return self._scorer.apply(staged.local)
+
+    def supervise(self, on_failure: Callable[[str], None]) -> None:
+        self._on_failure = on_failure
+
+    def fail(self, reason: str) -> None:
+        """The replica cannot go on: tell the app, and end the process EXIT_GRACE_S from now."""
+        if self._stopping.is_set() or self._failed.is_set():
+            return
+        self._failed.set()
+        log.critical("tensor parallel: %s; this replica stops", reason)
+        if self._on_failure is not None:
+            self._on_failure(reason)
+        timer = threading.Timer(EXIT_GRACE_S, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
+
+    def _watch(self) -> None:
+        """Rank 0's watchdog: the first follower to exit while not stopping fails the replica."""
+        sentinels = {f.process.sentinel: f for f in self._followers}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        follower = sentinels[ready[0]]  # type: ignore[index]
+        follower.process.join(timeout=1)
+        self.fail(
+            f"rank {follower.rank} (pid {follower.process.pid}) exited with {follower.process.exitcode}"
+        )
+
+    def close(self) -> None:
+        """Stop the followers (each gets `stop` after what it was sent), then leave the group."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        for follower in self._followers:
+            with contextlib.suppress(OSError):  # already gone
+                follower.send(("stop", None))
+        for follower in self._followers:
+            follower.process.join(timeout=EXIT_GRACE_S)
+            if follower.process.is_alive():
+                follower.process.kill()
+        if not self._failed.is_set() and dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self._store.parent, ignore_errors=True)
+
+
+def load(settings: Settings) -> TensorParallelEngine:
+    """Start ranks 1..N-1, join them, load rank 0's shards; the followers load theirs meanwhile."""
+    reason = refusal(settings)
+    if reason is not None:
+        raise ValueError(f"tensor_parallel_size={settings.tensor_parallel_size}: {reason}")
+    models = (("policy", settings.model), ("reference", settings.ref_model), ("critic", settings.critic))
+    for role, path in models:
+        if path is not None:  # before any process starts: a clear error, at once
+            require_model_dir(path, role)
+            why = sharded.refusal(text_config(path), settings.tensor_parallel_size)
+            if why is not None:
+                raise ValueError(f"{role} {path}: cannot run tensor parallel: {why}")
+    for name, value in NCCL_ENV.items():
+        os.environ.setdefault(name, value)  # the followers inherit the environment
+    world = settings.tensor_parallel_size
+    store = Path(tempfile.mkdtemp(prefix="logprobd-tp-")) / "rendezvous"
+    context = multiprocessing.get_context("spawn")
+    followers = []
+    for rank in range(1, world):
+        here, there = context.Pipe()
+        process = context.Process(
+            target=follow, args=(rank, settings, store, there), name=f"logprobd-rank{rank}", daemon=True
+        )
+        process.start()
+        there.close()
+        followers.append(_Follower(rank, process, here, threading.Lock()))
+        log.info("tensor parallel: started rank %d of %d (pid %d)", rank, world, process.pid)
+    try:
+        shard = _join(0, world, store, _device(settings, 0))
+        scorer = _load_scorer(settings, shard)
+        for follower in followers:
+            status, error = follower.conn.recv()
+            if status != "loaded":
+                raise RuntimeError(f"rank {follower.rank} failed to load: {error}")
+    except BaseException:
+        for follower in followers:
+            follower.process.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    return TensorParallelEngine(scorer, followers, store)
+
+
+def follow(rank: int, settings: Settings, store: Path, conn: Connection) -> None:
+    """A follower rank's process: load its shards, then make each call rank 0 sends, in order."""
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
+    )
+    parent = multiprocessing.parent_process()
+    assert parent is not None
+    threading.Thread(target=_exit_with, args=(parent,), name="logprobd-tp-parent", daemon=True).start()
+    device = _device(settings, rank)
+    if device.type == "cpu":  # the ranks share the host's cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // settings.tensor_parallel_size))
+    try:
+        scorer = _load_scorer(settings, _join(rank, settings.tensor_parallel_size, store, device))
+    except Exception as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from exc
+    conn.send(("loaded", None))
+    _serve(scorer, conn)
+
+
+def _exit_with(parent: BaseProcess) -> None:
+    """End this process at once when rank 0 is gone (it may be stuck in a collective meanwhile)."""
+    multiprocessing.connection.wait([parent.sentinel])
+    os._exit(1)
+
+
+def _serve(scorer: PackedScorer, conn: Connection) -> None:
+    """The follower's loop; any error is fatal (rank 0 sees this process exit)."""
+    with torch.inference_mode():
+        previous: Launched | None = None
+        staged: dict[str, StagedWeights | None] = {}
+        loader: threading.Thread | None = None
+
+        def stage(order: ReloadOrder) -> None:
+            try:
+                staged["weights"] = scorer.stage(order)
+                conn.send(("staged", None))
+            except Exception as exc:  # reported to rank 0, which refuses the reload on every rank
+                staged["weights"] = None
+                conn.send(("staged", f"{type(exc).__name__}: {exc}"))
+
+        while True:
+            try:
+                command, argument = conn.recv()
+            except EOFError:
+                raise SystemExit(1) from None
+            if command == "launch":
+                flight = scorer.launch(*argument)
+                if previous is not None:
+                    previous.result()  # at most two in flight, as on rank 0
+                previous = flight
+            elif command == "release":
+                scorer.release(argument)
+            elif command == "warm_up":
+                scorer.warm_up()
+                heap.freeze()  # as rank 0 does at ready
+            elif command == "stage":
+                loader = threading.Thread(target=stage, args=(argument,), name="logprobd-tp-stage")
+                loader.start()
+            elif command in ("apply", "drop"):
+                assert loader is not None
+                loader.join()
+                weights = staged.pop("weights", None)
+                if command == "apply":
+                    assert weights is not None
+                    scorer.apply(weights)
+            elif command == "stop":
+                if previous is not None:
+                    previous.result()
+                return

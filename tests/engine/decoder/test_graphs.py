@@ -1,0 +1,305 @@
+"""CUDA graphs of the fused decoder: the graphed forward against the eager one it records.
+
+On CPU the EagerRecorder stands in for CUDA capture: a "replay" runs the recorded body again, over
+the same static buffers. So everything but the CUDA call itself is exercised: a body that read the
+batch it was captured with instead of the buffers, boundaries not padded to the graph's slots, a stale
+rotary table or residual, a reload the graphs miss. The GPU tests run the CUDA recorder with the
+device's attention kernel against the same eager forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from service.engine.batch.packing import PackedBatch, pack
+from service.engine.decoder import graphs
+from service.engine.decoder.fused import FusedDecoder, TransformersDecoder
+from service.engine.decoder.graphs import EagerRecorder, GraphedDecoder, GraphKey
+from service.engine.ops.attention import choose_backend
+from service.engine.ops.elementwise import TORCH, Ops
+from service.engine.scorer.engine import PackedScorer
+from service.jobs import SequenceJob
+from service.settings import Settings
+from tests import models
+from tests.engine.decoder.test_fused import KERNEL, packed_model
+
+CPU = torch.device("cpu")
+
+
+def batch_of(lengths: tuple[int, ...], seed: int = 0, device: torch.device = CPU) -> PackedBatch:
+    rng = np.random.default_rng(seed)
+    jobs = [SequenceJob(rng.integers(3, models.VOCAB, n), np.arange(1, n), 1.0, False) for n in lengths]
+    return pack(jobs, device)
+
+
+def read_rows(batch: PackedBatch) -> torch.Tensor:
+    return batch.hidden_index  # the rows the heads read, as the engine passes them
+
+
+def graphed(model: Any, max_tokens: int = 512, total_bounded: bool = True, **kwargs: Any) -> GraphedDecoder:
+    inner = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    return GraphedDecoder(inner, kwargs.pop("recorder", EagerRecorder()), max_tokens, total_bounded, **kwargs)
+
+
+# Each batch differs from the one before in what a stale static buffer would carry over: the
+# boundaries (same N), the positions, N itself (one graph for 128 tokens, another for 256); and, for
+# the kernels whose graphs also split by them, more sequences than 8 slots, a sequence past 128 tokens.
+BATCHES = [(20, 33, 7, 12), (50, 40), (3, 9, 11, 2, 30, 5), (100, 90), (10,) * 9, (200, 40), (20, 33, 7, 12)]
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("total_bounded", [True, False])
+def test_replays_equal_the_eager_forward(name: str, total_bounded: bool) -> None:
+    """qwen2 and mistral have sliding windows shorter than the sequences; qwen3 has head norms."""
+    model = packed_model(name)
+    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    decoder = graphed(model, total_bounded=total_bounded, limit=8)
+    with torch.inference_mode():
+        for seed, lengths in enumerate(BATCHES):
+            batch = batch_of(lengths, seed)
+            got, want = decoder(batch, read_rows(batch)), eager(batch, read_rows(batch))
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # one graph per N with a total-bounded kernel; the others also split by sequences and length
+    assert decoder.graphs == (2 if total_bounded else 4)
+
+
+def test_the_graphs_give_transformers_hidden_states() -> None:
+    model = packed_model("qwen2")
+    batch = batch_of((60, 17, 40))
+    every = torch.arange(batch.num_tokens)
+    with torch.inference_mode():
+        want = TransformersDecoder(model.base_model)(batch, every)
+        got = graphed(model, limit=8)(batch, every)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_keys() -> None:
+    flash4 = graphed(packed_model("llama"), max_tokens=16384, total_bounded=True, limit=8)
+    assert flash4.key(16384, 40, 1500) == GraphKey(16384, 256, 16384)  # one graph per N
+    assert flash4.key(16384, 300, 60) == GraphKey(16384, 512, 16384)
+    assert flash4.key(1000, 4, 300) is None  # not a packed micro-batch's shape
+    assert flash4.key(16512, 4, 300) is None  # past the buffers
+    other = graphed(packed_model("llama"), max_tokens=16384, total_bounded=False, limit=8)
+    assert other.key(16384, 40, 1500) == GraphKey(16384, 64, 2048)
+    assert other.key(256, 3, 90) == GraphKey(256, 8, 128)
+    assert other.key(256, 1, 256) == GraphKey(256, 8, 256)
+
+
+def test_the_least_recently_used_graph_goes_past_the_limit() -> None:
+    model = packed_model("llama")
+    decoder = graphed(model, limit=2)
+    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    small, large, largest = batch_of((20, 33)), batch_of((100, 90)), batch_of((200, 100))
+    with torch.inference_mode():
+        for batch in (small, large, small, largest, small):
+            torch.testing.assert_close(decoder(batch, read_rows(batch)), eager(batch, read_rows(batch)))
+    assert decoder.graphs == 2
+    assert set(decoder._graphs) == {decoder.key(384, 3, 200), decoder.key(128, 3, 33)}
+
+
+def test_capture_checks_then_records_every_size_largest_first() -> None:
+    model = packed_model("qwen2")
+    recorder = Counting()
+    decoder = graphed(model, max_tokens=500, recorder=recorder, limit=8)
+    with torch.inference_mode():
+        decoder.capture(batch_of((20, 33, 7)))
+    assert decoder.disabled is None
+    assert recorder.captures == 4  # the probe's (128 tokens), then the others from the largest
+    assert [key.tokens for key in decoder._graphs] == [128, 512, 384, 256]  # in the order captured
+
+
+def test_capture_keeps_the_largest_within_the_limit() -> None:
+    decoder = graphed(packed_model("qwen2"), max_tokens=1024, recorder=Counting(), limit=3)
+    with torch.inference_mode():
+        decoder.capture(batch_of((20, 33, 7)))
+    assert sorted(key.tokens for key in decoder._graphs) == [128, 896, 1024]
+
+
+def test_other_kernels_capture_as_met() -> None:
+    recorder = Counting()
+    decoder = graphed(packed_model("qwen2"), max_tokens=1024, total_bounded=False, recorder=recorder, limit=8)
+    with torch.inference_mode():
+        decoder.capture(batch_of((20, 33, 7)))
+    assert recorder.captures == 1
+    assert decoder.graphs == 1
+
+
+class Counting(EagerRecorder):
+    def __init__(self) -> None:
+        self.captures = 0
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        self.captures += 1
+        return body
+
+
+def test_a_probe_past_the_buffers_turns_graphs_off(caplog: pytest.LogCaptureFixture) -> None:
+    decoder = graphed(packed_model("llama"), max_tokens=64, limit=8)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        decoder.capture(batch_of((100, 90)))
+    assert "no graph holds the 256-token probe" in str(decoder.disabled)
+    strict = graphed(packed_model("llama"), max_tokens=64, limit=8, strict=True)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="cuda_graphs=on: no graph holds"):
+        strict.capture(batch_of((100, 90)))
+
+
+def test_buffers_exist_before_any_capture() -> None:
+    """Allocated inside a graph, the buffers' zero fill would be recorded, and each replay would
+    zero the token ids the batch had just copied in (the twin cannot see that: it records nothing)."""
+    decoder = graphed(packed_model("llama"), recorder=(seen := Seeing()), limit=8)
+    seen.decoder = decoder
+    with torch.inference_mode():
+        decoder.capture(batch_of((20, 33, 7)))
+    assert seen.captures == 4
+
+
+class Seeing(Counting):
+    decoder: GraphedDecoder | None = None
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        assert self.decoder is not None
+        assert self.decoder._buffers is not None
+        return super().capture(body)
+
+
+class Stale(EagerRecorder):
+    """A wrong graph: its replay does nothing, so the last layer reads whatever the buffers held."""
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        return lambda: None
+
+
+class Failing(EagerRecorder):
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_wrong_graph_is_caught_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    model = packed_model("qwen2")
+    decoder = graphed(model, recorder=Stale(), limit=8)
+    batch = batch_of((20, 33, 7))
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        decoder.capture(batch)
+        got = decoder(batch, read_rows(batch))
+        want = FusedDecoder(model.base_model, KERNEL, TORCH, 0)(batch, read_rows(batch))
+    assert decoder.disabled is not None
+    assert "of their norm from the eager ones" in decoder.disabled
+    assert "CUDA graphs off" in caplog.text
+    assert decoder.graphs == 0
+    torch.testing.assert_close(got, want)  # eager from then on
+    strict = graphed(model, recorder=Stale(), limit=8, strict=True)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="cuda_graphs=on"):
+        strict.capture(batch)
+
+
+def test_a_failed_capture_while_serving_turns_graphs_off(caplog: pytest.LogCaptureFixture) -> None:
+    model = packed_model("llama")
+    decoder = graphed(model, recorder=Failing(), limit=8)
+    batch = batch_of((20, 33, 7))
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        got = decoder(batch, read_rows(batch))
+        again = decoder(batch, read_rows(batch))
+        want = FusedDecoder(model.base_model, KERNEL, TORCH, 0)(batch, read_rows(batch))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(again, want)
+    assert "operation not permitted" in str(decoder.disabled)
+    assert caplog.text.count("CUDA graphs off") == 1
+    strict = graphed(model, recorder=Failing(), limit=8, strict=True)  # cuda_graphs=on
+    with torch.inference_mode():
+        torch.testing.assert_close(strict(batch, read_rows(batch)), want)  # serving: no request fails
+        assert strict.disabled is not None
+        with pytest.raises(RuntimeError, match="cuda_graphs=on: capture of"):
+            graphed(model, recorder=Failing(), limit=8, strict=True).capture(batch)  # the start does
+        with pytest.raises(RuntimeError, match="cuda_graphs=on: capture of"):
+            strict.capture(batch)  # graphs that went off in the warm-up's own scoring fail the start too
+
+
+def test_reloads() -> None:
+    """Weights copied in place: the graphs read them. Weights rebound (a swap reload): the graphs,
+    which read the old tensors, are dropped and captured again."""
+    model, other, third = packed_model("qwen3"), packed_model("qwen3", seed=1), packed_model("qwen3", seed=2)
+    decoder = graphed(model, limit=8)
+    batch = batch_of((20, 33, 7))
+    every = torch.arange(batch.num_tokens)
+    with torch.inference_mode():
+        decoder(batch, every)
+        with torch.no_grad():
+            for param, new in zip(model.parameters(), other.parameters(), strict=True):
+                param.copy_(new)
+        decoder.refresh()
+        assert decoder.graphs == 1
+        want = TransformersDecoder(other.base_model)(batch, every)
+        torch.testing.assert_close(decoder(batch, every), want, atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            for param, new in zip(model.parameters(), third.parameters(), strict=True):
+                param.data = new.detach().clone()
+        decoder.refresh()
+        assert decoder.graphs == 0
+        want = TransformersDecoder(third.base_model)(batch, every)
+        torch.testing.assert_close(decoder(batch, every), want, atol=1e-5, rtol=1e-5)
+        assert decoder.graphs == 1
+
+
+def test_wrap_resolves_the_setting() -> None:
+    model = packed_model("qwen2")
+    fused = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    plain = TransformersDecoder(model.base_model)
+    args = (CPU, EagerRecorder(), 512, 8)
+    assert graphs.wrap(fused, "off", "flash_attn_cute", *args) is fused
+    assert graphs.wrap(fused, "auto", "flash_attn_cute", *args) is fused  # not CUDA
+    assert graphs.wrap(plain, "auto", "flash_attn_cute", *args) is plain
+    with pytest.raises(RuntimeError, match="cuda_graphs=on: the device is not CUDA"):
+        graphs.wrap(fused, "on", "flash_attn_cute", *args)
+    with pytest.raises(RuntimeError, match="cuda_graphs=on: the transformers decoder"):
+        graphs.wrap(plain, "on", "flash_attn_cute", *args)
+
+
+def test_graphs_on_refuses_a_cpu_engine(model_dirs: dict[str, Path]) -> None:
+    with pytest.raises(RuntimeError, match="cuda_graphs=on"):
+        PackedScorer.from_settings(Settings(model=model_dirs["qwen2"], device="cpu", cuda_graphs="on"))
+    engine = PackedScorer.from_settings(Settings(model=model_dirs["qwen2"], device="cpu"))
+    assert "graphs" not in engine.info.kernels
+
+
+# ---- on the GPU: CUDA capture with the device's attention kernel -------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("attention", ["auto", "torch_varlen"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_cuda_graphs_equal_the_eager_forward(name: str, attention: str) -> None:
+    """bf16, the attention kernel `auto` picks here (flash-attn 4 on Hopper with the hopper extra) and
+    torch's; replays of several micro-batches, each against the same decoder run eagerly."""
+    device = torch.device("cuda")
+    backend = choose_backend(attention, device)
+    model = packed_model(name).to(device=device, dtype=torch.bfloat16)
+    inner = FusedDecoder(model.base_model, backend.kernel, Ops.for_device(device, allow_triton=True), 0)
+    bounded = backend.name in graphs.TOTAL_BOUNDED
+    decoder = GraphedDecoder(inner, graphs.CudaRecorder(device), 512, bounded, limit=2, strict=True)
+    with torch.inference_mode():
+        decoder.capture(batch_of((20, 33, 7), device=device))
+        for seed, lengths in enumerate(BATCHES):  # past the limit of 2: graphs go and are captured again
+            batch = batch_of(lengths, seed, device)
+            got, want = decoder(batch, read_rows(batch)), inner(batch, read_rows(batch))
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+            assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-3
+        with torch.no_grad():  # a swap reload: every graph goes; the shared pool must stay usable
+            for param in model.parameters():
+                param.data = param.data.clone()
+        decoder.refresh()
+        assert decoder.graphs == 0
+        batch = batch_of(BATCHES[0], 0, device)
+        got, want = decoder(batch, read_rows(batch)), inner(batch, read_rows(batch))
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-3
+        assert decoder.graphs == 1
+    assert decoder.disabled is None

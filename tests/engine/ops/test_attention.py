@@ -1,0 +1,187 @@
+"""Packed attention kernels against a dense block-diagonal reference; GPU kernels against the CPU one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.engine.ops.attention import BACKENDS, AttentionBackend, Segments, choose_backend, sdpa_kernel
+from service.engine.runtime import packages as optional
+from service.engine.scorer.engine import _versions
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """One float64 softmax over the whole packed row with an explicit [N, N] mask."""
+    n, heads, _ = q.shape
+    seq_id = torch.repeat_interleave(
+        torch.arange(len(seg.cu) - 1), (seg.cu[1:] - seg.cu[:-1]).long().cpu()
+    ).to(q.device)
+    i = torch.arange(n, device=q.device)
+    allowed = (seq_id[:, None] == seq_id[None, :]) & (i[None, :] <= i[:, None])
+    if seg.window is not None:
+        allowed &= i[None, :] > i[:, None] - seg.window
+    kk = k.double().repeat_interleave(heads // k.shape[1], dim=1)
+    vv = v.double().repeat_interleave(heads // v.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * seg.scale
+    if seg.softcap is not None:
+        scores = torch.tanh(scores / seg.softcap) * seg.softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vv)
+
+
+def make_inputs(
+    lengths: list[int], device: str, dtype: torch.dtype, window: int | None, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Segments]:
+    gen = torch.Generator().manual_seed(sum(lengths))
+    n = sum(lengths)
+    q = torch.randn(n, 8, 32, generator=gen).to(device, dtype)
+    k = torch.randn(n, 2, 32, generator=gen).to(device, dtype)
+    v = torch.randn(n, 2, 32, generator=gen).to(device, dtype)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return q, k, v, Segments(cu, max(lengths), 32**-0.5, window, softcap)
+
+
+CASES = [
+    ([5, 1, 17, 9], None, None),
+    ([12, 30, 3], 4, None),  # sliding window shorter than the sequences
+    ([7, 20], None, 2.0),  # attention-logit soft-capping (Gemma2)
+    ([40, 2, 11], 8, 3.0),
+]
+
+
+@pytest.mark.parametrize(("lengths", "window", "softcap"), CASES)
+def test_sdpa_kernel_matches_dense_reference(
+    lengths: list[int], window: int | None, softcap: float | None
+) -> None:
+    q, k, v, seg = make_inputs(lengths, "cpu", torch.float32, window, softcap)
+    got = sdpa_kernel(q, k, v, seg)
+    torch.testing.assert_close(got.double(), dense_reference(q, k, v, seg), atol=1e-5, rtol=1e-5)
+
+
+def test_auto_backend_on_cpu_is_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
+    monkeypatch.setattr(optional, "importable", lambda module, package: True)  # flash-attn 2 on a CPU host
+    assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
+    with pytest.raises(RuntimeError, match="CUDA"):
+        choose_backend("torch_varlen", torch.device("cpu"))
+
+
+def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flash-attn-4 installs flash_attn/cute/ only, leaving `flash_attn` a namespace package: that is
+    not flash-attn 2, and the versions report reads the distributions, not flash_attn.__version__."""
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    (tmp_path / "flash_attn_4-4.0.0b1.dist-info").mkdir()
+    (tmp_path / "flash_attn_4-4.0.0b1.dist-info" / "METADATA").write_text(
+        "Name: flash-attn-4\nVersion: 4.0.0b1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    optional.forget()
+    assert optional.importable("flash_attn.cute", "flash-attn-4")
+    assert not optional.importable("flash_attn.flash_attn_interface", "flash-attn")
+    with pytest.raises(RuntimeError, match="needs the flash-attn package, which is not installed"):
+        choose_backend("flash_attn", torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"capability 8\.0 or later and the flash-attn-4 package"):
+        choose_backend("flash_attn_cute", torch.device("cpu"))
+    assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
+    assert _versions()["flash_attn_4"] == "4.0.0b1"
+    optional.forget()  # the fake flash_attn.cute leaves with the test
+
+
+def _gpu_backends() -> list[str]:
+    """The fast kernels this host can run."""
+    if not torch.cuda.is_available():
+        return ["torch_varlen"]
+    names = []
+    for name in BACKENDS:
+        try:
+            if choose_backend(name, torch.device("cuda")).name == name != "sdpa":
+                names.append(name)
+        except RuntimeError:
+            pass
+    return names
+
+
+GPU_BACKENDS = _gpu_backends()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize(("lengths", "window", "softcap"), CASES)
+def test_gpu_kernel_matches_cpu_twin(
+    backend: str, lengths: list[int], window: int | None, softcap: float | None
+) -> None:
+    kernel = choose_backend(backend, torch.device("cuda")).kernel
+    q, k, v, seg = make_inputs(lengths, "cuda", torch.bfloat16, window, softcap)
+    got = kernel(q, k, v, seg).float()
+    want = dense_reference(q, k, v, seg).float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("window", [None, 64])
+def test_gpu_kernel_takes_views_of_a_packed_qkv_row(backend: str, window: int | None) -> None:
+    """The fused decoder passes q, k, v as strided views of one [N, (Hq + 2·Hk)·D] projection,
+    with Qwen2.5-1.5B's heads (12 query heads, 2 key/value heads of 128)."""
+    kernel = choose_backend(backend, torch.device("cuda")).kernel
+    hq, hk, d, lengths = 12, 2, 128, [100, 150, 50]
+    n = sum(lengths)
+    qkv = torch.randn(n, (hq + 2 * hk) * d, generator=torch.Generator().manual_seed(0)).to(
+        "cuda", torch.bfloat16
+    )
+    q = qkv[:, : hq * d].view(n, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(n, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(n, hk, d)
+    cu = torch.tensor([0, 100, 250, 300], dtype=torch.int32, device="cuda")
+    seg = Segments(cu, max(lengths), d**-0.5, window, None)
+    got = kernel(q, k, v, seg)
+    assert torch.equal(got, kernel(q.contiguous(), k.contiguous(), v.contiguous(), seg))
+    want = dense_reference(q, k, v, seg).float()
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_registered_names_do_not_impersonate_transformers_kernels(name: str) -> None:
+    # transformers routes any implementation named "*sdpa*" or "*flash*" through its own checks
+    implementation = AttentionBackend(name, sdpa_kernel).implementation
+    assert "sdpa" not in implementation
+    assert "flash" not in implementation
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize(("lengths", "window", "softcap"), CASES)
+def test_gpu_kernel_with_a_context_matches_cpu_twin(
+    backend: str, lengths: list[int], window: int | None, softcap: float | None
+) -> None:
+    """The last segment's queries are its last 40 % of tokens, its keys all of them (a chunk after its
+    cached context, bottom-right causal): each fast kernel against the CPU twin (sdpa_kernel)."""
+    kernel = choose_backend(backend, torch.device("cuda")).kernel
+    q, k, v, whole = make_inputs(lengths, "cuda", torch.bfloat16, window, softcap)
+    context = lengths[-1] - max(1, (2 * lengths[-1]) // 5)  # keys the last segment's queries see first
+    keep = torch.ones(q.shape[0], dtype=torch.bool)
+    keep[sum(lengths[:-1]) : sum(lengths[:-1]) + context] = False  # its context's queries are not run
+    queries = [*lengths[:-1], lengths[-1] - context]
+    cu_q = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    seg = Segments(cu_q, max(queries), whole.scale, window, softcap, whole.cu, whole.max_len)
+    got = kernel(q[keep.cuda()], k, v, seg).float()
+    want = sdpa_kernel(q[keep.cuda()].float().cpu(), k.float().cpu(), v.float().cpu(), _on_cpu(seg))
+    torch.testing.assert_close(got.cpu(), want, atol=2e-2, rtol=2e-2)
+    full = sdpa_kernel(q.float().cpu(), k.float().cpu(), v.float().cpu(), _on_cpu(whole))
+    torch.testing.assert_close(want, full[keep], atol=1e-5, rtol=1e-5)  # = the whole sequence's rows
+
+
+def _on_cpu(seg: Segments) -> Segments:
+    cu_k = seg.cu_k.cpu() if seg.cu_k is not None else None
+    return Segments(seg.cu.cpu(), seg.max_len, seg.scale, seg.window, seg.softcap, cu_k, seg.max_len_k)
