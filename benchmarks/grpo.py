@@ -210,7 +210,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     model.set_attn_implementation(packed_impl)
-    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
+    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
     engine.warm_up()
 
     for variant, share in SHARING.items():  # one engine; each server's batcher reads share_prefixes

@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
             decoder=args.decoder,
             kernels=args.kernels,
         )
-        engine = PackedScorer(LoadedModel(model, args.model, demo=False), device, backend, settings)
+        engine = PackedScorer(
+            LoadedModel(model, args.model, demo=False), device, backend, settings.engine_config()
+        )
         engine.warm_up()
         result = asyncio.run(_cases(engine, settings, standard, target, vocab, args.reps))
         result |= {

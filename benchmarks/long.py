@@ -283,7 +283,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         torch.cuda.empty_cache()
     model.set_attn_implementation(packed_impl)
 
-    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
+    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
     engine.warm_up()
     info = engine.info
     result["max_sequence_tokens"] = info.max_sequence_tokens

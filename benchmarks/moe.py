@@ -53,6 +53,7 @@ from benchmarks.run import (
 )
 from benchmarks.workload import Sample, floor_flops, jobs, workload
 from service.batcher import Batcher
+from service.engine.config import EngineConfig
 from service.engine.loading.models import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
@@ -206,7 +207,7 @@ def experts_variants(
     out = {}
     for implementation in [i for i in ("eager", "grouped_mm") if i == "eager" or i in ALL_EXPERTS_FUNCTIONS]:
         model.set_experts_implementation(implementation)
-        engine = PackedScorer(loaded, device, backend, settings)
+        engine = PackedScorer(loaded, device, backend, settings.engine_config())
         engine.warm_up()
         _release(device)
         out[implementation] = engine_rounds(engine, settings, the_jobs, reps, device)
@@ -295,8 +296,10 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     )
     built: list[PackedScorer] = []
 
-    def factory(_: Settings) -> PackedScorer:
-        built.append(PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings))
+    def factory(_: EngineConfig) -> PackedScorer:
+        built.append(
+            PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
+        )
         return built[0]
 
     _release(device)

@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     backend = choose_backend("auto", device)
     model = build_model(args.model, getattr(torch, settings.dtype), device, register(backend))
-    engine = PackedScorer(LoadedModel(model, args.model, demo=False), device, backend, settings)
+    engine = PackedScorer(
+        LoadedModel(model, args.model, demo=False), device, backend, settings.engine_config()
+    )
     engine.warm_up()
     events: list[Event] = []
     marks: GpuMarks | None = {} if device.type == "cuda" else None

@@ -88,7 +88,7 @@ def run_model(name: str, root: Path, device: torch.device) -> list[dict[str, Any
     model = build_model(name, torch.bfloat16, device, attn)
     model.save_pretrained(old)
     settings = Settings(device="cuda", dtype="bfloat16")
-    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
+    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
     sample = jobs(workload(int(SHAPES[name]["vocab_size"])))[:8]
     baseline = [s.logprobs for s in engine.score(sample)]
     auto = engine.stage(ReloadOrder("policy", new, "probe")).mode

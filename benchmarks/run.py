@@ -50,6 +50,7 @@ from benchmarks.workload import SHAPES, Sample, floor_flops, jobs, workload
 from service.app import create_app
 from service.batcher import Batcher
 from service.client.wire import group_prompts, to_frame
+from service.engine.config import EngineConfig
 from service.engine.loading.models import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
@@ -123,7 +124,9 @@ class HttpServer:
     """The real app under uvicorn on loopback, in this process, serving an already-built engine (or
     the one a factory builds as the app starts)."""
 
-    def __init__(self, engine: PackedScorer | Callable[[Settings], PackedScorer], settings: Settings) -> None:
+    def __init__(
+        self, engine: PackedScorer | Callable[[EngineConfig], PackedScorer], settings: Settings
+    ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -314,7 +317,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         p.data = p.data.to(dtype)
     model.set_attn_implementation(packed_impl)
     # after the peers: they stay plain HF (the engine fuses weights and may patch modules)
-    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
+    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
     engine.warm_up()
 
     the_jobs = jobs(samples)

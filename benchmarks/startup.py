@@ -150,6 +150,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks.moe import SHAPES, build_model
     from benchmarks.run import HttpServer
+    from service.engine.config import EngineConfig
     from service.engine.loading.models import LoadedModel
     from service.engine.ops.attention import choose_backend, register
     from service.engine.scorer.engine import PackedScorer
@@ -169,8 +170,12 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     )
     engines: list[PackedScorer] = []
 
-    def factory(_: Settings) -> PackedScorer:
-        engines.append(PackedScorer(LoadedModel(model, args.model, demo=False), device, backend, settings))
+    def factory(_: EngineConfig) -> PackedScorer:
+        engines.append(
+            PackedScorer(
+                LoadedModel(model, args.model, demo=False), device, backend, settings.engine_config()
+            )
+        )
         return engines[0]
 
     loaded = time.perf_counter()

@@ -73,7 +73,7 @@ def measure(
 ) -> tuple[str, float, float]:
     device = torch.device("cuda")
     backend = choose_backend(settings.attention, device)
-    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings)
+    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
     label = f"{engine.info.decoder}/{engine.info.kernels}"
     if rope == "none" and unfuse_rope(model):
         label += "-rope"

@@ -17,6 +17,7 @@ from service import heap
 from service.api import build_router
 from service.batcher import Batcher
 from service.engine import ScoringEngine, Supervised, load_engine
+from service.engine.config import EngineConfig
 from service.errors import ServiceError, from_pydantic, status_for
 from service.follow import follow_version_file
 from service.metrics import Metrics
@@ -27,7 +28,7 @@ from service.state import ServiceState, Serving
 
 log = logging.getLogger(__name__)
 
-EngineFactory = Callable[[Settings], ScoringEngine]
+EngineFactory = Callable[[EngineConfig], ScoringEngine]
 
 
 def create_app(
@@ -78,7 +79,7 @@ async def _start(
     settings = state.settings
     supervised: Supervised | None = None
     try:
-        engine = await asyncio.to_thread(engine_factory, settings)
+        engine = await asyncio.to_thread(engine_factory, settings.engine_config())
         if isinstance(engine, Supervised):  # its processes fail together, from now on
             supervised = engine
             loop = asyncio.get_running_loop()

@@ -12,16 +12,38 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, StringConstraints
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Device = Literal["auto", "cpu", "cuda"]
-DType = Literal["auto", "float32", "bfloat16", "float16"]
-Attention = Literal["auto", "flash_attn_cute", "flash_attn", "torch_varlen", "sdpa"]
-Kernels = Literal["auto", "liger", "none"]
-MlpKernel = Literal["auto", "split", "quack"]
-MoeKernel = Literal["auto", "quack", "grouped_mm", "loop"]
-CudaGraphs = Literal["auto", "on", "off"]
-Decoder = Literal["auto", "fused", "transformers"]
+from service.engine.config import (
+    Attention,
+    CudaGraphs,
+    Device,
+    DType,
+    EngineConfig,
+    Kernels,
+    LogLevel,
+    MlpKernel,
+    MoeKernel,
+)
+from service.engine.config import DecoderSetting as Decoder
+
 ReloadMode = Literal["auto", "copy", "swap"]
 Version = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:+/@-]+$")]
+
+# the engine's choices (service/engine/config.py), under their settings names
+__all__ = [
+    "Attention",
+    "CudaGraphs",
+    "DType",
+    "Decoder",
+    "Device",
+    "EngineConfig",
+    "Kernels",
+    "LogLevel",
+    "MlpKernel",
+    "MoeKernel",
+    "ReloadMode",
+    "Settings",
+    "Version",
+]
 
 
 class Settings(BaseSettings):
@@ -222,4 +244,8 @@ class Settings(BaseSettings):
     auth_all_routes: bool = Field(
         False, description="Also require a key on /health/*, /info and /metrics (open by default)."
     )
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_level: LogLevel = Field("info", description="Log level.")
+
+    def engine_config(self) -> EngineConfig:
+        """What the engine reads of these settings (the engine never reads Settings itself)."""
+        return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.__dataclass_fields__})

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.engine import ScoringEngine, load_engine
+from service.engine.config import EngineConfig
 from service.engine.scorer.engine import PackedScorer
 from service.jobs import Chunk
 from service.prefixes import Forest
@@ -49,7 +50,7 @@ def serve(settings: Settings, delay_s: float = 0.0) -> Iterator[Served]:
     """The app on `settings`, recording the engine's launches (each delayed by `delay_s`)."""
     box: list[Served] = []
 
-    def factory(s: Settings) -> ScoringEngine:
+    def factory(s: EngineConfig) -> ScoringEngine:
         engine = load_engine(s)
         assert isinstance(engine, PackedScorer)
         launch = engine.launch

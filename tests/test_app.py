@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.engine import ScoringEngine
+from service.engine.config import EngineConfig
 from service.settings import Settings
 from tests.conftest import running, settings_for, wait_ready
 from tests.fakes import FakeEngine
@@ -59,7 +60,7 @@ def test_ready_only_after_load_and_warm_up() -> None:
 def test_failed_load_is_reported_and_fatal() -> None:
     fatal = []
 
-    def broken(_: Settings) -> ScoringEngine:
+    def broken(_: EngineConfig) -> ScoringEngine:
         raise FileNotFoundError("no config.json")
 
     app = create_app(Settings(), engine_factory=broken, on_fatal=lambda: fatal.append(True))
@@ -114,7 +115,7 @@ def test_metrics_count_tokens_and_latencies() -> None:
 def test_what_lives_from_ready_is_kept_out_of_the_full_collections() -> None:
     engines: list[FakeEngine] = []
 
-    def factory(_: Settings) -> FakeEngine:
+    def factory(_: EngineConfig) -> FakeEngine:
         engines.append(FakeEngine())
         return engines[-1]
 

@@ -78,7 +78,7 @@ def _engine(path: Path, dtype: str, **extra: Any) -> tuple[PackedScorer, Setting
     settings = Settings(
         model=path, device="cpu", dtype=dtype, max_batch_tokens=2048, batch_invariant=True, **extra
     )
-    engine = PackedScorer.from_settings(settings)
+    engine = PackedScorer.from_config(settings.engine_config())
     engine.warm_up()
     assert engine.info.batch_invariant
     return engine, settings

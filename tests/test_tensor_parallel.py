@@ -133,7 +133,7 @@ def test_what_cannot_be_sharded_is_refused_at_once(
     model_dirs: dict[str, Path], name: str, error: str
 ) -> None:
     with pytest.raises(ValueError, match=error):
-        parallel.load(settings_for(model_dirs[name], tensor_parallel_size=2))
+        parallel.load(settings_for(model_dirs[name], tensor_parallel_size=2).engine_config())
 
 
 @pytest.mark.parametrize(
@@ -148,9 +148,9 @@ def test_settings_that_cannot_run_are_refused(
     model_dirs: dict[str, Path], overrides: dict[str, Any], error: str
 ) -> None:
     with pytest.raises(ValueError, match=error):
-        parallel.load(settings_for(model_dirs["qwen2"], **overrides))
+        parallel.load(settings_for(model_dirs["qwen2"], **overrides).engine_config())
 
 
 def test_the_demo_model_is_not_sharded() -> None:
     with pytest.raises(ValueError, match="demo model"):
-        parallel.load(settings_for(None, tensor_parallel_size=2))
+        parallel.load(settings_for(None, tensor_parallel_size=2).engine_config())

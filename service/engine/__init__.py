@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING
 from service.engine.contract import EngineInfo, ModelInfo, OutOfMemory, ScoringEngine, Supervised
 
 if TYPE_CHECKING:
-    from service.settings import Settings
+    from service.engine.config import EngineConfig
 
 __all__ = ["EngineInfo", "ModelInfo", "OutOfMemory", "ScoringEngine", "Supervised", "load_engine"]
 
 
-def load_engine(settings: Settings) -> ScoringEngine:
+def load_engine(config: EngineConfig) -> ScoringEngine:
     """Load the configured model (or the demo model) and return a ready-to-warm engine."""
-    if settings.tensor_parallel_size > 1:
+    if config.tensor_parallel_size > 1:
         from service.engine.parallel import ranks as parallel
 
-        return parallel.load(settings)
+        return parallel.load(config)
     from service.engine.scorer.engine import PackedScorer
 
-    return PackedScorer.from_settings(settings)
+    return PackedScorer.from_config(config)

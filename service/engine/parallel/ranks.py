@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from service import heap
+from service.engine.config import EngineConfig
 from service.engine.contract import (
     EngineInfo,
     Launched,
@@ -59,7 +60,6 @@ from service.engine.parallel.sharding import Shard, Sharded
 from service.engine.scorer.engine import PackedScorer
 from service.jobs import Chunk, SequenceJob
 from service.prefixes import Forest
-from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -73,25 +73,25 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def refusal(settings: Settings) -> str | None:
-    """Why `settings` cannot run tensor parallel (checked before any process starts); None: they can."""
-    if settings.model is None:
+def refusal(config: EngineConfig) -> str | None:
+    """Why `config` cannot run tensor parallel (checked before any process starts); None: they can."""
+    if config.model is None:
         return "the demo model is not sharded; give --model"
-    if settings.decoder == "transformers" or settings.kernels == "liger":
+    if config.decoder == "transformers" or config.kernels == "liger":
         return "tensor parallel runs logprobd's fused decoder (not decoder=transformers or kernels=liger)"
-    if settings.cuda_graphs == "on":
+    if config.cuda_graphs == "on":
         return "cuda_graphs=on: CUDA graphs are not captured under tensor parallel yet"
-    if settings.batch_invariant:
+    if config.batch_invariant:
         return "batch_invariant: the all-reduces' sums are not batch-invariant"
-    device = resolve_device(settings.device)
-    if device.type == "cuda" and torch.cuda.device_count() < settings.tensor_parallel_size:
+    device = resolve_device(config.device)
+    if device.type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
         seen = torch.cuda.device_count()
-        return f"{settings.tensor_parallel_size} ranks need as many GPUs; this process sees {seen}"
+        return f"{config.tensor_parallel_size} ranks need as many GPUs; this process sees {seen}"
     return None
 
 
-def _device(settings: Settings, rank: int) -> torch.device:
-    device = resolve_device(settings.device)
+def _device(config: EngineConfig, rank: int) -> torch.device:
+    device = resolve_device(config.device)
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
@@ -110,28 +110,28 @@ def _join(rank: int, world: int, store: Path, device: torch.device) -> Shard:
     return Shard(rank, world)
 
 
-def _load_scorer(settings: Settings, shard: Shard) -> PackedScorer:
+def _load_scorer(config: EngineConfig, shard: Shard) -> PackedScorer:
     """This rank's PackedScorer over its shards of the configured models."""
-    assert settings.model is not None
-    device = _device(settings, shard.rank)
-    dtype = resolve_dtype(settings.dtype, device)
-    backend = choose_backend(settings.attention, device)
+    assert config.model is not None
+    device = _device(config, shard.rank)
+    dtype = resolve_dtype(config.dtype, device)
+    backend = choose_backend(config.attention, device)
     attn = register(backend)
     place = sharded.Placement(dtype, device, attn, shard)
-    loaded, layout, config = sharded.load_causal_lm(settings.model, settings.model_name, place, "policy")
-    layouts, configs = {"policy": layout}, {"policy": config}
+    loaded, layout, model_config = sharded.load_causal_lm(config.model, config.model_name, place, "policy")
+    layouts, configs = {"policy": layout}, {"policy": model_config}
     reference = critic = None
-    if settings.ref_model is not None:
+    if config.ref_model is not None:
         reference, layouts["reference"], configs["reference"] = sharded.load_causal_lm(
-            settings.ref_model, None, place, "reference"
+            config.ref_model, None, place, "reference"
         )
-    if settings.critic is not None:
-        critic, layouts["critic"], configs["critic"] = sharded.load_critic(settings.critic, place)
+    if config.critic is not None:
+        critic, layouts["critic"], configs["critic"] = sharded.load_critic(config.critic, place)
     return PackedScorer(
         loaded,
         device,
         backend,
-        settings,
+        config,
         reference=reference,
         critic=critic,
         sharded=Sharded(shard, layouts, configs),
@@ -282,36 +282,36 @@ class TensorParallelEngine:
         shutil.rmtree(self._store.parent, ignore_errors=True)
 
 
-def load(settings: Settings) -> TensorParallelEngine:
+def load(config: EngineConfig) -> TensorParallelEngine:
     """Start ranks 1..N-1, join them, load rank 0's shards; the followers load theirs meanwhile."""
-    reason = refusal(settings)
+    reason = refusal(config)
     if reason is not None:
-        raise ValueError(f"tensor_parallel_size={settings.tensor_parallel_size}: {reason}")
-    models = (("policy", settings.model), ("reference", settings.ref_model), ("critic", settings.critic))
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: {reason}")
+    models = (("policy", config.model), ("reference", config.ref_model), ("critic", config.critic))
     for role, path in models:
         if path is not None:  # before any process starts: a clear error, at once
             require_model_dir(path, role)
-            why = sharded.refusal(text_config(path), settings.tensor_parallel_size)
+            why = sharded.refusal(text_config(path), config.tensor_parallel_size)
             if why is not None:
                 raise ValueError(f"{role} {path}: cannot run tensor parallel: {why}")
     for name, value in NCCL_ENV.items():
         os.environ.setdefault(name, value)  # the followers inherit the environment
-    world = settings.tensor_parallel_size
+    world = config.tensor_parallel_size
     store = Path(tempfile.mkdtemp(prefix="logprobd-tp-")) / "rendezvous"
     context = multiprocessing.get_context("spawn")
     followers = []
     for rank in range(1, world):
         here, there = context.Pipe()
         process = context.Process(
-            target=follow, args=(rank, settings, store, there), name=f"logprobd-rank{rank}", daemon=True
+            target=follow, args=(rank, config, store, there), name=f"logprobd-rank{rank}", daemon=True
         )
         process.start()
         there.close()
         followers.append(_Follower(rank, process, here, threading.Lock()))
         log.info("tensor parallel: started rank %d of %d (pid %d)", rank, world, process.pid)
     try:
-        shard = _join(0, world, store, _device(settings, 0))
-        scorer = _load_scorer(settings, shard)
+        shard = _join(0, world, store, _device(config, 0))
+        scorer = _load_scorer(config, shard)
         for follower in followers:
             status, error = follower.conn.recv()
             if status != "loaded":
@@ -325,20 +325,20 @@ def load(settings: Settings) -> TensorParallelEngine:
     return TensorParallelEngine(scorer, followers, store)
 
 
-def follow(rank: int, settings: Settings, store: Path, conn: Connection) -> None:
+def follow(rank: int, config: EngineConfig, store: Path, conn: Connection) -> None:
     """A follower rank's process: load its shards, then make each call rank 0 sends, in order."""
     logging.basicConfig(
-        level=settings.log_level.upper(),
+        level=config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
     )
     parent = multiprocessing.parent_process()
     assert parent is not None
     threading.Thread(target=_exit_with, args=(parent,), name="logprobd-tp-parent", daemon=True).start()
-    device = _device(settings, rank)
+    device = _device(config, rank)
     if device.type == "cpu":  # the ranks share the host's cores
-        torch.set_num_threads(max(1, torch.get_num_threads() // settings.tensor_parallel_size))
+        torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
     try:
-        scorer = _load_scorer(settings, _join(rank, settings.tensor_parallel_size, store, device))
+        scorer = _load_scorer(config, _join(rank, config.tensor_parallel_size, store, device))
     except Exception as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from exc

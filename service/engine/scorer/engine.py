@@ -33,6 +33,7 @@ import torch
 import service
 from service.engine.batch.kv_store import KVStore, cache_bytes_per_token
 from service.engine.batch.packing import SHAPE_STEP, PackedBatch, pack
+from service.engine.config import EngineConfig
 from service.engine.contract import (
     EngineInfo,
     ModelInfo,
@@ -62,7 +63,6 @@ from service.engine.parallel.sharding import Sharded
 from service.engine.strategies import invariant
 from service.jobs import Chunk, FloatArray, IntArray, SequenceJob, SequenceScores
 from service.prefixes import Forest
-from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -224,30 +224,30 @@ class PackedScorer:
         loaded: LoadedModel,
         device: torch.device,
         backend: AttentionBackend,
-        settings: Settings,
+        config: EngineConfig,
         *,
         reference: LoadedModel | None = None,
         critic: Critic | None = None,
         sharded: Sharded | None = None,
     ) -> None:
-        """Prepare each model's forward per settings.decoder and settings.kernels, and describe them.
+        """Prepare each model's forward per config.decoder and config.kernels, and describe them.
         `sharded`: the models are this rank's shards (tensor parallel; sharded.py): fused decoders
         whose row-parallel GEMMs all-reduce, no CUDA graphs."""
-        ops = Ops.for_device(device, allow_triton=settings.kernels != "none")
+        ops = Ops.for_device(device, allow_triton=config.kernels != "none")
         # batch invariance (invariant.py): GEMMs of GEMM_ROWS rows, rows and actions padded to them
-        self._gemm_rows = invariant.GEMM_ROWS if settings.batch_invariant else None
+        self._gemm_rows = invariant.GEMM_ROWS if config.batch_invariant else None
         self._step = self._gemm_rows or SHAPE_STEP
-        chunk_rows = settings.logits_chunk_rows
-        if settings.batch_invariant and invariant.GEMM_ROWS % chunk_rows:  # whole chunks of padded actions
+        chunk_rows = config.logits_chunk_rows
+        if config.batch_invariant and invariant.GEMM_ROWS % chunk_rows:  # whole chunks of padded actions
             chunk_rows = invariant.GEMM_ROWS
         self._sharded = sharded
-        cuda_graphs = settings.cuda_graphs if sharded is None else "off"  # a graph of collectives: not yet
+        cuda_graphs = config.cuda_graphs if sharded is None else "off"  # a graph of collectives: not yet
         recorder = None
         if device.type == "cuda" and cuda_graphs != "off":
             recorder = graphs.CudaRecorder(device)  # one memory pool for every model's graphs
 
         def forward(model: Any, base: Any) -> tuple[Decoder, str]:
-            built, kernels = _prepare(model, base, settings, backend, ops, device, self._gemm_rows)
+            built, kernels = _prepare(model, base, config, backend, ops, device, self._gemm_rows)
             if sharded is not None:
                 if not isinstance(built, decoder.FusedDecoder):
                     raise RuntimeError("tensor parallel runs the fused decoder; this model runs another")
@@ -258,8 +258,8 @@ class PackedScorer:
                 backend.name,
                 device,
                 recorder,
-                settings.max_batch_tokens,
-                settings.cuda_graph_limit,
+                config.max_batch_tokens,
+                config.cuda_graph_limit,
             )
             return wrapped, f"{kernels}+graphs" if wrapped is not built else kernels
 
@@ -272,12 +272,12 @@ class PackedScorer:
         self._critic = critic
         self._critic_forward = forward(critic.decoder, critic.decoder)[0] if critic is not None else None
         self._device = device
-        self._max_tokens = settings.max_batch_tokens
-        self._decoder_setting = settings.decoder
+        self._max_tokens = config.max_batch_tokens
+        self._decoder_setting = config.decoder
         self._stores: dict[int, dict[Target, KVStore]] = {}  # chunked sequence -> each model's store
-        self._max_sequence_setting = settings.max_sequence_tokens
-        config = loaded.model.config
-        text = text_part(config)
+        self._max_sequence_setting = config.max_sequence_tokens
+        model_config = loaded.model.config
+        text = text_part(model_config)
         vocab = self._policy.vocab_size
         if self._reference is not None and self._reference.vocab_size != vocab:
             raise ValueError(
@@ -293,7 +293,7 @@ class PackedScorer:
         self._info = EngineInfo(
             model=loaded.name,
             demo=loaded.demo,
-            architecture=(config.architectures or [type(loaded.model).__name__])[0],
+            architecture=(model_config.architectures or [type(loaded.model).__name__])[0],
             dtype=str(loaded.model.dtype).removeprefix("torch."),
             device=str(device),
             attention_backend=backend.name,
@@ -302,18 +302,18 @@ class PackedScorer:
             moe_kernel=_moe_kernel(policy_forward),
             vocab_size=vocab,
             max_positions=max_positions(text),
-            batch_invariant=settings.batch_invariant,
+            batch_invariant=config.batch_invariant,
             versions=_versions(),
             models=tuple(models),
             tensor_parallel_size=sharded.shard.world if sharded is not None else 1,
         )
-        longest = _longest(self._info.max_positions, None, settings.max_sequence_tokens)
+        longest = _longest(self._info.max_positions, None, config.max_sequence_tokens)
         self._info = dataclasses.replace(self._info, **longest)
         now = time.time()
         initial = {
-            "policy": (settings.weights_version, settings.model or loaded.name),
-            "reference": (settings.ref_weights_version, settings.ref_model),
-            "critic": (settings.critic_weights_version, settings.critic),
+            "policy": (config.weights_version, config.model or loaded.name),
+            "reference": (config.ref_weights_version, config.ref_model),
+            "critic": (config.critic_weights_version, config.critic),
         }
         self._weights: dict[str, WeightsState] = {
             m.role: WeightsState(m.role, initial[m.role][0], str(initial[m.role][1]), "initial", now)
@@ -321,17 +321,17 @@ class PackedScorer:
         }
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> PackedScorer:
-        device = resolve_device(settings.device)
-        dtype = resolve_dtype(settings.dtype, device)
-        backend = choose_backend(settings.attention, device)
+    def from_config(cls, config: EngineConfig) -> PackedScorer:
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        backend = choose_backend(config.attention, device)
         attn = register(backend)
-        loaded = load_model(settings.model, settings.model_name, dtype, device, attn)
+        loaded = load_model(config.model, config.model_name, dtype, device, attn)
         reference = None
-        if settings.ref_model is not None:
-            reference = load_model(settings.ref_model, None, dtype, device, attn, role="reference")
-        critic = load_critic(settings.critic, dtype, device, attn) if settings.critic is not None else None
-        return cls(loaded, device, backend, settings, reference=reference, critic=critic)
+        if config.ref_model is not None:
+            reference = load_model(config.ref_model, None, dtype, device, attn, role="reference")
+        critic = load_critic(config.critic, dtype, device, attn) if config.critic is not None else None
+        return cls(loaded, device, backend, config, reference=reference, critic=critic)
 
     @property
     def info(self) -> EngineInfo:
@@ -607,7 +607,7 @@ class PackedScorer:
 def _prepare(  # noqa: PLR0917
     model: Any,
     base: Any,
-    settings: Settings,
+    config: EngineConfig,
     backend: AttentionBackend,
     ops: Ops,
     device: torch.device,
@@ -618,22 +618,20 @@ def _prepare(  # noqa: PLR0917
     kernels=liger patches transformers' modules, so it keeps the transformers decoder. With
     gemm_rows (batch invariance), every GEMM over tokens runs in calls of that many rows.
     """
-    setting = settings.decoder
-    if settings.kernels == "liger":
+    setting = config.decoder
+    if config.kernels == "liger":
         if setting == "fused":
             raise RuntimeError("kernels=liger patches the transformers decoder, not decoder=fused")
         setting = "transformers"
     dtype = next(model.parameters()).dtype
-    chunk = resolve_tokens(settings.mlp_chunk_tokens, text_part(model.config), dtype)
-    mlp_kernel = (
-        "split" if settings.mlp_kernel == "auto" and settings.kernels == "none" else settings.mlp_kernel
-    )
+    chunk = resolve_tokens(config.mlp_chunk_tokens, text_part(model.config), dtype)
+    mlp_kernel = "split" if config.mlp_kernel == "auto" and config.kernels == "none" else config.mlp_kernel
 
     def projection() -> gated.GatedProjection:  # chosen (and probed) only for a fused decoder
         return gated.choose(mlp_kernel, device, dtype, ops.swiglu)
 
     def moe_kernel() -> moe.MoeKernel:  # chosen (and probed) only for a fused decoder with experts
-        return moe.choose(settings.moe_kernel, device, dtype)
+        return moe.choose(config.moe_kernel, device, dtype)
 
     if gemm_rows is not None and chunk > 0:
         chunk = max(gemm_rows, chunk // gemm_rows * gemm_rows)
@@ -641,13 +639,13 @@ def _prepare(  # noqa: PLR0917
     if isinstance(forward, decoder.FusedDecoder):
         kernels = "triton" if ops.name == "triton" else "none"
         return forward, f"{kernels}+quack" if forward.gated.name == "quack" else kernels
-    if settings.mlp_kernel == "quack":
+    if config.mlp_kernel == "quack":
         raise RuntimeError("mlp_kernel=quack runs in the fused decoder, which this model does not run")
-    if settings.moe_kernel in {"quack", "grouped_mm"} and decoder.sparse(base):
+    if config.moe_kernel in {"quack", "grouped_mm"} and decoder.sparse(base):
         raise RuntimeError(
-            f"moe_kernel={settings.moe_kernel} runs in the fused decoder, which this model does not run"
+            f"moe_kernel={config.moe_kernel} runs in the fused decoder, which this model does not run"
         )
-    kernels = apply_fused_kernels(model, settings.kernels, device, batch_invariant=gemm_rows is not None)
+    kernels = apply_fused_kernels(model, config.kernels, device, batch_invariant=gemm_rows is not None)
     chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
     if gemm_rows is not None:
         invariant.block_linears(base, gemm_rows)

@@ -168,7 +168,9 @@ def test_self_check_catches_a_misread_layer() -> None:
 def test_the_engine_reports_its_decoder(
     name: str, settings: dict[str, Any], decoder_kind: str, model_dirs: dict[str, Path]
 ) -> None:
-    engine = PackedScorer.from_settings(Settings(model=model_dirs[name], device="cpu", **settings))
+    engine = PackedScorer.from_config(
+        Settings(model=model_dirs[name], device="cpu", **settings).engine_config()
+    )
     assert engine.info.decoder == decoder_kind
     assert engine.info.kernels == "none"
 
@@ -179,7 +181,9 @@ def test_a_fused_decoder_off_transformers_gives_way_under_auto_only(
 ) -> None:
     """The warm-up's self-check finds the fused decoder off (its sliding windows lost): under auto
     the engine serves the transformers decoder, exact, and says so; decoder=fused fails the start."""
-    engine = PackedScorer.from_settings(Settings(model=model_dirs["qwen2"], device="cpu", decoder=setting))
+    engine = PackedScorer.from_config(
+        Settings(model=model_dirs["qwen2"], device="cpu", decoder=setting).engine_config()
+    )
     fused = engine._policy.forward
     assert isinstance(fused, FusedDecoder)
     for layer in fused.layers:
@@ -197,8 +201,10 @@ def test_a_fused_decoder_off_transformers_gives_way_under_auto_only(
 
 def test_liger_and_fused_do_not_go_together(model_dirs: dict[str, Path]) -> None:
     with pytest.raises(RuntimeError, match="kernels=liger"):
-        PackedScorer.from_settings(
-            Settings(model=model_dirs["qwen2"], device="cpu", decoder="fused", kernels="liger")
+        PackedScorer.from_config(
+            Settings(
+                model=model_dirs["qwen2"], device="cpu", decoder="fused", kernels="liger"
+            ).engine_config()
         )
 
 

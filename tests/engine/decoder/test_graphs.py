@@ -263,8 +263,10 @@ def test_wrap_resolves_the_setting() -> None:
 
 def test_graphs_on_refuses_a_cpu_engine(model_dirs: dict[str, Path]) -> None:
     with pytest.raises(RuntimeError, match="cuda_graphs=on"):
-        PackedScorer.from_settings(Settings(model=model_dirs["qwen2"], device="cpu", cuda_graphs="on"))
-    engine = PackedScorer.from_settings(Settings(model=model_dirs["qwen2"], device="cpu"))
+        PackedScorer.from_config(
+            Settings(model=model_dirs["qwen2"], device="cpu", cuda_graphs="on").engine_config()
+        )
+    engine = PackedScorer.from_config(Settings(model=model_dirs["qwen2"], device="cpu").engine_config())
     assert "graphs" not in engine.info.kernels
 
 

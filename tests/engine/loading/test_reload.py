@@ -58,7 +58,7 @@ def checkpoints(weight_versions: dict[str, Path]) -> dict[str, Path]:
 
 @pytest.fixture
 def engine(checkpoints: dict[str, Path]) -> PackedScorer:
-    return PackedScorer.from_settings(settings_for(checkpoints["v10"], weights_version="v10"))
+    return PackedScorer.from_config(settings_for(checkpoints["v10"], weights_version="v10").engine_config())
 
 
 @pytest.mark.parametrize("mode", ["copy", "swap"])
@@ -243,7 +243,7 @@ def test_critic_reload_serves_the_new_backbone_and_head(
     critic_pair: tuple[Path, Path], checkpoints: dict[str, Path], mode: str
 ) -> None:
     old, new = critic_pair
-    engine = PackedScorer.from_settings(settings_for(checkpoints["v10"], critic=old))
+    engine = PackedScorer.from_config(settings_for(checkpoints["v10"], critic=old).engine_config())
     jobs = _jobs(return_values=True)
     order = ReloadOrder("critic", new, "c4", mode)  # type: ignore[arg-type]
     engine.apply(engine.stage(order))
@@ -261,7 +261,7 @@ def test_critic_reload_serves_the_new_backbone_and_head(
 def test_critic_reload_refuses_a_policy_checkpoint(
     critic_pair: tuple[Path, Path], checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    engine = PackedScorer.from_settings(settings_for(checkpoints["v10"], critic=critic_pair[0]))
+    engine = PackedScorer.from_config(settings_for(checkpoints["v10"], critic=critic_pair[0]).engine_config())
     with pytest.raises(WeightsRejected, match="value head"):
         engine.stage(ReloadOrder("critic", checkpoints["v11"], "x"))
     with pytest.raises(WeightsRejected, match="directory"):
@@ -269,7 +269,7 @@ def test_critic_reload_refuses_a_policy_checkpoint(
 
 
 def test_reference_reload(checkpoints: dict[str, Path], ref_dir: Path) -> None:
-    engine = PackedScorer.from_settings(settings_for(checkpoints["v10"], ref_model=ref_dir))
+    engine = PackedScorer.from_config(settings_for(checkpoints["v10"], ref_model=ref_dir).engine_config())
     jobs = _jobs(return_ref=True)
     engine.apply(engine.stage(ReloadOrder("reference", checkpoints["v11"], "r1")))
     got = [s.ref_logprobs for s in engine.score(jobs)]

@@ -502,7 +502,9 @@ def test_self_check_catches_a_router_that_chooses_other_experts(name: str) -> No
 def test_the_engine_reports_its_moe_kernel(
     name: str, settings: dict[str, Any], kind: str, kernel: str, model_dirs: dict[str, Path]
 ) -> None:
-    engine = PackedScorer.from_settings(Settings(model=model_dirs[name], device="cpu", **settings))
+    engine = PackedScorer.from_config(
+        Settings(model=model_dirs[name], device="cpu", **settings).engine_config()
+    )
     assert (engine.info.decoder, engine.info.moe_kernel) == (kind, kernel)
     engine.warm_up()  # the self-check against transformers' forward
 
@@ -512,4 +514,4 @@ def test_grouped_mm_without_the_fused_decoder_fails(model_dirs: dict[str, Path])
         model=model_dirs["mixtral"], device="cpu", decoder="transformers", moe_kernel="grouped_mm"
     )
     with pytest.raises(RuntimeError, match="moe_kernel=grouped_mm runs in the fused decoder"):
-        PackedScorer.from_settings(settings)
+        PackedScorer.from_config(settings.engine_config())

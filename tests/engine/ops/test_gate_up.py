@@ -143,7 +143,7 @@ def test_the_engine_runs_the_projection_its_settings_pick(
     monkeypatch.setattr(gated, "quack_available", lambda device: True)
     monkeypatch.setattr(gated, "_quack", lambda fallback: gated.GatedProjection("quack", counted))
     qwen2 = model_dirs["qwen2"]
-    engine = PackedScorer.from_settings(Settings(model=qwen2, device="cpu", mlp_kernel="quack"))
+    engine = PackedScorer.from_config(Settings(model=qwen2, device="cpu", mlp_kernel="quack").engine_config())
     assert engine.info.kernels == "none+quack"
     calls.clear()
     engine.score(
@@ -154,11 +154,13 @@ def test_the_engine_runs_the_projection_its_settings_pick(
         ]
     )
     assert calls  # every layer's MLP went through it
-    off = PackedScorer.from_settings(Settings(model=qwen2, device="cpu", dtype="bfloat16", kernels="none"))
+    off = PackedScorer.from_config(
+        Settings(model=qwen2, device="cpu", dtype="bfloat16", kernels="none").engine_config()
+    )
     assert off.info.kernels == "none"
     with pytest.raises(RuntimeError, match="mlp_kernel=quack runs in the fused decoder"):
-        PackedScorer.from_settings(
-            Settings(model=qwen2, device="cpu", decoder="transformers", mlp_kernel="quack")
+        PackedScorer.from_config(
+            Settings(model=qwen2, device="cpu", decoder="transformers", mlp_kernel="quack").engine_config()
         )
 
 
@@ -178,6 +180,6 @@ def test_the_projection_is_chosen_only_for_a_model_that_runs_one(
     kernels = {}
     for name in ("mixtral", "qwen3_moe", "qwen2_moe"):
         settings = Settings(model=model_dirs[name], device="cpu", mlp_kernel="quack")
-        kernels[name] = PackedScorer.from_settings(settings).info.kernels
+        kernels[name] = PackedScorer.from_config(settings.engine_config()).info.kernels
     assert kernels == {"mixtral": "none", "qwen3_moe": "none+quack", "qwen2_moe": "none+quack"}
     assert chosen == ["quack", "quack"]

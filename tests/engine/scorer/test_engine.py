@@ -43,7 +43,7 @@ def _want(path: Path, jobs: list[SequenceJob]) -> list[list[float]]:
 
 @pytest.fixture(scope="module")
 def engine(model_dirs: dict[str, Path]) -> PackedScorer:
-    scorer = PackedScorer.from_settings(settings_for(model_dirs["qwen2"]))
+    scorer = PackedScorer.from_config(settings_for(model_dirs["qwen2"]).engine_config())
     scorer.warm_up()
     return scorer
 
@@ -118,8 +118,10 @@ class _GemmShapes(TorchDispatchMode):  # type: ignore[no-untyped-call]
 def test_the_warm_up_meets_every_gemm_shape_a_micro_batch_takes(
     model_dirs: dict[str, Path], decoder: str
 ) -> None:
-    scorer = PackedScorer.from_settings(
-        settings_for(model_dirs["qwen2"], max_batch_tokens=384, logits_chunk_rows=256, decoder=decoder)
+    scorer = PackedScorer.from_config(
+        settings_for(
+            model_dirs["qwen2"], max_batch_tokens=384, logits_chunk_rows=256, decoder=decoder
+        ).engine_config()
     )
     with _GemmShapes() as met:
         scorer.meet_shapes()

@@ -1,0 +1,52 @@
+"""EngineConfig: everything the engine reads of the service's settings, resolved once at the boundary.
+
+`Settings.engine_config()` builds it; the engine never imports `service.settings`. Free of torch, and
+picklable: tensor-parallel ranks receive it as their whole configuration. The choice types (Device,
+Attention, ...) are defined here and reused by the settings, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+Attention = Literal["auto", "flash_attn_cute", "flash_attn", "torch_varlen", "sdpa"]
+Kernels = Literal["auto", "liger", "none"]
+MlpKernel = Literal["auto", "split", "quack"]
+MoeKernel = Literal["auto", "quack", "grouped_mm", "loop"]
+CudaGraphs = Literal["auto", "on", "off"]
+DecoderSetting = Literal["auto", "fused", "transformers"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """The models to serve and how to run them; each field is the setting of the same name (its
+    default and its meaning are there)."""
+
+    model: Path | None  # None: the built-in demo model
+    model_name: str | None
+    ref_model: Path | None
+    critic: Path | None
+    weights_version: str
+    ref_weights_version: str
+    critic_weights_version: str
+    device: Device
+    dtype: DType
+    attention: Attention
+    decoder: DecoderSetting
+    kernels: Kernels
+    mlp_kernel: MlpKernel
+    moe_kernel: MoeKernel
+    mlp_chunk_tokens: int | None  # None: auto
+    logits_chunk_rows: int
+    cuda_graphs: CudaGraphs
+    cuda_graph_limit: int
+    max_batch_tokens: int
+    max_sequence_tokens: int | None  # None: what the positions and the memory allow
+    batch_invariant: bool
+    tensor_parallel_size: int
+    log_level: LogLevel  # the tensor-parallel ranks' own logging
