@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from service.batcher import Batcher
 from service.engine.contract import ReloadOrder
 from service.engine.scorer.engine import PackedScorer
-from service.engine.strategies import invariant
+from service.engine.strategies.gemm import GEMM_ROWS, FixedRows
 from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import Settings
@@ -89,16 +89,17 @@ def test_blocked_gemms_give_each_row_the_same_bits_whatever_the_row_count() -> N
     x = torch.randn(4096, 256, generator=gen)
     w = torch.randn(384, 256, generator=gen)
     b = torch.randn(384, generator=gen)
-    rows = invariant.GEMM_ROWS
-    whole = invariant.linear(x, w, b, rows)
+    gemm = FixedRows(GEMM_ROWS)
+    rows = gemm.rows
+    whole = gemm.linear(x, w, b)
     for n in (rows, 2 * rows, 3 * rows):
-        assert torch.equal(invariant.linear(x[:n], w, b, rows), whole[:n])
-        gated = invariant.by_rows(lambda t: F.silu(F.linear(t, w)), x[:n], rows)
-        assert torch.equal(gated, invariant.by_rows(lambda t: F.silu(F.linear(t, w)), x, rows)[:n])
+        assert torch.equal(gemm.linear(x[:n], w, b), whole[:n])
+        gated = gemm.by_rows(lambda t: F.silu(F.linear(t, w)), x[:n])
+        assert torch.equal(gated, gemm.by_rows(lambda t: F.silu(F.linear(t, w)), x)[:n])
     acc = torch.zeros(2 * rows, 384)
-    invariant.accumulate(acc, x[: 2 * rows], w, rows)
+    gemm.accumulate(acc, x[: 2 * rows], w)
     single = torch.zeros(rows, 384)
-    invariant.accumulate(single, x[rows : 2 * rows], w, rows)
+    gemm.accumulate(single, x[rows : 2 * rows], w)
     assert torch.equal(acc[rows:], single)  # a block's bits do not depend on the blocks before it
 
 

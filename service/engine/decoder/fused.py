@@ -49,7 +49,8 @@ from service.engine.moe import layer as moe
 from service.engine.ops.attention import Kernel, Segments
 from service.engine.ops.elementwise import HeadNorms, Ops
 from service.engine.ops.gate_up import GatedProjection, split
-from service.engine.strategies import invariant
+from service.engine.strategies.gemm import ONE_CALL, TokenGemms
+from service.engine.strategies.sums import LOCAL, AllReduce, PartialSums
 
 DecoderKind = Literal["fused", "transformers"]
 
@@ -212,9 +213,6 @@ class _Layer:
 
 class FusedDecoder:
     kind: DecoderKind = "fused"
-    # Tensor parallel (sharding.py): sums a row-parallel GEMM's partial [rows, H] outputs over the
-    # ranks, in place; None (one process): the GEMMs add into the residual stream themselves.
-    reduce: Callable[[torch.Tensor], None] | None = None
 
     def __init__(
         self,
@@ -224,11 +222,13 @@ class FusedDecoder:
         mlp_chunk_tokens: int,
         projection: Callable[[], GatedProjection] | None = None,
         *,
-        gemm_rows: int | None = None,
+        gemm: TokenGemms = ONE_CALL,
+        sums: PartialSums = LOCAL,
         moe_kernel: moe.MoeKernel = moe.LOOP,
     ) -> None:
-        """gemm_rows: run every GEMM over tokens in calls of that many rows (batch invariance,
-        invariant.py); None: one call each. moe_kernel: the sparse layers' grouped GEMM (moe.py)."""
+        """gemm: how every GEMM over tokens runs (strategies/gemm.py: fixed-row calls in batch-invariant
+        mode); sums: how the output and down projections add into the residual (strategies/sums.py: an
+        all-reduce under tensor parallel); moe_kernel: the sparse layers' grouped GEMM (moe/layer.py)."""
         reason = unsupported(decoder)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
@@ -236,17 +236,15 @@ class FusedDecoder:
         self.decoder = decoder
         self.attention = attention
         self.ops = ops
-        self.chunk = mlp_chunk_tokens if mlp_chunk_tokens > 0 else 1 << 62
-        self.rows = gemm_rows
-        if gemm_rows is not None:  # every MLP chunk a whole number of GEMM calls
-            self.chunk = max(gemm_rows, self.chunk // gemm_rows * gemm_rows)
+        self.gemm, self.sums = gemm, sums
+        self.chunk = gemm.whole_calls(mlp_chunk_tokens if mlp_chunk_tokens > 0 else 1 << 62)
         first = decoder.layers[0].self_attn
         self.head_dim = int(first.head_dim)
         self.q_heads = int(config.num_attention_heads)
         self.k_heads = int(config.num_key_value_heads)
         model_type = str(config.model_type)
         window = _WINDOW[model_type]
-        self.moe_kernel = moe.blocked(moe_kernel) if gemm_rows is not None else moe_kernel
+        self.moe_kernel = moe.blocked(moe_kernel) if gemm.rows is not None else moe_kernel
         self._concats: list[_Concat] = []  # every concatenation, for refresh
         self.layers = [
             _Layer(
@@ -263,6 +261,8 @@ class FusedDecoder:
             )
             for index, layer in enumerate(decoder.layers[: config.num_hidden_layers])
         ]
+        if isinstance(sums, AllReduce) and self.sparse:
+            raise ValueError("tensor parallel runs dense models only; this one has mixture-of-experts layers")
         # the gate|up kernel is chosen (and probed: a compile on a cold cache) only if a layer runs one
         gated = any(isinstance(x.mlp, _Dense) or x.mlp.shared is not None for x in self.layers)
         self.gated = projection() if projection is not None and gated else split(ops.swiglu)
@@ -297,6 +297,7 @@ class FusedDecoder:
             shared,
             moe_ops.combine_kernel if kernels else moe_ops.combine_torch,
             moe.plan_kernel if kernels else moe.plan,
+            gemm=self.gemm,
         )
 
     def _count_experts(self, device: torch.device) -> moe.Load | None:
@@ -304,7 +305,7 @@ class FusedDecoder:
         counted = [layer.mlp for layer in self.layers[:-1] if isinstance(layer.mlp, moe.SparseMoe)]
         if not counted:
             return None
-        filler = max(SHAPE_STEP, self.rows or 0)  # a packed row's filler is less than its step
+        filler = max(SHAPE_STEP, self.gemm.step)  # a packed row's filler is less than its step
         experts = counted[0].experts.gate_up_proj.shape[0]
         load = moe.Load(len(counted), experts, 1 << (filler - 1).bit_length(), device)
         for index, mlp in enumerate(counted):
@@ -316,8 +317,8 @@ class FusedDecoder:
         """Qwen2-MoE's shared expert: sigmoid(h·wgᵀ) · mlp(h), rounded as transformers does."""
 
         def shared(h: torch.Tensor) -> torch.Tensor:
-            out = invariant.linear(self._mlp_in(dense, h), dense.down_proj.weight, None, self.rows)
-            return torch.sigmoid(invariant.linear(h, gate.weight, None, self.rows)) * out
+            out = self.gemm.linear(self._mlp_in(dense, h), dense.down_proj.weight, None)
+            return torch.sigmoid(self.gemm.linear(h, gate.weight, None)) * out
 
         return shared
 
@@ -365,10 +366,8 @@ class FusedDecoder:
             seen.add(key)
             x = _zeros(layer.o_proj.weight, rows, layer.o_proj.out_features)
             layer.qkv(x)
-            _accumulate(x, _zeros(x, rows, layer.o_proj.in_features), layer.o_proj)
-            for start in range(0, rows, self.chunk):
-                end = min(start + self.chunk, rows)
-                self._run_mlp(mlp, x[start:end], x[start:end])
+            LOCAL.add(x, [(slice(None), _zeros(x, rows, layer.o_proj.in_features))], layer.o_proj, ONE_CALL)
+            self._run_mlp(mlp, x, x, LOCAL)  # no collective: a warm-up runs on this rank alone
 
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         self.begin(batch)
@@ -399,7 +398,7 @@ class FusedDecoder:
         ops, x, cos, sin = self.ops, stream.x, stream.cos, stream.sin
         hq, hk, d, n = self.q_heads, self.k_heads, self.head_dim, x.shape[0]
         h = ops.rms_norm(x, layer.input_norm.weight, layer.input_norm.variance_epsilon)
-        qkv = invariant.linear(h, layer.qkv.weight, layer.qkv.bias, self.rows)  # [N, (hq + 2·hk)·d]
+        qkv = self.gemm.linear(h, layer.qkv.weight, layer.qkv.bias)  # [N, (hq + 2·hk)·d]
         del h
         norms = None
         if layer.q_norm is not None:
@@ -416,58 +415,31 @@ class FusedDecoder:
         del qkv, q, k, v
         if rows is not None:
             x, attended = x.index_select(0, rows), attended.index_select(0, rows)
-        if self.reduce is not None:
-            return self._run_sharded_out(layer, x, attended, self.reduce)
-        _accumulate(x, attended, layer.o_proj, self.rows)
+        self.sums.add(x, [(slice(None), attended)], layer.o_proj, self.gemm)
         del attended
         h = ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
-        for start in range(0, x.shape[0], self.chunk):
-            end = min(start + self.chunk, x.shape[0])
-            self._run_mlp(layer.mlp, x[start:end], h[start:end], start)
+        self._run_mlp(layer.mlp, x, h, self.sums)
         return x
 
-    def _run_mlp(self, mlp: _Dense | moe.SparseMoe, x: torch.Tensor, h: torch.Tensor, first: int = 0) -> None:
-        """x += mlp(h) in place, for x and h [rows, H] (the forward's rows from `first` on)."""
+    def _chunks(self, n: int) -> list[slice]:
+        """The MLP's row chunks of n rows: its [rows, I] intermediate is never whole."""
+        return [slice(start, min(start + self.chunk, n)) for start in range(0, n, self.chunk)]
+
+    def _run_mlp(
+        self, mlp: _Dense | moe.SparseMoe, x: torch.Tensor, h: torch.Tensor, sums: PartialSums
+    ) -> None:
+        """x += mlp(h) in place, for x and h [rows, H], chunk by chunk of rows."""
         if isinstance(mlp, moe.SparseMoe):
-            mlp.add_to(x, h, self.rows, first)
-        else:
-            _accumulate(x, self._mlp_in(mlp, h), mlp.down_proj, self.rows)
-
-    def _run_sharded_out(
-        self, layer: _Layer, x: torch.Tensor, attended: torch.Tensor, reduce: Callable[[torch.Tensor], None]
-    ) -> torch.Tensor:
-        """run_layer from the output projection on, tensor parallel: o_proj and down_proj hold this
-        rank's input columns, so each gives a partial [rows, H] that one all-reduce sums (the MLP's
-        chunks into one buffer: one all-reduce per layer each); their biases are added once, after."""
-        partial = F.linear(attended, layer.o_proj.weight)  # [rows, H]
-        reduce(partial)
-        x.add_(partial)
-        if layer.o_proj.bias is not None:
-            x.add_(layer.o_proj.bias)
-        mlp = layer.mlp
-        assert isinstance(mlp, _Dense)  # tensor parallel refuses mixture-of-experts models
-        h = self.ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
-        for start in range(0, x.shape[0], self.chunk):
-            end = min(start + self.chunk, x.shape[0])
-            partial[start:end] = F.linear(self._mlp_in(mlp, h[start:end]), mlp.down_proj.weight)
-        reduce(partial)
-        x.add_(partial)
-        if mlp.down_proj.bias is not None:
-            x.add_(mlp.down_proj.bias)
-        return x
+            for rows in self._chunks(x.shape[0]):
+                mlp.add_to(x[rows], h[rows], rows.start)
+            return
+        parts = ((rows, self._mlp_in(mlp, h[rows])) for rows in self._chunks(x.shape[0]))
+        sums.add(x, parts, mlp.down_proj, self.gemm)
 
     def _mlp_in(self, mlp: _Dense, h: torch.Tensor) -> torch.Tensor:
         """silu(h·Wgateᵀ) · (h·Wupᵀ): [rows, I]."""
         weight, bias = mlp.gate_up.weight, mlp.gate_up.bias
-        return invariant.by_rows(lambda part: self.gated.project(part, weight, bias), h, self.rows)
-
-
-def _accumulate(x: torch.Tensor, a: torch.Tensor, linear: torch.nn.Linear, rows: int | None = None) -> None:
-    """x += linear(a), in place, the GEMM adding into x (one rounding, where transformers has two);
-    in calls of `rows` rows where given (invariant.py)."""
-    invariant.accumulate(x, a, linear.weight, rows)
-    if linear.bias is not None:
-        x.add_(linear.bias)
+        return self.gemm.by_rows(lambda part: self.gated.project(part, weight, bias), h)
 
 
 def unsupported(decoder: Any) -> str | None:
@@ -544,20 +516,23 @@ def build(  # noqa: PLR0917
     ops: Ops,
     mlp_chunk_tokens: int,
     projection: Callable[[], GatedProjection] | None = None,
-    gemm_rows: int | None = None,
+    *,
+    gemm: TokenGemms = ONE_CALL,
+    sums: PartialSums = LOCAL,
     moe_kernel: Callable[[], moe.MoeKernel] | None = None,
 ) -> Decoder:
     """The forward the `decoder` setting asks for: auto takes the fused one wherever it fits.
     `projection` makes the fused decoder's gate|up projection and `moe_kernel` its sparse layers'
-    grouped GEMM (each called only when a fused decoder is built); gemm_rows: batch invariance
-    (invariant.py; the transformers decoder's Linear modules are blocked by the caller)."""
+    grouped GEMM (each called only when a fused decoder is built); `gemm` and `sums`: the strategies
+    the fused decoder runs with (FusedDecoder; the transformers decoder's modules are patched by the
+    caller, and it cannot take an all-reduce)."""
     if setting == "transformers":
         return TransformersDecoder(decoder)
     reason = unsupported(decoder)
     if reason is None:
         kernel = moe_kernel() if moe_kernel is not None and sparse(decoder) else moe.LOOP
         return FusedDecoder(
-            decoder, attention, ops, mlp_chunk_tokens, projection, gemm_rows=gemm_rows, moe_kernel=kernel
+            decoder, attention, ops, mlp_chunk_tokens, projection, gemm=gemm, sums=sums, moe_kernel=kernel
         )
     if setting == "fused":
         raise RuntimeError(f"decoder=fused: {reason}")

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from service.engine.moe import kernels as moe_ops
 from service.engine.ops import gate_up as gated
 from service.engine.runtime.packages import FAST_DTYPES
-from service.engine.strategies import invariant
+from service.engine.strategies.gemm import ONE_CALL, TokenGemms
 
 log = logging.getLogger(__name__)
 
@@ -359,14 +359,14 @@ class Plan:
     groups: Groups
 
 
-# h [T, H], router weight [E, H], the rule, GEMM rows (invariant.py) -> Plan
-Planner = Callable[[torch.Tensor, torch.Tensor, Routing, "int | None"], Plan]
+# h [T, H], router weight [E, H], the rule, how the router GEMM runs (strategies/gemm.py) -> Plan
+Planner = Callable[[torch.Tensor, torch.Tensor, Routing, TokenGemms], Plan]
 
 
-def plan(h: torch.Tensor, router: torch.Tensor, rule: Routing, rows: int | None = None) -> Plan:
-    """Route h [T, H] with the router weight [E, H] (GEMMs in blocks of `rows`: invariant.py): torch
+def plan(h: torch.Tensor, router: torch.Tensor, rule: Routing, gemm: TokenGemms = ONE_CALL) -> Plan:
+    """Route h [T, H] with the router weight [E, H] (its GEMM run by `gemm`): torch
     ops, the rule's own topk (ties as transformers resolves them) and a stable sort."""
-    weights, experts = rule(invariant.linear(h, router, None, rows))  # [T, k] each
+    weights, experts = rule(gemm.linear(h, router, None))  # [T, k] each
     return _sorted(weights, experts, router.shape[0])
 
 
@@ -392,9 +392,9 @@ class Pin:
     used: int = 0
     own: list[torch.Tensor] = field(default_factory=list)
 
-    def take(self, h: torch.Tensor, router: torch.Tensor, rule: Routing, rows: int | None) -> Plan:
+    def take(self, h: torch.Tensor, router: torch.Tensor, rule: Routing, gemm: TokenGemms) -> Plan:
         """The Plan of h [n, H] with the next n rows of pinned ids, weighted by `rule`."""
-        logits = invariant.linear(h, router, None, rows)
+        logits = gemm.linear(h, router, None)
         experts = self.experts[self.used : self.used + h.shape[0]]
         if experts.shape != (h.shape[0], rule.top_k):
             raise ValueError(
@@ -406,10 +406,10 @@ class Pin:
         return _sorted(rule.weights_at(logits, experts), experts, router.shape[0])
 
 
-def plan_kernel(h: torch.Tensor, router: torch.Tensor, rule: Routing, rows: int | None = None) -> Plan:
+def plan_kernel(h: torch.Tensor, router: torch.Tensor, rule: Routing, gemm: TokenGemms = ONE_CALL) -> Plan:
     """plan in two Triton kernels and a few small ops (moe_ops: the same order; a tie of the top-k goes
     to the lower expert id)."""
-    logits = invariant.linear(h, router, None, rows)  # [T, E]
+    logits = gemm.linear(h, router, None)  # [T, E]
     weight_dtype = logits.dtype if rule.round_weights else torch.float32
     routed = moe_ops.route_kernel(logits, rule.top_k, rule.normalise, weight_dtype)
     grouped, slots, offsets = moe_ops.group_kernel(routed)
@@ -431,29 +431,30 @@ class SparseMoe:
     pinned: Pin | None = None  # set only for the start-up check's eager forward
     tally: Tally | None = None  # where it counts its experts' real tokens (None: it does not)
     count: Count = moe_ops.count_torch
+    gemm: TokenGemms = ONE_CALL  # how the router's GEMM runs (batch invariance: fixed-row calls)
 
-    def add_to(self, x: torch.Tensor, h: torch.Tensor, rows: int | None = None, first: int = 0) -> None:
-        """x += moe(h), in place, for x and h [T, H] (the forward's rows from `first` on). `rows`
-        (batch invariance): the router's GEMM in calls of that many rows, and where the kernel is not
-        row-invariant the whole layer over blocks of `rows` tokens (every call then has one shape)."""
-        n = x.shape[0]
+    def add_to(self, x: torch.Tensor, h: torch.Tensor, first: int = 0) -> None:
+        """x += moe(h), in place, for x and h [T, H] (the forward's rows from `first` on). Under
+        fixed-row GEMMs (batch invariance), where the kernel is not row-invariant, the whole layer runs
+        over blocks of that many tokens (every call then has one shape)."""
+        n, rows = x.shape[0], self.gemm.rows
         if rows is None or n <= rows or n % rows or self.pinned is not None or self.kernel.row_invariant:
-            self._add(x, h, rows, first)
+            self._add(x, h, first)
             return
         for start in range(0, n, rows):
-            self._add(x[start : start + rows], h[start : start + rows], rows, first + start)
+            self._add(x[start : start + rows], h[start : start + rows], first + start)
 
-    def __call__(self, h: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, H] -> the block's output [T, H] in h's dtype."""
         out = torch.zeros_like(h)
-        self._add(out, h, rows, 0)
+        self._add(out, h, 0)
         return out
 
-    def _add(self, x: torch.Tensor, h: torch.Tensor, rows: int | None, first: int) -> None:
+    def _add(self, x: torch.Tensor, h: torch.Tensor, first: int) -> None:
         if self.pinned is not None:
-            route = self.pinned.take(h, self.router.weight, self.routing, rows)
+            route = self.pinned.take(h, self.router.weight, self.routing, self.gemm)
         else:
-            route = self.planner(h, self.router.weight, self.routing, rows)
+            route = self.planner(h, self.router.weight, self.routing, self.gemm)
             if self.tally is not None:
                 load = self.tally.load
                 self.count(route.rows, route.groups.offsets, load.real, first, self.tally.counts, load.tail)

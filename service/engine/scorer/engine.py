@@ -60,7 +60,9 @@ from service.engine.ops.attention import AttentionBackend, choose_backend, regis
 from service.engine.ops.elementwise import Ops
 from service.engine.ops.liger import apply_fused_kernels
 from service.engine.parallel.sharding import Sharded
-from service.engine.strategies import invariant
+from service.engine.strategies import gemm as gemms
+from service.engine.strategies.gemm import FixedRows, TokenGemms
+from service.engine.strategies.sums import LOCAL, AllReduce, PartialSums
 from service.jobs import Chunk, FloatArray, IntArray, SequenceJob, SequenceScores
 from service.prefixes import Forest
 
@@ -137,9 +139,9 @@ class CausalLM:
         return delta
 
 
-def _critic_values(critic: Critic, forward: Decoder, batch: PackedBatch, rows: int | None) -> torch.Tensor:
+def _critic_values(critic: Critic, forward: Decoder, batch: PackedBatch, gemm: TokenGemms) -> torch.Tensor:
     hidden = forward(batch, batch.hidden_index)
-    return invariant.by_rows(critic.head, hidden, rows)  # [A] float32: head(h_{t-1})
+    return gemm.by_rows(critic.head, hidden)  # [A] float32: head(h_{t-1})
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,24 +236,25 @@ class PackedScorer:
         `sharded`: the models are this rank's shards (tensor parallel; sharded.py): fused decoders
         whose row-parallel GEMMs all-reduce, no CUDA graphs."""
         ops = Ops.for_device(device, allow_triton=config.kernels != "none")
-        # batch invariance (invariant.py): GEMMs of GEMM_ROWS rows, rows and actions padded to them
-        self._gemm_rows = invariant.GEMM_ROWS if config.batch_invariant else None
-        self._step = self._gemm_rows or SHAPE_STEP
+        # batch invariance (strategies/gemm.py): GEMMs of fixed rows, tokens and actions padded to them
+        self._gemm = gemms.choose(config.batch_invariant)
+        self._step = self._gemm.step
         chunk_rows = config.logits_chunk_rows
-        if config.batch_invariant and invariant.GEMM_ROWS % chunk_rows:  # whole chunks of padded actions
-            chunk_rows = invariant.GEMM_ROWS
+        if self._gemm.rows is not None and self._gemm.rows % chunk_rows:  # whole chunks of padded actions
+            chunk_rows = self._gemm.rows
         self._sharded = sharded
         cuda_graphs = config.cuda_graphs if sharded is None else "off"  # a graph of collectives: not yet
         recorder = None
         if device.type == "cuda" and cuda_graphs != "off":
             recorder = graphs.CudaRecorder(device)  # one memory pool for every model's graphs
 
+        # tensor parallel: the row-parallel projections' partial sums all-reduced (strategies/sums.py)
+        sums = AllReduce(sharded.shard.all_reduce_) if sharded is not None else LOCAL
+
         def forward(model: Any, base: Any) -> tuple[Decoder, str]:
-            built, kernels = _prepare(model, base, config, backend, ops, device, self._gemm_rows)
-            if sharded is not None:
-                if not isinstance(built, decoder.FusedDecoder):
-                    raise RuntimeError("tensor parallel runs the fused decoder; this model runs another")
-                built.reduce = sharded.shard.all_reduce_
+            built, kernels = _prepare(model, base, config, backend, ops, device, self._gemm, sums)
+            if sharded is not None and not isinstance(built, decoder.FusedDecoder):
+                raise RuntimeError("tensor parallel runs the fused decoder; this model runs another")
             wrapped = graphs.wrap(
                 built,
                 cuda_graphs,
@@ -456,7 +459,7 @@ class PackedScorer:
         if self._critic is not None and any(job.return_values for job in every):
             assert self._critic_forward is not None
             values = _critic_values(
-                self._critic, self._critic_forward, batch.attach(stores.get("critic")), self._gemm_rows
+                self._critic, self._critic_forward, batch.attach(stores.get("critic")), self._gemm
             )
         if chunk is not None and chunk.last:
             self.release(chunk.sequence)  # freed once the work queued on the stores is done
@@ -611,12 +614,14 @@ def _prepare(  # noqa: PLR0917
     backend: AttentionBackend,
     ops: Ops,
     device: torch.device,
-    gemm_rows: int | None = None,
+    gemm: TokenGemms = gemms.ONE_CALL,
+    sums: PartialSums = LOCAL,
 ) -> tuple[Decoder, str]:
     """The forward of `base` (the decoder of `model`) and the fused kernels it runs: triton|liger|none.
 
-    kernels=liger patches transformers' modules, so it keeps the transformers decoder. With
-    gemm_rows (batch invariance), every GEMM over tokens runs in calls of that many rows.
+    kernels=liger patches transformers' modules, so it keeps the transformers decoder. `gemm`: how
+    every GEMM over tokens runs (fixed-row calls in batch-invariant mode, transformers' own modules
+    patched alike); `sums`: how the fused decoder's projections add into the residual.
     """
     setting = config.decoder
     if config.kernels == "liger":
@@ -633,9 +638,10 @@ def _prepare(  # noqa: PLR0917
     def moe_kernel() -> moe.MoeKernel:  # chosen (and probed) only for a fused decoder with experts
         return moe.choose(config.moe_kernel, device, dtype)
 
-    if gemm_rows is not None and chunk > 0:
-        chunk = max(gemm_rows, chunk // gemm_rows * gemm_rows)
-    forward = decoder.build(base, setting, backend.kernel, ops, chunk, projection, gemm_rows, moe_kernel)
+    chunk = gemm.whole_calls(chunk)
+    forward = decoder.build(
+        base, setting, backend.kernel, ops, chunk, projection, gemm=gemm, sums=sums, moe_kernel=moe_kernel
+    )
     if isinstance(forward, decoder.FusedDecoder):
         kernels = "triton" if ops.name == "triton" else "none"
         return forward, f"{kernels}+quack" if forward.gated.name == "quack" else kernels
@@ -645,11 +651,11 @@ def _prepare(  # noqa: PLR0917
         raise RuntimeError(
             f"moe_kernel={config.moe_kernel} runs in the fused decoder, which this model does not run"
         )
-    kernels = apply_fused_kernels(model, config.kernels, device, batch_invariant=gemm_rows is not None)
+    kernels = apply_fused_kernels(model, config.kernels, device, batch_invariant=gemm.rows is not None)
     chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
-    if gemm_rows is not None:
-        invariant.block_linears(base, gemm_rows)
-        moe.block_sparse(base, gemm_rows)
+    gemm.patch(base)
+    if isinstance(gemm, FixedRows):
+        moe.block_sparse(base, gemm.rows)
     return forward, kernels
 
 

@@ -25,6 +25,7 @@ from service.engine.moe import layer as moe
 from service.engine.ops import elementwise as decoder_ops
 from service.engine.ops.elementwise import TORCH
 from service.engine.scorer.engine import DecoderMismatch, PackedScorer, check_hidden
+from service.engine.strategies.gemm import ONE_CALL, FixedRows
 from service.jobs import SequenceJob
 from service.settings import Settings
 from tests import models
@@ -296,7 +297,7 @@ def test_the_decoder_counts_each_experts_real_tokens(name: str, how: str) -> Non
         KERNEL,
         TORCH,
         5 if how == "mlp-chunks" else 0,
-        gemm_rows=16 if how == "gemm-rows" else None,
+        gemm=FixedRows(16) if how == "gemm-rows" else ONE_CALL,
     )
     forward: Any = fused
     if how == "graph-replay":

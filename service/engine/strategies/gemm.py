@@ -1,0 +1,130 @@
+"""How a GEMM over tokens runs: in one call (ONE_CALL), or in calls of a fixed number of rows
+(FixedRows: batch invariance), chosen once at build time and carried by the decoder's layers.
+
+GEMM libraries (cuBLAS, oneDNN/MKL) choose their kernel, tiling and split of the reduction by the
+shape of the call, so a row's result depends on how many rows share the call: on which other
+sequences share its micro-batch. Under FixedRows every GEMM over tokens runs as calls of exactly
+`rows` rows: the packed row is padded to a multiple of `rows` tokens (actions likewise; `step`), so
+every call has one shape per weight, one kernel, and a row's reduction order depends on nothing but
+its own values. Everything else a score goes through is computed per row or per sequence with shapes
+that depend on that sequence alone (the embedding gather, RoPE, the row-wise Triton kernels, the
+log-softmax over fixed [chunk_rows, V] chunks, varlen attention tiled from each sequence's start).
+
+Boundary: x [N, K]; with N a multiple of `rows`, `rows`-row calls; any other N (the lm_head's fixed
+chunks, a warm-up probe) is one call, whose shape its caller then fixes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from service.engine.contract import GEMM_ROWS, SHAPE_STEP
+
+__all__ = ["GEMM_ROWS", "ONE_CALL", "FixedRows", "OneCall", "TokenGemms", "choose"]
+
+
+@dataclass(frozen=True, slots=True)
+class OneCall:
+    """Each GEMM over tokens is one call, whatever its rows (the library picks the kernel per shape)."""
+
+    rows: None = None
+    step: int = SHAPE_STEP  # token and action counts are padded to multiples of it (packing.py)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear(x, weight, bias) for x [N, K] -> [N, out]."""
+        return F.linear(x, weight, bias)
+
+    def accumulate(self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
+        """x [N, out] += a [N, K] @ weightᵀ, in place (one rounding)."""
+        x.addmm_(a, weight.t())
+
+    def by_rows(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """fn(x) for a row-wise fn (a GEMM with an epilogue, a head)."""
+        return fn(x)
+
+    def whole_calls(self, tokens: int) -> int:
+        """An MLP chunk of `tokens` rows (0: unchunked), as a whole number of calls."""
+        return tokens
+
+    def patch(self, model: Any) -> int:
+        """Make transformers' own modules of `model` run their GEMMs this way; returns how many."""
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class FixedRows:
+    """Each GEMM over N tokens, N a multiple of `rows`, is N / rows calls of `rows` rows: a row's bits
+    then do not depend on the other rows (batch-invariant mode)."""
+
+    rows: int = GEMM_ROWS
+
+    @property
+    def step(self) -> int:
+        return self.rows
+
+    def _blocks(self, n: int) -> bool:
+        return n > self.rows and n % self.rows == 0
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n = x.shape[0]
+        if not self._blocks(n):
+            return F.linear(x, weight, bias)
+        out = x.new_empty((n, weight.shape[0]))
+        for start in range(0, n, self.rows):
+            end = start + self.rows
+            if bias is None:
+                torch.mm(x[start:end], weight.t(), out=out[start:end])
+            else:
+                torch.addmm(bias, x[start:end], weight.t(), out=out[start:end])
+        return out
+
+    def accumulate(self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
+        n = x.shape[0]
+        if not self._blocks(n):
+            x.addmm_(a, weight.t())
+            return
+        for start in range(0, n, self.rows):
+            x[start : start + self.rows].addmm_(a[start : start + self.rows], weight.t())
+
+    def by_rows(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if not self._blocks(n):
+            return fn(x)
+        first = fn(x[: self.rows])
+        out = first.new_empty((n, *first.shape[1:]))
+        out[: self.rows] = first
+        for start in range(self.rows, n, self.rows):
+            out[start : start + self.rows] = fn(x[start : start + self.rows])
+        return out
+
+    def whole_calls(self, tokens: int) -> int:
+        return max(self.rows, tokens // self.rows * self.rows) if tokens > 0 else tokens
+
+    def patch(self, model: Any) -> int:
+        """Every nn.Linear of `model` in `rows`-row calls (parameters read per call: reloads work)."""
+        count = 0
+        for module in model.modules():
+            if type(module) is torch.nn.Linear:
+                module.forward = functools.partial(_linear_forward, module, self)  # type: ignore[method-assign]
+                count += 1
+        return count
+
+
+TokenGemms = OneCall | FixedRows
+ONE_CALL = OneCall()
+
+
+def choose(batch_invariant: bool) -> TokenGemms:
+    """FixedRows(GEMM_ROWS) in batch-invariant mode, else ONE_CALL."""
+    return FixedRows(GEMM_ROWS) if batch_invariant else ONE_CALL
+
+
+def _linear_forward(module: torch.nn.Linear, gemm: FixedRows, x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    return gemm.linear(flat, module.weight, module.bias).reshape(*x.shape[:-1], module.out_features)
