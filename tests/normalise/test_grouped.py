@@ -29,9 +29,9 @@ from service.schemas import LogprobsRequest
 from service.settings import Settings
 from tests import critics, models
 from tests.conftest import TOLERANCE, running, settings_for
+from tests.normalise.plans import LIMITS, plan_of, rows_of
 from tests.reference import expected, max_diff
 from tests.requests import GROUPED_LAYOUTS, make_grouped
-from tests.test_normalise import LIMITS, plan_of, rows_of
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 

@@ -1,13 +1,16 @@
-"""The grouped form of a request: each prompt sent once, every `input_ids` row a response to one.
+"""The grouped form (`prompt_ids` + `prompt_index`) -> one Row per response row of `input_ids`.
 
-`prompt_ids` holds unpadded prompts; row i of `input_ids` is a response continuing prompt
-`prompt_ids[prompt_index[i]]`. Each row becomes the Row its ungrouped twin would (tokens = the
-prompt + the response's real tokens), with the response as its action window:
+Each prompt is sent once: `prompt_ids` holds unpadded prompts, and row i of `input_ids` is a
+response continuing prompt `prompt_ids[prompt_index[i]]`. Each row becomes the Row its ungrouped
+twin would (tokens = the prompt + the response's real tokens), with the response as its window:
 
 - ragged responses: window = the response's tokens; actions = all of them, the last
   `num_actions[i]`, or those `action_mask` (one 0/1 per response token) marks;
 - padded responses `[B, R]` + `attention_mask` `[B, R]`: window = the R columns; actions = the real
   columns, narrowed by `action_mask` `[B, R]` when given.
+
+The prompt is never an action. A prompt's fault is reported at the first row that continues it
+(`row` always counts rows of `input_ids`). This module checks its own action fields.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import numpy as np
 
 from service.errors import InvalidRequest
 from service.jobs import IntArray
-from service.rows import Row, check_widths, int64, mask_row, per_row, real_tokens
+from service.normalise.rows import Row, check_widths, int64, mask_row, per_row, real_tokens
 from service.schemas import LogprobsRequest
 
 
