@@ -3,7 +3,7 @@
 A framed request becomes the same LogprobsRequest a JSON body does: its JSON part is validated by
 the same model (ScoringOptions), and its arrays get the checks the JSON schema gives the list
 fields (token ids >= 0, finite rollout log-probs); their rows are numpy views of the body, which
-normalise.py reads like lists.
+service/normalise/ reads like lists.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Wire models of the HTTP API, with their limits; openapi.yaml is generated from them.
 
 These check types and single-field bounds. Rules that relate fields to each other or to the model
-(layouts, lengths, vocabulary) live in normalise.py, which names the row at fault.
+(layouts, lengths, vocabulary) live in service/normalise/, which names the row at fault.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""One request row as normalise.py reads it, and the checks that every per-row field shares.
+"""The bottom of normalisation: one request row read into a `Row`, and the readers every layout shares.
 
-A `Row` is a row's real tokens, its actions and the window slot each action's score goes to;
-the helpers read 0/1 mask rows, per-row counts and token ids, naming the field and row at fault.
+A `Row` is a row's real tokens [L], its action positions [A] and the window slot [A] each action's
+score goes to, in a window of `width` entries. The helpers read 0/1 mask rows, per-row counts,
+token ids and padded rows, raising InvalidRequest that names the field and the row at fault. This
+module knows no layout and imports nothing from the package.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ from service.schemas import LogprobsRequest
 from service.settings import Settings
 from tests import critics, models
 from tests.conftest import TOLERANCE, running, settings_for
+from tests.normalise.plans import LIMITS, plan_of, rows_of
 from tests.reference import expected, max_diff
 from tests.requests import GROUPED_LAYOUTS, make_grouped
-from tests.test_normalise import LIMITS, plan_of, rows_of
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 
@@ -172,11 +172,6 @@ BAD: dict[str, tuple[dict[str, Any], str, int | None]] = {
         2,
     ),
     "prompt_empty": (grouped(input_ids=[[1], [2], [3]], prompt_ids=[[5], []]), "prompt_ids", 1),
-    "prompt_empty_unused": (
-        grouped(input_ids=[[1], [2], [3]], prompt_ids=[[5], [6], []]),
-        "prompt_ids",
-        None,
-    ),
     "prompt_outside_vocabulary": (
         grouped(input_ids=[[1], [2], [3]], prompt_ids=[[5], [6, 50]]),
         "prompt_ids",
@@ -242,6 +237,26 @@ def test_sizes_count_the_tokens_the_sequences_expand_to() -> None:
         plan_of(ModelLimits(vocab_size=50, max_sequence_tokens=5, max_positions=64), **body)
     assert (raised.value.field, raised.value.row) == ("input_ids", 2)
     assert "prompt 0" in raised.value.message
+
+
+def test_a_prompt_no_row_names_is_ignored_whatever_it_holds() -> None:
+    """docs/api.md: 'a prompt that no row names is ignored': empty, outside the vocabulary, beyond
+    64 bits or longer than any sequence may be, it neither fails the request nor counts in its size."""
+    limits = ModelLimits(vocab_size=50, max_sequence_tokens=12, max_request_tokens=12)
+    for unused in ([], [60], [2**70], list(range(1, 20))):
+        # prompt 1 is named by no row; rows 0 and 2 continue prompt 0, row 1 prompt 2
+        plan = plan_of(
+            limits,
+            prompt_ids=[PROMPTS[0], unused, PROMPTS[1]],
+            prompt_index=[0, 2, 0],
+            input_ids=[[10, 11], [12], [13]],
+        )
+        assert rows_of(plan) == [
+            ([5, 6, 7, 10, 11], [3, 4], 2, [0, 1]),
+            ([8, 9, 12], [2], 1, [0]),
+            ([5, 6, 7, 13], [3], 1, [0]),
+        ]
+        assert (plan.input_tokens, plan.scored_tokens) == (5 + 3 + 4, 4)
 
 
 def test_error_row_is_a_row_of_input_ids_even_for_a_prompt() -> None:
@@ -375,6 +390,20 @@ def test_a_grpo_batch_of_g_8_is_a_fraction_of_the_bytes_and_scores_the_same(serv
     # tokens on the wire: 4 * 120 + ~640 against 32 * 120 + ~640
     assert sent[False, "grouped"] < 0.3 * sent[False, "flat"]
     assert sent[True, "grouped"] < 0.3 * sent[True, "flat"]
+
+
+def test_a_prompt_no_row_names_is_ignored_over_http_in_json_and_in_frames(server: TestClient) -> None:
+    twin = grouped(input_ids=[[10, 11], [12], [13]])
+    body = {**twin, "prompt_ids": [PROMPTS[0], [], PROMPTS[1], [4000]], "prompt_index": [0, 2, 0]}
+    want, _ = post(server, twin)
+    for framed in (False, True):
+        got, _ = post(server, body, framed)
+        assert got["action_mask"] == want["action_mask"] == [[1, 1], [1], [1]]
+        assert got["usage"]["input_tokens"] == want["usage"]["input_tokens"] == 5 + 3 + 4
+        for g, w in zip(got["logprobs"], want["logprobs"], strict=True):
+            np.testing.assert_allclose(
+                np.asarray(g, np.float32), np.asarray(w, np.float32), atol=1e-5, rtol=0
+            )
 
 
 def test_a_bad_grouped_request_over_http_is_a_422_in_json_and_in_frames(server: TestClient) -> None:

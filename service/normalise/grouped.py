@@ -1,13 +1,16 @@
-"""The grouped form of a request: each prompt sent once, every `input_ids` row a response to one.
+"""The grouped form (`prompt_ids` + `prompt_index`) -> one Row per response row of `input_ids`.
 
-`prompt_ids` holds unpadded prompts; row i of `input_ids` is a response continuing prompt
-`prompt_ids[prompt_index[i]]`. Each row becomes the Row its ungrouped twin would (tokens = the
-prompt + the response's real tokens), with the response as its action window:
+Each prompt is sent once: `prompt_ids` holds unpadded prompts, and row i of `input_ids` is a
+response continuing prompt `prompt_ids[prompt_index[i]]`. Each row becomes the Row its ungrouped
+twin would (tokens = the prompt + the response's real tokens), with the response as its window:
 
 - ragged responses: window = the response's tokens; actions = all of them, the last
   `num_actions[i]`, or those `action_mask` (one 0/1 per response token) marks;
 - padded responses `[B, R]` + `attention_mask` `[B, R]`: window = the R columns; actions = the real
   columns, narrowed by `action_mask` `[B, R]` when given.
+
+The prompt is never an action. A prompt's fault is reported at the first row that continues it
+(`row` always counts rows of `input_ids`). This module checks its own action fields.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ import numpy as np
 
 from service.errors import InvalidRequest
 from service.jobs import IntArray
-from service.rows import Row, check_widths, int64, mask_row, per_row, real_tokens
+from service.normalise.rows import Row, check_widths, int64, mask_row, per_row, real_tokens
 from service.schemas import LogprobsRequest
 
+Prompts = dict[int, IntArray]  # prompt index -> its tokens [P], for the prompts some row names
 
-def read_prompts(request: LogprobsRequest) -> list[IntArray]:
-    """The prompts as int64, checked against `prompt_index`. A prompt's errors name the first row
-    that continues it (`row` always counts rows of `input_ids`); a prompt no row names is ignored."""
+
+def read_prompts(request: LogprobsRequest) -> Prompts:
+    """The prompts some row names, as int64, checked against `prompt_index`. A prompt's errors name
+    the first row that continues it (`row` always counts rows of `input_ids`); a prompt no row names
+    is ignored, whatever it holds (docs/api.md, 'Grouped requests')."""
     if request.prompt_ids is None:
         raise InvalidRequest("prompt_index needs prompt_ids, the prompts it indexes", field="prompt_ids")
     index = request.prompt_index
@@ -44,21 +50,21 @@ def read_prompts(request: LogprobsRequest) -> list[IntArray]:
                 f"prompt_index[{i}] is {p}; prompt_ids holds {count} prompts", field="prompt_index", row=i
             )
         first_row.setdefault(p, i)
-    prompts = []
-    for p, ids in enumerate(request.prompt_ids):
-        row = first_row.get(p)
+    prompts: Prompts = {}
+    for p, row in sorted(first_row.items()):  # in prompt order: the first faulty prompt is reported
+        ids = request.prompt_ids[p]
         if len(ids) == 0:
-            user = f" (input_ids row {row} continues it)" if row is not None else ""
             raise InvalidRequest(
-                f"prompt_ids[{p}] is empty; a prompt holds at least one token{user}",
+                f"prompt_ids[{p}] is empty; a prompt holds at least one token "
+                f"(input_ids row {row} continues it)",
                 field="prompt_ids",
                 row=row,
             )
-        prompts.append(int64(ids, "prompt_ids", row, name=f"prompt_ids[{p}]"))
+        prompts[p] = int64(ids, "prompt_ids", row, name=f"prompt_ids[{p}]")
     return prompts
 
 
-def expanded_tokens(request: LogprobsRequest, prompts: list[IntArray]) -> int:
+def expanded_tokens(request: LogprobsRequest, prompts: Prompts) -> int:
     """Real tokens of the sequences the request stands for: each row's prompt plus its response."""
     assert request.prompt_index is not None
     prompt_tokens = sum(int(prompts[p].shape[0]) for p in request.prompt_index)
@@ -67,7 +73,7 @@ def expanded_tokens(request: LogprobsRequest, prompts: list[IntArray]) -> int:
     return prompt_tokens + sum(len(row) for row in request.input_ids)
 
 
-def grouped_rows(request: LogprobsRequest, prompts: list[IntArray]) -> list[Row]:
+def grouped_rows(request: LogprobsRequest, prompts: Prompts) -> list[Row]:
     if request.response_length is not None:
         raise InvalidRequest(
             "response_length does not apply with prompt_ids: each row's action window is its response "
@@ -84,7 +90,7 @@ def grouped_rows(request: LogprobsRequest, prompts: list[IntArray]) -> list[Row]
     return _ragged_responses(request, prompts)
 
 
-def _ragged_responses(request: LogprobsRequest, prompts: list[IntArray]) -> list[Row]:
+def _ragged_responses(request: LogprobsRequest, prompts: Prompts) -> list[Row]:
     assert request.prompt_index is not None
     batch = len(request.input_ids)
     counts = per_row(request.num_actions, batch, "num_actions") if request.num_actions is not None else None
@@ -116,7 +122,7 @@ def _ragged_responses(request: LogprobsRequest, prompts: list[IntArray]) -> list
     return rows
 
 
-def _padded_responses(request: LogprobsRequest, prompts: list[IntArray]) -> list[Row]:
+def _padded_responses(request: LogprobsRequest, prompts: Prompts) -> list[Row]:
     assert request.attention_mask is not None
     assert request.prompt_index is not None
     if request.num_actions is not None:
@@ -154,7 +160,7 @@ def _padded_responses(request: LogprobsRequest, prompts: list[IntArray]) -> list
 
 
 def _row(
-    prompts: list[IntArray], p: int, response: IntArray, marked: IntArray, *, slots: IntArray, width: int
+    prompts: Prompts, p: int, response: IntArray, marked: IntArray, *, slots: IntArray, width: int
 ) -> Row:
     """Sequence = prompt p + response; `marked` are action indices within the response's tokens."""
     prompt = prompts[p]
