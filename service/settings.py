@@ -223,3 +223,9 @@ class Settings(BaseSettings):
         False, description="Also require a key on /health/*, /info and /metrics (open by default)."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    docs_ui: bool = Field(
+        False,
+        description="Serve Swagger UI at /docs and ReDoc at /redoc. They load their scripts, styles and "
+        "fonts from public CDNs (cdn.jsdelivr.net, fonts.googleapis.com), so they work only where the "
+        "browser reaches the internet; /openapi.json is always served.",
+    )
