@@ -11,7 +11,7 @@ else
 TRANSFORMERS_REQ := transformers==$(TRANSFORMERS)
 endif
 
-.PHONY: install serve test lint typecheck docs pytest openapi config-docs gpu-parity clean
+.PHONY: install serve test lint typecheck docs pytest openapi config-docs chart gpu-parity clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,9 @@ openapi: install  ## regenerate openapi.yaml from the app
 
 config-docs: install  ## regenerate docs/configuration.md from service/settings.py
 	$(PY) -m service config-docs --output docs/configuration.md
+
+chart: install  ## render the Helm chart into build/chart (each ci/ values file, or VALUES="a.yaml b.yaml"), lint and validate it as tests/deploy does
+	$(PY) -m tests.deploy.check_chart --output build/chart $(if $(VALUES),--values $(VALUES))
 
 gpu-parity:  ## on a CUDA host: parity suite in bf16/fp16/fp32 (docs/development.md)
 	bash tests/gpu/run_parity.sh

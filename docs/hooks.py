@@ -2,6 +2,8 @@
 
 - `openapi.md`: the committed `openapi.yaml` rendered to markdown (every route, request field,
   response and schema), with the YAML itself beside it for download. No network, no plugin.
+- `benchmarks.md`: the repository's `BENCHMARKS.md`, its links to `docs/` made site links; the
+  pages' links to `../BENCHMARKS.md` (right when read in the repository) lead to it in the site.
 - `img/dashboard.svg`: the Grafana dashboard's layout (rows and panels, where the JSON puts them).
 - the metrics table of `observability.md`: every metric of `service/metrics.py`, in place of
   `<!-- metrics-table -->`.
@@ -26,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OPENAPI = ROOT / "openapi.yaml"
 DASHBOARD = ROOT / "helm" / "logprobd" / "dashboards" / "logprobd.json"
 CONFIGURATION = ROOT / "docs" / "configuration.md"
+BENCHMARKS = ROOT / "BENCHMARKS.md"
 
 
 def on_pre_build(config: MkDocsConfig) -> None:
@@ -39,12 +42,15 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
     spec = yaml.safe_load(OPENAPI.read_text())
     files.append(File.generated(config, "openapi.md", content=render_openapi(spec)))
     files.append(File.generated(config, "openapi.yaml", content=OPENAPI.read_text()))
+    benchmarks = BENCHMARKS.read_text().replace("](docs/", "](")
+    files.append(File.generated(config, "benchmarks.md", content=benchmarks))
     dashboard = json.loads(DASHBOARD.read_text())
     files.append(File.generated(config, "img/dashboard.svg", content=render_dashboard(dashboard)))
     return files
 
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    markdown = markdown.replace("](../BENCHMARKS.md", "](benchmarks.md")
     return markdown.replace(METRICS_MARKER, render_metrics()) if METRICS_MARKER in markdown else markdown
 
 
@@ -82,7 +88,7 @@ def schema_type(schema: dict[str, Any]) -> str:
     if "anyOf" in schema:
         return " or ".join(schema_type(s) for s in schema["anyOf"])
     if "enum" in schema:
-        return " \\| ".join(f"`{v}`" for v in schema["enum"])
+        return " | ".join(f"`{v}`" for v in schema["enum"])  # `_cell` escapes the bars
     kind = str(schema.get("type", "any"))
     if kind == "array":
         return f"array of {schema_type(schema.get('items', {}))}"

@@ -67,6 +67,8 @@ def create_app(
         version=service.__version__,
         description="Per-token log-probs of action tokens for RL trainers, from one packed forward.",
         lifespan=lifespan,
+        docs_url="/docs" if settings.docs_ui else None,  # both fetch their assets from CDNs
+        redoc_url="/redoc" if settings.docs_ui else None,
     )
     app.include_router(build_router(state))
     _install_error_handlers(app, state)

@@ -245,6 +245,12 @@ class Settings(BaseSettings):
         False, description="Also require a key on /health/*, /info and /metrics (open by default)."
     )
     log_level: LogLevel = Field("info", description="Log level.")
+    docs_ui: bool = Field(
+        False,
+        description="Serve Swagger UI at /docs and ReDoc at /redoc. They load their scripts, styles and "
+        "fonts from public CDNs (cdn.jsdelivr.net, fonts.googleapis.com), so they work only where the "
+        "browser reaches the internet; /openapi.json is always served.",
+    )
 
     def engine_config(self) -> EngineConfig:
         """What the engine reads of these settings (the engine never reads Settings itself)."""

@@ -127,3 +127,14 @@ def test_what_lives_from_ready_is_kept_out_of_the_full_collections() -> None:
         assert r.status_code == 200
     assert gc.get_freeze_count() == 0  # handed back at shutdown
     assert any(o is engines[0] for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("docs_ui", [False, True])
+def test_the_docs_ui_is_off_unless_asked_for_and_the_openapi_document_always_served(docs_ui: bool) -> None:
+    """Swagger UI and ReDoc load from CDNs (nothing an offline cluster reaches): off by default."""
+    client = TestClient(create_app(Settings(docs_ui=docs_ui), engine_factory=lambda s: FakeEngine()))
+    assert client.get("/openapi.json").json()["info"]["title"] == "logprobd"
+    for path, asset in (("/docs", "swagger-ui-bundle.js"), ("/redoc", "redoc.standalone.js")):
+        page = client.get(path)
+        assert page.status_code == (200 if docs_ui else 404)
+        assert (asset in page.text) is docs_ui

@@ -21,12 +21,9 @@ from service.__main__ import _parser
 from service.errors import ServiceError, status_for
 from service.server import GRACEFUL_SHUTDOWN_S
 from service.settings import Attention, CudaGraphs, Decoder, Device, DType, Kernels, MlpKernel, Settings
-from tests.deploy import crds
 from tests.deploy.chart import (
     CHART,
-    KUBE_VERSION,
     VALUES_FILES,
-    Manifest,
     container,
     env_of,
     kinds,
@@ -38,6 +35,7 @@ from tests.deploy.chart import (
     services,
     values_of,
 )
+from tests.deploy.check_chart import lint_problems, main, validate
 from tests.deploy.test_dockerfile import instructions
 
 SETTINGS_ENV = {f"LOGPROBD_{name.upper()}" for name in Settings.model_fields}
@@ -58,9 +56,7 @@ def test_there_are_values_files_for_each_deployment_shape() -> None:
 def test_values_pass_the_schema_and_lint_is_clean(values_file: Path) -> None:
     with helm.Chart.load(CHART) as chart:
         chart.validate_schema(values_of(values_file))
-    report = helm.lint(CHART, values_of(values_file), strict=True, kube_version=f"v{KUBE_VERSION}")
-    assert report["errors"] == []
-    assert [m for m in report["messages"] if m["severity"] >= 2] == []  # 2 warning, 3 error
+    assert lint_problems(values_file) == []
 
 
 @pytest.mark.parametrize(
@@ -138,20 +134,12 @@ def test_chart_defaults_are_the_service_defaults() -> None:
     assert chart["appVersion"] == service.__version__
 
 
-def _validate(manifest: Manifest) -> None:
-    key = (manifest["apiVersion"], manifest["kind"])
-    if key in crds.SCHEMAS:
-        jsonschema.Draft7Validator(crds.SCHEMAS[key]).validate(manifest)
-    else:
-        kubernetes_validate.validate(manifest, KUBE_VERSION, strict=True)
-
-
 @values_files
 def test_every_rendered_object_is_valid(values_file: Path) -> None:
     manifests = render(values_file)
     assert kinds(manifests) >= {"Deployment", "Service", "ServiceAccount", "PodDisruptionBudget", "ConfigMap"}
     for manifest in manifests:
-        _validate(manifest)
+        validate(manifest)
     names = [(m["kind"], m["metadata"]["name"]) for m in manifests]
     assert len(names) == len(set(names))
 
@@ -163,16 +151,37 @@ def test_validation_catches_a_misspelt_field() -> None:
     deployment = copy.deepcopy(only(manifests, "Deployment"))
     deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
-        _validate(deployment)
+        validate(deployment)
     for kind in ("ServiceMonitor", "PrometheusRule", "ScaledObject"):
         bad = copy.deepcopy(only(manifests, kind))
         bad["spec"]["selectr"] = {}
         with pytest.raises(jsonschema.ValidationError):
-            _validate(bad)
+            validate(bad)
     scaled = copy.deepcopy(only(manifests, "ScaledObject"))
     scaled["spec"]["triggers"][0]["metadata"]["threshold"] = 65536  # KEDA wants strings
     with pytest.raises(jsonschema.ValidationError):
-        _validate(scaled)
+        validate(scaled)
+
+
+def test_make_chart_writes_every_values_file_and_fails_on_a_bad_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make chart`: each CI values file rendered to a file of valid objects, exit 0; a values file
+    whose objects fail validation exits 1 naming the object and the field."""
+    assert main(["--output", str(tmp_path / "ci")]) == 0
+    for values_file in VALUES_FILES:
+        written = (tmp_path / "ci" / f"{values_file.stem}.yaml").read_text()
+        assert list(yaml.safe_load_all(written)) == render(values_file)
+    bad = tmp_path / "bad-values.yaml"
+    bad.write_text(yaml.safe_dump({"affinity": {"nodeAfinity": {}}}))
+    assert main(["--values", str(bad), "--output", str(tmp_path / "bad")]) == 1
+    assert (
+        "Deployment rl-logprobd: Additional properties are not allowed ('nodeAfinity'"
+        in capsys.readouterr().err
+    )
+    bad.write_text(yaml.safe_dump({"server": {"logLevell": "info"}}))
+    assert main(["--values", str(bad), "--output", str(tmp_path / "bad")]) == 1
+    assert "additional properties 'logLevell' not allowed" in capsys.readouterr().err
 
 
 @values_files
@@ -355,7 +364,7 @@ def test_autoscaling_is_on_queued_tokens_never_cpu(values_file: Path) -> None:
         behavior = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
         spec = {"scaleTargetRef": {"kind": "Deployment", "name": "x"}, "maxReplicas": 2, "behavior": behavior}
         kind = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "x"}}
-        _validate({**kind, "spec": spec})
+        validate({**kind, "spec": spec})
     else:
         hpa = only(manifests, "HorizontalPodAutoscaler")
         assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from collections import Counter
@@ -38,6 +39,7 @@ from tests.deploy.prometheus import MONITORED, Prometheus, rule_groups, running_
 from tests.deploy.test_metric_names import EXTERNAL, _panels
 
 INTERVAL = "1s"
+DASHBOARD_DATA = "LOGPROBD_DASHBOARD_DATA"  # a file to write every panel's answers to
 ADMIN = "admin-key"
 PODS = ("rl-logprobd-0", "rl-logprobd-1")
 GRAFANA = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h"}
@@ -210,6 +212,7 @@ def test_every_panel_query_returns_data(observed: Observed) -> None:
     queries = panel_queries()
     assert len(queries) > 30
     empty = []
+    answers = []
     for title, kind, expr in queries:
         sent = as_grafana_sends(expr)
         if kind == "stat":
@@ -219,6 +222,7 @@ def test_every_panel_query_returns_data(observed: Observed) -> None:
             start = observed.ended - math.ceil(observed.ended - observed.started)  # a step at the end
             data = prom.query_range(sent, start, observed.ended, "1s")
             assert data["resultType"] == "matrix", (title, sent)
+        answers.append({"title": title, "expr": expr, "result": data["result"]})
         if any(name in expr for name in EXTERNAL):  # another exporter's series: parse and type only
             assert data["result"] == [], (title, sent)
             continue
@@ -227,6 +231,8 @@ def test_every_panel_query_returns_data(observed: Observed) -> None:
             continue
         if not numbers(data["result"]):
             empty.append((title, sent))
+    if DASHBOARD_DATA in os.environ:  # benchmarks/dashboard_picture.py draws the panels from these
+        Path(os.environ[DASHBOARD_DATA]).write_text(json.dumps(answers))
     assert not empty, f"panels without data after the traffic: {empty}"
 
 
