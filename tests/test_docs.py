@@ -11,8 +11,9 @@ from types import ModuleType
 
 import yaml
 
-from service.__main__ import _parser
-from service.configdoc import render_configuration, serve_options
+from service.__main__ import _parser, _subcommand
+from service.configdoc import render_configuration
+from service.flags import setting_flags
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def test_configuration_page_has_not_drifted() -> None:
 
 def test_configuration_page_names_every_flag_and_variable() -> None:
     page = render_configuration()
-    options = serve_options(_parser())
+    options = setting_flags(_subcommand(_parser(), "serve"))
     assert set(options) == set(Settings.model_fields)
     rows = [line for line in page.splitlines() if line.startswith("| `--")]
     assert len(rows) == len(Settings.model_fields)
