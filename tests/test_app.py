@@ -126,3 +126,36 @@ def test_what_lives_from_ready_is_kept_out_of_the_full_collections() -> None:
         assert r.status_code == 200
     assert gc.get_freeze_count() == 0  # handed back at shutdown
     assert any(o is engines[0] for o in gc.get_objects())
+
+
+def test_unknown_routes_and_methods_answer_in_the_error_shape() -> None:
+    app = create_app(Settings(), engine_factory=lambda _: FakeEngine())
+    with TestClient(app) as client:
+        wait_ready(client)
+        for path in ("/", "/health", "/logprobs/x"):
+            missing = client.get(path)
+            assert missing.status_code == 404
+            assert missing.json() == {
+                "error": {
+                    "type": "not_found",
+                    "message": f"GET {path}: no such route (the routes are listed at /docs)",
+                }
+            }
+        wrong = client.get("/logprobs")
+        assert wrong.status_code == 405
+        assert wrong.headers["allow"] == "POST"
+        assert wrong.json() == {
+            "error": {
+                "type": "method_not_allowed",
+                "message": "GET /logprobs: method not allowed; /logprobs takes POST",
+            }
+        }
+        wrong = client.post("/health/live")
+        assert wrong.status_code == 405
+        assert (
+            wrong.json()["error"]["message"]
+            == "POST /health/live: method not allowed; /health/live takes GET"
+        )
+        metrics = client.get("/metrics").text
+        assert "not_found" not in metrics  # not scoring requests: the outcomes stay those of scoring
+        assert "method_not_allowed" not in metrics
