@@ -78,3 +78,37 @@ def test_every_alert_has_a_runbook() -> None:
     page = (ROOT / "docs" / "observability.md").read_text()
     assert alerts
     assert alerts == set(re.findall(r"^### (Logprobd\w+)$", page, re.MULTILINE))
+
+
+def section_table(page: str, heading: str) -> list[list[str]]:
+    """The first table after `heading` in docs/<page>, as rows of cells (the header row dropped)."""
+    text = (ROOT / "docs" / page).read_text().split(f"\n{heading}\n", 1)[1]
+    lines = text.split("\n|", 1)[1].split("\n\n", 1)[0].splitlines()
+    rows = [[cell.strip() for cell in ("|" + line).strip().strip("|").split("|")] for line in lines]
+    return [row for row in rows[1:] if not set(row[0]) <= {"-", " "}]
+
+
+def test_api_response_table_names_every_response_field() -> None:
+    spec = yaml.safe_load((ROOT / "openapi.yaml").read_text())
+    fields = set(spec["components"]["schemas"]["LogprobsResponse"]["properties"])
+    listed = {
+        name for row in section_table("api.md", "### Response") for name in re.findall(r"`(\w+)`", row[0])
+    }
+    assert fields - listed == set()
+
+
+def test_api_error_table_has_every_status_of_the_error_table() -> None:
+    from service.errors import _STATUS, ClientDisconnected, ServiceError, status_for
+
+    documented = {
+        (int(row[0]), kind)
+        for row in section_table("api.md", "## Errors")
+        for kind in re.findall(r"`(\w+)`", row[1])
+    }
+    served = {
+        (status_for(cls.__new__(cls)), cls.kind)
+        for cls in _STATUS
+        if cls is not ClientDisconnected  # never sent: the client has gone (the page says so below the table)
+    }
+    assert ServiceError in _STATUS
+    assert served == documented
