@@ -5,31 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, get_args
 
-from service.settings import Settings
+from service.flags import SettingsHelp, UsageParser, add_setting_flags, settings_from
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m service", description="logprobd scoring service")
+    parser = UsageParser(prog="python -m service", description="logprobd scoring service")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the HTTP server")
-    for name, field in Settings.model_fields.items():
-        choices = get_args(field.annotation) or None
-        if choices and not all(isinstance(c, str) for c in choices):
-            choices = None
-        annotation = field.annotation
-        kind: Any = (
-            Path if Path in get_args(annotation) else annotation if annotation in (int, float) else str
-        )
-        serve.add_argument(
-            f"--{name.replace('_', '-')}",
-            dest=name,
-            type=kind,
-            choices=choices,
-            default=None,
-            help=f"{field.description} [env LOGPROBD_{name.upper()}; default {field.default}]",
-        )
+    serve = commands.add_parser(
+        "serve",
+        help="run the HTTP server",
+        usage="%(prog)s [--SETTING [VALUE] ...] (listed below)",
+        formatter_class=SettingsHelp,
+    )
+    add_setting_flags(serve)
     openapi = commands.add_parser("openapi", help="print the OpenAPI document as YAML")
     openapi.add_argument("--output", type=Path, default=None)
     config_docs = commands.add_parser("config-docs", help="print docs/configuration.md, from the settings")
@@ -38,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.command in ("openapi", "config-docs"):
         if args.command == "openapi":
             from service.openapi import render_openapi as render
@@ -50,11 +40,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             args.output.write_text(text)
         return 0
-    overrides = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
-    settings = Settings(**overrides)
+    settings = settings_from(_subcommand(parser, "serve"), args)
     from service.server import serve
 
     return serve(settings)
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:  # argparse exposes subparsers only through this
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise LookupError(f"the parser has no {name} subcommand")
 
 
 if __name__ == "__main__":

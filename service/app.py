@@ -9,8 +9,10 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 import service
 from service import heap
@@ -18,7 +20,7 @@ from service.api import build_router
 from service.batcher import Batcher
 from service.engine import ScoringEngine, Supervised, load_engine
 from service.engine.config import EngineConfig
-from service.errors import ServiceError, from_pydantic, status_for
+from service.errors import ServiceError, from_pydantic, from_routing, status_for
 from service.follow import follow_version_file
 from service.metrics import Metrics
 from service.normalise import ModelLimits
@@ -29,6 +31,14 @@ from service.state import ServiceState, Serving
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[EngineConfig], ScoringEngine]
+
+# what a 413 `sequence_too_large` names as setting the longest sequence (the engine's
+# max_sequence_limit: positions | memory | setting)
+LIMITED_BY = {
+    "positions": "the model's positions",
+    "memory": "the accelerator's memory for its keys and values",
+    "setting": "--max-sequence-tokens",
+}
 
 
 def create_app(
@@ -106,7 +116,7 @@ async def _start(
         vocab_size=info.vocab_size,
         max_sequence_tokens=info.max_sequence_tokens or info.max_positions,
         max_positions=info.max_positions,
-        max_sequence_limit=info.max_sequence_limit,
+        max_sequence_limit=LIMITED_BY.get(info.max_sequence_limit, info.max_sequence_limit),
         has_critic="critic" in info.roles,
         has_reference="reference" in info.roles,
         max_request_sequences=settings.max_request_sequences,
@@ -160,5 +170,15 @@ def _install_error_handlers(app: FastAPI, state: ServiceState) -> None:
         assert isinstance(exc, RequestValidationError)
         return reply(from_pydantic(exc.errors()))
 
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        """The router's 404 and 405 in the error shape (not counted: no scoring request was made)."""
+        assert isinstance(exc, HTTPException)
+        allow = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+        error = from_routing(exc.status_code, request.method, request.url.path, allow)
+        if error is None:
+            return await http_exception_handler(request, exc)
+        return JSONResponse(error.body(), status_code=status_for(error), headers=error.headers())
+
     app.add_exception_handler(ServiceError, on_service_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(HTTPException, on_http_error)

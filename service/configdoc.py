@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from service.flags import BooleanFlag, UsageParser, add_setting_flags, setting_flags
 from service.settings import Settings
 
 HEADER = """\
@@ -19,7 +20,10 @@ HEADER = """\
 # Configuration
 
 Every setting is a flag of `python -m service serve` and an environment variable `LOGPROBD_<NAME>`;
-the flag wins. In a container or the Helm chart, use the environment (`server.extraEnv`). Keys are
+the flag wins. A boolean flag is given alone to turn its setting on, as `--no-<name>` to turn it
+off, or with a value read as the environment's (`true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`).
+A value the service refuses stops the start with one line naming the flag or the variable (exit
+status 2). In a container or the Helm chart, use the environment (`server.extraEnv`). Keys are
 better given as the environment or a file than as flags: command lines are visible to other users.
 What the kernel options do, and what they were measured to save, is in
 [Performance](performance.md#kernel-options).
@@ -27,15 +31,6 @@ What the kernel options do, and what they were measured to save, is in
 | flag | environment | default | meaning |
 | --- | --- | --- | --- |
 """
-
-
-def serve_options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """The `serve` subcommand's options by destination (the Settings field name)."""
-    for action in parser._actions:  # argparse exposes subparsers only through this
-        if isinstance(action, argparse._SubParsersAction):
-            serve: argparse.ArgumentParser = action.choices["serve"]
-            return {a.dest: a for a in serve._actions if a.option_strings and a.dest != "help"}
-    raise LookupError("the parser has no serve subcommand")
 
 
 def _default(value: Any) -> str:
@@ -49,6 +44,8 @@ def _default(value: Any) -> str:
 
 
 def _flag(action: argparse.Action) -> str:
+    if isinstance(action, BooleanFlag):
+        return ", ".join(f"`{option}`" for option in action.option_strings)
     if action.choices:
         return f"`{action.option_strings[0]} {{{','.join(map(str, action.choices))}}}`"
     metavar = getattr(action.type, "__name__", "str").upper()
@@ -61,9 +58,9 @@ def _cell(text: str) -> str:
 
 
 def render_configuration() -> str:
-    from service.__main__ import _parser
-
-    options = serve_options(_parser())
+    parser = UsageParser(prog="python -m service serve")
+    add_setting_flags(parser)
+    options = setting_flags(parser)
     rows = []
     for name, field in Settings.model_fields.items():
         env = f"LOGPROBD_{name.upper()}"

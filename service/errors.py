@@ -133,6 +133,25 @@ class NotReady(ServiceError):
     kind = "not_ready"
 
 
+class NoRoute(ServiceError):
+    """The path or the method names no route. Not a scoring request: not counted as an outcome."""
+
+
+class NotFound(NoRoute):
+    kind = "not_found"
+
+
+class MethodNotAllowed(NoRoute):
+    kind = "method_not_allowed"
+
+    def __init__(self, message: str, *, allow: str) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+    def headers(self) -> dict[str, str]:
+        return {"Allow": self.allow}
+
+
 class EngineFailure(ServiceError):
     """The forward pass failed for a reason that is not the client's."""
 
@@ -145,6 +164,8 @@ _STATUS: dict[type[ServiceError], int] = {
     SequenceTooLarge: 413,
     Unauthorized: 401,
     Forbidden: 403,
+    NotFound: 404,
+    MethodNotAllowed: 405,
     VersionMismatch: 409,
     ReloadConflict: 409,
     WeightsRefused: 422,
@@ -159,7 +180,7 @@ _STATUS: dict[type[ServiceError], int] = {
 
 # every `outcome` label of logprobd_requests_total: exported at 0 from the start, so that rate() and
 # the alerts see the first requests of an outcome (a series that appears at N has no increase)
-OUTCOMES = ("ok", *sorted({cls.kind for cls in _STATUS}))
+OUTCOMES = ("ok", *sorted({cls.kind for cls in _STATUS if not issubclass(cls, NoRoute)}))
 
 
 def status_for(error: ServiceError) -> int:
@@ -167,6 +188,16 @@ def status_for(error: ServiceError) -> int:
         if cls in _STATUS:
             return _STATUS[cls]
     return 500
+
+
+def from_routing(status: int, method: str, path: str, allow: str | None) -> NoRoute | None:
+    """The router's 404 or 405 as an error of this table; None for any other status."""
+    route = f"{method} {path[:200]}"
+    if status == 404:
+        return NotFound(f"{route}: no such route (the routes are listed at /openapi.json)")
+    if status == 405 and allow:
+        return MethodNotAllowed(f"{route}: method not allowed; {path[:200]} takes {allow}", allow=allow)
+    return None
 
 
 # fields with one entry per input row: an index into them is the row at fault
@@ -194,5 +225,6 @@ def from_pydantic(errors: Sequence[Mapping[str, Any]]) -> InvalidRequest:
     field = str(loc[0]) if loc else "body"
     row = loc[1] if len(loc) > 1 and isinstance(loc[1], int) and field in _ROW_FIELDS else None
     where = field + "".join(f"[{part}]" for part in loc[1:])
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    others = len(errors) - 1
+    more = f" (and {others} more error{'s' if others > 1 else ''})" if others else ""
     return InvalidRequest(f"{where}: {chosen.get('msg', 'invalid')}{more}", field=field, row=row)

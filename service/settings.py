@@ -1,7 +1,7 @@
 """Every knob of the service, typed and described; the only code that reads the environment.
 
 Each field is `LOGPROBD_<NAME>` in the environment and `--<name>` on the command line (the command
-line wins).
+line wins; a boolean is also `--no-<name>`). The flags are built from these fields in service/flags.py.
 """
 
 from __future__ import annotations
@@ -197,7 +197,9 @@ class Settings(BaseSettings):
     max_queued_tokens: int = Field(
         1 << 21,
         ge=1,
-        description="Tokens the queue may hold; a request that would pass it gets 429 with Retry-After.",
+        description="Tokens the queue may hold; a request that would pass it gets 429 with Retry-After. "
+        "A request is admitted whatever its size when nothing is queued (it could never be otherwise; "
+        "max_request_tokens bounds it), so the queue may hold more than this for one request.",
     )
     request_timeout_s: float = Field(
         600.0, gt=0, description="Default deadline of a scoring request (504 past it, its work dropped)."

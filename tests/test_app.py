@@ -138,3 +138,36 @@ def test_the_docs_ui_is_off_unless_asked_for_and_the_openapi_document_always_ser
         page = client.get(path)
         assert page.status_code == (200 if docs_ui else 404)
         assert (asset in page.text) is docs_ui
+
+
+def test_unknown_routes_and_methods_answer_in_the_error_shape() -> None:
+    app = create_app(Settings(), engine_factory=lambda _: FakeEngine())
+    with TestClient(app) as client:
+        wait_ready(client)
+        for path in ("/", "/health", "/logprobs/x"):
+            missing = client.get(path)
+            assert missing.status_code == 404
+            assert missing.json() == {
+                "error": {
+                    "type": "not_found",
+                    "message": f"GET {path}: no such route (the routes are listed at /openapi.json)",
+                }
+            }
+        wrong = client.get("/logprobs")
+        assert wrong.status_code == 405
+        assert wrong.headers["allow"] == "POST"
+        assert wrong.json() == {
+            "error": {
+                "type": "method_not_allowed",
+                "message": "GET /logprobs: method not allowed; /logprobs takes POST",
+            }
+        }
+        wrong = client.post("/health/live")
+        assert wrong.status_code == 405
+        assert (
+            wrong.json()["error"]["message"]
+            == "POST /health/live: method not allowed; /health/live takes GET"
+        )
+        metrics = client.get("/metrics").text
+        assert "not_found" not in metrics  # not scoring requests: the outcomes stay those of scoring
+        assert "method_not_allowed" not in metrics

@@ -396,4 +396,5 @@ def test_longest_sequence_is_the_positions_or_the_setting_whatever_the_budget(
             assert too_long.status_code == 413, too_long.text
             error = too_long.json()["error"]
             assert (error["type"], error["field"], error["row"]) == ("sequence_too_large", "input_ids", 1)
-            assert f"longest sequence this server scores is {longest} (set by setting)" in error["message"]
+            limited = f"longest sequence this server scores is {longest} (set by --max-sequence-tokens)"
+            assert limited in error["message"]

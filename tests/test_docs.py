@@ -11,8 +11,9 @@ from types import ModuleType
 
 import yaml
 
-from service.__main__ import _parser
-from service.configdoc import render_configuration, serve_options
+from service.__main__ import _parser, _subcommand
+from service.configdoc import render_configuration
+from service.flags import setting_flags
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def test_configuration_page_has_not_drifted() -> None:
 
 def test_configuration_page_names_every_flag_and_variable() -> None:
     page = render_configuration()
-    options = serve_options(_parser())
+    options = setting_flags(_subcommand(_parser(), "serve"))
     assert set(options) == set(Settings.model_fields)
     rows = [line for line in page.splitlines() if line.startswith("| `--")]
     assert len(rows) == len(Settings.model_fields)
@@ -77,3 +78,37 @@ def test_every_alert_has_a_runbook() -> None:
     page = (ROOT / "docs" / "observability.md").read_text()
     assert alerts
     assert alerts == set(re.findall(r"^### (Logprobd\w+)$", page, re.MULTILINE))
+
+
+def section_table(page: str, heading: str) -> list[list[str]]:
+    """The first table after `heading` in docs/<page>, as rows of cells (the header row dropped)."""
+    text = (ROOT / "docs" / page).read_text().split(f"\n{heading}\n", 1)[1]
+    lines = text.split("\n|", 1)[1].split("\n\n", 1)[0].splitlines()
+    rows = [[cell.strip() for cell in ("|" + line).strip().strip("|").split("|")] for line in lines]
+    return [row for row in rows[1:] if not set(row[0]) <= {"-", " "}]
+
+
+def test_api_response_table_names_every_response_field() -> None:
+    spec = yaml.safe_load((ROOT / "openapi.yaml").read_text())
+    fields = set(spec["components"]["schemas"]["LogprobsResponse"]["properties"])
+    listed = {
+        name for row in section_table("api.md", "### Response") for name in re.findall(r"`(\w+)`", row[0])
+    }
+    assert fields - listed == set()
+
+
+def test_api_error_table_has_every_status_of_the_error_table() -> None:
+    from service.errors import _STATUS, ClientDisconnected, ServiceError, status_for
+
+    documented = {
+        (int(row[0]), kind)
+        for row in section_table("api.md", "## Errors")
+        for kind in re.findall(r"`(\w+)`", row[1])
+    }
+    served = {
+        (status_for(cls.__new__(cls)), cls.kind)
+        for cls in _STATUS
+        if cls is not ClientDisconnected  # never sent: the client has gone (the page says so below the table)
+    }
+    assert ServiceError in _STATUS
+    assert served == documented

@@ -85,6 +85,17 @@ def test_full_queue_answers_429_with_retry_after(slow: FakeEngine) -> None:
         assert 'outcome="overloaded"} 1.0' in client.get("/metrics").text
 
 
+def test_a_request_over_the_queue_cap_is_admitted_when_nothing_is_queued() -> None:
+    """As the setting says (and docs/configuration.md, docs/api.md): otherwise it could never run."""
+    described = Settings.model_fields["max_queued_tokens"].description or ""
+    assert "admitted whatever its size when nothing is queued" in described
+    with _client(FakeEngine(), max_queued_tokens=12, batch_wait_ms=0) as client:
+        wait_ready(client)
+        big = client.post("/logprobs", json={"input_ids": [list(range(1, 21))], "num_actions": 1})
+        assert big.status_code == 200, big.text
+        assert big.json()["logprobs"] == [[-39.0]]  # FakeEngine: -(x_19 + 19), 20 tokens past a cap of 12
+
+
 def test_deadline_drops_the_work_and_answers_504(slow: FakeEngine) -> None:
     with _client(slow, batch_wait_ms=0) as client:
         wait_ready(client)

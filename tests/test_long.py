@@ -369,7 +369,8 @@ def test_past_the_longest_sequence_413_past_the_positions_422(
         error = reply.json()["error"]
         assert (error["type"], error["field"], error["row"]) == ("sequence_too_large", "input_ids", 1)
         assert "row 1 has 1001 tokens" in error["message"]
-        assert "longest sequence this server scores is 1000 (set by setting)" in error["message"]
+        limited = "longest sequence this server scores is 1000 (set by --max-sequence-tokens)"
+        assert limited in error["message"]
         past = {"input_ids": [_tokens(rng, LONG_POSITIONS + 1, set())], "num_actions": 1}
         reply = s.client.post("/logprobs", json=past)
         assert reply.status_code == 422, reply.text

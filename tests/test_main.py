@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,8 @@ import pytest
 
 from service.__main__ import _parser
 from service.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_setting_has_a_flag() -> None:
@@ -55,3 +58,25 @@ def test_serve_exits_non_zero_when_the_model_cannot_load(tmp_path: Path) -> None
     )
     assert done.returncode == 1
     assert "no config.json" in done.stderr
+
+
+def test_nothing_imports_the_entry_point() -> None:
+    """`python -m service` is the top of the import graph: the docs renderer and every other module
+    take the command line's flags from service/flags.py, so no import circle runs through it."""
+    importers = []
+    for path in sorted((ROOT / "service").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [alias.name for alias in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            )  # fmt: skip
+            if "service.__main__" in names:
+                importers.append(path.relative_to(ROOT).as_posix())
+    assert importers == []
+    rendered = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from service.configdoc import render_configuration; render_configuration(); "
+         "print('service.__main__' in sys.modules)"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert rendered == "False\n"

@@ -47,7 +47,9 @@ def read_prompts(request: LogprobsRequest) -> Prompts:
     for i, p in enumerate(index):
         if p >= count:
             raise InvalidRequest(
-                f"prompt_index[{i}] is {p}; prompt_ids holds {count} prompts", field="prompt_index", row=i
+                f"prompt_index[{i}] is {p}; prompt_ids holds {count} prompt{'s' if count != 1 else ''}",
+                field="prompt_index",
+                row=i,
             )
         first_row.setdefault(p, i)
     prompts: Prompts = {}

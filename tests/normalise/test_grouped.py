@@ -417,3 +417,10 @@ def test_a_bad_grouped_request_over_http_is_a_422_in_json_and_in_frames(server: 
         assert reply.status_code == 422
         error = reply.json()["error"]
         assert (error["field"], error["row"]) == ("prompt_index", 2)
+
+
+@pytest.mark.parametrize(("prompts", "noun"), [(1, "1 prompt"), (2, "2 prompts")])
+def test_a_prompt_index_past_the_prompts_counts_them_in_words(prompts: int, noun: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        plan_of(prompt_ids=[[1, 2]] * prompts, prompt_index=[prompts], input_ids=[[3, 4]])
+    assert str(caught.value) == f"prompt_index[0] is {prompts}; prompt_ids holds {noun}"
