@@ -12,9 +12,11 @@ the framework's in-process forward returns them:
   <= 0.11.0 of the raw logits (a second request at T = 1 when T != 1). `tempered_entropy=True/False`
   chooses; the default None reads the installed version and, without OpenRLHF, takes the current
   convention, `logits / T`.
-- verl `DataParallelPPOActor._forward_micro_batch`: `[B, R]` log-probs (and entropy) of the last R
-  columns, R = `responses.size(-1)`; response_mask = attention_mask[:, -R:].
-- TRL `GRPOTrainer._get_per_token_logps`: `[B, C]` log-probs of the last C = `logits_to_keep` columns.
+- verl's FSDP engine (`DataParallelPPOActor._forward_micro_batch` before 0.9): `[B, R]` log-probs
+  (and entropy) of the last R columns, R = `responses.size(-1)`; response_mask =
+  attention_mask[:, -R:].
+- TRL `GRPOTrainer._get_per_token_logps_and_entropies`: `[B, C]` log-probs (and entropy) of the
+  last C = `logits_to_keep` columns.
 
 verl and TRL leave unspecified values where their mask is 0 and mask them in every loss; here those
 entries are exactly 0.0. Each sync function has an `_async` twin taking an `AsyncClient`.
@@ -33,8 +35,9 @@ Everything PPO needs, from the same request (a server started with `--critic` / 
   verl `ref_log_prob`, TRL `ref_per_token_logps`), computed by the reference model at the call's
   temperature, as the three frameworks do; and `TensorScores.kl`, with r = log_probs -
   ref_log_probs, by `kl_estimator`: `k1` = r, `k2` = r²/2, `k3` = exp(-r) - 1 + r (OpenRLHF's
-  `compute_approx_kl` k1/k2/k3; verl's `kl_penalty` kl/mse/low_var_kl, except that verl clamps
-  low_var_kl to [-10, 10] and the server does not; TRL GRPO's `per_token_kl` is k3).
+  `compute_approx_kl` k1/k2/k3; verl's `kl_penalty` kl/mse/low_var_kl, except that OpenRLHF 0.11
+  clamps each estimate and verl low_var_kl to [-10, 10], and the server does not; TRL GRPO's
+  `per_token_kl` is k3).
 - `rollout_log_probs=` the log-probs the inference engine reported at sampling time, shaped like the
   output (OpenRLHF `[B, A]` like `action_mask`, verl `[B, R]` like `responses`, TRL `[B, C]`);
   entries off the mask are not sent. `TensorScores.rollout` then carries the server's
