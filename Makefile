@@ -17,6 +17,7 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt "$(TRANSFORMERS_REQ)"
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/frameworks -r requirements-frameworks.txt  # RL trainers' releases for tests/client/test_releases.py
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -144,7 +144,10 @@ def openrlhf_plan(
     asked: Asked,
     options: dict[str, Any],
     grouped: bool = True,
+    tempered_entropy: bool = True,
 ) -> Plan:
+    """`tempered_entropy`: the entropy of `logits / T` (OpenRLHF >= 0.11.1), else of the raw logits
+    (OpenRLHF <= 0.11.0), which at T != 1 takes a second request at T = 1 that asks for nothing else."""
     batch, length = _check_padded(sequences, attention_mask)
     if action_mask.dim() != 2 or action_mask.shape[0] != batch or not 0 <= action_mask.shape[1] < length:
         raise ValueError(
@@ -158,9 +161,7 @@ def openrlhf_plan(
     marked = window.any(dim=0).nonzero()
     groups = _groups(sequences, attention_mask, int(marked[0]) + 1) if grouped and marked.numel() else None
     sent = window if groups is None else window[:, groups.start - 1 :]  # column j+1 -> entry j
-    # OpenRLHF takes the entropy of the logits before dividing them by the temperature: a second
-    # request at T = 1 that asks for nothing else
-    separate = asked.entropy and temperature != 1.0
+    separate = asked.entropy and not tempered_entropy and temperature != 1.0
     main = replace(asked, entropy=asked.entropy and not separate)
     body = _body(
         sequences, attention_mask, temperature=temperature, asked=main, options=options, groups=groups

@@ -7,11 +7,16 @@ the framework's in-process forward returns them:
 - OpenRLHF `Actor.forward(sequences, action_mask, attention_mask)`: `[B, A]` action log-probs, where
   `action_mask` `[B, A]` is about the last A of columns 1..L-1 (A = L-1 in current OpenRLHF, where
   `action_mask[:, j]` is about column j+1); entries outside the mask are 0.0, as OpenRLHF's
-  `log_probs * action_mask` makes them; its entropy (`return_entropy`) is of the logits before the
-  temperature, as OpenRLHF computes it (a second request at T = 1 when T != 1).
-- verl `DataParallelPPOActor._forward_micro_batch`: `[B, R]` log-probs (and entropy) of the last R
-  columns, R = `responses.size(-1)`; response_mask = attention_mask[:, -R:].
-- TRL `GRPOTrainer._get_per_token_logps`: `[B, C]` log-probs of the last C = `logits_to_keep` columns.
+  `log_probs * action_mask` makes them; its entropy (`return_entropy`) follows the installed
+  OpenRLHF: >= 0.11.1 takes it of `logits / T`, the policy the log-probs describe (one request), and
+  <= 0.11.0 of the raw logits (a second request at T = 1 when T != 1). `tempered_entropy=True/False`
+  chooses; the default None reads the installed version and, without OpenRLHF, takes the current
+  convention, `logits / T`.
+- verl's FSDP engine (`DataParallelPPOActor._forward_micro_batch` before 0.9): `[B, R]` log-probs
+  (and entropy) of the last R columns, R = `responses.size(-1)`; response_mask =
+  attention_mask[:, -R:].
+- TRL `GRPOTrainer._get_per_token_logps_and_entropies`: `[B, C]` log-probs (and entropy) of the
+  last C = `logits_to_keep` columns.
 
 verl and TRL leave unspecified values where their mask is 0 and mask them in every loss; here those
 entries are exactly 0.0. Each sync function has an `_async` twin taking an `AsyncClient`.
@@ -30,8 +35,9 @@ Everything PPO needs, from the same request (a server started with `--critic` / 
   verl `ref_log_prob`, TRL `ref_per_token_logps`), computed by the reference model at the call's
   temperature, as the three frameworks do; and `TensorScores.kl`, with r = log_probs -
   ref_log_probs, by `kl_estimator`: `k1` = r, `k2` = r²/2, `k3` = exp(-r) - 1 + r (OpenRLHF's
-  `compute_approx_kl` k1/k2/k3; verl's `kl_penalty` kl/mse/low_var_kl, except that verl clamps
-  low_var_kl to [-10, 10] and the server does not; TRL GRPO's `per_token_kl` is k3).
+  `compute_approx_kl` k1/k2/k3; verl's `kl_penalty` kl/mse/low_var_kl, except that OpenRLHF 0.11
+  clamps each estimate and verl low_var_kl to [-10, 10], and the server does not; TRL GRPO's
+  `per_token_kl` is k3).
 - `rollout_log_probs=` the log-probs the inference engine reported at sampling time, shaped like the
   output (OpenRLHF `[B, A]` like `action_mask`, verl `[B, R]` like `responses`, TRL `[B, C]`);
   entries off the mask are not sent. `TensorScores.rollout` then carries the server's
@@ -57,6 +63,7 @@ import torch
 from service.client._async import AsyncClient
 from service.client._plans import Asked, TensorScores, openrlhf_plan, trl_plan, verl_plan
 from service.client._sync import Client
+from service.client.conventions import openrlhf_tempered_entropy
 from service.client.wire import RolloutStats
 
 __all__ = [
@@ -84,11 +91,14 @@ def openrlhf_log_probs(
     kl_estimator: str = "k1",
     rollout_log_probs: torch.Tensor | None = None,
     grouped: bool = True,
+    tempered_entropy: bool | None = None,
     **options: Any,
 ) -> TensorScores:
     """OpenRLHF's action log-probs `[B, A]` for `sequences` `[B, L]` (any padding side); with
     `return_values` / `return_ref_log_probs` also the critic's `values` and the reference's
-    `base_action_log_probs` (`ref_log_probs`) and `kl`, each `[B, A]` like the log-probs."""
+    `base_action_log_probs` (`ref_log_probs`) and `kl`, each `[B, A]` like the log-probs.
+    `tempered_entropy`: the entropy of `logits / T` (True) or of the raw logits (False); None: as
+    the installed OpenRLHF takes it (`conventions.openrlhf_tempered_entropy`)."""
     asked = Asked(return_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
     plan = openrlhf_plan(
         sequences,
@@ -98,6 +108,7 @@ def openrlhf_log_probs(
         asked=asked,
         options=options,
         grouped=grouped,
+        tempered_entropy=_tempered(tempered_entropy, return_entropy),
     )
     return plan.run(client)
 
@@ -115,6 +126,7 @@ async def openrlhf_log_probs_async(
     kl_estimator: str = "k1",
     rollout_log_probs: torch.Tensor | None = None,
     grouped: bool = True,
+    tempered_entropy: bool | None = None,
     **options: Any,
 ) -> TensorScores:
     asked = Asked(return_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
@@ -126,8 +138,16 @@ async def openrlhf_log_probs_async(
         asked=asked,
         options=options,
         grouped=grouped,
+        tempered_entropy=_tempered(tempered_entropy, return_entropy),
     )
     return await plan.run_async(client)
+
+
+def _tempered(chosen: bool | None, asked: bool) -> bool:
+    """The caller's choice, else the installed OpenRLHF's (looked up only when entropy is asked)."""
+    if chosen is not None:
+        return chosen
+    return openrlhf_tempered_entropy() if asked else True
 
 
 def verl_log_probs(

@@ -1,8 +1,10 @@
 """Each framework's in-process scoring, re-implemented from SEMANTICS.md and the frameworks' public
-code (read, not imported): the HF model's own forward on the padded batch, float32.
+code (read, not imported): the HF model's own forward on the padded batch, float32. test_releases.py runs
+the frameworks' released code itself (tests/client/releases.py).
 
 - OpenRLHF `Actor.forward`: position ids cumsum(mask)-1 (1 on padding), logits[:, :-1] / T,
-  log-softmax gathered at sequences[:, 1:], the last A columns, times action_mask.
+  log-softmax gathered at sequences[:, 1:], the last A columns, times action_mask; entropy of the
+  same logits / T (0.11.1 on; before, of the raw logits).
 - verl `_forward_micro_batch` (padded path): position ids clamp(cumsum(mask)-1, 0), logits / T,
   columns -R-1..-2, gathered at `responses`; entropy = logsumexp - sum(p * logits).
 - TRL `_get_per_token_logps(_and_entropies)`: no position ids (the model counts columns),
@@ -87,12 +89,12 @@ def openrlhf(model: Any, batch: Batch, action_mask: torch.Tensor, temperature: f
 
 
 @torch.no_grad()
-def openrlhf_entropy(model: Any, batch: Batch) -> torch.Tensor:
-    """OpenRLHF `return_entropy`: the entropy of every column's next-token distribution, [B, L-1],
-    taken before `log_probs_from_logits` divides the logits by the temperature (in place)."""
+def openrlhf_entropy(model: Any, batch: Batch, temperature: float) -> torch.Tensor:
+    """OpenRLHF `return_entropy`: the entropy of every column's next-token distribution, [B, L-1], of
+    `logits / T` (OpenRLHF >= 0.11.1); at T = 1, that of the raw logits (OpenRLHF <= 0.11.0)."""
     position_ids = (batch.attention_mask.cumsum(-1) - 1).masked_fill(batch.attention_mask == 0, 1)
     logits = model(batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids).logits
-    return _entropy(logits.float()[:, :-1])
+    return _entropy(logits.float()[:, :-1] / temperature)
 
 
 @torch.no_grad()

@@ -45,8 +45,36 @@ def test_openrlhf(servers: dict[str, str], reference_models: dict[str, Any], mod
     check(got.log_probs, want, batch.action_mask)
     assert torch.equal(got.action_mask, batch.action_mask)
     assert got.entropy is not None
-    entropy = frameworks.openrlhf_entropy(reference_models[model], batch)
+    entropy = frameworks.openrlhf_entropy(reference_models[model], batch, temperature=0.7)
     check(got.entropy, entropy * batch.action_mask, batch.action_mask)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_openrlhf_entropy_of_the_raw_logits_as_before_0_11_1(
+    servers: dict[str, str], reference_models: dict[str, Any], model: str
+) -> None:
+    """`tempered_entropy=False`: OpenRLHF <= 0.11.0's entropy of the raw logits, from a second request
+    at T = 1; the log-probs stay at T. It differs from the tempered entropy by far more than tolerance."""
+    batch = make_batch("split", seed=4)
+    sent = Flaky([])
+    with Client(servers[model], transport=sent) as client:
+        got = openrlhf_log_probs(
+            client,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.action_mask,
+            temperature=0.5,
+            return_entropy=True,
+            tempered_entropy=False,
+        )
+    assert sorted(sent_body(raw)["temperature"] for raw in sent.script.bodies) == [0.5, 1.0]
+    want = frameworks.openrlhf(reference_models[model], batch, batch.action_mask, temperature=0.5)
+    check(got.log_probs, want, batch.action_mask)
+    assert got.entropy is not None
+    raw = frameworks.openrlhf_entropy(reference_models[model], batch, temperature=1.0) * batch.action_mask
+    check(got.entropy, raw, batch.action_mask)
+    tempered = frameworks.openrlhf_entropy(reference_models[model], batch, temperature=0.5)
+    assert float((raw - tempered)[batch.action_mask].abs().max()) > 0.1
 
 
 def test_openrlhf_action_mask_of_the_last_columns(
@@ -60,7 +88,7 @@ def test_openrlhf_action_mask_of_the_last_columns(
         plain = openrlhf_log_probs(client, batch.input_ids, batch.attention_mask, short)
     check(got.log_probs, frameworks.openrlhf(reference_models["qwen2"], batch, short, temperature=1.0), short)
     assert got.entropy is not None
-    entropy = frameworks.openrlhf_entropy(reference_models["qwen2"], batch)[:, -batch.window :]
+    entropy = frameworks.openrlhf_entropy(reference_models["qwen2"], batch, 1.0)[:, -batch.window :]
     check(got.entropy, entropy * short, short)
     assert plain.entropy is None
 
@@ -141,7 +169,7 @@ def test_rows_that_share_a_prompt_go_out_grouped_and_score_the_same(
                 c, ids, mask, batch.action_mask, temperature=0.7, return_entropy=True, **kw
             ),
             frameworks.openrlhf(model, batch, batch.action_mask, temperature=0.7),
-            frameworks.openrlhf_entropy(model, batch) * batch.action_mask,
+            frameworks.openrlhf_entropy(model, batch, temperature=0.7) * batch.action_mask,
             batch.action_mask,
         ),
         "verl": (
@@ -167,7 +195,7 @@ def test_rows_that_share_a_prompt_go_out_grouped_and_score_the_same(
         with Client(servers["qwen2"], transport=full_sent) as client:
             full = call(client, grouped=False)
         bodies = [sent_body(raw) for raw in grouped_sent.script.bodies]
-        assert len(bodies) == (2 if name == "openrlhf" else 1)  # OpenRLHF: entropy at T = 1 apart
+        assert len(bodies) == 1
         for body in bodies:
             assert len(body["prompt_ids"]) < 9, name
             assert sequences_sent(body) == full_rows, name

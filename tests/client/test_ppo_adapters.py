@@ -142,7 +142,8 @@ def test_openrlhf_action_mask_of_the_last_columns(
     ppo_server: PpoServer, reference_models: dict[str, Any], ref_model: Any
 ) -> None:
     """Older OpenRLHF's action_mask [B, A] about the last A columns: every tensor is [B, A], and so is
-    the rollout it takes; with entropy at T != 1 (a second request at T = 1)."""
+    the rollout it takes; with the raw-logit entropy of OpenRLHF <= 0.11.0 at T != 1 (a second
+    request at T = 1)."""
     full = make_batch("split", seed=50)
     short = full.action_mask[:, -full.window :]
     batch = Batch(full.input_ids, full.attention_mask, short, full.window)
@@ -160,6 +161,7 @@ def test_openrlhf_action_mask_of_the_last_columns(
             return_ref_log_probs=True,
             kl_estimator="k3",
             rollout_log_probs=rollout,
+            tempered_entropy=False,
         )
     ref_log_probs = window("openrlhf", batch, want.ref_log_probs)
     check(got.log_probs, log_probs, short)
@@ -217,14 +219,27 @@ def test_nothing_extra_unless_asked(ppo_server: PpoServer) -> None:
 
 
 def test_the_openrlhf_entropy_request_asks_for_nothing_else() -> None:
-    """At T != 1 OpenRLHF's entropy needs a second request at T = 1: values, ref and rollout are only
-    in the first; the rollout is laid out in the server's [B, L-1] window, 0.0 off the mask."""
+    """At T != 1 the raw-logit entropy (OpenRLHF <= 0.11.0) needs a second request at T = 1: values,
+    ref and rollout are only in the first; the rollout is laid out in the server's [B, L-1] window,
+    0.0 off the mask. The tempered entropy (>= 0.11.1) is asked in the one request."""
     batch = make_batch("split", seed=62)
     short = batch.action_mask[:, -batch.window :]
     rollout = noisy_rollout(torch.zeros(short.shape, dtype=torch.float64), short, seed=1)
     asked = Asked(entropy=True, values=True, ref_log_probs=True, kl_estimator="k3", rollout_log_probs=rollout)
+    tempered = openrlhf_plan(
+        batch.input_ids, batch.attention_mask, short, temperature=0.5, asked=asked, options={}
+    )
+    assert tempered.entropy_body is None
+    assert tempered.body["return_entropy"] is True
+    assert tempered.body["temperature"] == 0.5
     plan = openrlhf_plan(
-        batch.input_ids, batch.attention_mask, short, temperature=0.5, asked=asked, options={"timeout_s": 9.0}
+        batch.input_ids,
+        batch.attention_mask,
+        short,
+        temperature=0.5,
+        asked=asked,
+        options={"timeout_s": 9.0},
+        tempered_entropy=False,
     )
     assert plan.entropy_body is not None
     for key in ("return_values", "return_ref_logprobs", "kl_estimator", "rollout_logprobs"):
