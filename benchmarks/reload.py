@@ -45,7 +45,7 @@ def save_checkpoint(name: str, directory: Path, device: torch.device, attn: str)
 
 
 def served_equals(engine: PackedScorer, directory: Path) -> bool:
-    served = dict(engine._policy.model.named_parameters())
+    served = dict(engine.served.policy.model.named_parameters())
     with safe_open(str(directory / "model.safetensors"), framework="pt", device="cpu") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             if name in served and not torch.equal(

@@ -119,7 +119,7 @@ def instrument(clock: Clock) -> None:
     from service.engine.decoder import graphs
     from service.engine.moe import layer as moe
     from service.engine.ops import gate_up as gated
-    from service.engine.scorer import engine as scorer
+    from service.engine.scorer import build
     from service.engine.scorer.engine import PackedScorer
 
     PackedScorer.__init__ = clock.timed_phase("build decoders", PackedScorer.__init__)  # type: ignore[method-assign]
@@ -131,7 +131,7 @@ def instrument(clock: Clock) -> None:
         (decoder, "build", "fused decoder"),
         (moe, "choose", "MoE kernel probe"),
         (gated, "choose", "MLP kernel probe"),
-        (scorer, "apply_fused_kernels", "kernel patches"),
+        (build, "apply_fused_kernels", "kernel patches"),
     ]:
         setattr(module, function, clock.timed_phase(name, getattr(module, function)))
     graphs.GraphedDecoder.capture = clock.timed_phase("CUDA graphs", graphs.GraphedDecoder.capture)  # type: ignore[method-assign]

@@ -65,8 +65,10 @@ def serve(settings: Settings, delay_s: float = 0.0) -> Iterator[Served]:
         box[0].engine = engine
         return engine
 
+    # the holder exists before the app starts: the factory may finish before the client is entered
+    box.append(Served(cast(TestClient, None), cast(PackedScorer, None)))
     with TestClient(create_app(settings, engine_factory=factory)) as client:
-        box.append(Served(client, cast(PackedScorer, None)))
+        box[0].client = client
         wait_ready(client)
         box[0].launches.clear()  # the warm-up's
         yield box[0]

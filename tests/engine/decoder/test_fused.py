@@ -19,7 +19,8 @@ from service.engine.decoder import fused as decoder
 from service.engine.decoder.fused import FusedDecoder, TransformersDecoder
 from service.engine.ops.attention import choose_backend, register
 from service.engine.ops.elementwise import TORCH, TRITON
-from service.engine.scorer.engine import PackedScorer, check_hidden
+from service.engine.scorer.engine import PackedScorer
+from service.engine.scorer.self_check import check_hidden, logits_check
 from service.jobs import SequenceJob
 from service.settings import Settings
 from tests import models
@@ -150,10 +151,10 @@ def test_self_check_catches_a_misread_layer() -> None:
         layer.window = None
     with pytest.raises(RuntimeError, match="fused decoder"):
         check_hidden(model.base_model, fused, job, CPU, "policy")
-    from service.engine.scorer.engine import CausalLM
+    from service.engine.scorer.models import CausalLM
 
     with pytest.raises(RuntimeError, match="fused decoder"):
-        CausalLM(model, fused, chunk_rows=8).self_check(job, CPU)
+        logits_check(CausalLM(model, fused, chunk_rows=8), job, CPU)
     assert check_hidden(model.base_model, TransformersDecoder(model.base_model), job, CPU, "policy") == 0.0
 
 
@@ -184,7 +185,7 @@ def test_a_fused_decoder_off_transformers_gives_way_under_auto_only(
     engine = PackedScorer.from_config(
         Settings(model=model_dirs["qwen2"], device="cpu", decoder=setting).engine_config()
     )
-    fused = engine._policy.forward
+    fused = engine.served.policy.forward
     assert isinstance(fused, FusedDecoder)
     for layer in fused.layers:
         layer.window = None
@@ -194,9 +195,9 @@ def test_a_fused_decoder_off_transformers_gives_way_under_auto_only(
         return
     engine.warm_up()
     assert engine.info.decoder == "transformers"
-    assert isinstance(engine._policy.forward, TransformersDecoder)
+    assert isinstance(engine.served.policy.forward, TransformersDecoder)
     job = SequenceJob(np.arange(3, 40), np.arange(1, 37), 1.0, False)
-    assert engine._policy.self_check(job, CPU) < 1e-4
+    assert logits_check(engine.served.policy, job, CPU) < 1e-4
 
 
 def test_liger_and_fused_do_not_go_together(model_dirs: dict[str, Path]) -> None:

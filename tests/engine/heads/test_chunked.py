@@ -11,7 +11,8 @@ import torch
 
 from service.engine.decoder.fused import TransformersDecoder
 from service.engine.heads.chunked import LogitTransform, score_actions
-from service.engine.scorer.engine import CausalLM
+from service.engine.scorer.models import CausalLM
+from service.engine.scorer.self_check import logits_check
 from service.jobs import SequenceJob
 from tests import models
 
@@ -84,7 +85,7 @@ def test_self_check_catches_an_unreproduced_final_logit_transform(tmp_path: Path
     lm = CausalLM(model, TransformersDecoder(model.base_model), chunk_rows=8)
     job = SequenceJob(np.arange(3, 20), np.arange(1, 17), 1.0, False)
     cpu = torch.device("cpu")
-    assert lm.self_check(job, cpu) < 1e-4
+    assert logits_check(lm, job, cpu) < 1e-4
     object.__setattr__(lm, "transform", LogitTransform())  # forget Gemma2's soft-capping
     with pytest.raises(RuntimeError, match="final-logit transform"):
-        lm.self_check(job, cpu)
+        logits_check(lm, job, cpu)

@@ -71,7 +71,7 @@ def test_staged_weights_serve_only_once_applied(
 
     staged = engine.stage(ReloadOrder("policy", checkpoints["v11"], "v11", mode))  # type: ignore[arg-type]
     assert staged.mode == mode
-    served = list(engine._policy.model.parameters())
+    served = list(engine.served.policy.model.parameters())
     assert staged.nbytes == sum(p.numel() * p.element_size() for p in served)
     _close([s.logprobs for s in engine.score(jobs)], old)  # staged is not serving
     state = engine.apply(staged)
@@ -131,7 +131,7 @@ def test_a_half_precision_checkpoint_is_cast_to_the_serving_dtype(
     tensors = load_file(str(checkpoints["v11"] / "model.safetensors"))
     save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(tmp_path / "bf16.safetensors"))
     engine.apply(engine.stage(ReloadOrder("policy", tmp_path / "bf16.safetensors", "bf16")))
-    served = dict(engine._policy.model.named_parameters())
+    served = dict(engine.served.policy.model.named_parameters())
     weight = served["model.layers.0.mlp.up_proj.weight"]
     assert weight.dtype == next(iter(served.values())).dtype
     want = tensors["model.layers.0.mlp.up_proj.weight"].to(torch.bfloat16).to(weight.dtype)

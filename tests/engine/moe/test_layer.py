@@ -24,7 +24,8 @@ from service.engine.moe import kernels as moe_ops
 from service.engine.moe import layer as moe
 from service.engine.ops import elementwise as decoder_ops
 from service.engine.ops.elementwise import TORCH
-from service.engine.scorer.engine import DecoderMismatch, PackedScorer, check_hidden
+from service.engine.scorer.engine import PackedScorer
+from service.engine.scorer.self_check import DecoderMismatch, check_hidden
 from service.engine.strategies.gemm import ONE_CALL, FixedRows
 from service.jobs import SequenceJob
 from service.settings import Settings

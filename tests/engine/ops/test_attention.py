@@ -10,7 +10,7 @@ import torch
 
 from service.engine.ops.attention import BACKENDS, AttentionBackend, Segments, choose_backend, sdpa_kernel
 from service.engine.runtime import packages as optional
-from service.engine.scorer.engine import _versions
+from service.engine.scorer.build import versions as _versions
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:

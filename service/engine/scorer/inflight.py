@@ -1,0 +1,92 @@
+"""A launched micro-batch: its scores copied to host memory behind the device's queued work, and
+split back per sequence when the batcher collects them (any thread; `result` waits on an event).
+
+Boundary: device tensors [A] in (scores of the micro-batch's action rows, in packing order), one
+SequenceScores per job out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from service.jobs import FloatArray, IntArray, SequenceJob, SequenceScores
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A launched micro-batch: its [A] float32 scores, host tensors that the copies queued on the
+    device fill; `done` is recorded after those copies (None: computed on the host, ready)."""
+
+    jobs: Sequence[SequenceJob]
+    actions_per_sequence: list[int]
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    values: torch.Tensor | None
+    done: torch.cuda.Event | None
+    expert_counts: torch.Tensor | None = None  # [layers, E] int32 host copy: decoder.expert_counts
+
+    def expert_load(self) -> IntArray | None:
+        if self.done is not None:
+            self.done.synchronize()
+        return None if self.expert_counts is None else self.expert_counts.numpy().astype(np.int64)
+
+    def result(self) -> list[SequenceScores]:
+        if self.done is not None:
+            self.done.synchronize()  # releases the GIL while the device works
+        splits = np.cumsum(self.actions_per_sequence)[:-1]
+
+        def per_sequence(values: torch.Tensor | None) -> list[FloatArray] | None:
+            # views of the host tensor, which they keep alive (its pinned block is not reused under them)
+            return None if values is None else np.split(values.numpy(), splits)
+
+        lp, ent = per_sequence(self.logprobs), per_sequence(self.entropy)
+        rf, vl = per_sequence(self.ref_logprobs), per_sequence(self.values)
+        assert lp is not None
+        return [
+            SequenceScores(
+                logprobs=lp[i],
+                entropy=ent[i] if ent is not None and job.return_entropy else None,
+                values=vl[i] if vl is not None and job.return_values else None,
+                ref_logprobs=rf[i] if rf is not None and job.return_ref else None,
+            )
+            for i, job in enumerate(self.jobs)
+        ]
+
+
+def host_copier(device: torch.device, rows: int) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
+    """A float32 host copy of a device tensor's first `rows`: on CUDA, into pinned memory, queued on
+    the stream."""
+
+    def copy(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None:
+            return None
+        values = values[:rows]
+        if device.type != "cuda":
+            return values.float().cpu()
+        host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        return host
+
+    return copy
+
+
+def host_counts(counts: torch.Tensor | None) -> torch.Tensor | None:
+    """A host copy of device counts; on CUDA, into pinned memory, queued on the stream."""
+    if counts is None or counts.device.type != "cuda":
+        return None if counts is None else counts.clone()
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    return host
+
+
+def done_event(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
