@@ -31,6 +31,7 @@ test: lint typecheck docs pytest  ## every gate: ruff, mypy --strict, the docs b
 lint: install
 	$(PY) -m ruff check service tests benchmarks examples docs/hooks.py
 	$(PY) -m ruff format --check service tests benchmarks examples docs/hooks.py
+	$(VENV)/bin/lint-imports  # the import contracts in pyproject.toml
 
 typecheck: install
 	$(PY) -m mypy service tests benchmarks examples docs/hooks.py
