@@ -352,3 +352,12 @@ def test_the_started_sequences_of_a_micro_batch_include_a_first_chunk_only() -> 
     first = take(policy)
     assert [int(p.job.tokens[0]) for p in first.started()] == [100, 0]
     assert take(policy).started() == []
+
+
+def test_beside_a_chunk_whole_sequences_take_at_most_half_the_budget() -> None:
+    policy: Policy[Answer] = Policy(16, SERVING)
+    submit(policy, [job(100)])
+    assert span(take(policy)) == (0, 16)
+    submit(policy, [job(6, first=1000), job(6, first=2000)])
+    batches = [take(policy) for _ in range(2)]
+    assert [(firsts(b), span(b)) for b in batches] == [([1000], (16, 26)), ([2000], (26, 36))]
