@@ -77,6 +77,7 @@ class FakeEngine:
         self.released: list[int] = []
         self.forests: list[Forest | None] = []  # the prefixes each micro-batch shared (None: none)
         self.threads: set[str] = set()
+        self._entered = threading.Condition()  # notified as each micro-batch enters `launch`
         self.info = EngineInfo(
             model="fake",
             demo=False,
@@ -111,6 +112,8 @@ class FakeEngine:
             self.chunked[chunk.sequence] = chunk.end
             self.chunks.append(chunk)
         self.events.append(("launch", len(self.batches)))
+        with self._entered:
+            self._entered.notify_all()
         pieces = [job.tokens for job in jobs] + ([chunk.job.tokens[chunk.start : chunk.end]] if chunk else [])
         if self.fail_on_token is not None and any(self.fail_on_token in tokens for tokens in pieces):
             raise RuntimeError("injected failure")
@@ -123,6 +126,12 @@ class FakeEngine:
             if chunk.last:
                 self.chunked.pop(chunk.sequence)
         return FakeLaunched(len(self.batches), scores, self.delay, late, self)
+
+    def wait_launched(self, count: int, timeout: float = 30.0) -> None:
+        """Block until `count` micro-batches have entered `launch` (for tests on another thread)."""
+        with self._entered:
+            if not self._entered.wait_for(lambda: len(self.batches) >= count, timeout):
+                raise TimeoutError(f"{len(self.batches)} micro-batches launched, not {count}, in {timeout} s")
 
     def release(self, sequence: int) -> None:
         self.released.append(sequence)

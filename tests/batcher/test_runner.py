@@ -1,4 +1,8 @@
-"""The token-budget batcher, over a fake engine: packing, splitting, ordering, failures, the loop."""
+"""The batcher's asyncio runner over a fake engine: packing, splitting, ordering, failures, the loop.
+
+Tests wait for what the fake engine signals (`launched`: a micro-batch entered `launch`); a sleep
+left here is the scenario under test (a request arriving so long after another), not a guess at
+when something has happened."""
 
 from __future__ import annotations
 
@@ -28,6 +32,11 @@ def job(length: int, first: int = 0, temperature: float = 1.0) -> SequenceJob:
 
 async def scores(batcher: Batcher, jobs: list[SequenceJob]) -> list[SequenceScores]:
     return (await batcher.score(jobs)).scores
+
+
+async def launched(engine: FakeEngine, count: int) -> None:
+    """Until `count` micro-batches have entered the engine (waited for off the event loop)."""
+    await asyncio.to_thread(engine.wait_launched, count)
 
 
 @pytest.fixture
@@ -128,9 +137,9 @@ def test_with_a_micro_batch_in_flight_the_next_waits_for_a_fuller_budget(
 
     async def body(batcher: Batcher) -> None:
         first = asyncio.create_task(scores(batcher, [job(20)]))  # a full budget: launched at once
-        await asyncio.sleep(0.01)
+        await launched(engine, 1)
         second = asyncio.create_task(scores(batcher, [job(5, first=1)]))  # waits, the device is busy
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the third arrives 50 ms later, within the 100 ms window
         await asyncio.gather(first, second, scores(batcher, [job(6, first=2)]))
 
     run_with_wait(loop, engine, 20, 0.1, body)
@@ -143,7 +152,7 @@ def test_collation_stops_waiting_when_the_device_goes_idle(loop: asyncio.Abstrac
     async def body(batcher: Batcher) -> float:
         start = time.perf_counter()
         first = asyncio.create_task(scores(batcher, [job(20)]))
-        await asyncio.sleep(0.01)
+        await launched(engine, 1)
         await asyncio.gather(first, scores(batcher, [job(5, first=1)]))  # would wait 2 s for company
         return time.perf_counter() - start
 
@@ -157,7 +166,7 @@ def test_late_device_error_fails_its_micro_batch_only(loop: asyncio.AbstractEven
 
     async def body(batcher: Batcher) -> list[SequenceScores]:
         doomed = asyncio.create_task(scores(batcher, [job(10, first=500)]))
-        await asyncio.sleep(0)
+        await launched(engine, 1)
         fine = asyncio.create_task(scores(batcher, [job(10, first=3)]))  # launched behind it
         with pytest.raises(EngineFailure, match="injected device error"):
             await doomed
@@ -198,7 +207,7 @@ def test_short_requests_behind_a_long_sequence_wait_for_one_micro_batch(
     async def body(batcher: Batcher) -> tuple[float, float]:
         started = time.perf_counter()
         long = asyncio.create_task(scores(batcher, [job(400)]))  # 25+ micro-batches of 16
-        await asyncio.sleep(0.05)
+        await launched(engine, 1)
         await scores(batcher, [job(5, first=1)])
         short_done = time.perf_counter() - started
         await long
@@ -215,9 +224,9 @@ def test_a_cancelled_long_request_stops_its_chunks_and_frees_them(loop: asyncio.
 
     async def body(batcher: Batcher) -> list[SequenceScores]:
         long = asyncio.create_task(scores(batcher, [job(400)]))
-        await asyncio.sleep(0.1)
+        await launched(engine, 3)
         long.cancel()
-        await asyncio.sleep(0.05)
+        await asyncio.gather(long, return_exceptions=True)  # its answers are cancelled
         return await scores(batcher, [job(5)])
 
     (good,) = run(loop, engine, 16, body)
@@ -249,7 +258,7 @@ def test_a_weights_swap_waits_for_the_last_chunk(loop: asyncio.AbstractEventLoop
 
     async def body(batcher: Batcher) -> tuple[Scored, Applied]:
         long = asyncio.create_task(batcher.score([job(100)]))
-        await asyncio.sleep(0.03)
+        await launched(engine, 1)
         staged = await asyncio.to_thread(engine.stage, _order(5, "v5"))
         return await long, await batcher.apply(staged)
 
@@ -275,9 +284,9 @@ def test_cancelled_request_never_reaches_the_engine(loop: asyncio.AbstractEventL
 
     async def body(batcher: Batcher) -> list[SequenceScores]:
         first = asyncio.create_task(scores(batcher, [job(8, first=1)]))
-        await asyncio.sleep(0.02)  # first is now in the engine
+        await launched(engine, 1)
         doomed = asyncio.create_task(scores(batcher, [job(9, first=500)]))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop: it queues its sequence
         doomed.cancel()
         last = await scores(batcher, [job(7, first=2)])
         await first
@@ -293,6 +302,7 @@ class Ticker:
     def __init__(self, period: float) -> None:
         self.period = period
         self.count = 0
+        self.ticked = asyncio.Event()  # set at its first wake-up
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Ticker:
@@ -307,6 +317,7 @@ class Ticker:
         while True:
             await asyncio.sleep(self.period)
             self.count += 1
+            self.ticked.set()
 
 
 def test_event_loop_keeps_running_during_the_forward(loop: asyncio.AbstractEventLoop) -> None:
@@ -328,7 +339,7 @@ def test_requests_sent_together_share_a_micro_batch_within_the_wait(
 
     async def body(batcher: Batcher) -> None:
         first = asyncio.create_task(scores(batcher, [job(5)]))
-        await asyncio.sleep(0.02)  # the second request arrives 20 ms after the first
+        await asyncio.sleep(0.02)  # the scenario: the second request arrives 20 ms after the first
         await asyncio.gather(first, scores(batcher, [job(6)]))
 
     run_with_wait(loop, engine, 64, wait_s, body)
@@ -411,7 +422,7 @@ def test_a_launch_on_an_idle_accelerator_holds_the_event_loop_until_it_is_queued
 
     async def body(batcher: Batcher) -> list[SequenceScores]:
         async with ticker:
-            await asyncio.sleep(0.01)
+            await ticker.ticked.wait()
             return await scores(batcher, [job(30, first=1), job(30, first=100)])  # two micro-batches
 
     results = run_with_wait(loop, engine, 32, 0.0, body, hold_s=hold_s)
@@ -465,9 +476,9 @@ def test_queue_over_its_token_cap_answers_overloaded_with_retry_after(
         batcher.start()
         try:
             first = asyncio.create_task(scores(batcher, [job(40)]))
-            await asyncio.sleep(0.05)  # first is in the engine; the queue is empty
+            await launched(engine, 1)  # first is in the engine; the queue is empty
             second = asyncio.create_task(scores(batcher, [job(40, first=1)]))
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # one turn of the loop: it queues its sequence
             with pytest.raises(Overloaded, match="max_queued_tokens") as raised:
                 await scores(batcher, [job(40, first=2)])
             await asyncio.gather(first, second)
@@ -499,9 +510,9 @@ def test_weights_swap_waits_for_started_requests_and_queued_ones_start_on_the_ne
 
     async def body(batcher: Batcher) -> tuple[Scored, Scored, Applied]:
         first = asyncio.create_task(batcher.score(split))
-        await asyncio.sleep(0.01)  # its first micro-batch is in the engine
+        await launched(engine, 1)  # its first micro-batch is in the engine
         second = asyncio.create_task(batcher.score(later))  # queued, not started
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop: it queues its sequences
         applied = await batcher.apply(engine.stage(_order(5, "v5")))
         return await first, await second, applied
 
@@ -534,10 +545,10 @@ def test_pins_get_409_never_a_mixed_answer(loop: asyncio.AbstractEventLoop) -> N
 
     async def body(batcher: Batcher) -> tuple[Scored, BaseException | Scored, Scored]:
         running = asyncio.create_task(batcher.score(split, {"policy": "initial"}))
-        await asyncio.sleep(0.01)
+        await launched(engine, 1)
         # queued pinned to the old weights: by the time it would start, they are gone
         stale = asyncio.create_task(batcher.score([job(8)], {"policy": "initial"}))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop: it queues its sequence
         await batcher.apply(engine.stage(_order(7, "v7")))
         with pytest.raises(VersionMismatch) as at_admission:
             await batcher.score([job(8)], {"policy": "initial"})

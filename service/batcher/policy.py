@@ -1,0 +1,245 @@
+"""The batcher's scheduling policy: admission, and which queued sequences and chunks form the next
+micro-batch. Synchronous and clock-free; `runner.py` calls it and moves what it decides.
+
+- A micro-batch takes queued sequences in order while the tokens they compute fit the budget (at
+  least one). With prefix sharing on, a shared prefix counts once, and past the first sequence that
+  does not fit, up to `LOOKAHEAD` more are looked at for those that share a prefix with it and fit.
+- A sequence longer than the budget is scored in chunks, one such sequence at a time: each
+  micro-batch ends with its next chunk, in what the whole sequences leave of the budget (they take
+  at most half of it while one is chunked), or in fixed `chunk_tokens` chunks (batch invariance).
+- A request starts, on the weights then served, when its first sequence is taken; pinned to others,
+  it is refused. While a swap waits only started requests are taken; the barrier is reached when
+  none of them has anything queued or in chunks (`open`).
+- A micro-batch that runs out of memory is split (`split`): its chunk apart, then halves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Generic
+
+from service.batcher.queue import Batch, Chunked, F, Pending, Request
+from service.engine.contract import GEMM_ROWS, SHAPE_STEP
+from service.errors import Overloaded, VersionMismatch
+from service.jobs import Chunk, SequenceJob
+from service.prefixes import Grouper
+from service.settings import Settings
+
+LOOKAHEAD = 256  # queued sequences looked at, behind the first that does not fit, for prefix sharers
+
+
+@dataclass(slots=True, eq=False)
+class Taken(Generic[F]):
+    """What `Policy.take` decided: the micro-batch (maybe empty), the requests it refused (their
+    answers are to fail with `refused`), and an engine sequence whose stores to drop (its request
+    is gone mid-chunks)."""
+
+    batch: Batch[F]
+    refused: list[Request[F]] = field(default_factory=list)
+    release: int | None = None
+
+
+class Policy(Generic[F]):
+    """The queue of sequences, the chunked sequence, and the rules that take micro-batches from them."""
+
+    def __init__(
+        self,
+        budget: int,
+        versions: Mapping[str, str],
+        *,
+        max_queued_tokens: int | None = None,
+        chunk_tokens: int | None = None,
+        share_min_tokens: int | None = None,
+    ) -> None:
+        self.budget = budget
+        self.versions = versions  # model -> the version served: what a request starting now runs on
+        self.max_queued = max_queued_tokens
+        self.chunk_tokens = chunk_tokens
+        self.share_min = share_min_tokens
+        self.queued_tokens = 0  # of queued sequences and the chunked one's unscored rest
+        self.chunked: Chunked[F] | None = None  # the long sequence being scored
+        self._queue: deque[Pending[F]] = deque()
+        self._sequence_ids = itertools.count()
+
+    def admit(self, pins: Mapping[str, str], tokens: int, tokens_per_s: float) -> None:
+        """Raise VersionMismatch when `pins` are not what is served, Overloaded (with a Retry-After
+        from the engine's speed) when `tokens` more would pass `max_queued_tokens`."""
+        check_pins(pins, self.versions)
+        if self.max_queued is not None and self._queue and self.queued_tokens + tokens > self.max_queued:
+            speed = tokens_per_s or float(self.budget)
+            raise Overloaded(
+                f"{self.queued_tokens} tokens are queued; this server accepts at most {self.max_queued} "
+                f"(max_queued_tokens)",
+                retry_after=max(1, min(60, math.ceil(self.queued_tokens / speed))),
+            )
+
+    def enqueue(self, request: Request[F], jobs: Sequence[SequenceJob]) -> None:
+        """Queue `jobs`, answered by `request.futures` in order."""
+        self._queue.extend(Pending(job, f, request) for job, f in zip(jobs, request.futures, strict=True))
+        self.queued_tokens += sum(job.num_tokens for job in jobs)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and no sequence in chunks."""
+        return not self._queue and self.chunked is None
+
+    @property
+    def full(self) -> bool:
+        """A full budget is queued."""
+        return self.queued_tokens >= self.budget
+
+    def collating_since(self) -> float | None:
+        """When the oldest queued sequence arrived, where a collation window applies (none while a
+        long sequence keeps the accelerator busy, or with nothing queued)."""
+        if self.chunked is not None or not self._queue:
+            return None
+        return self._queue[0].enqueued
+
+    def open(self) -> bool:
+        """Whether a started request still has queued sequences, or a sequence in chunks (a weights
+        swap's barrier is not reached)."""
+        if self.chunked is not None and not self.chunked.pending.future.done():
+            return True
+        return any(p.request.versions is not None and not p.gone for p in self._queue)
+
+    def take(self, only_started: bool) -> Taken[F]:  # noqa: PLR0915 (one pass over the queue)
+        """Pop queued sequences in order while what they compute fits the token budget (at least
+        one), then sharers from behind the first that does not, then the next chunk of the long
+        sequence being scored. With `only_started` (a swap is waiting) only sequences of started
+        requests are taken."""
+        taken: Taken[F] = Taken(Batch([]))
+        if self.chunked is not None and self.chunked.pending.future.done():  # its request is gone
+            taken.release = self._end_chunked()
+        batch: list[Pending[F]] = []
+        skipped: list[Pending[F]] = []  # passed over: unstarted while a swap waits, or long behind another
+        tokens = 0  # computed
+        shared = self.budget - self.budget // 2  # whole sequences' part beside a chunk
+        room = self.budget if self.chunked is None else shared
+        grouper = Grouper(self.share_min) if self.share_min is not None else None
+        looked: int | None = None  # behind the first that did not fit: how many looked at
+        while self._queue:
+            p = self._queue.popleft()
+            cost: int | None = None  # what it computes beside the micro-batch, once known
+            if looked is not None:
+                assert grouper is not None
+                if looked == LOOKAHEAD:
+                    self._queue.appendleft(p)
+                    break
+                looked += 1
+                cost = grouper.cost(p.job.tokens)
+                if cost == p.job.num_tokens or tokens + cost > room or p.gone:
+                    skipped.append(p)  # shares nothing with the micro-batch, or does not fit
+                    continue
+            if not p.gone and p.request.versions is None and not only_started:
+                self._start(p.request, taken.refused)
+            if p.gone:
+                self.queued_tokens -= p.job.num_tokens
+                continue
+            if only_started and p.request.versions is None:
+                skipped.append(p)
+                continue
+            if p.job.num_tokens > self.budget:
+                if self.chunked is None:
+                    self.chunked = Chunked(p, next(self._sequence_ids))
+                    room = shared
+                else:
+                    skipped.append(p)
+                continue
+            if cost is None:
+                cost = grouper.cost(p.job.tokens) if grouper is not None else p.job.num_tokens
+            if batch and tokens + cost > room:
+                if grouper is None:
+                    self._queue.appendleft(p)
+                    break
+                skipped.append(p)
+                looked = 0
+                continue
+            self.queued_tokens -= p.job.num_tokens
+            batch.append(p)
+            tokens += cost
+            if grouper is not None:
+                grouper.add(p.job.tokens)
+        self._queue.extendleft(reversed(skipped))
+        taken.batch = self._with_chunk(batch, tokens)
+        return taken
+
+    def split(self, batch: Batch[F]) -> list[Batch[F]]:
+        """The parts to retry a micro-batch that ran out of memory as: its whole sequences apart from
+        its chunk, else two halves; none when it is one sequence or one chunk (that one fails)."""
+        if batch.chunk is not None and batch.pending:
+            return [Batch.of(batch.pending, self.share_min), Batch([], batch.chunk, batch.chunked)]
+        if len(batch.pending) > 1:
+            half = len(batch.pending) // 2
+            return [
+                Batch.of(batch.pending[:half], self.share_min),
+                Batch.of(batch.pending[half:], self.share_min),
+            ]
+        return []
+
+    def abandon(self, batch: Batch[F]) -> int | None:
+        """After `batch` failed: the engine sequence whose stores to drop, if it held a chunk (the
+        chunked sequence then stops; its later chunks never come)."""
+        if batch.chunked is not None and batch.chunked is self.chunked:
+            return self._end_chunked()
+        if batch.chunk is not None:  # its last chunk: the engine may still hold its stores
+            return batch.chunk.sequence
+        return None
+
+    def _end_chunked(self) -> int:
+        """Stop scoring the chunked sequence (failed or cancelled); its engine sequence id."""
+        chunked = self.chunked
+        assert chunked is not None
+        self.chunked = None
+        self.queued_tokens -= chunked.pending.job.num_tokens - chunked.next_start
+        return chunked.sequence
+
+    def _with_chunk(self, batch: list[Pending[F]], tokens: int) -> Batch[F]:
+        """`batch`, ended by the next chunk of the chunked sequence, in the budget left."""
+        chunked = self.chunked
+        least = self.chunk_tokens or min(SHAPE_STEP, max(1, self.budget // 8))
+        if chunked is None or (batch and self.budget - tokens < least):  # no room: the next one
+            return Batch.of(batch, self.share_min)
+        job = chunked.pending.job
+        start = chunked.next_start
+        end = min(job.num_tokens, start + (self.chunk_tokens or self.budget - tokens))
+        chunked.next_start = end
+        self.queued_tokens -= end - start
+        if end == job.num_tokens:
+            self.chunked = None  # the last chunk: the engine drops the stores after it
+        return Batch.of(batch, self.share_min, Chunk(job, chunked.sequence, start, end), chunked)
+
+    def _start(self, request: Request[F], refused: list[Request[F]]) -> None:
+        try:
+            check_pins(request.pins, self.versions)
+        except VersionMismatch as exc:
+            request.refused = exc
+            refused.append(request)
+            return
+        request.versions = self.versions
+
+
+def check_pins(pins: Mapping[str, str], versions: Mapping[str, str]) -> None:
+    """Raise VersionMismatch for the first model whose pinned version is not `versions`'."""
+    for target, wanted in pins.items():
+        serving = versions.get(target)
+        if serving != wanted:
+            raise VersionMismatch(target=target, requested=wanted, serving=serving)
+
+
+def invariant_chunk(budget: int) -> int:
+    """The fixed chunk of batch-invariant mode: half the budget, a multiple of GEMM_ROWS where it can
+    be (the engine's GEMM calls), so whole sequences share its micro-batch."""
+    half = budget // 2
+    return half // GEMM_ROWS * GEMM_ROWS or max(1, half)
+
+
+def sharing(settings: Settings) -> int | None:
+    """The shortest prefix sequences share (None: sharing off; always off in batch-invariant mode,
+    where a sequence's scores must not depend on what else is batched)."""
+    if not settings.share_prefixes or settings.batch_invariant:
+        return None
+    return settings.share_min_tokens

@@ -1,0 +1,115 @@
+"""The batcher's work items: requests, their queued sequences, the long sequence scored in chunks,
+and a micro-batch. Plain objects, no event loop and no engine calls.
+
+`F` is what answers one sequence (an asyncio future in the server, any object with `done()` in
+tests); these objects only ask it whether it is done (answered, failed or cancelled).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from service.errors import VersionMismatch
+from service.jobs import Chunk, SequenceJob, SequenceScores
+from service.prefixes import Forest, share
+
+
+class Answer(Protocol):
+    def done(self) -> bool: ...
+
+
+F = TypeVar("F", bound=Answer)
+
+
+@dataclass(slots=True, eq=False)
+class Request(Generic[F]):
+    """One call of `Batcher.submit`: its sequences' answers, in order, and the weights it runs on."""
+
+    pins: Mapping[str, str]  # model -> the version the caller requires
+    futures: list[F] = field(default_factory=list)
+    versions: Mapping[str, str] | None = None  # set when its first sequence is taken
+    refused: VersionMismatch | None = None  # its pins named weights no longer served when it started
+    computed: float = 0.0  # tokens computed for its sequences scored so far (Forest.shares)
+
+
+@dataclass(slots=True, eq=False)
+class Pending(Generic[F]):
+    """A queued sequence."""
+
+    job: SequenceJob
+    future: F
+    request: Request[F]
+    enqueued: float = field(default_factory=time.perf_counter)
+
+    @property
+    def gone(self) -> bool:
+        """Cancelled (its client is gone) or refused (its request is pinned to other weights)."""
+        return self.future.done() or self.request.refused is not None
+
+
+@dataclass(slots=True, eq=False)
+class Chunked(Generic[F]):
+    """A sequence longer than the budget, being scored chunk by chunk."""
+
+    pending: Pending[F]
+    sequence: int  # its id at the engine
+    next_start: int = 0
+    parts: list[SequenceScores] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class Batch(Generic[F]):
+    """One micro-batch: whole sequences (their shared prefixes once, per `forest`; None: nothing
+    shared), then at most one chunk of a long one."""
+
+    pending: list[Pending[F]]
+    chunk: Chunk | None = None
+    chunked: Chunked[F] | None = None  # whose chunk it is
+    forest: Forest | None = None
+
+    @classmethod
+    def of(
+        cls,
+        pending: list[Pending[F]],
+        share_min_tokens: int | None,
+        chunk: Chunk | None = None,
+        chunked: Chunked[F] | None = None,
+    ) -> Batch[F]:
+        """The micro-batch of `pending` (and the chunk), with the prefixes they share found."""
+        forest = None
+        if share_min_tokens is not None and len(pending) > 1:
+            forest = share([p.job.tokens for p in pending], share_min_tokens)
+            forest = forest if forest.shared else None
+        return cls(pending, chunk, chunked, forest)
+
+    @property
+    def jobs(self) -> list[SequenceJob]:
+        return [p.job for p in self.pending]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens it computes."""
+        whole = self.forest.computed_tokens if self.forest else sum(p.job.num_tokens for p in self.pending)
+        return whole + (self.chunk.num_tokens if self.chunk else 0)
+
+    def shares(self) -> list[float]:
+        """Tokens computed for each whole sequence (a shared prefix's split among its sequences)."""
+        if self.forest is None:
+            return [float(p.job.num_tokens) for p in self.pending]
+        return self.forest.shares()
+
+    def started(self) -> list[Pending[F]]:
+        """The sequences whose first tokens it computes: they leave the queue with it."""
+        first_chunk = self.chunked is not None and self.chunk is not None and self.chunk.start == 0
+        return self.pending + ([self.chunked.pending] if first_chunk and self.chunked is not None else [])
+
+    @property
+    def futures(self) -> list[F]:
+        whole = [p.future for p in self.pending]
+        return whole + ([self.chunked.pending.future] if self.chunked is not None else [])
+
+    def __len__(self) -> int:
+        return len(self.pending) + (self.chunk is not None)
