@@ -15,7 +15,7 @@ from service.prefixes import Forest
 # GIL) the first time it meets some shapes, until the device is idle. Costs under 1 % of a full
 # micro-batch's tokens. The batcher gives a chunk no less (a smaller one would pass a padded size).
 SHAPE_STEP = 128
-# Rows of every GEMM call over tokens in batch-invariant mode (invariant.py); micro-batches and
+# Rows of every GEMM call over tokens in batch-invariant mode (strategies/gemm.py); micro-batches and
 # actions are padded to multiples of it, and the batcher's fixed chunks are multiples of it.
 GEMM_ROWS = 1024
 
@@ -50,7 +50,7 @@ class EngineInfo:
     models: tuple[ModelInfo, ...] = ()
     max_sequence_tokens: int = 0  # the longest sequence scored (0: max_positions)
     max_sequence_limit: str = "positions"  # what sets it: positions | memory | setting
-    batch_invariant: bool = False  # scores bitwise independent of the batch (invariant.py)
+    batch_invariant: bool = False  # scores bitwise independent of the batch (strategies/gemm.py)
     moe_kernel: str = "none"  # the fused decoder's experts: grouped_mm | loop; none: no sparse layer fused
     tensor_parallel_size: int = 1  # ranks (GPUs) each model is sharded over
 
@@ -155,7 +155,7 @@ class ScoringEngine(Protocol):
 
 @runtime_checkable
 class Supervised(Protocol):
-    """An engine of several processes (tensor parallel: parallel.py), which fail together."""
+    """An engine of several processes (tensor parallel: parallel/ranks.py), which fail together."""
 
     def supervise(self, on_failure: Callable[[str], None]) -> None:
         """Call `on_failure(reason)`, on another thread, once one of the engine's processes has died or

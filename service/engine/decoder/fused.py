@@ -8,7 +8,7 @@ TransformersDecoder calls the model's forward with the packed-attention kwargs: 
 
 FusedDecoder computes the same function for Llama, Mistral, Qwen2 and Qwen3 decoders (SiLU MLP, RoPE
 over the whole head, RMSNorm) and for Qwen3-MoE, Qwen2-MoE and Mixtral, whose sparse layers' MLP is
-moe.py's (router, grouped expert GEMMs); from the same parameters, in fewer kernels and no
+moe/layer.py's (router, grouped expert GEMMs); from the same parameters, in fewer kernels and no
 per-module Python. A layer is:
 
     h = rms_norm(x)                      x: the residual stream [N, H], in the model's dtype
@@ -17,9 +17,9 @@ per-module Python. A layer is:
     o = attention(q, k, v)               the backend's packed kernel on views of qkv
     x += o @ Wo                          the GEMM accumulates into the residual (no add kernel)
     h = rms_norm(x)
-    x += swiglu(h @ Wgate|up) @ Wdown    per MLP chunk of rows (gated.py: a GEMM then the SwiGLU op,
+    x += swiglu(h @ Wgate|up) @ Wdown    per MLP chunk of rows (ops/gate_up.py: a GEMM then the SwiGLU op,
                                          or one GEMM whose epilogue applies SwiGLU); a sparse layer:
-                                         x += moe(h) (moe.py)
+                                         x += moe(h) (moe/layer.py)
 
 The last layer's attention reads every row's keys and values; from its output projection on, it runs
 on the rows the heads read only (a quarter of the tokens in a typical RL batch).
@@ -186,7 +186,7 @@ class Stream:
     sin: torch.Tensor
     cu: torch.Tensor  # [S+1] int32 sequence boundaries (empty sequences may end them)
     max_len: int  # at least the longest sequence
-    context: KVContext | None = None  # keys beyond the segments' own, and their boundaries (context.py)
+    context: KVContext | None = None  # keys beyond its segments' own (batch/kv_store.py)
 
 
 @dataclass(slots=True)
@@ -352,7 +352,7 @@ class FusedDecoder:
         output projection and MLP run on the read rows, whose count is padded like the tokens'. A
         sparse layer runs its router and grouped expert GEMMs on zeros (every token routed alike):
         the grouped GEMM takes the per-expert row counts on the device, and the host, which picks
-        its kernel, sees only the total rows (rows · k) and the weights' shape (moe.py), so one call
+        its kernel, sees only the total rows (rows · k) and the weights' shape (moe/layer.py), so one call
         per row count meets every routing a micro-batch of that size can have."""
         embed = self.decoder.embed_tokens.weight
         _warm_rotary(self.decoder, _zeros(embed, rows, embed.shape[1]))
@@ -481,7 +481,7 @@ def unsupported(decoder: Any) -> str | None:
 
 
 def _mlp_unsupported(mlp: Any, model_type: str, config: Any) -> str | None:
-    """Why a layer's MLP is neither a plain SwiGLU MLP nor a sparse block moe.py computes."""
+    """Why a layer's MLP is neither a plain SwiGLU MLP nor a sparse block moe/layer.py computes."""
     if hasattr(mlp, "experts"):
         if model_type not in moe.MOE_TYPES:
             return f"a mixture-of-experts block in a {model_type} model"

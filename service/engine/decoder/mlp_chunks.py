@@ -1,8 +1,9 @@
 """Run each decoder layer's MLP over at most N tokens at a time.
 
 The MLP's intermediate activations ([tokens, intermediate] several times over) are the largest
-tensors of a packed forward: 16k tokens of Qwen2.5-7B hold about 1.9 GiB there. The MLP is
-token-wise, so splitting the row changes no result, and GEMMs of thousands of rows lose no speed.
+tensors of a packed forward. The MLP is token-wise, so splitting the row changes no result; chunks
+of thousands of rows keep the GEMMs at full speed. (These are row chunks of one micro-batch; a
+sequence longer than a micro-batch is cut into chunks by the batcher, which is another thing.)
 Only the given model instance is wrapped; a module whose output is not a single tensor (a
 mixture-of-experts block returning router logits) is left as it is.
 """

@@ -4,59 +4,18 @@ Never builds a [tokens, vocab] tensor: at most [chunk_rows, vocab] logits exist 
 rows that predict an action are computed. Does not rely on `logits_to_keep`-style model kwargs.
 A chunk's logits are the head's largest tensors, so every pass over them costs memory bandwidth:
 - on CUDA with triton, when the final-logit transform is at most a positive scale, one Triton kernel
-  (fused_head.py) reads them once and writes each row's log-prob and entropy;
+  (heads/fused_kernel.py) reads them once and writes each row's log-prob and entropy;
 - otherwise (CPU, no triton, soft-capping), one torch log-softmax over float32 logits (upcast inside
   the kernel when there is nothing to apply first), a gather, and the entropy from its result.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from service.engine.heads import fused_kernel as fused_head
+from service.engine.heads.contract import ActionScores, LogitTransform
 from service.engine.runtime import triton_jit
-
-
-@dataclass(frozen=True, slots=True)
-class LogitTransform:
-    """g in SEMANTICS.md: what a model's own forward applies to its final logits.
-
-    scale:   multiply (Cohere `logit_scale`; Granite's `1 / logits_scaling`)
-    softcap: tanh soft-capping (Gemma2/3 `final_logit_softcapping`)
-    """
-
-    scale: float = 1.0
-    softcap: float | None = None
-
-    @classmethod
-    def from_config(cls, config: Any) -> LogitTransform:
-        scale = float(getattr(config, "logit_scale", None) or 1.0)
-        divide = getattr(config, "logits_scaling", None)
-        if divide:
-            scale /= float(divide)
-        softcap = getattr(config, "final_logit_softcapping", None)
-        return cls(scale=scale, softcap=float(softcap) if softcap else None)
-
-    @property
-    def identity(self) -> bool:
-        return self.scale == 1.0 and self.softcap is None
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """Applied in place: `logits` is a float32 temporary of the head."""
-        if self.scale != 1.0:
-            logits.mul_(self.scale)
-        if self.softcap is not None:
-            logits.div_(self.softcap).tanh_().mul_(self.softcap)
-        return logits
-
-
-@dataclass(frozen=True, slots=True)
-class ActionScores:
-    logprobs: torch.Tensor  # [A] float32
-    entropy: torch.Tensor | None  # [A] float32
 
 
 def score_actions(

@@ -10,7 +10,7 @@ the service; on CPU tensors the kernel runs only under Triton's interpreter, whi
 TRITON_INTERPRET=1 in the environment before triton is first imported (triton's own library
 functions are jitted or interpreted then).
 
-triton is imported on first use (triton_jit.py), never at import time.
+triton is imported on first use (runtime/triton_jit.py), never at import time.
 """
 
 from __future__ import annotations

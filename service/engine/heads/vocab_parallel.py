@@ -6,7 +6,7 @@ row's global max m (one all-reduce MAX):
 
     s = Σ exp(z - m)              t = Σ exp(z - m)·(z - m)          x = z[target] (0 off this rank)
 
-summed over the ranks in ONE all-reduce of [c, 3]. Then, as in head.py's unsharded softmax:
+summed over the ranks in ONE all-reduce of [c, 3]. Then, as in heads/chunked.py's unsharded softmax:
 
     log p(target) = (x - m) - log S          entropy = log S - T / S
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.engine.heads.chunked import ActionScores, LogitTransform
+from service.engine.heads.contract import ActionScores, LogitTransform
 from service.engine.parallel.sharding import Shard
 
 

@@ -38,7 +38,7 @@ def read_all(
     files: dict[str, Path], names: set[str], read: Callable[[Any, str], torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
     """The named tensors, on the host, opening each file once; `read(opened file, name)` reads one
-    (default: whole; sharding.py reads a rank's slice)."""
+    (default: whole; parallel/sharding.py reads a rank's slice)."""
     by_file: dict[Path, list[str]] = {}
     for name in sorted(names):
         by_file.setdefault(files[name], []).append(name)

@@ -324,7 +324,7 @@ class Load:
     counts [layers, E] int32 on the device, which the layers' kernels add to (CUDA graphs included).
 
     `begin` zeroes it and sets `real` [1] int32, the micro-batch's tokens before its filler (the filler
-    ends a packed row: packing.py), outside any graph; `tail`, a power of 2 above the filler a packed
+    ends a packed row: batch/packing.py), outside any graph; `tail`, a power of 2 above the filler a packed
     row can have, bounds what the counting kernel reads (moe_ops)."""
 
     def __init__(self, layers: int, experts: int, tail: int, device: torch.device) -> None:

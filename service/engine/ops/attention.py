@@ -13,7 +13,7 @@ kernel where each starts, so attention never crosses a sequence boundary. Four k
 Sliding windows follow transformers: a query at i sees keys j with i - W < j <= i.
 
 A segment may have more keys than queries (`cu_k`: the keys of a shared prefix computed by other
-segments of the row, or a context cached by earlier micro-batches; context.py): its queries are its
+segments of the row, or a context cached by earlier micro-batches; batch/kv_store.py): its queries are its
 last tokens, so query i of q sees keys j <= i + (k - q), the bottom-right alignment every kernel
 here uses.
 """

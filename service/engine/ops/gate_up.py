@@ -3,13 +3,13 @@
 Two implementations of the same function:
 
 - split: one cuBLAS GEMM writes gate|up [N, 2·I] in the activation dtype; the SwiGLU op of
-         decoder_ops reads it back and writes [N, I]. Gate and up are rounded to the activation
+         ops/elementwise.py reads it back and writes [N, I]. Gate and up are rounded to the activation
          dtype before the product, as in transformers' forward.
 - quack: quack-kernels' GEMM whose epilogue applies SwiGLU to the float32 accumulators and writes
          only [N, I] (CuTe DSL kernels, CUDA compute capability 9.0 and later, bf16/fp16). It
          saves the [N, 2·I] round trip through memory and rounds once where split rounds twice.
-         An MLP with a bias (rare: Llama's mlp_bias) runs split: quack 0.6.4's epilogue with a
-         [gate; up] bias was 94 % off the reference on an H200 (tests/engine/ops/test_gate_up.py).
+         An MLP with a bias (rare: Llama's mlp_bias) runs split: quack's epilogue with a [gate; up]
+         bias does not match the reference (tests/engine/ops/test_gate_up.py).
 
 `choose` resolves the `mlp_kernel` setting. quack's kernels compile on first use and its releases
 pin narrow nvidia-cutlass-dsl versions (pyproject's `hopper` extra has a pair that works), so before

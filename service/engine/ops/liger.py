@@ -4,7 +4,7 @@ They replace memory-bound chains of elementwise ops; on CUDA only, for the archi
 patches (BENCHMARKS.md has what they save). Only the given model instance is patched: liger also
 rebinds names in the transformers modeling module (for models built later), which is undone here so
 that no other model in the process (a reference, a test model) changes behind its back. liger can
-only install RoPE module-wide, so its RoPE kernel goes in through rope.py's per-instance dispatch.
+only install RoPE module-wide, so its RoPE kernel goes in through ops/rope.py's per-instance dispatch.
 The model's head is untouched (no fused cross-entropy: logprobd runs its own head).
 """
 

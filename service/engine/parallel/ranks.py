@@ -2,7 +2,7 @@
 
 `load` starts N - 1 processes (multiprocessing spawn, daemonic), joins them in one torch.distributed
 group (NCCL on CUDA, gloo on CPU; rendezvous through a file store in a fresh temporary directory)
-and loads rank 0's shards. Each rank loads its own shard of every model (sharded.py) into a
+and loads rank 0's shards. Each rank loads its own shard of every model (loading/shards.py) into a
 PackedScorer of its own.
 
 Data flow stays one way: the batcher calls rank 0's engine as it calls any ScoringEngine. Every call

@@ -1,6 +1,6 @@
 """Tensor parallel: which part of each tensor a rank holds, and the collectives that join the parts.
 
-Megatron's layout over the fused decoder's GEMMs (decoder.py), for N ranks:
+Megatron's layout over the fused decoder's GEMMs (decoder/fused.py), for N ranks:
 
     q|k|v, gate|up   column-parallel: rank r holds Hq/N query heads, Hk/N key/value heads and I/N
                      MLP columns; attention runs on its own heads, no communication
@@ -10,7 +10,7 @@ Megatron's layout over the fused decoder's GEMMs (decoder.py), for N ranks:
                      outside them embeds to zero, one all-reduce per forward
     lm_head          vocabulary-parallel, the same rows (tied embeddings stay tied): log-softmax,
                      entropy and the target's logit from all-reduced per-row statistics
-                     (vocab_parallel.py); the [rows, V] logits are never gathered
+                     (heads/vocab_parallel.py); the [rows, V] logits are never gathered
     the rest         replicated: norms, Qwen3's per-head q/k norms, rotary tables, a critic's value head
 
 A rank builds its model from a config of its shard's sizes (`Layout.config`) and reads its slices of

@@ -17,7 +17,8 @@ from service.engine.contract import (
 )
 from service.engine.decoder.fused import Decoder
 from service.engine.heads import vocab_parallel
-from service.engine.heads.chunked import ActionScores, LogitTransform, score_actions
+from service.engine.heads.chunked import score_actions
+from service.engine.heads.contract import ActionScores, LogitTransform, ScoreActions
 from service.engine.loading.critic import Critic
 from service.engine.strategies.gemm import TokenGemms
 
@@ -35,7 +36,7 @@ class CausalLM:
             vocab_parallel.full_rows(model.get_input_embeddings()), vocab_parallel.full_rows(self.lm_head)
         )
         sharded = isinstance(self.lm_head, vocab_parallel.VocabParallelHead)
-        self.score = vocab_parallel.score_actions if sharded else score_actions
+        self.score: ScoreActions = vocab_parallel.score_actions if sharded else score_actions
 
     def warm_head(self, step: int) -> None:
         """The lm_head's GEMM over every row count a chunk of padded actions can have."""

@@ -34,7 +34,7 @@ class OneCall:
     """Each GEMM over tokens is one call, whatever its rows (the library picks the kernel per shape)."""
 
     rows: None = None
-    step: int = SHAPE_STEP  # token and action counts are padded to multiples of it (packing.py)
+    step: int = SHAPE_STEP  # token and action counts are padded to multiples of it (batch/packing.py)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear(x, weight, bias) for x [N, K] -> [N, out]."""

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from service.engine.decoder.fused import TransformersDecoder
-from service.engine.heads.chunked import LogitTransform, score_actions
+from service.engine.heads.chunked import score_actions
+from service.engine.heads.contract import LogitTransform
 from service.engine.scorer.models import CausalLM
 from service.engine.scorer.self_check import logits_check
 from service.jobs import SequenceJob
