@@ -54,9 +54,10 @@ from service.engine.contract import (
     WeightsState,
 )
 from service.engine.loading import shards as sharded
+from service.engine.loading.load import Shards, load_models
 from service.engine.loading.models import require_model_dir, resolve_device, resolve_dtype, text_config
 from service.engine.ops.attention import choose_backend, register
-from service.engine.parallel.sharding import Shard, Sharded
+from service.engine.parallel.sharding import Shard
 from service.engine.scorer.engine import PackedScorer
 from service.jobs import Chunk, SequenceJob
 from service.prefixes import Forest
@@ -117,24 +118,15 @@ def _load_scorer(config: EngineConfig, shard: Shard) -> PackedScorer:
     dtype = resolve_dtype(config.dtype, device)
     backend = choose_backend(config.attention, device)
     attn = register(backend)
-    place = sharded.Placement(dtype, device, attn, shard)
-    loaded, layout, model_config = sharded.load_causal_lm(config.model, config.model_name, place, "policy")
-    layouts, configs = {"policy": layout}, {"policy": model_config}
-    reference = critic = None
-    if config.ref_model is not None:
-        reference, layouts["reference"], configs["reference"] = sharded.load_causal_lm(
-            config.ref_model, None, place, "reference"
-        )
-    if config.critic is not None:
-        critic, layouts["critic"], configs["critic"] = sharded.load_critic(config.critic, place)
+    models = load_models(config, Shards(sharded.Placement(dtype, device, attn, shard)))
     return PackedScorer(
-        loaded,
+        models.policy,
         device,
         backend,
         config,
-        reference=reference,
-        critic=critic,
-        sharded=Sharded(shard, layouts, configs),
+        reference=models.reference,
+        critic=models.critic,
+        sharded=models.sharded,
     )
 
 

@@ -38,8 +38,9 @@ from service.engine.contract import (
     WeightsState,
 )
 from service.engine.decoder import graphs
-from service.engine.loading.critic import Critic, load_critic
-from service.engine.loading.models import LoadedModel, load_model, resolve_device, resolve_dtype
+from service.engine.loading.critic import Critic
+from service.engine.loading.load import Whole, load_models
+from service.engine.loading.models import LoadedModel, resolve_device, resolve_dtype
 from service.engine.ops.attention import AttentionBackend, choose_backend, register
 from service.engine.parallel.sharding import Sharded
 from service.engine.scorer import build, memory, reload, self_check
@@ -87,13 +88,8 @@ class PackedScorer:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         backend = choose_backend(config.attention, device)
-        attn = register(backend)
-        loaded = load_model(config.model, config.model_name, dtype, device, attn)
-        reference = None
-        if config.ref_model is not None:
-            reference = load_model(config.ref_model, None, dtype, device, attn, role="reference")
-        critic = load_critic(config.critic, dtype, device, attn) if config.critic is not None else None
-        return cls(loaded, device, backend, config, reference=reference, critic=critic)
+        models = load_models(config, Whole(dtype, device, register(backend)))
+        return cls(models.policy, device, backend, config, reference=models.reference, critic=models.critic)
 
     @property
     def info(self) -> EngineInfo:
