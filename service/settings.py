@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine.config import (
     Attention,
+    Collectives,
     CudaGraphs,
     Device,
     DType,
@@ -31,6 +32,7 @@ Version = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern
 # the engine's choices (service/engine/config.py), under their settings names
 __all__ = [
     "Attention",
+    "Collectives",
     "CudaGraphs",
     "DType",
     "Decoder",
@@ -124,6 +126,11 @@ class Settings(BaseSettings):
         "per GPU, started by serve; rank 0 serves HTTP). 1: one process, one device. Over 1: the fused "
         "decoder's models only (Llama, Mistral, Qwen2, Qwen3), their query and key/value heads divisible "
         "by it; no CUDA graphs, no batch-invariant mode.",
+    )
+    tensor_parallel_collectives: Collectives = Field(
+        "auto",
+        description="The ranks' collectives. auto: NCCL on GPUs (one GPU a rank), gloo on CPU; gloo on GPUs "
+        "lets several ranks share one GPU (slower: for checking the sharded path on a one-GPU host).",
     )
     max_batch_tokens: int = Field(
         16384,

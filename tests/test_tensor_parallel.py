@@ -1,6 +1,10 @@
-"""Tensor parallel over 2 ranks (gloo, CPU): the same scores as one process and as the per-sequence
+"""Tensor parallel over 2 ranks (gloo): the same scores as one process and as the per-sequence
 reference, with a critic and a reference model, for every layout; a hot reload reaches both ranks;
-what cannot be sharded is refused before any process starts."""
+what cannot be sharded is refused before any process starts.
+
+On CPU the ranks share the host; in the GPU parity suite (LOGPROBD_TEST_DEVICE=cuda) both ranks share
+one GPU over gloo, which all-reduces CUDA tensors: the sharded kernels run on a GPU without a
+multi-GPU host (NCCL across GPUs is the production path and is measured where one is lent)."""
 
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ def _settings(model_dirs: dict[str, Path], ref_dir: Path, critic_dir: Path, tp: 
         share_min_tokens=8,  # a group's prompt computed once (a Forest on every rank)
         admin_api_keys=ADMIN,
         tensor_parallel_size=tp,
+        tensor_parallel_collectives="gloo",  # two ranks may share one GPU
     )
 
 
@@ -142,6 +147,10 @@ def test_what_cannot_be_sharded_is_refused_at_once(
         ({"tensor_parallel_size": 3}, "does not divide the 4 query heads"),
         ({"tensor_parallel_size": 2, "batch_invariant": True}, "batch_invariant"),
         ({"tensor_parallel_size": 2, "decoder": "transformers"}, "fused decoder"),
+        (
+            {"tensor_parallel_size": 2, "device": "cpu", "tensor_parallel_collectives": "nccl"},
+            "nccl runs on GPUs",
+        ),
     ],
 )
 def test_settings_that_cannot_run_are_refused(

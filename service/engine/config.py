@@ -20,6 +20,7 @@ MoeKernel = Literal["auto", "quack", "grouped_mm", "loop"]
 CudaGraphs = Literal["auto", "on", "off"]
 DecoderSetting = Literal["auto", "fused", "transformers"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+Collectives = Literal["auto", "nccl", "gloo"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,4 +50,5 @@ class EngineConfig:
     max_sequence_tokens: int | None  # None: what the positions and the memory allow
     batch_invariant: bool
     tensor_parallel_size: int
+    tensor_parallel_collectives: Collectives
     log_level: LogLevel  # the tensor-parallel ranks' own logging

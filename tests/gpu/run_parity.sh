@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The parity suite on a CUDA host, in bf16, fp16 and float32, plus the GPU kernel twins.
+# The parity suite on a CUDA host, in bf16, fp16 and float32, plus the GPU kernel twins and tensor
+# parallel over two ranks sharing the GPU (gloo).
 # The service side runs on cuda with the packed varlen backend (flash-attn if importable, else
 # torch's varlen_attn); the reference is always the model's own eager forward in float32.
 # Writes parity-<dtype>.json (largest |Δ| per architecture) into ${OUT:-.}.
@@ -14,7 +15,7 @@ status=0
 for dtype in bfloat16 float16 float32; do
   echo "== parity on cuda, $dtype"
   LOGPROBD_TEST_DEVICE=cuda LOGPROBD_TEST_DTYPE=$dtype LOGPROBD_TEST_REPORT="$out/parity-$dtype.json" \
-    "$python" -m pytest tests/test_parity.py tests/test_ppo.py tests/engine -q -W ignore::UserWarning -p no:cacheprovider || status=1
+    "$python" -m pytest tests/test_parity.py tests/test_ppo.py tests/engine tests/test_tensor_parallel.py -q -W ignore::UserWarning -p no:cacheprovider || status=1
   cat "$out/parity-$dtype.json" 2>/dev/null
 done
 exit $status

@@ -85,28 +85,39 @@ def refusal(config: EngineConfig) -> str | None:
     if config.batch_invariant:
         return "batch_invariant: the all-reduces' sums are not batch-invariant"
     device = resolve_device(config.device)
-    if device.type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
+    if device.type == "cpu" and config.tensor_parallel_collectives == "nccl":
+        return "tensor_parallel_collectives=nccl runs on GPUs; on CPU the ranks use gloo"
+    shared = _backend(config, device) == "gloo"  # gloo ranks may share a GPU
+    if device.type == "cuda" and not shared and torch.cuda.device_count() < config.tensor_parallel_size:
         seen = torch.cuda.device_count()
         return f"{config.tensor_parallel_size} ranks need as many GPUs; this process sees {seen}"
     return None
 
 
+def _backend(config: EngineConfig, device: torch.device) -> str:
+    """The process group's backend: nccl on GPUs unless gloo is asked for; gloo on CPU."""
+    if config.tensor_parallel_collectives == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return config.tensor_parallel_collectives
+
+
 def _device(config: EngineConfig, rank: int) -> torch.device:
+    """A rank's device: GPU `rank` (under gloo, ranks past the GPUs share them, round robin)."""
     device = resolve_device(config.device)
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    return torch.device("cuda", rank % torch.cuda.device_count()) if device.type == "cuda" else device
 
 
-def _join(rank: int, world: int, store: Path, device: torch.device) -> Shard:
+def _join(rank: int, world: int, store: Path, device: torch.device, backend: str) -> Shard:
     """Join the replica's process group (every rank calls it; it returns once all have)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
+        backend,
         init_method=f"file://{store}",
         rank=rank,
         world_size=world,
         timeout=COLLECTIVE_TIMEOUT,
-        device_id=device if device.type == "cuda" else None,
+        device_id=device if backend == "nccl" else None,
     )
     return Shard(rank, world)
 
@@ -302,7 +313,8 @@ def load(config: EngineConfig) -> TensorParallelEngine:
         followers.append(_Follower(rank, process, here, threading.Lock()))
         log.info("tensor parallel: started rank %d of %d (pid %d)", rank, world, process.pid)
     try:
-        shard = _join(0, world, store, _device(config, 0))
+        device = _device(config, 0)
+        shard = _join(0, world, store, device, _backend(config, device))
         scorer = _load_scorer(config, shard)
         for follower in followers:
             status, error = follower.conn.recv()
@@ -330,7 +342,9 @@ def follow(rank: int, config: EngineConfig, store: Path, conn: Connection) -> No
     if device.type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
     try:
-        scorer = _load_scorer(config, _join(rank, config.tensor_parallel_size, store, device))
+        scorer = _load_scorer(
+            config, _join(rank, config.tensor_parallel_size, store, device, _backend(config, device))
+        )
     except Exception as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from exc
