@@ -11,7 +11,7 @@
 # docker/constraints.txt, everything from PyPI. For GPUs before Ampere, or flash-attn 2 instead:
 #   docker build --build-arg EXTRAS=fused --build-arg FLASH_ATTN_VERSION=2.8.3 -t logprobd:fa2 .
 # (flash-attn 2 from PyPI is an sdist: it compiles against the installed torch, which needs nvcc, i.e.
-# CUDA_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04, and about an hour.)
+# BASE_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04, and about an hour.)
 
 #
 # CI builds this same file with other build arguments only (docker/ci-image.sh, docs/deploying.md): a

@@ -55,9 +55,10 @@ if ! buildah inspect --type image "$BASE" >/dev/null 2>&1; then
 fi
 
 # RUN steps run chrooted on the host's network: apt-get reaches Debian, pip reaches PyPI. The wheel
-# directory is mounted read-only into every RUN step, not copied into the image.
+# directory is mounted read-only into every RUN step, not copied into the image. The docker format
+# keeps the HEALTHCHECK (OCI has none).
 started=$(date +%s)
-buildah bud --isolation chroot --quiet --tag "$IMAGE" \
+buildah bud --isolation chroot --format docker --quiet --tag "$IMAGE" \
     --volume "$WHEELS:/wheels:ro" \
     --build-arg BASE_IMAGE="$BASE" \
     --build-arg PYTHON=python3.11 \

@@ -121,7 +121,9 @@ def test_the_default_is_the_measured_stack_from_registries() -> None:
 
 
 REQUIREMENTS_STEP = "pip install -c constraints.txt -r"
-TORCH_STEP = 'pip install -c constraints.txt ${TORCH_FIND_LINKS:+--find-links "${TORCH_FIND_LINKS}"} "${TORCH}"'
+TORCH_STEP = (
+    'pip install -c constraints.txt ${TORCH_FIND_LINKS:+--find-links "${TORCH_FIND_LINKS}"} "${TORCH}"'
+)
 
 
 def requirements_step(extras: str | None) -> list[str]:
@@ -205,4 +207,5 @@ def test_ci_builds_this_dockerfile_with_build_arguments_only() -> None:
     assert given["PYTHON"] == "python3.11"  # Debian 12's, the base debootstrap makes
     assert "debootstrap --variant=minbase bookworm" in text
     assert re.search(r"buildah bud --isolation chroot .*\\\n(.*\\\n)*\s*\. >/dev/null", text)
-    assert "--file" not in text and " -f " not in text
+    assert "--file" not in text
+    assert " -f " not in text

@@ -2,12 +2,12 @@
 BENCHMARKS.md's latest run measured, and it resolves, wheels only, for the image's platform and Python.
 
 torch's pin is the Dockerfile's TORCH build argument (CI builds the same Dockerfile with the CPU
-build instead, docker/ci-image.sh). The resolution asks PyPI (`pip install --dry-run --report`): torch's own CUDA index
-(download.pytorch.org) is not reachable from CI. PyPI's torch 2.11.0 Linux x86_64 wheel is the CUDA
-13.0 build (it depends on the nvidia-*-cu13 / CUDA 13 libraries, checked below), which torch's cu130
-index serves as 2.11.0+cu130. Platforms: every manylinux tag that pip on Ubuntu 24.04 (glibc 2.39)
-accepts, manylinux_2_28 among them (pip does not widen an explicit --platform to older glibc tags,
-and nvidia-cudnn-cu13 ships manylinux_2_27 wheels only).
+build instead, docker/ci-image.sh). The resolution asks PyPI (`pip install --dry-run --report`):
+torch's own CUDA index (download.pytorch.org) is not reachable from CI. PyPI's torch 2.11.0 Linux
+x86_64 wheel is the CUDA 13.0 build (it depends on the nvidia-*-cu13 / CUDA 13 libraries, checked
+below), which torch's cu130 index serves as 2.11.0+cu130. Platforms: every manylinux tag that pip on
+Ubuntu 24.04 (glibc 2.39) accepts, manylinux_2_28 among them (pip does not widen an explicit
+--platform to older glibc tags, and nvidia-cudnn-cu13 ships manylinux_2_27 wheels only).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ REQUEST = {
 def constraints() -> dict[str, str]:
     lines = (ROOT / "docker" / "constraints.txt").read_text().splitlines()
     pins = [line.split("==") for line in lines if line and not line.startswith("#")]
-    return {name: version for name, version in pins}
+    return dict(pins)
 
 
 def image() -> str:
@@ -46,7 +46,9 @@ def image() -> str:
         problem = "LOGPROBD_IMAGE is not set (bash docker/ci-image.sh builds localhost/logprobd:ci)"
     elif shutil.which("buildah") is None:
         problem = "buildah is not installed (apt-get install buildah)"
-    elif subprocess.run(["buildah", "inspect", "--type", "image", name], capture_output=True).returncode:
+    elif subprocess.run(
+        ["buildah", "inspect", "--type", "image", name], capture_output=True, check=False
+    ).returncode:
         problem = f"no image {name} (bash docker/ci-image.sh)"
     if problem is not None:
         if os.environ.get("LOGPROBD_REQUIRE_IMAGE") == "1":
