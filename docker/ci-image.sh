@@ -57,6 +57,7 @@ fi
 # RUN steps run chrooted on the host's network: apt-get reaches Debian, pip reaches PyPI. The wheel
 # directory is mounted read-only into every RUN step, not copied into the image. The docker format
 # keeps the HEALTHCHECK (OCI has none).
+buildah rmi "$IMAGE" >/dev/null 2>&1 || true  # the last build's, so runs on one machine do not pile up
 started=$(date +%s)
 buildah bud --isolation chroot --format docker --quiet --tag "$IMAGE" \
     --volume "$WHEELS:/wheels:ro" \
