@@ -11,12 +11,26 @@
 # docker/constraints.txt, everything from PyPI. For GPUs before Ampere, or flash-attn 2 instead:
 #   docker build --build-arg EXTRAS=fused --build-arg FLASH_ATTN_VERSION=2.8.3 -t logprobd:fa2 .
 # (flash-attn 2 from PyPI is an sdist: it compiles against the installed torch, which needs nvcc, i.e.
-# CUDA_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04, and about an hour.)
+# BASE_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04, and about an hour.)
+
+#
+# CI builds this same file with other build arguments only (docker/ci-image.sh, docs/deploying.md): a
+# Debian base made locally, its python3.11, the CPU torch 2.13.0 wheel and no GPU extras:
+#   --build-arg BASE_IMAGE=localhost/logprobd-ci-base:bookworm --build-arg PYTHON=python3.11 \
+#   --build-arg TORCH=torch==2.13.0+cpu --build-arg TORCH_FIND_LINKS=/wheels --build-arg EXTRAS=
 
 # torch's CUDA wheels bring their own CUDA libraries; the runtime image is the CUDA userland
 # the NVIDIA container toolkit expects, on Ubuntu 24.04, whose python3 is 3.12.
-ARG CUDA_IMAGE=nvidia/cuda:13.0.2-runtime-ubuntu24.04
-FROM ${CUDA_IMAGE}
+ARG BASE_IMAGE=nvidia/cuda:13.0.2-runtime-ubuntu24.04
+FROM ${BASE_IMAGE}
+
+# The base's Python (its apt packages PYTHON, PYTHON-venv and PYTHON-dev make the venv).
+ARG PYTHON=python3.12
+# The torch requirement, under docker/constraints.txt; PyPI's torch 2.11.0 for Linux x86_64 is the
+# CUDA 13.0 build. TORCH_FIND_LINKS: a directory of wheels (mounted into the build) pip also searches
+# for it, e.g. a CPU build that PyPI does not serve; "" searches PyPI alone.
+ARG TORCH=torch==2.11.0
+ARG TORCH_FIND_LINKS=""
 
 # Extras of pyproject.toml (comma-separated): `fused` is liger-kernel, `hopper` flash-attn 4 and
 # quack-kernels (their nvidia-cutlass-dsl with its CUDA 13 libraries, the `cu13` extra).
@@ -31,14 +45,14 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 
-# Python 3.12. gcc, libc headers and Python headers: Triton (under liger-kernel's fused kernels)
-# compiles its small launcher modules with the system C compiler the first time it runs.
+# Python (3.12 by default). gcc, libc headers and Python headers: Triton (under liger-kernel's fused
+# kernels) compiles its small launcher modules with the system C compiler the first time it runs.
 # Ubuntu's security updates replace these versions in place, so they are not pinned.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3.12 python3.12-venv python3.12-dev gcc libc6-dev \
+    && apt-get install -y --no-install-recommends "${PYTHON}" "${PYTHON}-venv" "${PYTHON}-dev" gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
-    && python3.12 -m venv /opt/venv \
+    && "${PYTHON}" -m venv /opt/venv \
     && groupadd --system --gid 10001 logprobd \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/logprobd \
         --shell /usr/sbin/nologin logprobd \
@@ -48,7 +62,9 @@ WORKDIR /opt/logprobd
 COPY docker/constraints.txt ./
 
 # The heaviest layer first, so it is cached across every change below it.
-RUN pip install -c constraints.txt torch
+# The installed torch joins the constraints: no later step may replace it.
+RUN pip install -c constraints.txt ${TORCH_FIND_LINKS:+--find-links "${TORCH_FIND_LINKS}"} "${TORCH}" \
+    && python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" >> constraints.txt
 
 # Its own layer, after torch's: changing it does not download torch again. --no-build-isolation:
 # flash-attn 2 builds against the torch installed above.

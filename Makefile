@@ -4,6 +4,9 @@ VENV ?= .venv
 # transformers: the oldest supported release by default; CI also runs `TRANSFORMERS=newest`.
 TRANSFORMERS ?= 5.17.0
 PY := $(VENV)/bin/python
+# Two installs into one venv: `make serve` the service and what it imports (requirements.txt, `-e .`),
+# `make test` the development tools on top (requirements-dev.txt, `-e .[dev]`).
+SERVE_STAMP := $(VENV)/.serve-$(TRANSFORMERS)
 STAMP := $(VENV)/.installed-$(TRANSFORMERS)
 ifeq ($(TRANSFORMERS),newest)
 TRANSFORMERS_REQ := transformers
@@ -11,19 +14,26 @@ else
 TRANSFORMERS_REQ := transformers==$(TRANSFORMERS)
 endif
 
-.PHONY: install serve test lint typecheck docs pytest openapi config-docs chart gpu-parity clean
+.PHONY: install install-serve serve test lint typecheck docs pytest openapi config-docs chart gpu-parity clean
 
-$(STAMP): requirements-dev.txt pyproject.toml
+$(SERVE_STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -e . "$(TRANSFORMERS_REQ)"
+	rm -f $(VENV)/.serve-*
+	touch $@
+
+$(STAMP): $(SERVE_STAMP) requirements-dev.txt requirements-frameworks.txt
 	$(PY) -m pip install -q -r requirements-dev.txt "$(TRANSFORMERS_REQ)"
 	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/frameworks -r requirements-frameworks.txt  # RL trainers' releases for tests/client/test_releases.py
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-install: $(STAMP)
+install-serve: $(SERVE_STAMP)  ## the service alone: what `make serve` needs
 
-serve: install  ## run the server (demo model unless LOGPROBD_MODEL or ARGS="--model DIR")
+install: $(STAMP)  ## everything `make test` needs
+
+serve: install-serve  ## run the server (demo model unless LOGPROBD_MODEL or ARGS="--model DIR")
 	$(PY) -m service serve $(ARGS)
 
 test: lint typecheck docs pytest  ## every gate: ruff, mypy --strict, the docs build, the test suite

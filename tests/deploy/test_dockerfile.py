@@ -32,6 +32,11 @@ def instructions() -> list[tuple[str, str]]:
     return found
 
 
+def build_args() -> dict[str, str]:
+    """Every ARG with its default."""
+    return dict(rest.split("=", 1) for kw, rest in instructions() if kw == "ARG" and "=" in rest)
+
+
 def one(keyword: str) -> str:
     (args,) = [rest for kw, rest in instructions() if kw == keyword]
     return args
@@ -98,8 +103,11 @@ def test_the_default_is_the_measured_stack_from_registries() -> None:
     """CUDA 13 runtime image, torch and the `hopper` extra under docker/constraints.txt (whose pins
     tests/deploy/test_image_pins.py checks), Python 3.12 (Ubuntu 24.04's); no download by URL, and
     flash-attn 2 only as a build argument."""
-    args = dict(rest.split("=", 1) for kw, rest in instructions() if kw == "ARG" and "=" in rest)
-    assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-runtime-ubuntu24\.04", args["CUDA_IMAGE"])
+    args = build_args()
+    assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-runtime-ubuntu24\.04", args["BASE_IMAGE"])
+    assert args["PYTHON"] == "python3.12"
+    assert args["TORCH"] == "torch==2.11.0"
+    assert args["TORCH_FIND_LINKS"] == '""'
     assert args["EXTRAS"].split(",") == ["fused", "hopper"]
     assert args["FLASH_ATTN_VERSION"] == '""'
     runs = [rest for kw, rest in instructions() if kw == "RUN"]
@@ -108,11 +116,14 @@ def test_the_default_is_the_measured_stack_from_registries() -> None:
     assert not re.search(r"https?://", " ".join(runs))  # packages come from the index, not a URL
     assert ("COPY", "docker/constraints.txt ./") in instructions()
     text = DOCKERFILE.read_text()
-    assert "python3.12 -m venv" in text
+    assert '"${PYTHON}" -m venv /opt/venv' in text
     assert '"/models"' in one("VOLUME")
 
 
 REQUIREMENTS_STEP = "pip install -c constraints.txt -r"
+TORCH_STEP = (
+    'pip install -c constraints.txt ${TORCH_FIND_LINKS:+--find-links "${TORCH_FIND_LINKS}"} "${TORCH}"'
+)
 
 
 def requirements_step(extras: str | None) -> list[str]:
@@ -157,7 +168,7 @@ def test_dependencies_are_a_layer_below_the_source() -> None:
     copy_pyproject = next(i for i in order if steps[i] == ("COPY", "pyproject.toml ./"))
     install_deps = next(i for i in order if REQUIREMENTS_STEP in steps[i][1])
     copy_source = next(i for i in order if steps[i][0] == "COPY" and "service" in steps[i][1])
-    torch = next(i for i in order if steps[i][1] == "pip install -c constraints.txt torch")
+    torch = next(i for i in order if steps[i][1].startswith(TORCH_STEP))
     assert torch < copy_pyproject < install_deps < copy_source
 
 
@@ -167,3 +178,34 @@ def test_dockerignore_sends_only_what_the_image_needs() -> None:
     assert {"!pyproject.toml", "!README.md", "!service/", "!docker/constraints.txt"} <= set(lines)
     copied = {rest.split()[0] for kw, rest in instructions() if kw == "COPY"}
     assert copied == {"pyproject.toml", "README.md", "service", "docker/constraints.txt"}
+
+
+def test_the_torch_step_installs_the_torch_argument_and_pins_it_for_every_later_step() -> None:
+    (step,) = [rest for kw, rest in instructions() if kw == "RUN" and rest.startswith(TORCH_STEP)]
+    assert "print('torch==' + m.version('torch'))\" >> constraints.txt" in step
+    # the expansion: --find-links only when TORCH_FIND_LINKS is set
+    script = step.split(" && ")[0].replace("pip install", "printf '%s\\n'")
+    for links, want in [("", ["-c", "constraints.txt", "torch==1"]),
+                        ("/w", ["-c", "constraints.txt", "--find-links", "/w", "torch==1"])]:  # fmt: skip
+        env = {"TORCH": "torch==1", "TORCH_FIND_LINKS": links, "PATH": "/usr/bin:/bin"}
+        out = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == want, out.stdout
+
+
+CI_IMAGE = ROOT / "docker" / "ci-image.sh"
+
+
+def test_ci_builds_this_dockerfile_with_build_arguments_only() -> None:
+    """docker/ci-image.sh (CI's buildah build) changes the image through build arguments the
+    Dockerfile declares, and builds this Dockerfile from the repository root."""
+    text = CI_IMAGE.read_text()
+    given = dict(re.findall(r"--build-arg (\w+)=(\S*)", text))
+    assert set(given) <= set(build_args()), set(given) - set(build_args())
+    assert given["TORCH"] == "torch==2.13.0+cpu"  # the CPU build the dev install pins
+    assert "torch==2.13.0" in (ROOT / "requirements.txt").read_text().split()
+    assert given["EXTRAS"] == ""
+    assert given["PYTHON"] == "python3.11"  # Debian 12's, the base debootstrap makes
+    assert "debootstrap --variant=minbase bookworm" in text
+    assert re.search(r"buildah bud --isolation chroot .*\\\n(.*\\\n)*\s*\. >/dev/null", text)
+    assert "--file" not in text
+    assert " -f " not in text

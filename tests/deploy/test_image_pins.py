@@ -1,12 +1,13 @@
 """The image's pinned stack (docker/constraints.txt, which the Dockerfile installs with `-c`) is the one
 BENCHMARKS.md's latest run measured, and it resolves, wheels only, for the image's platform and Python.
 
-The resolution asks PyPI (`pip install --dry-run --report`): torch's own CUDA index
-(download.pytorch.org) is not reachable from CI. PyPI's torch 2.11.0 Linux x86_64 wheel is the CUDA
-13.0 build (it depends on the nvidia-*-cu13 / CUDA 13 libraries, checked below), which torch's cu130
-index serves as 2.11.0+cu130. Platforms: every manylinux tag that pip on Ubuntu 24.04 (glibc 2.39)
-accepts, manylinux_2_28 among them (pip does not widen an explicit --platform to older glibc tags,
-and nvidia-cudnn-cu13 ships manylinux_2_27 wheels only).
+torch's pin is the Dockerfile's TORCH build argument (CI builds the same Dockerfile with the CPU
+build instead, docker/ci-image.sh). The resolution asks PyPI (`pip install --dry-run --report`):
+torch's own CUDA index (download.pytorch.org) is not reachable from CI. PyPI's torch 2.11.0 Linux
+x86_64 wheel is the CUDA 13.0 build (it depends on the nvidia-*-cu13 / CUDA 13 libraries, checked
+below), which torch's cu130 index serves as 2.11.0+cu130. Platforms: every manylinux tag that pip on
+Ubuntu 24.04 (glibc 2.39) accepts, manylinux_2_28 among them (pip does not widen an explicit
+--platform to older glibc tags, and nvidia-cudnn-cu13 ships manylinux_2_27 wheels only).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.deploy.chart import ROOT
-from tests.deploy.test_dockerfile import instructions, requirements_step
+from tests.deploy.test_dockerfile import build_args, requirements_step
 
 CONSTRAINTS = ROOT / "docker" / "constraints.txt"
 PLATFORMS = ["manylinux2014_x86_64", *(f"manylinux_2_{minor}_x86_64" for minor in range(17, 40))]
@@ -73,17 +74,17 @@ def test_the_latest_run_is_read() -> None:
 def test_pins_are_the_latest_benchmark_runs() -> None:
     run, pinned = latest_run(), pins()
     torch_version, _, cuda = run["torch"].partition("+")
-    assert set(pinned) == {"torch", "transformers", "flash-attn-4", "quack-kernels", "nvidia-cutlass-dsl"}
-    assert pinned["torch"] == torch_version
+    assert set(pinned) == {"transformers", "flash-attn-4", "quack-kernels", "nvidia-cutlass-dsl"}
+    assert build_args()["TORCH"] == f"torch=={torch_version}"  # torch's pin: the Dockerfile's default
     for name in ["transformers", "flash-attn-4", "quack-kernels", "nvidia-cutlass-dsl"]:
         assert pinned[name] == run[name], name
     latest = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())["versions"]
     assert latest["torch"] == run["torch"]
     assert latest["transformers"] == run["transformers"]
     # the CUDA of the benchmark's torch build is the base image's (cu130 <-> nvidia/cuda:13.0.x)
-    args = dict(rest.split("=", 1) for kw, rest in instructions() if kw == "ARG" and "=" in rest)
-    image = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-runtime-ubuntu24\.04", args["CUDA_IMAGE"])
-    assert image, args["CUDA_IMAGE"]
+    args = build_args()
+    image = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-runtime-ubuntu24\.04", args["BASE_IMAGE"])
+    assert image, args["BASE_IMAGE"]
     assert cuda == f"cu{image.group(1)}{image.group(2)}"
     assert run["python"].startswith(PYTHON + ".")  # Ubuntu 24.04's python3.12
 
@@ -121,13 +122,13 @@ def resolve(requirements: list[str], target: Path) -> dict[str, Any]:
 def test_the_image_requirements_resolve_to_wheels(tmp_path: Path) -> None:
     """torch, then the dependencies and default extras as the Dockerfile lists them, under the pins:
     every one has a wheel for manylinux x86_64 / CPython 3.12, and the pins are what resolves."""
-    requirements = ["torch", *requirements_step(None)]
+    requirements = [build_args()["TORCH"], *requirements_step(None)]
     assert "nvidia-cutlass-dsl[cu13]" in requirements
     report = resolve(requirements, tmp_path / "target")
     versions = {
         i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"] for i in report["install"]
     }
-    for name, version in pins().items():
+    for name, version in {**pins(), "torch": latest_run()["torch"].partition("+")[0]}.items():
         assert versions[name] == version, name
     assert versions["triton"] == latest_run()["triton"]  # torch 2.11.0's own pin
     assert "liger-kernel" in versions
