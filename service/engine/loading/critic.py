@@ -112,8 +112,40 @@ def load_critic(path: Path, dtype: torch.dtype, device: torch.device, attn: str)
     require_model_dir(path, "critic")
     config = text_config(path)
     head = read_value_head(path, int(config.hidden_size), device)
-    decoder = prepare(
-        from_local(AutoModel, path, role="critic", dtype=dtype, attn=attn, config=config), device
+    # transformers reports every tensor its decoder does not take (the value head, an actor's LM head)
+    # as UNEXPECTED, which reads as a failure: its report is held back, and what matters said here
+    reporters = [
+        logging.getLogger(f"transformers.{name}") for name in ("modeling_utils", "utils.loading_report")
+    ]
+    quiet = _Quiet()
+    for reporter in reporters:
+        reporter.addFilter(quiet)
+    try:
+        model, info = from_local(
+            AutoModel, path, role="critic", dtype=dtype, attn=attn, config=config, output_loading_info=True
+        )
+    finally:
+        for reporter in reporters:
+            reporter.removeFilter(quiet)
+    missing = sorted(info.get("missing_keys") or []) + sorted(
+        str(k) for k in info.get("mismatched_keys") or []
     )
-    log.info("loaded critic %s (%s value head) from %s", type(decoder).__name__, head.format, path)
+    if missing:
+        log.warning("critic %s: the checkpoint lacks or mis-shapes these decoder tensors: %s", path, missing)
+    decoder = prepare(model, device)
+    beside = len(info.get("unexpected_keys") or [])
+    log.info(
+        "loaded critic %s (%s value head) from %s; %d tensors beside the decoder's (its heads) not in it",
+        type(decoder).__name__,
+        head.format,
+        path,
+        beside,
+    )
     return Critic(decoder, head)
+
+
+class _Quiet(logging.Filter):
+    """Drops transformers' load report (its other records pass)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
