@@ -1,0 +1,2 @@
+"""What this host can run: optional kernel packages (packages.py) and Triton, imported on first use
+(triton_jit.py)."""
