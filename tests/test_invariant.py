@@ -151,3 +151,28 @@ def test_values_and_reference_log_probs_too_across_a_reload_back(dirs: dict[str,
         engine.apply(engine.stage(order))
     reloaded = _score(engine, settings, [[*others[:3], target]])[0][-1]
     assert _bits(reloaded) == _bits(alone), "after a reload to other weights and back"
+
+
+@pytest.mark.parametrize(("budget", "length"), [(64, 65), (128, 200), (1024, 1100)])
+def test_a_long_sequence_under_a_small_budget_is_scored_in_chunks(
+    dirs: dict[str, Path], budget: int, length: int
+) -> None:
+    """A chunk's packed row is padded to GEMM_ROWS rows whatever the budget, so a store keeps room for
+    a whole step of filler past the sequence (it overflowed: a 500 for every chunked length under
+    budgets of 64, 128 and 1,024). The chunks' scores equal the mode-off scores of the whole sequence."""
+    on = Settings(
+        model=dirs["qwen2"], device="cpu", dtype="float32", max_batch_tokens=budget, batch_invariant=True
+    )
+    engine = PackedScorer.from_config(on.engine_config())
+    engine.warm_up()
+    target, others = _jobs(4, 1, length, length + 1)[0], _jobs(5, 3, 20, 60)
+    (alone,), (beside, *_) = _score(engine, on, [[target], [target, *others]])
+    assert _bits(beside) == _bits(alone)
+    off = Settings(model=dirs["qwen2"], device="cpu", dtype="float32", max_batch_tokens=4096)
+    whole = PackedScorer.from_config(off.engine_config())
+    (want,) = whole.score([target])
+    np.testing.assert_allclose(alone.logprobs, want.logprobs, atol=1e-4, rtol=0)
+    assert alone.entropy is not None
+    assert want.entropy is not None
+    np.testing.assert_allclose(alone.entropy, want.entropy, atol=1e-4, rtol=0)
+    assert not engine._stores  # every chunk's store dropped after its last chunk

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from service.engine.batch.kv_store import KVStore
-from service.engine.batch.packing import SHAPE_STEP, pack
+from service.engine.batch.packing import pack
 from service.engine.config import EngineConfig
 from service.engine.contract import (
     EngineInfo,
@@ -144,7 +144,7 @@ class PackedScorer:
         if chunk is None:
             return {}
         if chunk.start == 0:
-            job, capacity = chunk.job, chunk.job.num_tokens + SHAPE_STEP  # the filler's keys too
+            job, capacity = chunk.job, chunk.job.num_tokens + self._step  # a chunk's filler's keys too
             wanted: dict[Target, bool] = {
                 "policy": True,
                 "reference": job.return_ref,
@@ -261,9 +261,8 @@ class PackedScorer:
         for start in range(0, length, most):
             chunk = Chunk(job, sequence=-1, start=start, end=min(start + most, length))
             self.launch([], chunk).result()
-        fits = memory.tokens_that_fit(
-            self._served, self._device, torch.cuda.max_memory_allocated(self._device)
-        )
+        peak = torch.cuda.max_memory_allocated(self._device)
+        fits = memory.tokens_that_fit(self._served, self._device, peak, self._step)
         longest = memory.longest(self._info.max_positions, fits, self._config.max_sequence_tokens)
         self._info = dataclasses.replace(self._info, **longest)
         log.info(

@@ -52,9 +52,10 @@ def longest(positions: int, memory: int | None, setting: int | None) -> dict[str
     return {"max_sequence_tokens": tokens, "max_sequence_limit": limit}
 
 
-def tokens_that_fit(served: Served, device: torch.device, peak: int) -> int:
-    """The longest sequence whose stores (one per model) fit in the accelerator's memory beside `peak`
-    bytes (a micro-batch of two full chunks, measured); logs what a store costs a token."""
+def tokens_that_fit(served: Served, device: torch.device, peak: int, step: int) -> int:
+    """The longest sequence whose stores (one per model, each `step` tokens past the sequence for a
+    chunk's filler) fit in the accelerator's memory beside `peak` bytes (a micro-batch of two full
+    chunks, measured); logs what a store costs a token."""
     free, total = torch.cuda.mem_get_info(device)
     elsewhere = total - free - torch.cuda.memory_reserved(device)  # other processes, the context
     room = int(total * MEMORY_FRACTION) - elsewhere - peak
@@ -62,7 +63,7 @@ def tokens_that_fit(served: Served, device: torch.device, peak: int) -> int:
     per_token = sum(cache_bytes_per_token(text_part(m.config), next(m.parameters()).dtype) for m in models)
     layers = min(int(text_part(m.config).num_hidden_layers) for m in models)
     # one store per model, and a layer's keys and values copied once more while it attends
-    fits = max(0, int(room / (per_token * (1 + 2 / layers))) - SHAPE_STEP)
+    fits = max(0, int(room / (per_token * (1 + 2 / layers))) - step)
     log.info("a store costs %.1f KiB a token, %.1f GiB free for them", per_token / 1024, room / (1 << 30))
     return fits
 
