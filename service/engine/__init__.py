@@ -1,7 +1,9 @@
-"""The model side: loading, packing, attention backends and the log-prob kernels.
+"""The model side: an EngineConfig in, a ScoringEngine out (contract.py), whose micro-batches go
+loading/ -> batch/ -> decoder/ (ops/, moe/, strategies/) -> heads/, run by scorer/ (parallel/ over
+several ranks). docs/performance.md maps it folder by folder.
 
-The only package that imports torch and transformers. Importing it is cheap: heavy imports happen
-in `load_engine`.
+The only package that imports torch and transformers, and it never reads the service's settings or
+the HTTP side (make lint checks it). Importing it is cheap: heavy imports happen in `load_engine`.
 """
 
 from __future__ import annotations
