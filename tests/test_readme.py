@@ -200,3 +200,11 @@ def test_benchmark_table_is_the_latest_run() -> None:
     ]
     assert rows["peak GPU memory vs the naive forward"] == [pct(m["peak_memory_vs_naive"]) for m in models]
     assert rows["HTTP overhead vs the engine in-process"] == [pct(m["http_overhead"]) for m in models]
+
+
+def test_the_gpu_install_pins_the_images_torch() -> None:
+    """The README's CUDA torch is the one the image installs (the Dockerfile's TORCH build argument)."""
+    image = re.search(r"^ARG TORCH=(\S+)$", (ROOT / "Dockerfile").read_text(), re.M)
+    assert image is not None
+    gpu = next(b for b in blocks(README, "bash") if ".venv-gpu" in b)
+    assert re.search(rf"pip install {re.escape(image.group(1))}(\s|$)", gpu), gpu
