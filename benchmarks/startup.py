@@ -115,7 +115,7 @@ def _cute_label(fn: Any, *_: Any, **__: Any) -> str:
 
 def instrument(clock: Clock) -> None:
     """Wrap the engine's start-up steps and the compilers with `clock`'s timers (this process only)."""
-    from service.engine.decoder import fused as decoder
+    from service.engine import decoder
     from service.engine.decoder import graphs
     from service.engine.moe import layer as moe
     from service.engine.ops import gate_up as gated

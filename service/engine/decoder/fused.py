@@ -1,12 +1,8 @@
-"""A decoder's forward over one packed row: transformers' own, or a lean one for Llama-family models
-and their mixture-of-experts kin.
+"""The fused decoder: a lean forward over one packed row for Llama-family models and their
+mixture-of-experts kin, giving what transformers' own forward (transformers_forward.py) gives: the
+final hidden states, normalised, of the rows the heads read, and nothing for the other rows.
 
-Both give the final hidden states, normalised, of the rows the heads read (the position before
-each action), and nothing for the other rows.
-
-TransformersDecoder calls the model's forward with the packed-attention kwargs: every architecture.
-
-FusedDecoder computes the same function for Llama, Mistral, Qwen2 and Qwen3 decoders (SiLU MLP, RoPE
+FusedDecoder computes that function for Llama, Mistral, Qwen2 and Qwen3 decoders (SiLU MLP, RoPE
 over the whole head, RMSNorm) and for Qwen3-MoE, Qwen2-MoE and Mixtral, whose sparse layers' MLP is
 moe/layer.py's (router, grouped expert GEMMs); from the same parameters, in fewer kernels and no
 per-module Python. A layer is:
@@ -36,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +40,7 @@ import torch.nn.functional as F
 from service.engine.batch.kv_store import KVContext
 from service.engine.batch.packing import PackedBatch
 from service.engine.contract import SHAPE_STEP
+from service.engine.decoder.contract import DecoderKind, warm_rotary, zeros
 from service.engine.moe import kernels as moe_ops
 from service.engine.moe import layer as moe
 from service.engine.ops.attention import Kernel, Segments
@@ -51,8 +48,6 @@ from service.engine.ops.elementwise import HeadNorms, Ops
 from service.engine.ops.gate_up import GatedProjection, split
 from service.engine.strategies.gemm import ONE_CALL, TokenGemms
 from service.engine.strategies.sums import LOCAL, AllReduce, PartialSums
-
-DecoderKind = Literal["fused", "transformers"]
 
 # model_type -> the sliding window a layer's attention applies (transformers' own rule per model)
 _WINDOW: dict[str, Callable[[Any], int | None]] = {
@@ -66,78 +61,6 @@ _WINDOW: dict[str, Callable[[Any], int | None]] = {
 }
 HEAD_NORMS = frozenset({"qwen3", "qwen3_moe"})  # per-head q/k RMSNorm before RoPE
 SUPPORTED = tuple(_WINDOW)
-
-
-class Decoder(Protocol):
-    kind: DecoderKind
-
-    def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
-        """[len(rows), H]: the final (normalised) hidden state at each index of `rows` in the row."""
-
-    def refresh(self) -> None:
-        """Take up parameters that a reload rebound."""
-
-    def warm(self, rows: int) -> None:
-        """Run once, on zeros, the GEMMs a forward over `rows` rows runs (the same calls and shapes):
-        cuBLAS stalls the host the first time it meets some shapes, so a server meets them first."""
-
-    def capture(self, probe: PackedBatch) -> None:
-        """Capture the CUDA graphs that serve micro-batches, checked on `probe` (graphs.py); none here."""
-
-    def expert_counts(self) -> torch.Tensor | None:
-        """After a forward (read on the device's stream after it): the real tokens each expert of each
-        sparse layer but the last took, [layers, E] int32 on the device (the last layer runs its experts
-        on the rows the heads read only); None where no layer is counted."""
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """‖got - want‖ / ‖want‖ over every element, in float32: how two forwards' hidden states differ."""
-    got, want = got.float(), want.float()
-    return float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-30))
-
-
-def _zeros(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    return torch.zeros(rows, width, dtype=like.dtype, device=like.device)
-
-
-def _warm_rotary(decoder: Any, x: torch.Tensor) -> None:
-    """The rotary embedding's outer product of frequencies and positions (a batched GEMM) over x's rows."""
-    rotary = getattr(decoder, "rotary_emb", None)
-    if rotary is not None:
-        rotary(x[None], torch.zeros(1, x.shape[0], dtype=torch.long, device=x.device))
-
-
-class TransformersDecoder:
-    kind: DecoderKind = "transformers"
-
-    def __init__(self, decoder: Any) -> None:
-        self.decoder = decoder
-
-    def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
-        hidden: torch.Tensor = self.decoder(**batch.forward_kwargs()).last_hidden_state[0]  # [N, H]
-        return hidden.index_select(0, rows)
-
-    def capture(self, probe: PackedBatch) -> None:
-        pass
-
-    def expert_counts(self) -> torch.Tensor | None:
-        return None
-
-    def refresh(self) -> None:
-        pass
-
-    def warm(self, rows: int) -> None:
-        """Every distinct Linear of the layers, once; an MLP chunked by chunk_mlps meets its chunk
-        sizes as `rows` of their own (multiples of the packing step, as the unset chunk is)."""
-        embed = self.decoder.get_input_embeddings().weight
-        _warm_rotary(self.decoder, _zeros(embed, rows, embed.shape[1]))
-        seen = set()
-        for module in self.decoder.layers.modules():
-            if isinstance(module, torch.nn.Linear):
-                key = (module.in_features, module.out_features, module.bias is None, module.weight.dtype)
-                if key not in seen:
-                    seen.add(key)
-                    module(_zeros(module.weight, rows, module.in_features)[None])
 
 
 @dataclass(slots=True)
@@ -355,7 +278,7 @@ class FusedDecoder:
         its kernel, sees only the total rows (rows · k) and the weights' shape (moe/layer.py), so one call
         per row count meets every routing a micro-batch of that size can have."""
         embed = self.decoder.embed_tokens.weight
-        _warm_rotary(self.decoder, _zeros(embed, rows, embed.shape[1]))
+        warm_rotary(self.decoder, zeros(embed, rows, embed.shape[1]))
         seen = set()
         for layer in self.layers:
             mlp = layer.mlp
@@ -364,9 +287,9 @@ class FusedDecoder:
             if key in seen:
                 continue
             seen.add(key)
-            x = _zeros(layer.o_proj.weight, rows, layer.o_proj.out_features)
+            x = zeros(layer.o_proj.weight, rows, layer.o_proj.out_features)
             layer.qkv(x)
-            LOCAL.add(x, [(slice(None), _zeros(x, rows, layer.o_proj.in_features))], layer.o_proj, ONE_CALL)
+            LOCAL.add(x, [(slice(None), zeros(x, rows, layer.o_proj.in_features))], layer.o_proj, ONE_CALL)
             self._run_mlp(mlp, x, x, LOCAL)  # no collective: a warm-up runs on this rank alone
 
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
@@ -507,33 +430,3 @@ def _is_rms_norm(module: Any) -> bool:
         and isinstance(getattr(module, "weight", None), torch.Tensor)
         and getattr(module, "bias", None) is None
     )
-
-
-def build(  # noqa: PLR0917
-    decoder: Any,
-    setting: str,
-    attention: Kernel,
-    ops: Ops,
-    mlp_chunk_tokens: int,
-    projection: Callable[[], GatedProjection] | None = None,
-    *,
-    gemm: TokenGemms = ONE_CALL,
-    sums: PartialSums = LOCAL,
-    moe_kernel: Callable[[], moe.MoeKernel] | None = None,
-) -> Decoder:
-    """The forward the `decoder` setting asks for: auto takes the fused one wherever it fits.
-    `projection` makes the fused decoder's gate|up projection and `moe_kernel` its sparse layers'
-    grouped GEMM (each called only when a fused decoder is built); `gemm` and `sums`: the strategies
-    the fused decoder runs with (FusedDecoder; the transformers decoder's modules are patched by the
-    caller, and it cannot take an all-reduce)."""
-    if setting == "transformers":
-        return TransformersDecoder(decoder)
-    reason = unsupported(decoder)
-    if reason is None:
-        kernel = moe_kernel() if moe_kernel is not None and sparse(decoder) else moe.LOOP
-        return FusedDecoder(
-            decoder, attention, ops, mlp_chunk_tokens, projection, gemm=gemm, sums=sums, moe_kernel=kernel
-        )
-    if setting == "fused":
-        raise RuntimeError(f"decoder=fused: {reason}")
-    return TransformersDecoder(decoder)

@@ -42,7 +42,8 @@ from typing import Protocol
 import torch
 
 from service.engine.batch.packing import SHAPE_STEP, PackedBatch
-from service.engine.decoder.fused import Decoder, DecoderKind, FusedDecoder, Stream, relative_error
+from service.engine.decoder.contract import Decoder, DecoderKind, relative_error
+from service.engine.decoder.fused import FusedDecoder, Stream
 from service.engine.runtime.packages import FAST_DTYPES
 
 log = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 import service
+from service.engine import decoder
 from service.engine.config import EngineConfig
 from service.engine.contract import (
     EngineInfo,
@@ -22,9 +23,8 @@ from service.engine.contract import (
     Target,
     WeightsState,
 )
-from service.engine.decoder import fused as decoder
 from service.engine.decoder import graphs
-from service.engine.decoder.fused import Decoder
+from service.engine.decoder.contract import Decoder
 from service.engine.decoder.mlp_chunks import chunk_mlps, resolve_tokens
 from service.engine.heads import vocab_parallel
 from service.engine.loading.critic import Critic

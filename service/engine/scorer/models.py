@@ -15,7 +15,7 @@ from service.engine.batch.packing import PackedBatch
 from service.engine.contract import (
     Target,
 )
-from service.engine.decoder.fused import Decoder
+from service.engine.decoder.contract import Decoder
 from service.engine.heads import vocab_parallel
 from service.engine.heads.chunked import score_actions
 from service.engine.heads.contract import ActionScores, LogitTransform, ScoreActions

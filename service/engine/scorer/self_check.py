@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from service.engine import decoder
 from service.engine.batch.packing import PackedBatch, pack
-from service.engine.decoder import fused as decoder
-from service.engine.decoder.fused import Decoder
+from service.engine.decoder.contract import Decoder
 from service.engine.moe import layer as moe
 from service.engine.scorer.build import fused_of
 from service.engine.scorer.models import CausalLM

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from service.engine import decoder
 from service.engine.batch.packing import PackedBatch, pack
-from service.engine.decoder import fused as decoder
-from service.engine.decoder.fused import FusedDecoder, TransformersDecoder
+from service.engine.decoder import FusedDecoder, TransformersDecoder
 from service.engine.ops.attention import choose_backend, register
 from service.engine.ops.elementwise import TORCH, TRITON
 from service.engine.scorer.engine import PackedScorer

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from service.engine.batch.packing import PackedBatch, pack
-from service.engine.decoder import graphs
-from service.engine.decoder.fused import FusedDecoder, TransformersDecoder
+from service.engine.decoder import FusedDecoder, TransformersDecoder, graphs
 from service.engine.decoder.graphs import EagerRecorder, GraphedDecoder, GraphKey
 from service.engine.ops.attention import choose_backend
 from service.engine.ops.elementwise import TORCH, Ops

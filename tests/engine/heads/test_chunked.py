@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.engine.decoder.fused import TransformersDecoder
+from service.engine.decoder import TransformersDecoder
 from service.engine.heads.chunked import score_actions
 from service.engine.heads.contract import LogitTransform
 from service.engine.scorer.models import CausalLM

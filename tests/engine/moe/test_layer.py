@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from service.engine import decoder
 from service.engine.batch.packing import PackedBatch, pack
-from service.engine.decoder import fused as decoder
-from service.engine.decoder.fused import FusedDecoder, TransformersDecoder
+from service.engine.decoder import FusedDecoder, TransformersDecoder
 from service.engine.decoder.graphs import EagerRecorder, GraphedDecoder
 from service.engine.moe import kernels as moe_ops
 from service.engine.moe import layer as moe
