@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -110,6 +111,21 @@ def wait_ready(client: TestClient, timeout: float = 120.0) -> None:
             raise RuntimeError("the app failed to start")
         time.sleep(0.05)
     raise TimeoutError("the app did not become ready")
+
+
+def wait_served(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float, what: str) -> None:
+    """Poll `url`'s /health/ready until 200; fail with the server's log if `process` exits first, or
+    once `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/health/ready").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not become ready\n" + log.read_text()
+        time.sleep(0.1)
 
 
 def free_port() -> int:

@@ -11,19 +11,17 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
 from tests.client import frameworks
 from tests.client.frameworks import make_batch
 from tests.client.test_adapters import check
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_served
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -77,16 +75,7 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the demo server did not become ready"
-            time.sleep(0.1)
+        wait_served(url, process, log, 120, "the demo server")
         yield url
     finally:
         process.terminate()

@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +22,7 @@ import httpx
 import pytest
 
 from service.settings import Settings
-from tests.conftest import free_port, running
+from tests.conftest import free_port, running, wait_served
 from tests.deploy.chart import ROOT
 
 REQUEST = {
@@ -74,16 +73,7 @@ def served(name: str, log: Path) -> Iterator[str]:
             stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the image's server did not become ready\n" + log.read_text()
-            time.sleep(0.2)
+        wait_served(url, process, log, 300, "the image's server")
         yield url
     finally:
         os.killpg(process.pid, signal.SIGTERM)
