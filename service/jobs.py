@@ -6,12 +6,68 @@ They hold numpy arrays, never torch tensors: the engine converts them on its sid
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True, slots=True)
+class GivenRoutes:
+    """The experts a rollout engine chose for a sequence (routing replay, R3; docs/semantics.md).
+
+    experts: [P, moe_layers, top_k] expert ids for positions start .. start + P - 1 of the sequence,
+             every sparse layer of the policy in order, distinct within one (position, layer).
+    Positions outside [start, start + P) use the live router.
+    """
+
+    start: int
+    experts: IntArray
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.experts.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """The sampler a rollout drew with, after the temperature (vLLM's order; docs/semantics.md).
+
+    top_k: keep the k most likely tokens (0: off); top_p: the smallest most-likely set whose mass
+    reaches p (1: off); min_p: tokens at least min_p times the most likely one's probability (0: off).
+    """
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def off(self) -> bool:
+        return self.top_k == 0 and self.top_p >= 1.0 and self.min_p <= 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteAgreement:
+    """How far the live router strayed from given routes over one sequence's covered positions.
+
+    compared: (position, layer) pairs with given routes; exact: those whose live top-k set equals the
+    given set; overlap: the sum over them of |given ∩ live| / top_k.
+    """
+
+    compared: int
+    exact: int
+    overlap: float
+
+    @staticmethod
+    def join(parts: list[RouteAgreement]) -> RouteAgreement:
+        return RouteAgreement(
+            compared=sum(p.compared for p in parts),
+            exact=sum(p.exact for p in parts),
+            overlap=sum(p.overlap for p in parts),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +84,11 @@ class SequenceJob:
     return_entropy: bool
     return_values: bool = False
     return_ref: bool = False
+    routes: GivenRoutes | None = None  # replay these experts (MoE policy only)
+    return_routes: bool = False  # record the experts each position's sparse layers used
+    top_logprobs: int = 0  # K > 0: the K most likely tokens at each action, and the action's rank
+    candidate_ids: IntArray | None = None  # [C] for every action, or [A, C] one list per action
+    sampling: Sampling | None = None  # processed log-probs under this sampler (with temperature)
 
     @property
     def num_tokens(self) -> int:
@@ -73,21 +134,34 @@ class SequenceScores:
     entropy: FloatArray | None
     values: FloatArray | None = None
     ref_logprobs: FloatArray | None = None
+    routes: IntArray | None = None  # [L, moe_layers, top_k] the experts used at every position
+    route_agreement: RouteAgreement | None = None  # when the job gave routes
+    top_ids: IntArray | None = None  # [A, K] most likely first, ties by the lower id
+    top_logprobs: FloatArray | None = None  # [A, K]
+    ranks: IntArray | None = None  # [A] the action token's rank, 1 = most likely (with top_logprobs)
+    candidate_logprobs: FloatArray | None = None  # [A, C]
+    processed_logprobs: FloatArray | None = None  # [A] under job.sampling; -inf outside its kept set
 
     @classmethod
     def join(cls, parts: list[SequenceScores]) -> SequenceScores:
-        """One sequence's scores from those of its chunks, in order."""
+        """One sequence's scores from those of its chunks, in order (each field along its first axis)."""
 
-        def cat(values: list[FloatArray | None]) -> FloatArray | None:
+        def cat(values: list[Any]) -> Any:
             if values[0] is None:
                 return None
             return np.concatenate([v for v in values if v is not None])
 
-        logprobs = cat([p.logprobs for p in parts])
-        assert logprobs is not None
+        agreements = [p.route_agreement for p in parts if p.route_agreement is not None]
         return cls(
-            logprobs=logprobs,
+            logprobs=cat([p.logprobs for p in parts]),
             entropy=cat([p.entropy for p in parts]),
             values=cat([p.values for p in parts]),
             ref_logprobs=cat([p.ref_logprobs for p in parts]),
+            routes=cat([p.routes for p in parts]),
+            route_agreement=RouteAgreement.join(agreements) if agreements else None,
+            top_ids=cat([p.top_ids for p in parts]),
+            top_logprobs=cat([p.top_logprobs for p in parts]),
+            ranks=cat([p.ranks for p in parts]),
+            candidate_logprobs=cat([p.candidate_logprobs for p in parts]),
+            processed_logprobs=cat([p.processed_logprobs for p in parts]),
         )

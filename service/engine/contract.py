@@ -35,6 +35,16 @@ class ModelInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class MoeShape:
+    """The policy's mixture-of-experts layers as routes address them: `layers` sparse layers (in
+    model order), `experts` experts each, `top_k` chosen per token."""
+
+    layers: int
+    experts: int
+    top_k: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineInfo:
     model: str
     demo: bool
@@ -53,6 +63,7 @@ class EngineInfo:
     batch_invariant: bool = False  # scores bitwise independent of the batch (strategies/gemm.py)
     moe_kernel: str = "none"  # the fused decoder's experts: grouped_mm | loop; none: no sparse layer fused
     tensor_parallel_size: int = 1  # ranks (GPUs) each model is sharded over
+    moe: MoeShape | None = None  # the policy's sparse layers; None: a dense policy
 
     @property
     def roles(self) -> frozenset[str]:
