@@ -14,6 +14,7 @@ from service.admin import build_admin_router
 from service.arrays import parse_frame, to_frame
 from service.auth import ApiKeys
 from service.batcher import sharing
+from service.completions.routes import build_completions_router
 from service.diagnostics import rollout_mismatch
 from service.errors import NotReady
 from service.frame import MEDIA_TYPE
@@ -170,4 +171,5 @@ def build_router(state: ServiceState) -> APIRouter:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     router.include_router(build_admin_router(state, bearer))
+    router.include_router(build_completions_router(state, guarded, ERRORS))
     return router
