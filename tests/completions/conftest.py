@@ -32,7 +32,7 @@ def save_tokenizer(directory: Path) -> None:
     tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece()
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<pad>"
     )
     fast.save_pretrained(directory)
@@ -65,7 +65,7 @@ def reference(teacher_dir: Path) -> Reference:
     model = AutoModelForCausalLM.from_pretrained(
         teacher_dir, attn_implementation="eager", dtype=torch.float64
     )
-    return Reference(model.eval())
+    return Reference(model.eval())  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture(scope="session")
