@@ -89,7 +89,17 @@ class SequenceJob:
     top_logprobs: int = 0  # K > 0: the K most likely tokens at each action, and the action's rank
     candidate_ids: IntArray | None = None  # [C] for every action, or [A, C] one list per action
     sampling: Sampling | None = None  # processed log-probs under this sampler (with temperature)
-    draw_seed: int | None = None  # draw one token at each action from its distribution, seeded by this
+    draw_seed: int | None = None  # draw a token at each action from softmax(g(z) / T), noise per (seed, t)
+
+    @property
+    def wants_extras(self) -> bool:
+        """Asks the head for more than the log-prob and entropy (SequenceScores' top-K fields on)."""
+        return (
+            bool(self.top_logprobs)
+            or self.candidate_ids is not None
+            or self.sampling is not None
+            or (self.draw_seed is not None)
+        )
 
     @property
     def num_tokens(self) -> int:
