@@ -165,7 +165,12 @@ def _prompts(request: CompletionRequest) -> list[IntArray]:
     for i, row in enumerate(rows):
         if not row:
             raise InvalidRequest(f"prompt[{i}] has no token ids", field="prompt", row=i)
-        out.append(np.asarray(row, dtype=np.int64))
+        try:
+            out.append(np.asarray(row, dtype=np.int64))
+        except OverflowError:  # valid JSON, but no token: named like any id outside the vocabulary
+            raise InvalidRequest(
+                f"prompt[{i}]: a token id is over 2^63 - 1, outside the vocabulary", field="prompt", row=i
+            ) from None
     return out
 
 

@@ -38,7 +38,7 @@ class CompletionRequest(BaseModel):
         "draws greedily); omitted: 1.0.",
     )
     seed: Annotated[int, Strict()] | None = Field(
-        None, description="Seed of the drawn token's sample (T > 0)."
+        None, ge=0, le=2**63 - 1, description="Seed of the drawn token's sample (T > 0)."
     )
     prompt_logprobs: Annotated[int, Strict()] | None = Field(
         None,
