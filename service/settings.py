@@ -198,6 +198,9 @@ class Settings(BaseSettings):
     )
     max_body_bytes: int = Field(64 << 20, ge=1024, description="Largest request body accepted (413 past it).")
     max_request_sequences: int = Field(4096, ge=1, description="Most rows in one request (413 past it).")
+    max_top_logprobs: int = Field(
+        1024, ge=1, description="Largest `top_logprobs` K a request may ask (422 past it)."
+    )
     max_request_tokens: int = Field(
         1 << 20, ge=1, description="Most real tokens one request may hold (413 past it)."
     )
