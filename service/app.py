@@ -123,6 +123,7 @@ async def _start(
         has_reference="reference" in info.roles,
         max_request_sequences=settings.max_request_sequences,
         max_request_tokens=settings.max_request_tokens,
+        max_top_logprobs=settings.max_top_logprobs,
         max_timeout_s=settings.max_request_timeout_s,
     )
     reloader = Reloader(engine, batcher, state.metrics, settings)

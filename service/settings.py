@@ -201,9 +201,8 @@ class Settings(BaseSettings):
     max_top_logprobs: int = Field(
         1024,
         ge=1,
-        description="Most tokens per position a request may ask for (top_logprobs; /v1/completions' "
-        "prompt_logprobs and logprobs): 422 past it. Each costs the head a running top-K merge and the "
-        "answer about 60 bytes of JSON per token per position.",
+        description="Largest K a request may ask per position: `top_logprobs`, and /v1/completions' "
+        "`prompt_logprobs` and `logprobs` (422 past it).",
     )
     max_request_tokens: int = Field(
         1 << 20, ge=1, description="Most real tokens one request may hold (413 past it)."

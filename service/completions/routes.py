@@ -53,7 +53,7 @@ def build_completions_router(
         began = time.perf_counter()
         request = parse_body(CompletionRequest, await read_body(http, settings.max_body_bytes))
         serving = state.require_serving()
-        plan = plan_completion(request, serving.limits, serving.info.model, settings.max_top_logprobs)
+        plan = plan_completion(request, serving.limits, serving.info.model, serving.limits.max_top_logprobs)
         metrics.queue_requests.inc()
         try:
             scores, drawn = await answer_or_give_up(http, _score(serving, plan), settings.request_timeout_s)
