@@ -14,7 +14,8 @@ from service.admin import build_admin_router
 from service.arrays import parse_frame, to_frame
 from service.auth import ApiKeys
 from service.batcher import sharing
-from service.diagnostics import rollout_mismatch
+from service.completions.routes import build_completions_router
+from service.diagnostics import rollout_statistics
 from service.errors import NotReady
 from service.frame import MEDIA_TYPE
 from service.http_io import answer_or_give_up, read_body
@@ -108,7 +109,11 @@ def build_router(state: ServiceState) -> APIRouter:
         finally:
             metrics.queue_requests.dec()
         scores = scored.scores
-        rollout = rollout_mismatch([s.logprobs for s in scores], plan.rollout) if plan.rollout else None
+        processed = [p for s in scores if (p := s.processed_logprobs) is not None]
+        sampled = plan.jobs[0].sampling is not None
+        rollout = rollout_statistics(
+            [s.logprobs for s in scores], plan.rollout, processed if sampled else None
+        )
         if rollout is not None:
             metrics.observe_rollout(rollout)
         answered = answer(
@@ -170,4 +175,5 @@ def build_router(state: ServiceState) -> APIRouter:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     router.include_router(build_admin_router(state, bearer))
+    router.include_router(build_completions_router(state, guarded, ERRORS))
     return router

@@ -20,6 +20,7 @@ from service.api import build_router
 from service.batcher import Batcher
 from service.engine import ScoringEngine, Supervised, load_engine
 from service.engine.config import EngineConfig
+from service.engine.tokenizer import load_token_text
 from service.errors import ServiceError, from_pydantic, from_routing, status_for
 from service.follow import follow_version_file
 from service.metrics import Metrics
@@ -101,6 +102,7 @@ async def _start(
 
             engine.supervise(failed)
         await asyncio.to_thread(engine.warm_up)
+        token_text = await asyncio.to_thread(load_token_text, settings.model, engine.info.vocab_size)
     except Exception as exc:  # reported and fatal: the process must not serve half-ready
         if supervised is not None:
             await asyncio.to_thread(supervised.close)
@@ -121,6 +123,7 @@ async def _start(
         has_reference="reference" in info.roles,
         max_request_sequences=settings.max_request_sequences,
         max_request_tokens=settings.max_request_tokens,
+        max_top_logprobs=settings.max_top_logprobs,
         max_timeout_s=settings.max_request_timeout_s,
     )
     reloader = Reloader(engine, batcher, state.metrics, settings)
@@ -129,7 +132,13 @@ async def _start(
         follow = follow_version_file(reloader, settings.weights_follow, settings.weights_follow_interval_s)
         follower = asyncio.create_task(follow, name="logprobd-follow")
     state.serving = Serving(
-        info=info, limits=limits, batcher=batcher, reloader=reloader, follower=follower, supervised=supervised
+        info=info,
+        limits=limits,
+        batcher=batcher,
+        reloader=reloader,
+        follower=follower,
+        supervised=supervised,
+        token_text=token_text,
     )
     frozen = heap.freeze()  # what lives until exit stays out of the full collections while serving
     log.info("%d objects kept out of the full collections (%.2f s)", frozen.objects, frozen.seconds)

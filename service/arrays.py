@@ -34,6 +34,8 @@ RESPONSE_ARRAYS = {
     "ref_logprobs": "f4",
     "kl": "f4",
     "action_mask": "u1",
+    "ranks": "i8",
+    "processed_logprobs": "f4",  # -inf outside the sampler's kept set (JSON: null)
 }
 
 

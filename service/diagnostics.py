@@ -43,3 +43,23 @@ def rollout_mismatch(logprobs: Sequence[FloatArray], rollout: Sequence[FloatArra
         mean_kl_k3=float((np.expm1(d) - d).mean()),  # KL(rollout || policy): the rollout sampled them
         ratio_outside_fraction=float((np.abs(d) > LN2).mean()),
     )
+
+
+def rollout_statistics(
+    logprobs: Sequence[FloatArray],
+    rollout: Sequence[FloatArray] | None,
+    processed: Sequence[FloatArray] | None,
+) -> RolloutMismatch | None:
+    """The response's `rollout`: the mismatch against `rollout` log-probs where given, and the share
+    of action tokens outside the sampler's kept set (processed log-prob -inf) where `processed` is."""
+    if rollout is None and processed is None:
+        return None
+    stats = (
+        rollout_mismatch(logprobs, rollout)
+        if rollout is not None
+        else RolloutMismatch(tokens=sum(int(lp.shape[0]) for lp in logprobs))
+    )
+    if processed is not None:
+        every = np.concatenate([np.zeros(0, dtype=np.float32), *processed])
+        stats.outside_kept_fraction = float(np.isneginf(every).mean()) if every.size else 0.0
+    return stats

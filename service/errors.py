@@ -204,6 +204,11 @@ def from_routing(status: int, method: str, path: str, allow: str | None) -> NoRo
 _ROW_FIELDS = frozenset({"input_ids", "attention_mask", "action_mask", "num_actions", "prompt_index"})
 
 
+def _nested_field(part: object) -> bool:
+    """A field name of a nested object (sampling's top_p), not a union branch's type tag."""
+    return isinstance(part, str) and part.isidentifier() and part not in {"int", "float", "str", "bool"}
+
+
 def from_pydantic(errors: Sequence[Mapping[str, Any]]) -> InvalidRequest:
     """The first pydantic validation error, as an InvalidRequest naming the field and, when known, the row."""
     first = errors[0]
@@ -214,9 +219,10 @@ def from_pydantic(errors: Sequence[Mapping[str, Any]]) -> InvalidRequest:
         return InvalidRequest(f"body: not valid JSON{where} ({reason})", field="body")
 
     def path(error: Mapping[str, Any]) -> list[str | int]:
-        """Field name then list indices; drops "body" and union branch tags ("list[constrained-int]")."""
+        """Field name then list indices and nested fields (sampling.top_p); drops "body" and union
+        branch tags ("list[constrained-int]")."""
         loc = [part for part in error.get("loc", ()) if part != "body"]
-        return loc[:1] + [part for part in loc[1:] if isinstance(part, int)]
+        return loc[:1] + [part for part in loc[1:] if isinstance(part, int) or _nested_field(part)]
 
     # a union field (num_actions, eos_token_id) gives one error per branch; the deepest names the entry
     same_field = [error for error in errors if path(error)[:1] == path(first)[:1]]
@@ -224,7 +230,7 @@ def from_pydantic(errors: Sequence[Mapping[str, Any]]) -> InvalidRequest:
     loc = path(chosen)
     field = str(loc[0]) if loc else "body"
     row = loc[1] if len(loc) > 1 and isinstance(loc[1], int) and field in _ROW_FIELDS else None
-    where = field + "".join(f"[{part}]" for part in loc[1:])
+    where = field + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc[1:])
     others = len(errors) - 1
     more = f" (and {others} more error{'s' if others > 1 else ''})" if others else ""
     return InvalidRequest(f"{where}: {chosen.get('msg', 'invalid')}{more}", field=field, row=row)

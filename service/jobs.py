@@ -89,6 +89,17 @@ class SequenceJob:
     top_logprobs: int = 0  # K > 0: the K most likely tokens at each action, and the action's rank
     candidate_ids: IntArray | None = None  # [C] for every action, or [A, C] one list per action
     sampling: Sampling | None = None  # processed log-probs under this sampler (with temperature)
+    draw_seed: int | None = None  # draw a token at each action from softmax(g(z) / T), noise per (seed, t)
+
+    @property
+    def wants_extras(self) -> bool:
+        """Asks the head for more than the log-prob and entropy (SequenceScores' top-K fields on)."""
+        return (
+            bool(self.top_logprobs)
+            or self.candidate_ids is not None
+            or self.sampling is not None
+            or (self.draw_seed is not None)
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -141,6 +152,7 @@ class SequenceScores:
     ranks: IntArray | None = None  # [A] the action token's rank, 1 = most likely (with top_logprobs)
     candidate_logprobs: FloatArray | None = None  # [A, C]
     processed_logprobs: FloatArray | None = None  # [A] under job.sampling; -inf outside its kept set
+    drawn: IntArray | None = None  # [A] the token drawn at each action (job.draw_seed)
 
     @classmethod
     def join(cls, parts: list[SequenceScores]) -> SequenceScores:
@@ -164,4 +176,5 @@ class SequenceScores:
             ranks=cat([p.ranks for p in parts]),
             candidate_logprobs=cat([p.candidate_logprobs for p in parts]),
             processed_logprobs=cat([p.processed_logprobs for p in parts]),
+            drawn=cat([p.drawn for p in parts]),
         )

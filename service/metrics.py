@@ -136,6 +136,13 @@ class Metrics:
             buckets=FRACTION_BUCKETS,
             registry=r,
         )
+        self.outside_kept = Histogram(
+            f"{PREFIX}_sampling_outside_kept_fraction",
+            "Per request with `sampling`: fraction of action tokens outside the sampler's kept set "
+            "(processed log-prob -inf).",
+            buckets=FRACTION_BUCKETS,
+            registry=r,
+        )
         self.queue_requests = Gauge(
             f"{PREFIX}_queue_requests", "Requests waiting for or in scoring.", registry=r
         )
@@ -168,11 +175,18 @@ class Metrics:
         )
 
     def observe_rollout(self, rollout: RolloutMismatch) -> None:
-        if rollout.tokens:
+        if not rollout.tokens:
+            return
+        if rollout.mean_abs_diff is not None:
             self.rollout_abs_diff.observe(rollout.mean_abs_diff)
+        if rollout.max_abs_diff is not None:
             self.rollout_max_abs_diff.observe(rollout.max_abs_diff)
+        if rollout.mean_kl_k3 is not None:
             self.rollout_kl.observe(rollout.mean_kl_k3)
+        if rollout.ratio_outside_fraction is not None:
             self.rollout_ratio_outside.observe(rollout.ratio_outside_fraction)
+        if rollout.outside_kept_fraction is not None:
+            self.outside_kept.observe(rollout.outside_kept_fraction)
 
     def observe_expert_load(self, counts: IntArray | None) -> None:
         """counts [layers, experts]: the real tokens each expert took in one micro-batch."""

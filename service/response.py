@@ -10,7 +10,7 @@ import orjson
 
 from service.diagnostics import kl
 from service.engine.contract import EngineInfo
-from service.jobs import FloatArray, SequenceScores
+from service.jobs import FloatArray, IntArray, SequenceScores
 from service.normalise import ScoringPlan
 from service.schemas import RolloutMismatch
 
@@ -24,6 +24,48 @@ def _rows(plan: ScoringPlan, per_job: Sequence[FloatArray | None]) -> list[Float
             row[window.slots] = values
         rows.append(row)
     return rows
+
+
+def _wide_rows(
+    plan: ScoringPlan, per_job: Sequence[np.ndarray | None], width: int, dtype: type
+) -> list[np.ndarray]:
+    """Scatter each job's per-action [A, width] values into a zero [window, width] block."""
+    rows = []
+    for window, values in zip(plan.windows, per_job, strict=True):
+        block: np.ndarray = np.zeros((window.width, width), dtype=dtype)
+        if values is not None:
+            block[window.slots, : values.shape[1]] = values
+        rows.append(block)
+    return rows
+
+
+def _int_rows(plan: ScoringPlan, per_job: Sequence[IntArray | None]) -> list[IntArray]:
+    rows = []
+    for window, values in zip(plan.windows, per_job, strict=True):
+        row = np.zeros(window.width, dtype=np.int64)
+        if values is not None:
+            row[window.slots] = values
+        rows.append(row)
+    return rows
+
+
+def distribution(plan: ScoringPlan, scores: list[SequenceScores]) -> dict[str, Any]:
+    """The response's top_ids, top_logprobs, ranks, candidate_logprobs and processed_logprobs that
+    the request asked (docs/api.md, 'Beyond the log-prob'); window entries that are not actions: 0."""
+    job = plan.jobs[0]
+    out: dict[str, Any] = {}
+    if job.top_logprobs:
+        width = max((s.top_ids.shape[1] for s in scores if s.top_ids is not None), default=0)
+        out["top_ids"] = _wide_rows(plan, [s.top_ids for s in scores], width, np.int64)
+        out["top_logprobs"] = _wide_rows(plan, [s.top_logprobs for s in scores], width, np.float32)
+        out["ranks"] = _int_rows(plan, [s.ranks for s in scores])
+    if any(j.candidate_ids is not None for j in plan.jobs):
+        values = [s.candidate_logprobs for s in scores]
+        width = max((v.shape[1] for v in values if v is not None), default=0)
+        out["candidate_logprobs"] = _wide_rows(plan, values, width, np.float32)
+    if job.sampling is not None:
+        out["processed_logprobs"] = _rows(plan, [s.processed_logprobs for s in scores])
+    return out
 
 
 def to_json(body: dict[str, Any]) -> bytes:
@@ -68,6 +110,7 @@ def answer(
         "critic_weights_version": versions["critic"] if job.return_values else None,
         "batch_invariant": info.batch_invariant,
     }
+    body |= distribution(plan, scores)
     if job.return_ref:
         body["ref_logprobs"] = _rows(plan, [s.ref_logprobs for s in scores])
         body["kl"] = _rows(

@@ -19,6 +19,31 @@ Count = Annotated[int, Strict(), Field(ge=0)]
 Flag = Annotated[int, Strict()]
 
 
+class SamplingParams(BaseModel):
+    """The sampler a rollout drew with, applied after `temperature` in vLLM v1's order: min-p, then
+    top-k, then top-p (docs/semantics.md, 'Beyond the log-prob'); vLLM's accepted ranges."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    top_k: Annotated[int, Strict()] = Field(
+        0, ge=-1, description="Keep the k most likely tokens (ties at the k-th kept); 0 or -1: off."
+    )
+    top_p: Annotated[float, Strict()] = Field(
+        1.0,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Keep the most likely tokens while those before hold less than top_p; 1: off.",
+    )
+    min_p: Annotated[float, Strict()] = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Keep tokens at least min_p times as likely as the most likely one; 0: off.",
+    )
+
+
 class LogprobsRequest(BaseModel):
     """Sequences to score, in one of four layouts (docs/api.md, 'Layouts').
 
@@ -93,6 +118,25 @@ class LogprobsRequest(BaseModel):
     return_entropy: Annotated[bool, Strict()] = Field(
         False, description="Also return the entropy of each action's distribution."
     )
+    top_logprobs: Annotated[int, Strict()] | None = Field(
+        None,
+        ge=1,
+        description="Also return, at each action, the K most likely tokens (`top_ids`, `top_logprobs`, most "
+        "likely first, equal logits by the lower id) at `temperature`, and the action token's `ranks` "
+        "(vLLM's rank). At most the server's max_top_logprobs; past the vocabulary, the whole vocabulary.",
+    )
+    candidate_ids: list[TokenId] | list[list[list[TokenId]]] | None = Field(
+        None,
+        description="Token ids whose log-probs to return at each action (`candidate_logprobs`): one list for "
+        "every action of every row, or per row one list per action window entry (laid out like the "
+        "response's rows; entries that are not actions are ignored), every list of the same length.",
+    )
+    sampling: SamplingParams | None = Field(
+        None,
+        description="The rollout's sampler: also return `processed_logprobs`, each action's log-prob under "
+        "the truncated, renormalised distribution (vLLM's processed_logprobs; null in JSON where the "
+        "token lies outside the kept set, -inf in a frame), and the share outside in `rollout`.",
+    )
     weights_version: Version | None = Field(
         None,
         description="Pin the policy weights: if this replica serves another version, 409 and nothing is "
@@ -137,14 +181,22 @@ class Usage(BaseModel):
 
 
 class RolloutMismatch(BaseModel):
-    """Over the request's action tokens, with d = logprob - rollout_logprob."""
+    """Over the request's action tokens, with d = logprob - rollout_logprob (null without
+    rollout_logprobs), and the share of them outside the sampler's kept set (null without sampling)."""
 
     tokens: int
-    mean_abs_diff: float = Field(description="mean |d|")
-    max_abs_diff: float = Field(description="max |d|")
-    mean_kl_k3: float = Field(description="mean of exp(d) - 1 - d: k3 estimate of KL(rollout || policy)")
-    ratio_outside_fraction: float = Field(
-        description="fraction of tokens whose ratio exp(d) is outside [0.5, 2]"
+    mean_abs_diff: float | None = Field(None, description="mean |d|")
+    max_abs_diff: float | None = Field(None, description="max |d|")
+    mean_kl_k3: float | None = Field(
+        None, description="mean of exp(d) - 1 - d: k3 estimate of KL(rollout || policy)"
+    )
+    ratio_outside_fraction: float | None = Field(
+        None, description="fraction of tokens whose ratio exp(d) is outside [0.5, 2]"
+    )
+    outside_kept_fraction: float | None = Field(
+        None,
+        description="With `sampling`: fraction of tokens outside the sampler's kept set (processed log-prob "
+        "-inf): tokens that sampler could not have drawn.",
     )
 
 
@@ -157,6 +209,22 @@ class LogprobsResponse(BaseModel):
     values: list[list[float]] | None = None
     ref_logprobs: list[list[float]] | None = None
     kl: list[list[float]] | None = None
+    top_ids: list[list[list[int]]] | None = Field(
+        None, description="With top_logprobs: per window entry, the K most likely token ids."
+    )
+    top_logprobs: list[list[list[float]]] | None = Field(None, description="Their log-probs, alike.")
+    ranks: list[list[int]] | None = Field(
+        None,
+        description="With top_logprobs: the action token's rank, the tokens at least as likely, itself "
+        "included (vLLM's; 1: most likely).",
+    )
+    candidate_logprobs: list[list[list[float]]] | None = Field(
+        None, description="With candidate_ids: per window entry, the candidates' log-probs, in their order."
+    )
+    processed_logprobs: list[list[float | None]] | None = Field(
+        None,
+        description="With sampling: the log-prob under the sampler; null (JSON) where outside its kept set.",
+    )
     rollout: RolloutMismatch | None = None
     action_mask: list[list[int]] = Field(description="The mask actually applied, after the EOS policy.")
     usage: Usage

@@ -198,6 +198,12 @@ class Settings(BaseSettings):
     )
     max_body_bytes: int = Field(64 << 20, ge=1024, description="Largest request body accepted (413 past it).")
     max_request_sequences: int = Field(4096, ge=1, description="Most rows in one request (413 past it).")
+    max_top_logprobs: int = Field(
+        1024,
+        ge=1,
+        description="Largest K a request may ask per position: `top_logprobs`, and /v1/completions' "
+        "`prompt_logprobs` and `logprobs` (422 past it).",
+    )
     max_request_tokens: int = Field(
         1 << 20, ge=1, description="Most real tokens one request may hold (413 past it)."
     )

@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from service.batcher import Batcher
-from service.engine.contract import EngineInfo, Supervised
+from service.engine.contract import EngineInfo, Supervised, TokenText
 from service.errors import NotReady
 from service.metrics import Metrics
 from service.normalise import ModelLimits
@@ -24,6 +24,7 @@ class Serving:
     reloader: Reloader
     follower: asyncio.Task[None] | None = None  # follows settings.weights_follow
     supervised: Supervised | None = None  # an engine of several processes (tensor parallel)
+    token_text: TokenText | None = None  # the checkpoint's tokenizer, for /v1/completions' token text
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ from service.client.errors import LogprobdError
 from service.client.replicas import ReplicaPool
 from service.client.retry import RetryPolicy
 from service.client.sharding import Chunk
-from service.client.wire import IntRows, Scores, ToList, build_body
+from service.client.wire import Distribution, IntRows, Scores, ToList, build_body
 
 
 class Client:
@@ -86,12 +86,17 @@ class Client:
         return_entropy: bool = False,
         prompt_ids: IntRows | None = None,
         prompt_index: Sequence[int] | ToList | None = None,
+        top_logprobs: int | None = None,
+        candidate_ids: Any = None,
+        sampling: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> Scores:
         """Score a batch in any of the four layouts of SEMANTICS.md, or grouped: each prompt once in
         `prompt_ids`, `input_ids` rows the responses, `prompt_index[i]` row i's prompt (docs/api.md,
-        'Grouped requests'; `group_prompts` builds both from per-row prompts). `options` are sent as
-        they are."""
+        'Grouped requests'; `group_prompts` builds both from per-row prompts). `top_logprobs`,
+        `candidate_ids` and `sampling` ask for more of each action's distribution (docs/api.md, 'Beyond
+        the log-prob'): Scores.top_ids, top_logprobs, ranks, candidate_logprobs, processed_logprobs.
+        `options` are sent as they are."""
         body = build_body(
             input_ids,
             attention_mask=attention_mask,
@@ -104,6 +109,7 @@ class Client:
             options=options,
             prompt_ids=prompt_ids,
             prompt_index=prompt_index,
+            distribution=Distribution(top_logprobs, candidate_ids, sampling),
         )
         return self.score_request(body)
 

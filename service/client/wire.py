@@ -14,7 +14,21 @@ from typing import Any, Protocol, runtime_checkable
 from service.frame import ArraySpec, decode_rows, encode_rows, pack, unpack
 
 # response fields this client names; any other field the server adds lands in Scores.extra
-_KNOWN = frozenset({"model", "logprobs", "entropy", "action_mask", "usage", "weights_version"})
+_KNOWN = frozenset(
+    {
+        "model",
+        "logprobs",
+        "entropy",
+        "action_mask",
+        "usage",
+        "weights_version",
+        "top_ids",
+        "top_logprobs",
+        "ranks",
+        "candidate_logprobs",
+        "processed_logprobs",
+    }
+)
 VERSIONS = ("weights_version", "ref_weights_version", "critic_weights_version")
 # request fields a compact frame carries as arrays, with the dtypes tried in order
 _FRAME_ARRAYS = {
@@ -49,19 +63,25 @@ class RolloutStats:
     with d = logprob - rollout_logprob (a request with `rollout_logprobs` gets it)."""
 
     tokens: int
-    mean_abs_diff: float  # mean |d|
-    max_abs_diff: float  # max |d|
-    mean_kl_k3: float  # mean k3 estimate of the KL between rollout and policy (docs/api.md)
-    ratio_outside_fraction: float  # share of tokens whose ratio exp(d) is outside [0.5, 2]
+    mean_abs_diff: float | None  # mean |d| (None: no rollout_logprobs were sent)
+    max_abs_diff: float | None  # max |d|
+    mean_kl_k3: float | None  # mean k3 estimate of the KL between rollout and policy (docs/api.md)
+    ratio_outside_fraction: float | None  # share of tokens whose ratio exp(d) is outside [0.5, 2]
+    outside_kept_fraction: float | None = None  # with `sampling`: share outside the sampler's kept set
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> RolloutStats:
+        def number(name: str) -> float | None:
+            value = body.get(name)
+            return None if value is None else float(value)
+
         return cls(
             tokens=int(body["tokens"]),
-            mean_abs_diff=float(body["mean_abs_diff"]),
-            max_abs_diff=float(body["max_abs_diff"]),
-            mean_kl_k3=float(body["mean_kl_k3"]),
-            ratio_outside_fraction=float(body["ratio_outside_fraction"]),
+            mean_abs_diff=number("mean_abs_diff"),
+            max_abs_diff=number("max_abs_diff"),
+            mean_kl_k3=number("mean_kl_k3"),
+            ratio_outside_fraction=number("ratio_outside_fraction"),
+            outside_kept_fraction=number("outside_kept_fraction"),
         )
 
 
@@ -83,6 +103,12 @@ class Scores:
     entropy: list[list[float]] | None = None
     weights_version: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # with top_logprobs / candidate_ids / sampling (docs/api.md, 'Beyond the log-prob'), per window entry:
+    top_ids: list[list[list[int]]] | None = None  # [B][window][K]
+    top_logprobs: list[list[list[float]]] | None = None  # [B][window][K]
+    ranks: list[list[int]] | None = None  # [B][window] vLLM's rank of the action token
+    candidate_logprobs: list[list[list[float]]] | None = None  # [B][window][C]
+    processed_logprobs: list[list[float]] | None = None  # [B][window]; -inf outside the kept set
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Scores:
@@ -99,7 +125,49 @@ class Scores:
             entropy=body.get("entropy"),
             weights_version=body.get("weights_version"),
             extra={k: v for k, v in body.items() if k not in _KNOWN},
+            top_ids=body.get("top_ids"),
+            top_logprobs=body.get("top_logprobs"),
+            ranks=body.get("ranks"),
+            candidate_logprobs=body.get("candidate_logprobs"),
+            processed_logprobs=_neg_inf(body.get("processed_logprobs")),
         )
+
+
+def _neg_inf(rows: list[list[float | None]] | None) -> list[list[float]] | None:
+    """JSON's null (a -inf the JSON form cannot carry) back to -inf."""
+    if rows is None:
+        return None
+    return [[float("-inf") if v is None else v for v in row] for row in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class Distribution:
+    """What to ask beyond the log-prob (docs/api.md, 'Beyond the log-prob'): `top_logprobs` K;
+    `candidate_ids` one list for every action, or per row one list per window entry; `sampling`
+    {top_k, top_p, min_p} for processed log-probs."""
+
+    top_logprobs: int | None = None
+    candidate_ids: Any = None  # [C] ids, or [B][window][C]; lists, numpy arrays or tensors
+    sampling: Mapping[str, Any] | None = None
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.top_logprobs is not None:
+            out["top_logprobs"] = int(self.top_logprobs)
+        if self.candidate_ids is not None:
+            ids = self.candidate_ids
+            out["candidate_ids"] = ids.tolist() if isinstance(ids, ToList) else _lists(ids)
+        if self.sampling is not None:
+            out["sampling"] = dict(self.sampling)
+        return out
+
+
+def _lists(value: Any) -> Any:
+    if isinstance(value, ToList):
+        return value.tolist()
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [_lists(v) for v in value]
+    return value
 
 
 def rows(value: IntRows) -> list[list[int]]:
@@ -129,6 +197,7 @@ def build_body(
     options: Mapping[str, Any],
     prompt_ids: IntRows | None = None,
     prompt_index: Sequence[int] | ToList | None = None,
+    distribution: Distribution | None = None,
 ) -> dict[str, Any]:
     """A request body; fields left None are left out, `options` (future flags) are passed through.
     With `prompt_ids` and `prompt_index` it is grouped: `input_ids` rows are the responses."""
@@ -152,6 +221,8 @@ def build_body(
         body["eos_token_id"] = eos if isinstance(eos, int) else list(eos)
     if return_entropy:
         body["return_entropy"] = True
+    if distribution is not None:
+        body.update(distribution.fields())
     body.update(options)
     return body
 

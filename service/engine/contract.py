@@ -164,6 +164,18 @@ class ScoringEngine(Protocol):
     def apply(self, staged: StagedWeights) -> WeightsState: ...
 
 
+class TokenText(Protocol):
+    """The text of token ids under the checkpoint's own tokenizer (engine/tokenizer.py builds it).
+
+    `piece(id)` is what `tokenizer.decode([id])` gives, vLLM's `decoded_token` and the OpenAI
+    completions' `tokens`; `decode(ids)` is the text of a whole sequence (the echoed prompt).
+    """
+
+    def piece(self, token_id: int) -> str: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
 @runtime_checkable
 class Supervised(Protocol):
     """An engine of several processes (tensor parallel: parallel/ranks.py), which fail together."""

@@ -10,6 +10,7 @@ Modules, top-down as the data flows; each imports only modules below it:
     __init__  normalise(): the request's checks, its layout read into Rows, each sequence checked
     limits    ModelLimits and what the server allows: models held, request size, each sequence
     plan      Rows -> ScoringPlan: the EOS cut, jobs, windows, rollout log-probs, pins
+    distribution  top_logprobs, candidate_ids, sampling -> Asks (each job's share)
     ragged    ragged input_ids [B][L_i] + num_actions | action_mask -> Rows
     padded    padded input_ids [B, L] + attention_mask + response_length | action_mask -> Rows
     grouped   prompt_ids + prompt_index + responses (ragged or padded) -> Rows
@@ -19,6 +20,7 @@ Modules, top-down as the data flows; each imports only modules below it:
 from __future__ import annotations
 
 from service.errors import InvalidRequest
+from service.normalise.distribution import read_asks
 from service.normalise.grouped import expanded_tokens, grouped_rows, read_prompts
 from service.normalise.limits import ModelLimits, check_models, check_sequence, check_size
 from service.normalise.padded import padded_rows
@@ -40,7 +42,7 @@ def normalise(request: LogprobsRequest, limits: ModelLimits) -> ScoringPlan:
     rows = _grouped_rows(request, limits) if grouped else _ungrouped_rows(request, limits)
     for i, row in enumerate(rows):
         check_sequence(row, i, limits)
-    return build_plan(request, rows)
+    return build_plan(request, rows, read_asks(request, limits, [row.width for row in rows]))
 
 
 def _check_one_spec(request: LogprobsRequest) -> None:

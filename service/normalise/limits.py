@@ -28,6 +28,7 @@ class ModelLimits:
     max_request_sequences: int | None = None
     max_request_tokens: int | None = None
     max_timeout_s: float | None = None
+    max_top_logprobs: int = 1024
 
 
 def check_models(request: LogprobsRequest, limits: ModelLimits) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 
 from service.errors import InvalidRequest
 from service.jobs import FloatArray, IntArray, SequenceJob
+from service.normalise.distribution import Asks
 from service.normalise.rows import Row
 from service.schemas import LogprobsRequest
 
@@ -43,12 +44,13 @@ class ScoringPlan:
         return sum(int(job.actions.shape[0]) for job in self.jobs)
 
 
-def build_plan(request: LogprobsRequest, rows: list[Row]) -> ScoringPlan:
+def build_plan(request: LogprobsRequest, rows: list[Row], asks: Asks | None = None) -> ScoringPlan:
     """One job and one window per row, in the request's row order."""
+    asks = asks or Asks()
     eos = _eos_ids(request.eos_token_id)
     jobs: list[SequenceJob] = []
     windows: list[RowWindow] = []
-    for row in rows:
+    for i, row in enumerate(rows):
         keep = _eos_cut(row.tokens[row.actions], eos)
         jobs.append(
             SequenceJob(
@@ -58,6 +60,9 @@ def build_plan(request: LogprobsRequest, rows: list[Row]) -> ScoringPlan:
                 return_entropy=request.return_entropy,
                 return_values=request.return_values,
                 return_ref=request.return_ref_logprobs,
+                top_logprobs=asks.top_logprobs,
+                candidate_ids=asks.candidates(i, row.slots[:keep]),
+                sampling=asks.sampling,
             )
         )
         windows.append(RowWindow(width=row.width, slots=row.slots[:keep]))

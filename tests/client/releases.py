@@ -163,3 +163,29 @@ def trl() -> Trl:
         add_fused_lm_head=add_fused_lm_head,
         per_token_logps_and_entropies=GRPOTrainer._get_per_token_logps_and_entropies,
     )
+
+
+@contextmanager
+def vllm_standing_in(version: str = "0.30.0") -> Iterator[None]:
+    """TRL's releases with a stand-in `vllm` at `version` (TRL 1.16 supports 0.22 to 0.31): its
+    VLLMClient checks that vLLM is importable on import and again when constructed, so construct it
+    inside. Only the import stands in; the requests and the parsing are TRL's."""
+    with importing(stand_ins=("vllm", "pandas", "datasets", "pyarrow")):
+        module = StandInModule("vllm")
+        module.__path__ = []
+        module.__version__ = version  # type: ignore[attr-defined]
+        module.__spec__ = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
+        sys.modules["vllm"] = module
+        yield
+
+
+def lm_eval_local_completions(**model_args: Any) -> Any:
+    """lm-evaluation-harness' local-completions model (lm_eval.models.openai_completions.
+    LocalCompletionsAPI), constructed while its releases are importable: it checks for aiohttp and
+    tenacity when constructed."""
+    with importing():
+        from lm_eval.models.openai_completions import (  # type: ignore[import-not-found]
+            LocalCompletionsAPI,
+        )
+
+        return LocalCompletionsAPI(**model_args)

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from service.engine.batch import asks
 from service.engine.batch.kv_store import CONTEXT_KWARG, KVContext, KVStore
 from service.engine.contract import SHAPE_STEP
+from service.engine.heads.contract import Extras
 from service.jobs import Chunk, SequenceJob
 from service.prefixes import Forest, alone
 
@@ -27,6 +29,7 @@ class PackedBatch:
     hidden_index:            [A] index in N of the position t-1 that predicts each action t
     targets:                 [A] the action token ids
     inv_temperature:         [A] float32, 1 / T of each action's request; None when every T is 1
+    extras:                  what some action rows ask beyond the log-prob (batch/asks.py); None: none
 
     A segment is a node of the micro-batch's Forest (prefixes.py): a whole sequence, or positions
     [start, end) of the sequences below a shared prefix, whose keys are then its ancestors' rows'
@@ -63,6 +66,7 @@ class PackedBatch:
     max_len_k_own: int | None = None
     context: KVContext | None = None
     filler: int = 0  # the row's last tokens, the filler (no sequence's)
+    extras: Extras | None = None
 
     def attach(self, store: KVStore | None) -> PackedBatch:
         """This batch with one model's keys beyond each segment's own: the store of the chunk's
@@ -216,6 +220,11 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
     context_lengths = key_lengths.copy()
     if chunk is not None:
         context_lengths[-1] += chunk.start
+    firsts = np.concatenate(([0], np.cumsum(per_sequence)))
+    scored = [asks.Part(job, 0, int(job.actions.shape[0]), int(firsts[i])) for i, job in enumerate(jobs)]
+    if chunk is not None:
+        lo = int(np.searchsorted(chunk.job.actions, chunk.start + 1))
+        scored.append(asks.Part(chunk.job, lo, lo + per_sequence[-1], int(firsts[-2])))
     return PackedBatch(
         input_ids=to(tokens)[None],
         position_ids=to(positions)[None],
@@ -235,4 +244,5 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
         cu_k_own=None if key_index is None else bounds(key_lengths),
         max_len_k_own=None if key_index is None else int(key_lengths.max()),
         filler=filler,
+        extras=asks.extras(scored, to),
     )

@@ -7,14 +7,20 @@ A chunk's logits are the head's largest tensors, so every pass over them costs m
   (heads/fused_kernel.py) reads them once and writes each row's log-prob and entropy;
 - otherwise (CPU, no triton, soft-capping), one torch log-softmax over float32 logits (upcast inside
   the kernel when there is nothing to apply first), a gather, and the entropy from its result.
+
+Rows that ask more (Extras: top K, candidates, processed log-probs, a draw) get it from the same
+chunk's logits in torch (heads/extras.py), one code path for both: on the torch path from its
+float32 log-softmax, on the fused path from a float32 copy of those rows' tempered logits (the
+kernel still writes their log-prob and entropy). A chunk whose rows ask nothing does no more work.
 """
 
 from __future__ import annotations
 
 import torch
 
+from service.engine.heads import extras as extra
 from service.engine.heads import fused_kernel as fused_head
-from service.engine.heads.contract import ActionScores, LogitTransform
+from service.engine.heads.contract import ActionScores, Extras, ExtraScores, LogitTransform
 from service.engine.runtime import triton_jit
 
 
@@ -28,6 +34,7 @@ def score_actions(
     chunk_rows: int,
     want_entropy: bool,
     fused: bool | None = None,  # the Triton kernel; None: where triton_jit.available and it fits
+    extras: Extras | None = None,  # what some rows ask beyond the log-prob
 ) -> ActionScores:
     """Each row's log-prob of its target (and entropy) under softmax(g(z) / T), z = lm_head(hidden).
 
@@ -44,10 +51,13 @@ def score_actions(
     logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
     entropy = torch.empty_like(logprobs) if want_entropy else None
     multiplier = _row_multiplier(inv_temperature, transform.scale, rows, hidden.device) if fused else None
+    parts: list[ExtraScores] = []
     for start in range(0, rows, chunk_rows):
         end = min(start + chunk_rows, rows)
         z = lm_head(hidden[start:end])  # [c, V] in the model's dtype
         if fused:
+            if extras is not None:
+                parts += _from_logits(z, start, end, targets, inv_temperature, transform, extras)
             s = multiplier[start:end] if multiplier is not None else None
             chunk_logprobs, chunk_entropy = fused_head.fused_logprobs(z, targets[start:end], s, want_entropy)
             del z  # freed before the next chunk's logits are made
@@ -62,9 +72,45 @@ def score_actions(
             logp = torch.log_softmax(z, dim=-1, dtype=torch.float32)  # [c, V] float32
             del z
             logprobs[start:end] = logp.gather(1, targets[start:end, None]).squeeze(1)
+            if extras is not None:
+                parts += _from_logprobs(logp, start, end, targets, extras)
             if entropy is not None:
                 entropy[start:end] = torch.special.entr(logp.exp_()).sum(dim=-1)  # -Σ p·log p
-    return ActionScores(logprobs=logprobs, entropy=entropy)
+    return ActionScores(logprobs=logprobs, entropy=entropy, extras=extra.cat(parts) if parts else None)
+
+
+def _from_logprobs(
+    logp: torch.Tensor, start: int, end: int, targets: torch.Tensor, extras: Extras
+) -> list[ExtraScores]:
+    """The asking rows of chunk [start, end) from its float32 log-softmax [c, V] (shift 0)."""
+    vocab = logp.shape[1]
+    join = extra.Join(0, vocab)
+    out = []
+    for asks, rows in extra.passes(extras, start, end, vocab):
+        x = logp[rows]
+        out.append(extra.score(x, x.new_zeros(x.shape[0]), targets[asks.index], asks, join))
+    return out
+
+
+def _from_logits(  # noqa: PLR0917 (the chunk and what its rows need)
+    z: torch.Tensor,
+    start: int,
+    end: int,
+    targets: torch.Tensor,
+    inv_temperature: torch.Tensor | None,
+    transform: LogitTransform,
+    extras: Extras,
+) -> list[ExtraScores]:
+    """The asking rows of chunk [start, end) from its logits z [c, V] (the fused path's)."""
+    vocab = z.shape[1]
+    join = extra.Join(0, vocab)
+    out = []
+    for asks, rows in extra.passes(extras, start, end, vocab):
+        x = transform(z[rows].to(torch.float32, copy=True))  # [r, V] float32, a copy
+        if inv_temperature is not None:
+            x.mul_(inv_temperature[asks.index, None])
+        out.append(extra.score(x, torch.logsumexp(x, dim=1), targets[asks.index], asks, join))
+    return out
 
 
 def _row_multiplier(

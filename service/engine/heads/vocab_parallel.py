@@ -11,6 +11,9 @@ summed over the ranks in ONE all-reduce of [c, 3]. Then, as in heads/chunked.py'
     log p(target) = (x - m) - log S          entropy = log S - T / S
 
 (S, T the sums; entropy = -Σ p log p with log p = (z - m) - log S).
+
+Rows that ask more (Extras) get it from each rank's z - m and log S (heads/extras.py with a Join
+of the ranks: the top K merged from every rank's top K, sums and maxima all-reduced).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.engine.heads.contract import ActionScores, LogitTransform
+from service.engine.heads import extras as extra
+from service.engine.heads.contract import ActionScores, Extras, ExtraScores, LogitTransform
 from service.engine.parallel.sharding import Shard
 
 
@@ -78,6 +82,7 @@ def score_actions(
     chunk_rows: int,
     want_entropy: bool,
     fused: bool | None = None,  # the signature of head.score_actions; always the torch path here
+    extras: Extras | None = None,
 ) -> ActionScores:
     """head.score_actions over a VocabParallelHead: the same scores, on every rank, from its rows."""
     assert isinstance(lm_head, VocabParallelHead)
@@ -85,6 +90,8 @@ def score_actions(
     rows = hidden.shape[0]
     logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
     entropy = torch.empty_like(logprobs) if want_entropy else None
+    join = extra.Join(start, lm_head.vocab_size, shard)
+    parts: list[ExtraScores] = []
     for begin in range(0, rows, chunk_rows):
         end = min(begin + chunk_rows, rows)
         z = transform(lm_head(hidden[begin:end]).float())  # [c, V/N] float32
@@ -104,10 +111,14 @@ def score_actions(
             ),
             dim=1,
         )  # [c, 3]: s, t, x - m
-        del z, p
+        del p
         shard.all_reduce_(stats)
         log_total = torch.log(stats[:, 0])
+        if extras is not None:
+            for asks, picked in extra.passes(extras, begin, end, lm_head.vocab_size):
+                parts.append(extra.score(z[picked], log_total[picked], targets[asks.index], asks, join))
+        del z
         logprobs[begin:end] = stats[:, 2] - log_total
         if entropy is not None:
             entropy[begin:end] = log_total - stats[:, 1] / stats[:, 0]
-    return ActionScores(logprobs=logprobs, entropy=entropy)
+    return ActionScores(logprobs=logprobs, entropy=entropy, extras=extra.cat(parts) if parts else None)

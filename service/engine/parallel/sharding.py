@@ -46,6 +46,12 @@ class Shard:
     def all_reduce_max_(self, x: torch.Tensor) -> None:
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
 
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's x (the same shape on each), in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return parts
+
 
 def even(total: int, world: int, rank: int, what: str) -> tuple[int, int]:
     """[start, end) of rank's equal part of `total`; ValueError when `world` does not divide it."""

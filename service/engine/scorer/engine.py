@@ -44,7 +44,7 @@ from service.engine.loading.models import LoadedModel, resolve_device, resolve_d
 from service.engine.ops.attention import AttentionBackend, choose_backend, register
 from service.engine.parallel.sharding import Sharded
 from service.engine.scorer import build, memory, reload, self_check
-from service.engine.scorer.inflight import InFlight, done_event, host_copier, host_counts
+from service.engine.scorer.inflight import InFlight, done_event, extra_host, host_copier, host_counts
 from service.engine.scorer.models import Served, critic_values
 from service.engine.strategies import gemm as gemms
 from service.jobs import Chunk, SequenceJob, SequenceScores
@@ -160,7 +160,7 @@ class PackedScorer:
         batch = pack(jobs, self._device, self._step, chunk=chunk, forest=forest)
         stores = self._stores_of(chunk)
         every = [*jobs, chunk.job] if chunk is not None else list(jobs)
-        policy = served.policy.logprobs(batch.attach(stores.get("policy")), batch.want_entropy)
+        policy = served.policy.logprobs(batch.attach(stores.get("policy")), batch.want_entropy, extras=True)
         expert_counts = host_counts(served.policy.forward.expert_counts())  # before another forward
         ref = None
         if served.reference is not None and any(job.return_ref for job in every):
@@ -185,6 +185,7 @@ class PackedScorer:
             entropy=to_host(policy.entropy),
             ref_logprobs=to_host(ref),
             values=to_host(values),
+            extras=extra_host(self._device, batch.extras, policy.extras),
             done=done_event(self._device),
             expert_counts=expert_counts,
         )

@@ -1,19 +1,78 @@
 """A launched micro-batch: its scores copied to host memory behind the device's queued work, and
 split back per sequence when the batcher collects them (any thread; `result` waits on an event).
 
-Boundary: device tensors [A] in (scores of the micro-batch's action rows, in packing order), one
-SequenceScores per job out.
+Boundary: device tensors [A] in (scores of the micro-batch's action rows, in packing order), and
+[R, ...] ones of the rows that asked more (the head's ExtraScores); one SequenceScores per job out,
+with only the extras its job asked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from service.engine.heads.contract import Extras, ExtraScores
 from service.jobs import FloatArray, IntArray, SequenceJob, SequenceScores
+
+
+@dataclass(frozen=True, slots=True)
+class HostExtras:
+    """ExtraScores copied to the host (filled once `done`), and the rows [R] they belong to."""
+
+    rows: IntArray
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    ranks: torch.Tensor
+    candidate_logprobs: torch.Tensor | None
+    processed: torch.Tensor | None
+    drawn: torch.Tensor | None
+
+    def of(self, job: SequenceJob, first: int, count: int) -> dict[str, Any]:
+        """SequenceScores' extra fields of the job whose actions are rows [first, first + count)."""
+        at = int(np.searchsorted(self.rows, first))
+        cut = slice(at, at + count)
+
+        def take(t: torch.Tensor | None, width: int | None = None) -> Any:
+            assert t is not None
+            values = t.numpy()[cut]
+            return values if width is None else values[:, :width]
+
+        out: dict[str, Any] = {}
+        if job.top_logprobs:
+            out |= {
+                "top_ids": take(self.top_ids, job.top_logprobs),
+                "top_logprobs": take(self.top_logprobs, job.top_logprobs),
+                "ranks": take(self.ranks),
+            }
+        if job.candidate_ids is not None:
+            out["candidate_logprobs"] = take(self.candidate_logprobs, int(job.candidate_ids.shape[-1]))
+        if job.sampling is not None:
+            out["processed_logprobs"] = take(self.processed)
+        if job.draw_seed is not None:
+            out["drawn"] = take(self.drawn)
+        return out
+
+
+def no_extras(job: SequenceJob) -> dict[str, Any]:
+    """The extra fields of a job with no action rows: empty arrays."""
+    out: dict[str, Any] = {}
+    if job.top_logprobs:
+        out |= {
+            "top_ids": np.zeros((0, job.top_logprobs), dtype=np.int64),
+            "top_logprobs": np.zeros((0, job.top_logprobs), dtype=np.float32),
+            "ranks": np.zeros(0, dtype=np.int64),
+        }
+    if job.candidate_ids is not None:
+        out["candidate_logprobs"] = np.zeros((0, job.candidate_ids.shape[-1]), dtype=np.float32)
+    if job.sampling is not None:
+        out["processed_logprobs"] = np.zeros(0, dtype=np.float32)
+    if job.draw_seed is not None:
+        out["drawn"] = np.zeros(0, dtype=np.int64)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +88,7 @@ class InFlight:
     values: torch.Tensor | None
     done: torch.cuda.Event | None
     expert_counts: torch.Tensor | None = None  # [layers, E] int32 host copy: decoder.expert_counts
+    extras: HostExtras | None = None
 
     def expert_load(self) -> IntArray | None:
         if self.done is not None:
@@ -38,7 +98,8 @@ class InFlight:
     def result(self) -> list[SequenceScores]:
         if self.done is not None:
             self.done.synchronize()  # releases the GIL while the device works
-        splits = np.cumsum(self.actions_per_sequence)[:-1]
+        firsts = np.concatenate(([0], np.cumsum(self.actions_per_sequence)))
+        splits = firsts[1:-1]
 
         def per_sequence(values: torch.Tensor | None) -> list[FloatArray] | None:
             # views of the host tensor, which they keep alive (its pinned block is not reused under them)
@@ -53,9 +114,17 @@ class InFlight:
                 entropy=ent[i] if ent is not None and job.return_entropy else None,
                 values=vl[i] if vl is not None and job.return_values else None,
                 ref_logprobs=rf[i] if rf is not None and job.return_ref else None,
+                **self._extras(job, int(firsts[i]), self.actions_per_sequence[i]),
             )
             for i, job in enumerate(self.jobs)
         ]
+
+    def _extras(self, job: SequenceJob, first: int, count: int) -> dict[str, Any]:
+        if not job.wants_extras:
+            return {}
+        if count == 0 or self.extras is None:
+            return no_extras(job)
+        return self.extras.of(job, first, count)
 
 
 def host_copier(device: torch.device, rows: int) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
@@ -73,6 +142,31 @@ def host_copier(device: torch.device, rows: int) -> Callable[[torch.Tensor | Non
         return host
 
     return copy
+
+
+def extra_host(device: torch.device, asked: Extras | None, scores: ExtraScores | None) -> HostExtras | None:
+    """Host copies of the asking rows' ExtraScores (pinned, queued on the stream on CUDA)."""
+    if asked is None or scores is None:
+        return None
+
+    def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or device.type != "cuda":
+            return None if t is None else t.cpu()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    ranks = copy(scores.ranks)
+    assert ranks is not None
+    return HostExtras(
+        rows=asked.rows,
+        top_ids=copy(scores.top_ids),
+        top_logprobs=copy(scores.top_logprobs),
+        ranks=ranks,
+        candidate_logprobs=copy(scores.candidate_logprobs),
+        processed=copy(scores.processed),
+        drawn=copy(scores.drawn),
+    )
 
 
 def host_counts(counts: torch.Tensor | None) -> torch.Tensor | None:

@@ -44,7 +44,8 @@ class CausalLM:
         for rows in sorted({*range(step, self.chunk_rows + 1, step), self.chunk_rows}):
             self.lm_head(torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device))
 
-    def logprobs(self, batch: PackedBatch, want_entropy: bool) -> ActionScores:
+    def logprobs(self, batch: PackedBatch, want_entropy: bool, *, extras: bool = False) -> ActionScores:
+        """The action rows' scores; `extras`: also what rows ask beyond the log-prob (the policy's)."""
         return self.score(
             hidden=self.forward(batch, batch.hidden_index),
             targets=batch.targets,
@@ -53,6 +54,7 @@ class CausalLM:
             transform=self.transform,
             chunk_rows=self.chunk_rows,
             want_entropy=want_entropy,
+            extras=batch.extras if extras else None,
         )
 
 

@@ -41,7 +41,17 @@ class ThreadRanks:
             def all_reduce_max_(self, x: torch.Tensor) -> None:
                 ranks.reduce(rank, x, lambda parts: torch.stack(parts).amax(0))
 
+            def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+                return list(ranks.gather(rank, x))
+
         return _Shard(rank, self.world)
+
+    def gather(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        self.parts[rank] = x.clone()
+        self.barrier.wait()
+        every = [self.parts[r] for r in range(self.world)]
+        self.barrier.wait()
+        return every
 
     def reduce(self, rank: int, x: torch.Tensor, op: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
         self.parts[rank] = x.clone()

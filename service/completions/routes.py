@@ -1,0 +1,144 @@
+"""The completions routes: POST /v1/completions, GET /v1/models, GET /health (vLLM's paths).
+
+A completion goes the way a /logprobs request does: body limit, parse, the plan's checks, the same
+batcher (its micro-batches, prefix sharing, queue limits and deadline), the same outcome metrics.
+With max_tokens 1 the token after each prompt is the head's most likely one (temperature 0) or its
+seeded draw; where the answer shows that token's log-prob and the draw fell outside the top K
+scored, one more job scores it (prompt + the drawn token, one action).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from service.completions.plan import CompletionPlan, plan_completion
+from service.completions.response import Drawn, completion_body, last_position
+from service.completions.schemas import CompletionRequest, CompletionResponse, ModelList
+from service.http_io import answer_or_give_up, read_body
+from service.jobs import SequenceJob, SequenceScores
+from service.schemas import ErrorBody, Health, parse_body
+from service.state import ServiceState, Serving
+
+OWNER = "logprobd"
+
+
+def build_completions_router(
+    state: ServiceState, guarded: list[Any], errors: dict[int | str, dict[str, Any]]
+) -> APIRouter:
+    """The routes; `guarded` are the dependencies of a scoring route (the API key check)."""
+    metrics, settings = state.metrics, state.settings
+    router = APIRouter()
+    started_at = int(time.time())
+
+    @router.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses=errors,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": CompletionRequest.model_json_schema()}},
+            }
+        },
+        dependencies=guarded,
+    )
+    async def completions(http: Request) -> Response:
+        """Scores of token-id prompts in the OpenAI / vLLM completions form (docs/api.md, 'Completions')."""
+        began = time.perf_counter()
+        request = parse_body(CompletionRequest, await read_body(http, settings.max_body_bytes))
+        serving = state.require_serving()
+        plan = plan_completion(request, serving.limits, serving.info.model, serving.limits.max_top_logprobs)
+        metrics.queue_requests.inc()
+        try:
+            scores, drawn = await answer_or_give_up(http, _score(serving, plan), settings.request_timeout_s)
+        finally:
+            metrics.queue_requests.dec()
+        body = completion_body(plan, scores, drawn, serving.info.model, serving.token_text)
+        metrics.requests.labels("ok").inc()
+        metrics.input_tokens.inc(plan.input_tokens)
+        metrics.scored_tokens.inc(plan.scored_tokens)
+        metrics.request_seconds.observe(time.perf_counter() - began)
+        return Response(orjson.dumps(body), media_type="application/json")
+
+    @router.get("/v1/models", response_model=ModelList, responses={503: {"model": ErrorBody}})
+    async def models() -> ModelList:
+        """The served model, as vLLM lists it; `id` is the name /info reports."""
+        serving = state.require_serving()
+        name = serving.info.model
+        return ModelList.model_validate(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": started_at,
+                        "owned_by": OWNER,
+                        "root": name,
+                        "parent": None,
+                        "max_model_len": serving.limits.max_sequence_tokens,
+                    }
+                ],
+            }
+        )
+
+    @router.get("/health", response_model=Health, responses={503: {"model": Health}})
+    async def health() -> Response:
+        """vLLM's health path, which TRL's VLLMClient polls: 200 once ready, 503 before and while draining."""
+        phase = state.phase
+        return JSONResponse({"status": phase}, status_code=200 if phase == "ready" else 503)
+
+    return router
+
+
+async def _score(serving: Serving, plan: CompletionPlan) -> tuple[list[SequenceScores], list[Drawn | None]]:
+    """The plan's scores, and the token drawn after each prompt (max_tokens 1)."""
+    scored = await serving.batcher.submit(plan.jobs)
+    scores = scored.scores
+    if not plan.draw:
+        return scores, [None] * len(scores)
+    drawn: list[Drawn | None] = []
+    missing: list[int] = []
+    for i, s in enumerate(scores):
+        last = last_position(s)
+        token = last.token if plan.greedy else _drawn(s)
+        if token in last.top_ids:
+            j = last.top_ids.index(token)
+            drawn.append(Drawn(token, last.top_logprobs[j], j + 1))
+        else:
+            drawn.append(Drawn(token, float("nan"), 0))
+            missing.append(i)
+    if missing and plan.logprobs_k is not None:  # the answer shows the drawn token's log-prob
+        jobs = [_rescore(plan.jobs[i], drawn[i]) for i in missing]
+        again = await serving.batcher.submit(jobs)
+        for i, s in zip(missing, again.scores, strict=True):
+            d = drawn[i]
+            assert d is not None
+            assert s.ranks is not None
+            drawn[i] = Drawn(d.token, float(s.logprobs[0]), int(s.ranks[0]))
+    return scores, drawn
+
+
+def _drawn(scores: SequenceScores) -> int:
+    assert scores.drawn is not None, "the engine drew no token"
+    return int(scores.drawn[-1])
+
+
+def _rescore(job: SequenceJob, drawn: Drawn | None) -> SequenceJob:
+    """The drawn token in place of the placeholder, as the job's only action (its log-prob and rank)."""
+    assert drawn is not None
+    tokens = job.tokens.copy()
+    tokens[-1] = drawn.token
+    return SequenceJob(
+        tokens=tokens,
+        actions=np.asarray([tokens.shape[0] - 1], dtype=np.int64),
+        temperature=job.temperature,
+        return_entropy=False,
+        top_logprobs=1,
+    )

@@ -1,0 +1,98 @@
+"""A real `python -m service serve` of a tiny qwen2 with a tokenizer saved beside it, and the float64
+reference the completions tests hold its answers to."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests import models
+from tests.conftest import free_port, wait_served
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_TOP = 64  # the server's --max-top-logprobs here: under the vocabulary of 96, so -1 is over it
+TOLERANCE = 1e-4  # float32 service against the float64 reference (SEMANTICS.md)
+
+
+def save_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer of the tiny models' 96 ids, built offline: <pad> <s> </s> w3 .. w95."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, models.VOCAB)}}
+    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<pad>"
+    )
+    fast.save_pretrained(directory)
+
+
+@pytest.fixture(scope="session")
+def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = models.save("qwen2", tmp_path_factory.mktemp("teacher") / "teacher", seed=3)
+    save_tokenizer(directory)
+    return directory
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The checkpoint in float64, one unpadded sequence at a time."""
+
+    model: Any
+
+    @torch.no_grad()
+    def logprobs(self, tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """[L, vocab] log_softmax(logits / T): row t is the distribution of token t + 1."""
+        logits = self.model(torch.tensor([tokens])).logits[0]
+        return torch.log_softmax(logits / temperature, dim=-1)
+
+
+@pytest.fixture(scope="session")
+def reference(teacher_dir: Path) -> Reference:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        teacher_dir, attn_implementation="eager", dtype=torch.float64
+    )
+    return Reference(model.eval())  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture(scope="session")
+def served(teacher_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`python -m service serve --model <teacher_dir>` on loopback; its base URL once ready."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("served") / "server.log"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "LOGPROBD_DRAIN_SECONDS": "0",
+        "LOGPROBD_DEVICE": "cpu",
+        "LOGPROBD_DTYPE": "float32",
+        "LOGPROBD_MAX_TOP_LOGPROBS": str(MAX_TOP),
+    }
+    command = [sys.executable, "-m", "service", "serve", "--model", str(teacher_dir), "--port", str(port)]
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_served(url, process, log, 180, "the teacher server")
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()

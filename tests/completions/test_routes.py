@@ -1,0 +1,119 @@
+"""/v1/completions' answer field by field against the float64 reference, /v1/models, /health, and
+bad input over HTTP (422 naming the field, nothing scored)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.completions.conftest import MAX_TOP, TOLERANCE, Reference
+from tests.completions.test_clients import top_k
+
+PROMPTS = [[1, 17, 23, 5, 9], [1, 17, 23, 60]]
+
+
+def rank(row: Any, token: int) -> int:
+    return int((row > row[token]).sum()) + 1
+
+
+def post(url: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def test_prompt_logprobs_as_vllm_returns_them(served: str, reference: Reference) -> None:
+    k, t = 3, 0.7
+    reply = post(
+        served,
+        {"model": "teacher", "prompt": PROMPTS, "max_tokens": 1, "temperature": t, "prompt_logprobs": k},
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["object"] == "text_completion"
+    assert body["model"] == "teacher"
+    assert body["usage"] == {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    for prompt, choice in zip(PROMPTS, body["choices"], strict=True):
+        entries = choice["prompt_logprobs"]
+        assert len(entries) == len(prompt)
+        assert entries[0] is None
+        lp = reference.logprobs(prompt, t)
+        for p in range(1, len(prompt)):
+            row, entry = lp[p - 1], entries[p]
+            token = prompt[p]
+            top = top_k(row, k)
+            keys = [str(token), *(str(v) for v in top if v != token)]
+            assert list(entry) == keys  # the prompt token first, then the top K by rank
+            assert entry[str(token)]["rank"] == rank(row, token)
+            for v in {token, *top}:
+                assert entry[str(v)]["decoded_token"] == (f"w{v}" if v > 2 else ["<pad>", "<s>", "</s>"][v])
+                assert abs(entry[str(v)]["logprob"] - row[v].item()) < TOLERANCE
+            assert [entry[str(v)]["rank"] for v in top] == list(range(1, k + 1))
+        assert choice["logprobs"] is None
+        assert choice["finish_reason"] == "length"
+
+
+def test_echo_logprobs_as_openai_and_the_greedy_token(served: str, reference: Reference) -> None:
+    prompt = PROMPTS[0]
+    reply = post(served, {"prompt": [prompt], "max_tokens": 1, "temperature": 0, "logprobs": 2, "echo": True})
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    lp = reference.logprobs(prompt)
+    greedy = int(lp[-1].argmax())
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [f"w{v}" if v > 2 else "<s>" for v in prompt] + [f"w{greedy}"]
+    assert logprobs["token_logprobs"][0] is None
+    assert logprobs["top_logprobs"][0] is None
+    for p in range(1, len(prompt) + 1):
+        token = prompt[p] if p < len(prompt) else greedy
+        assert abs(logprobs["token_logprobs"][p] - lp[p - 1, token].item()) < TOLERANCE
+        top = logprobs["top_logprobs"][p]
+        assert 1 <= len(top) <= 3  # the position's token and the 2 most likely
+        assert abs(max(top.values()) - lp[p - 1].max().item()) < TOLERANCE
+    offsets = [0]
+    for token in logprobs["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert logprobs["text_offset"] == offsets
+    assert choice["text"].endswith(f"w{greedy}")
+
+
+def test_a_seeded_draw_repeats_and_lies_in_the_vocabulary(served: str) -> None:
+    body = {"prompt": [PROMPTS[0]] * 3, "max_tokens": 1, "temperature": 1.0, "seed": 7, "logprobs": 1}
+    first = post(served, body).json()["choices"]
+    again = post(served, body).json()["choices"]
+    tokens = [c["logprobs"]["tokens"][0] for c in first]
+    assert tokens == [c["logprobs"]["tokens"][0] for c in again]
+    assert len(set(tokens)) == 1  # one seed, one prompt: one token, as vLLM's per-request seed
+    assert all(c["logprobs"]["token_logprobs"][0] <= 0 for c in first)
+
+
+def test_models_and_health(served: str) -> None:
+    models = httpx.get(f"{served}/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [httpx.get(f"{served}/info").json()["model"]] == ["teacher"]
+    assert httpx.get(f"{served}/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "row"),
+    [
+        ({"prompt": "the capital of France"}, "prompt", None),
+        ({"prompt": [1, 2], "n": 4}, "n", None),
+        ({"prompt": [1, 2], "stream": True}, "stream", None),
+        ({"prompt": [1, 2], "max_tokens": 16}, "max_tokens", None),
+        ({"prompt": [1, 2], "prompt_logprobs": MAX_TOP + 1}, "prompt_logprobs", None),
+        ({"prompt": [1, 2], "prompt_logprobs": -1}, "prompt_logprobs", None),
+        ({"prompt": [[1, 2], [3, 4000]]}, "prompt", 1),
+        ({"prompt": [1, 2], "model": "gpt-4"}, "model", None),
+        ({"prompt": [1, 2], "temperature": -1}, "temperature", None),
+        ({"prompt": [1, 2], "top_p": 0.5}, "top_p", None),
+    ],
+)
+def test_bad_input_is_a_422_naming_the_field(
+    served: str, body: dict[str, Any], field: str, row: int | None
+) -> None:
+    reply = post(served, body)
+    assert reply.status_code == 422, reply.text
+    error = reply.json()["error"]
+    assert (error["type"], error["field"], error.get("row")) == ("invalid_request", field, row)
