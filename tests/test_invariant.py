@@ -39,7 +39,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _jobs(seed: int, count: int, low: int, high: int, **flags: bool) -> list[SequenceJob]:
+def _jobs(seed: int, count: int, low: int, high: int, **flags: Any) -> list[SequenceJob]:
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):

@@ -27,7 +27,7 @@ from tests.reference import expected
 LENGTHS = (9, 23, 40)
 
 
-def _jobs(**flags: bool) -> list[SequenceJob]:
+def _jobs(**flags: Any) -> list[SequenceJob]:
     rng = random.Random(5)
     return [
         SequenceJob(
