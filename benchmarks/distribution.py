@@ -1,0 +1,193 @@
+"""What the distribution's extras cost (issue: top-K distributions and the completions surface).
+
+    python -m benchmarks.distribution --models qwen2.5-7b            # on a GPU host; results/distribution-latest.json
+    python -m benchmarks.distribution --models tiny --device cpu --dtype float32 --scale 0.05 \\
+        --teacher-tokens 128 --reps 1                                # CPU smoke test
+
+Per model (random bf16 weights with the real shapes), one engine, the real app on loopback:
+
+- `grpo-short` (8 prompts x 8 responses, one request per group from 8 client processes, compact
+  frames, prefix sharing on): plain scoring, then the same requests asking `top_logprobs` 100 and
+  1000, and `sampling` {top_k 50, top_p 0.9, min_p 0.05} (processed log-probs). Each: the median
+  round's ms after a warm-up round and its cost over plain.
+- `teacher`: one TRL-style distillation call, `POST /v1/completions` with 8 token-id prompts of
+  --teacher-tokens tokens, `max_tokens: 1`, `prompt_logprobs: 100` (every position's top 100, vLLM's
+  form), timed from the request sent to the answer's last byte received (the client's JSON parse,
+  TRL's own cost, is not counted; it is reported apart). Its floor counts the head over every
+  position (2 · vocab · hidden per position) besides the layers and attention; `peak_gib_over_weights`
+  is the device's peak allocation during the call less the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, get_args
+
+import httpx
+import numpy as np
+import torch
+
+from benchmarks.run import HttpServer, build_model, http_rounds, non_embedding_params, run_models
+from benchmarks.workload import SHAPES, Sample, floor_flops, grpo_short, unique_floor_flops
+from service.client.wire import to_frame
+from service.engine.loading.models import LoadedModel
+from service.engine.ops.attention import choose_backend, register
+from service.engine.scorer.engine import PackedScorer
+from service.settings import CudaGraphs, Settings
+
+EXTRAS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "top_logprobs_100": {"top_logprobs": 100},
+    "top_logprobs_1000": {"top_logprobs": 1000},
+    "processed": {"sampling": {"top_k": 50, "top_p": 0.9, "min_p": 0.05}},
+}
+CLIENTS = 8
+TEACHER_K = 100
+
+
+def group_bodies(samples: list[Sample], extra: dict[str, Any]) -> list[bytes]:
+    """One compact-frame request per GRPO group (8 rows), every response token an action."""
+    per = len(samples) // CLIENTS
+    bodies = []
+    for i in range(0, len(samples), per):
+        group = samples[i : i + per]
+        body = {"input_ids": [s.tokens for s in group], "num_actions": [len(s.response) for s in group], **extra}
+        frame = to_frame(body)
+        assert frame is not None
+        bodies.append(frame)
+    return bodies
+
+
+def teacher_prompts(vocab: int, tokens: int, count: int = 8, seed: int = 13) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, tokens).tolist() for _ in range(count)]
+
+
+def teacher_call(url: str, model: str, prompts: list[list[int]], device: torch.device) -> dict[str, Any]:
+    """One /v1/completions call as TRL's get_sequence_logprobs makes it: seconds to the last byte, the
+    answer's size, the client-side parse time, and the device's peak allocation during it."""
+    body = {"model": model, "prompt": prompts, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": TEACHER_K}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with httpx.Client(base_url=url, timeout=600) as client:
+        started = time.perf_counter()
+        reply = client.post("/v1/completions", json=body)
+        content = reply.content
+        seconds = time.perf_counter() - started
+    reply.raise_for_status()
+    parsing = time.perf_counter()
+    answer = json.loads(content)
+    parse_s = time.perf_counter() - parsing
+    entries = sum(len(p) for c in answer["choices"] for p in c["prompt_logprobs"] if p is not None)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    return {"seconds": seconds, "bytes": len(content), "entries": entries, "client_parse_s": parse_s, "peak_gib": peak}
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
+    dtype = getattr(torch, args.dtype)
+    settings = Settings(
+        device=device.type,
+        dtype=args.dtype,
+        cuda_graphs=args.cuda_graphs,
+        max_top_logprobs=max(1000, TEACHER_K),
+    )
+    backend = choose_backend(args.attention, device)
+    packed_impl = register(backend)
+    model = build_model(name, dtype, device, packed_impl)
+    shape = SHAPES[name]
+    vocab, params = int(shape["vocab_size"]), non_embedding_params(model)
+    weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
+    engine.warm_up()
+    samples = grpo_short(vocab, args.scale)
+    unique_floor_s = unique_floor_flops(shape, params, samples) / rate
+    prompts = teacher_prompts(vocab, args.teacher_tokens)
+    teacher_samples = [Sample(prompt=p[:1], response=p[1:]) for p in prompts]  # the head at every position
+    teacher_floor_s = floor_flops(shape, params, teacher_samples) / rate
+    out: dict[str, Any] = {"grpo-short": {"unique_floor_ms": unique_floor_s * 1e3, "variants": {}}, "teacher": {}}
+    with HttpServer(engine, settings) as url:
+        for variant, extra in EXTRAS.items():
+            rounds = http_rounds(url, group_bodies(samples, extra), args.reps)
+            ms = statistics.median(rounds) * 1e3
+            out["grpo-short"]["variants"][variant] = {
+                "ms": ms,
+                "rounds_ms": [round(r * 1e3, 1) for r in rounds],
+                "unique_floor_fraction": unique_floor_s * 1e3 / ms,
+            }
+            print(f"  {name} grpo-short {variant:>18}: {ms:9.1f} ms", flush=True)
+        plain = out["grpo-short"]["variants"]["plain"]["ms"]
+        for v in out["grpo-short"]["variants"].values():
+            v["cost_over_plain"] = v["ms"] / plain - 1
+        calls = [teacher_call(url, name, prompts, device) for _ in range(args.reps + 1)][1:]  # after a warm-up
+        best = sorted(calls, key=lambda c: c["seconds"])[len(calls) // 2]
+        out["teacher"] = {
+            "prompts": len(prompts),
+            "tokens_per_prompt": args.teacher_tokens,
+            "k": TEACHER_K,
+            "floor_ms": teacher_floor_s * 1e3,
+            "ms": best["seconds"] * 1e3,
+            "calls_ms": [round(c["seconds"] * 1e3, 1) for c in calls],
+            "floor_fraction": teacher_floor_s / best["seconds"],
+            "answer_bytes": best["bytes"],
+            "entries": best["entries"],
+            "client_parse_ms": best["client_parse_s"] * 1e3,
+            "weights_gib": weights_gib,
+            "peak_gib": max(c["peak_gib"] for c in calls),
+            "peak_gib_over_weights": max(c["peak_gib"] for c in calls) - weights_gib,
+        }
+        print(f"  {name} teacher: {out['teacher']}", flush=True)
+    return {"attention": engine.info.attention_backend, "decoder": engine.info.decoder, **out}
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        "| model | grpo-short variant | ms | of the unique-token floor | cost over plain |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for name, m in results["models"].items():
+        for variant, v in m["grpo-short"]["variants"].items():
+            lines.append(
+                f"| {name} | {variant} | {v['ms']:.1f} | {v['unique_floor_fraction']:.1%} | {v['cost_over_plain']:+.1%} |"
+            )
+    lines += [
+        "",
+        "| model | teacher call | ms | floor ms | of the floor | answer MB | client parse ms | peak GiB over weights |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, m in results["models"].items():
+        t = m["teacher"]
+        lines.append(
+            f"| {name} | {t['prompts']} x {t['tokens_per_prompt']}, K {t['k']} | {t['ms']:.1f} | {t['floor_ms']:.1f} | "
+            f"{t['floor_fraction']:.1%} | {t['answer_bytes'] / 1e6:.1f} | {t['client_parse_ms']:.0f} | "
+            f"{t['peak_gib_over_weights']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.distribution", description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-7b"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--scale", type=float, default=1.0, help="every GRPO length x this (a CPU smoke test)")
+    parser.add_argument("--teacher-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--output", type=Path, default=Path(__file__).parent / "results" / "distribution-latest.json"
+    )
+    args = parser.parse_args(argv)
+    results = run_models(args, argv, bench_model, module="benchmarks.distribution")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

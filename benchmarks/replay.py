@@ -1,0 +1,180 @@
+"""What routing replay (R3) and recorded routes (R2) cost over live routing (issue: score the routes
+the rollout took).
+
+    python -m benchmarks.replay                                   # Qwen3-30B-A3B, 48 layers; results/replay-latest.json
+    python -m benchmarks.replay --models tiny-moe --device cpu --dtype float32 --sequences 8 --reps 1
+
+One engine (random bf16 weights with the real shapes, benchmarks/moe.py's SHAPES), the real app on
+loopback, the standard workload (workload.py) in 8 requests from 8 client processes, compact frames:
+
+- live: plain requests;
+- record (R2): the same with `return_routed_experts` (every position's experts come back, u1 in frames);
+- replay (R3): the same with `routed_experts`: the routes the record pass returned, sent back (u1),
+  so the replayed scores must equal the live ones and the agreement must be 1.0 (both checked).
+
+Each: the median round's ms after a warm-up round and its cost over live. `route_bytes_per_entry`:
+the frames' extra request bytes over the plain frames, per (position, layer, slot) sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, get_args
+
+import httpx
+import numpy as np
+import torch
+
+from benchmarks.moe import SHAPES, active_params, build_model, floor_shape
+from benchmarks.run import HttpServer, http_rounds, run_models
+from benchmarks.workload import Sample, floor_flops, workload
+from service.client.wire import from_frame, to_frame
+from service.engine.loading.models import LoadedModel
+from service.engine.ops.attention import choose_backend, register
+from service.engine.scorer.engine import PackedScorer
+from service.frame import MEDIA_TYPE
+from service.settings import CudaGraphs, Settings
+
+CLIENTS = 8
+FRAME_HEADERS = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
+
+
+def plain_bodies(samples: list[Sample]) -> list[dict[str, Any]]:
+    per = max(1, len(samples) // CLIENTS)
+    return [
+        {"input_ids": [s.tokens for s in g], "num_actions": [len(s.response) for s in g]}
+        for g in (samples[i : i + per] for i in range(0, len(samples), per))
+    ]
+
+
+def framed(bodies: list[dict[str, Any]]) -> list[bytes]:
+    out = [to_frame(b) for b in bodies]
+    assert all(f is not None for f in out)
+    return [f for f in out if f is not None]
+
+
+def recorded(url: str, bodies: list[dict[str, Any]]) -> tuple[list[list[np.ndarray]], list[list[np.ndarray]]]:
+    """Each body's rows' recorded routes [L, layers, k] and log-probs, asked once in frames."""
+    routes, scores = [], []
+    with httpx.Client(base_url=url, timeout=600) as client:
+        for body in bodies:
+            reply = client.post("/logprobs", content=to_frame({**body, "return_routed_experts": True}), headers=FRAME_HEADERS)
+            reply.raise_for_status()
+            answer = from_frame(reply.content)
+            moe = answer["moe"]
+            shape = (-1, int(moe["layers"]), int(moe["top_k"]))
+            routes.append([np.asarray(r, dtype=np.int64).reshape(shape) for r in answer["routed_experts"]])
+            scores.append([np.asarray(r, dtype=np.float64) for r in answer["logprobs"]])
+    return routes, scores
+
+
+def replayed(url: str, bodies: list[dict[str, Any]]) -> tuple[list[list[np.ndarray]], list[float]]:
+    """Each body's log-probs and exact-agreement fractions when its routes are replayed."""
+    scores, agreement = [], []
+    with httpx.Client(base_url=url, timeout=600) as client:
+        for body in bodies:
+            reply = client.post("/logprobs", content=to_frame(body), headers=FRAME_HEADERS)
+            reply.raise_for_status()
+            answer = from_frame(reply.content)
+            scores.append([np.asarray(r, dtype=np.float64) for r in answer["logprobs"]])
+            agreement.append(float(answer["route_agreement"]["exact_fraction"]))
+    return scores, agreement
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
+    shape = dict(SHAPES[name])
+    dtype = getattr(torch, args.dtype)
+    backend = choose_backend(args.attention, device)
+    model = build_model(shape, dtype, device, register(backend))
+    samples = workload(int(shape["vocab_size"]), sequences=args.sequences)
+    tokens = sum(len(s.tokens) for s in samples)
+    floor_s = floor_flops(floor_shape(shape, int(shape["num_hidden_layers"])), active_params(model), samples) / rate
+    settings = Settings(device=device.type, dtype=args.dtype, cuda_graphs=args.cuda_graphs, decoder="fused")
+    engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
+    engine.warm_up()
+    plain = plain_bodies(samples)
+    variants: dict[str, dict[str, Any]] = {}
+    with HttpServer(engine, settings) as url:
+        routes, live_scores = recorded(url, plain)
+        replay = [
+            {**body, "routed_experts": [r.astype(np.uint8) if int(r.max()) < 256 else r for r in rs]}
+            for body, rs in zip(plain, routes, strict=True)
+        ]
+        replay_scores, agreement = replayed(url, replay)
+        diff = max(
+            float(np.max(np.abs(a - b)))
+            for got, want in zip(replay_scores, live_scores, strict=True)
+            for a, b in zip(got, want, strict=True)
+        )
+        wire = {
+            "live": framed(plain),
+            "record": framed([{**b, "return_routed_experts": True} for b in plain]),
+            "replay": framed(replay),
+        }
+        entries = sum(r.size for rs in routes for r in rs)
+        for variant, bodies in wire.items():
+            rounds = http_rounds(url, bodies, args.reps)
+            ms = statistics.median(rounds) * 1e3
+            variants[variant] = {
+                "ms": ms,
+                "rounds_ms": [round(r * 1e3, 1) for r in rounds],
+                "floor_fraction": floor_s * 1e3 / ms,
+                "request_bytes": sum(map(len, bodies)),
+            }
+            print(f"  {name} {variant:>7}: {ms:9.1f} ms  {floor_s * 1e3 / ms:6.1%} of floor", flush=True)
+    live = variants["live"]["ms"]
+    for v in variants.values():
+        v["cost_over_live"] = v["ms"] / live - 1
+    return {
+        "moe_kernel": engine.info.moe_kernel,
+        "tokens": tokens,
+        "floor_ms": floor_s * 1e3,
+        "route_entries": entries,
+        "route_bytes_per_entry": (variants["replay"]["request_bytes"] - variants["live"]["request_bytes"]) / entries,
+        "replay_vs_live_max_abs_diff": diff,
+        "replay_exact_agreement_min": min(agreement),
+        "variants": variants,
+    }
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        "| model | variant | ms | of the floor | cost over live |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for name, m in results["models"].items():
+        for variant, v in m["variants"].items():
+            lines.append(
+                f"| {name} | {variant} | {v['ms']:.1f} | {v['floor_fraction']:.1%} | {v['cost_over_live']:+.1%} |"
+            )
+    lines.append("")
+    for name, m in results["models"].items():
+        lines.append(
+            f"- {name}: route bytes per (position, layer, slot) in frames {m['route_bytes_per_entry']:.3f}; "
+            f"replayed vs live max |Δ| {m['replay_vs_live_max_abs_diff']:.3g}; "
+            f"lowest exact agreement {m['replay_exact_agreement_min']:.4f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.replay", description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], choices=list(SHAPES))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "replay-latest.json")
+    args = parser.parse_args(argv)
+    results = run_models(args, argv, bench_model, module="benchmarks.replay")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
