@@ -20,7 +20,7 @@ from service.frame import MEDIA_TYPE
 from service.http_io import answer_or_give_up, read_body
 from service.metrics import CONTENT_TYPE
 from service.normalise import normalise
-from service.response import answer, to_json
+from service.response import answer, route_agreement, to_json
 from service.schemas import (
     ErrorBody,
     Health,
@@ -54,7 +54,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 BINARY = {"type": "string", "format": "binary"}
 FRAME_DOC = (
     "The same request as a compact frame: the JSON fields, with input_ids, prompt_ids, attention_mask, "
-    "action_mask and rollout_logprobs as little-endian arrays (docs/api.md, 'Compact frames'). Send "
+    "action_mask, rollout_logprobs, routed_experts and prompt_routed_experts as little-endian arrays "
+    "(docs/api.md, 'Compact frames'). Send "
     f"`Accept: {MEDIA_TYPE}` to get the answer in the same form."
 )
 
@@ -111,8 +112,16 @@ def build_router(state: ServiceState) -> APIRouter:
         rollout = rollout_mismatch([s.logprobs for s in scores], plan.rollout) if plan.rollout else None
         if rollout is not None:
             metrics.observe_rollout(rollout)
+        agreement = route_agreement(scores)
+        metrics.observe_route_agreement(agreement)
         answered = answer(
-            plan, scores, serving.info, scored.versions, rollout, computed_tokens=scored.computed_tokens
+            plan,
+            scores,
+            serving.info,
+            scored.versions,
+            rollout,
+            computed_tokens=scored.computed_tokens,
+            agreement=agreement,
         )
         media_type = MEDIA_TYPE if MEDIA_TYPE in http.headers.get("accept", "") else "application/json"
         body = to_frame(answered) if media_type == MEDIA_TYPE else to_json(answered)

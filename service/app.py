@@ -122,6 +122,7 @@ async def _start(
         max_request_sequences=settings.max_request_sequences,
         max_request_tokens=settings.max_request_tokens,
         max_timeout_s=settings.max_request_timeout_s,
+        moe=info.moe,
     )
     reloader = Reloader(engine, batcher, state.metrics, settings)
     follower = None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.engine.contract import MoeShape
 from service.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
 from service.normalise.rows import Row
 from service.schemas import LogprobsRequest
@@ -28,6 +29,7 @@ class ModelLimits:
     max_request_sequences: int | None = None
     max_request_tokens: int | None = None
     max_timeout_s: float | None = None
+    moe: MoeShape | None = None  # the policy's sparse layers (routes); None: dense
 
 
 def check_models(request: LogprobsRequest, limits: ModelLimits) -> None:
