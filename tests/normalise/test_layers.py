@@ -1,6 +1,7 @@
 """The package reads top-down: each module imports only the modules below it (the order of
 service/normalise/__init__.py's docstring), and outside the package only the wire models, the
-error table, the job types and the engine contract (MoeShape). Read from the source with ast, so nothing is imported to check it."""
+error table, the job types and the engine contract (MoeShape). Read from the source with ast, so
+nothing is imported to check it."""
 
 from __future__ import annotations
 
