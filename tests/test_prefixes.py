@@ -131,7 +131,8 @@ def _with_routes(
     """Random routes over each sequence (few distinct ids, so that equal routes are common; some
     sequences without, some from a later position or ending early), and each sequence as the list
     of its positions' (token, ids or None): what the brute force compares."""
-    keyed, routes = [], []
+    keyed: list[list[Any]] = []
+    routes: list[GivenRoutes | None] = []
     for s in seqs:
         roll = rng.random()
         if roll < 0.25:
