@@ -43,6 +43,10 @@ A layer given a Tally (the fused decoder's sparse layers but the last) also adds
 of its experts took to the decoder's Load [layers, E] (moe_ops' counting), which the engine copies
 out per micro-batch for the expert-load metric.
 
+A layer given LayerRoutes (routing replay and recorded routes, moe/replay.py) records the experts
+its planner chose, or, where a micro-batch gives routes, routes in torch ops: the given ids where a
+token is covered, the top-k elsewhere, weighted by `Routing.weights_at` (docs/semantics.md).
+
 `choose` resolves the `moe_kernel` setting; `auto` takes quack, else grouped_mm, else the loop, each
 after running it once against the loop on a small input (a failure there: a warning, the next one).
 """
