@@ -283,14 +283,15 @@ class Routing:
         """logits [T, E] -> weights [T, k] (float32, or logits' dtype), expert ids [T, k] int64.
         torch.topk as transformers calls it, on the same float32 values: ties resolve alike."""
         weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        return self._finish(weights, logits.dtype), experts
+        return self.finish(weights, logits.dtype), experts
 
     def weights_at(self, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The weights [T, k] of the given expert ids [T, k] (int64) under this rule."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        return self._finish(probs.gather(1, experts), logits.dtype)
+        return self.finish(probs.gather(1, experts), logits.dtype)
 
-    def _finish(self, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def finish(self, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """float32 weights [T, k] at the chosen experts -> the layer's: renormalised, rounded (the rule)."""
         if self.normalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(dtype) if self.round_weights else weights
