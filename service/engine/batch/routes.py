@@ -21,7 +21,7 @@ import torch
 from service.engine.contract import MoeShape
 from service.engine.moe.replay import BatchRoutes
 from service.jobs import Chunk, IntArray, RouteAgreement, SequenceJob
-from service.prefixes import Forest
+from service.prefixes import Forest, routes_agree
 
 
 def narrow(experts: int) -> np.dtype[np.signedinteger | np.unsignedinteger]:
@@ -84,6 +84,7 @@ def lay_out(  # noqa: PLR0917
     for i, job in enumerate(every):
         check(job, shape, i)
     assert shape is not None
+    _check_shared(jobs, forest)
     segments = [(jobs[n.owner], n.start, n.end) for n in forest.nodes]
     if chunk is not None:
         segments.append((chunk.job, chunk.start, chunk.end))
@@ -110,6 +111,20 @@ def lay_out(  # noqa: PLR0917
         rows.append(np.arange(own, own + chunk.num_tokens, dtype=np.int64))
         first.append(chunk.start)
     return routes, RouteRows(rows, first)
+
+
+def _check_shared(jobs: Sequence[SequenceJob], forest: Forest) -> None:
+    """Raise ValueError where a node serves a sequence whose routes over it are not its owner's (a
+    forest built without the routes: prefixes.share takes them)."""
+    for i, path in enumerate(forest.paths):
+        for n in path:
+            node = forest.nodes[n]
+            owner = jobs[node.owner]
+            if node.owner != i and routes_agree(owner.routes, jobs[i].routes, node.end) < node.end:
+                raise ValueError(
+                    f"sequences {node.owner} and {i} share positions {node.start}..{node.end - 1}, "
+                    "where their routes differ"
+                )
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> IntArray:

@@ -18,7 +18,10 @@ per-module Python. A layer is:
                                          x += moe(h) (moe/layer.py)
 
 The last layer's attention reads every row's keys and values; from its output projection on, it runs
-on the rows the heads read only (a quarter of the tokens in a typical RL batch).
+on the rows the heads read only (a quarter of the tokens in a typical RL batch). A batch with MoE
+routes (moe/replay.py) sets them on the sparse layers for the forward; its last sparse layer then
+runs the output projection and the router on every row (routes are recorded for all), its experts on
+the read rows.
 
 The q|k|v and gate|up weights are concatenated once at start, and the model's own parameters become
 views of the concatenations: no second copy, and the transformers forward (the self-check), hot

@@ -44,15 +44,22 @@ class TransformersDecoder:
                 f"routes given or asked for, but {type(self.decoder).__name__} has no mixture-of-experts "
                 "layer whose routing logprobd knows (Qwen3-MoE, Qwen2-MoE, Mixtral)"
             )
+        routers = [RouterHook(routes.layer(index), rule) for index in range(len(blocks))]
         hooks = [
-            block.gate.register_forward_hook(RouterHook(routes.layer(index), rule))
-            for index, block in enumerate(blocks)
+            block.gate.register_forward_hook(router) for block, router in zip(blocks, routers, strict=True)
         ]
         try:
             yield
         finally:
             for hook in hooks:
                 hook.remove()
+        tokens = routes.used.shape[0]
+        missed = [i for i, router in enumerate(routers) if router.next != tokens]
+        if missed:  # a patched block (kernels=liger) that routes without calling its router module
+            raise RuntimeError(
+                f"routes: the routers of sparse layers {missed} did not route the batch's {tokens} tokens "
+                "(a patched MoE block); replay needs transformers' own sparse blocks"
+            )
 
     def capture(self, probe: PackedBatch) -> None:
         pass

@@ -43,6 +43,10 @@ A layer given a Tally (the fused decoder's sparse layers but the last) also adds
 of its experts took to the decoder's Load [layers, E] (moe_ops' counting), which the engine copies
 out per micro-batch for the expert-load metric.
 
+A layer given LayerRoutes (routing replay and recorded routes, moe/replay.py) records the experts
+its planner chose, or, where a micro-batch gives routes, routes in torch ops: the given ids where a
+token is covered, the top-k elsewhere, weighted by `Routing.weights_at` (docs/semantics.md).
+
 `choose` resolves the `moe_kernel` setting; `auto` takes quack, else grouped_mm, else the loop, each
 after running it once against the loop on a small input (a failure there: a warning, the next one).
 """
@@ -279,14 +283,15 @@ class Routing:
         """logits [T, E] -> weights [T, k] (float32, or logits' dtype), expert ids [T, k] int64.
         torch.topk as transformers calls it, on the same float32 values: ties resolve alike."""
         weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        return self._finish(weights, logits.dtype), experts
+        return self.finish(weights, logits.dtype), experts
 
     def weights_at(self, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The weights [T, k] of the given expert ids [T, k] (int64) under this rule."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        return self._finish(probs.gather(1, experts), logits.dtype)
+        return self.finish(probs.gather(1, experts), logits.dtype)
 
-    def _finish(self, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def finish(self, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """float32 weights [T, k] at the chosen experts -> the layer's: renormalised, rounded (the rule)."""
         if self.normalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(dtype) if self.round_weights else weights

@@ -53,15 +53,24 @@ class LayerRoutes:
         """Weights [n, k] and expert ids [n, k] int64 for rows first .. first + n - 1 of the layer,
         from their router logits [n, E] (and the router's own (weights, ids), where computed
         already); writes used and live."""
-        weights, own = live if live is not None else rule(logits)
         n = logits.shape[0]
-        experts = own
-        if self.given is not None and self.covered is not None:
-            covered = self.covered[first : first + n, None]
-            experts = torch.where(covered, self.given[first : first + n].long(), own)
-            weights = torch.where(covered, rule.weights_at(logits, experts), weights)
-            if self.live is not None:
-                self.live[first : first + n].copy_(own)
+        if self.given is None or self.covered is None:
+            weights, experts = live if live is not None else rule(logits)
+            self.record(first, experts)
+            return weights, experts
+        covered = self.covered[first : first + n, None]
+        given = self.given[first : first + n].long()
+        if live is None:  # one softmax: the top-k's weights are the gather at the top-k
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            own = torch.topk(probs, rule.top_k, dim=-1).indices
+            experts = torch.where(covered, given, own)
+            weights = rule.finish(probs.gather(1, experts), logits.dtype)
+        else:
+            own = live[1]
+            experts = torch.where(covered, given, own)
+            weights = torch.where(covered, rule.weights_at(logits, experts), live[0])
+        if self.live is not None:
+            self.live[first : first + n].copy_(own)
         self.record(first, experts)
         return weights, experts
 
