@@ -1,6 +1,6 @@
 """What the distribution's extras cost (issue: top-K distributions and the completions surface).
 
-    python -m benchmarks.distribution --models qwen2.5-7b            # on a GPU host; results/distribution-latest.json
+    python -m benchmarks.distribution --models qwen2.5-7b   # GPU host; results/distribution-latest.json
     python -m benchmarks.distribution --models tiny --device cpu --dtype float32 --scale 0.05 \\
         --teacher-tokens 128 --reps 1                                # CPU smoke test
 
@@ -56,7 +56,11 @@ def group_bodies(samples: list[Sample], extra: dict[str, Any]) -> list[bytes]:
     bodies = []
     for i in range(0, len(samples), per):
         group = samples[i : i + per]
-        body = {"input_ids": [s.tokens for s in group], "num_actions": [len(s.response) for s in group], **extra}
+        body = {
+            "input_ids": [s.tokens for s in group],
+            "num_actions": [len(s.response) for s in group],
+            **extra,
+        }
         frame = to_frame(body)
         assert frame is not None
         bodies.append(frame)
@@ -71,7 +75,13 @@ def teacher_prompts(vocab: int, tokens: int, count: int = 8, seed: int = 13) -> 
 def teacher_call(url: str, model: str, prompts: list[list[int]], device: torch.device) -> dict[str, Any]:
     """One /v1/completions call as TRL's get_sequence_logprobs makes it: seconds to the last byte, the
     answer's size, the client-side parse time, and the device's peak allocation during it."""
-    body = {"model": model, "prompt": prompts, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": TEACHER_K}
+    body = {
+        "model": model,
+        "prompt": prompts,
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "prompt_logprobs": TEACHER_K,
+    }
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -86,7 +96,13 @@ def teacher_call(url: str, model: str, prompts: list[list[int]], device: torch.d
     parse_s = time.perf_counter() - parsing
     entries = sum(len(p) for c in answer["choices"] for p in c["prompt_logprobs"] if p is not None)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    return {"seconds": seconds, "bytes": len(content), "entries": entries, "client_parse_s": parse_s, "peak_gib": peak}
+    return {
+        "seconds": seconds,
+        "bytes": len(content),
+        "entries": entries,
+        "client_parse_s": parse_s,
+        "peak_gib": peak,
+    }
 
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
@@ -110,7 +126,10 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     prompts = teacher_prompts(vocab, args.teacher_tokens)
     teacher_samples = [Sample(prompt=p[:1], response=p[1:]) for p in prompts]  # the head at every position
     teacher_floor_s = floor_flops(shape, params, teacher_samples) / rate
-    out: dict[str, Any] = {"grpo-short": {"unique_floor_ms": unique_floor_s * 1e3, "variants": {}}, "teacher": {}}
+    out: dict[str, Any] = {
+        "grpo-short": {"unique_floor_ms": unique_floor_s * 1e3, "variants": {}},
+        "teacher": {},
+    }
     with HttpServer(engine, settings) as url:
         for variant, extra in EXTRAS.items():
             rounds = http_rounds(url, group_bodies(samples, extra), args.reps)
@@ -124,7 +143,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         plain = out["grpo-short"]["variants"]["plain"]["ms"]
         for v in out["grpo-short"]["variants"].values():
             v["cost_over_plain"] = v["ms"] / plain - 1
-        calls = [teacher_call(url, name, prompts, device) for _ in range(args.reps + 1)][1:]  # after a warm-up
+        calls = [teacher_call(url, name, prompts, device) for _ in range(args.reps + 1)][
+            1:
+        ]  # after a warm-up
         best = sorted(calls, key=lambda c: c["seconds"])[len(calls) // 2]
         out["teacher"] = {
             "prompts": len(prompts),
@@ -153,17 +174,20 @@ def table(results: dict[str, Any]) -> str:
     for name, m in results["models"].items():
         for variant, v in m["grpo-short"]["variants"].items():
             lines.append(
-                f"| {name} | {variant} | {v['ms']:.1f} | {v['unique_floor_fraction']:.1%} | {v['cost_over_plain']:+.1%} |"
+                f"| {name} | {variant} | {v['ms']:.1f} | {v['unique_floor_fraction']:.1%} | "
+                f"{v['cost_over_plain']:+.1%} |"
             )
     lines += [
         "",
-        "| model | teacher call | ms | floor ms | of the floor | answer MB | client parse ms | peak GiB over weights |",
+        "| model | teacher call | ms | floor ms | of the floor | answer MB | client parse ms | "
+        "peak GiB over weights |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, m in results["models"].items():
         t = m["teacher"]
         lines.append(
-            f"| {name} | {t['prompts']} x {t['tokens_per_prompt']}, K {t['k']} | {t['ms']:.1f} | {t['floor_ms']:.1f} | "
+            f"| {name} | {t['prompts']} x {t['tokens_per_prompt']}, K {t['k']} | {t['ms']:.1f} | "
+            f"{t['floor_ms']:.1f} | "
             f"{t['floor_fraction']:.1%} | {t['answer_bytes'] / 1e6:.1f} | {t['client_parse_ms']:.0f} | "
             f"{t['peak_gib_over_weights']:.2f} |"
         )
@@ -178,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--scale", type=float, default=1.0, help="every GRPO length x this (a CPU smoke test)")
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="every GRPO length x this (a CPU smoke test)"
+    )
     parser.add_argument("--teacher-tokens", type=int, default=4096)
     parser.add_argument(
         "--output", type=Path, default=Path(__file__).parent / "results" / "distribution-latest.json"

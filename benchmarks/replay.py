@@ -1,7 +1,7 @@
 """What routing replay (R3) and recorded routes (R2) cost over live routing (issue: score the routes
 the rollout took).
 
-    python -m benchmarks.replay                                   # Qwen3-30B-A3B, 48 layers; results/replay-latest.json
+    python -m benchmarks.replay                      # Qwen3-30B-A3B, 48 layers; results/replay-latest.json
     python -m benchmarks.replay --models tiny-moe --device cpu --dtype float32 --sequences 8 --reps 1
 
 One engine (random bf16 weights with the real shapes, benchmarks/moe.py's SHAPES), the real app on
@@ -61,7 +61,9 @@ def recorded(url: str, bodies: list[dict[str, Any]]) -> tuple[list[list[np.ndarr
     routes, scores = [], []
     with httpx.Client(base_url=url, timeout=600) as client:
         for body in bodies:
-            reply = client.post("/logprobs", content=to_frame({**body, "return_routed_experts": True}), headers=FRAME_HEADERS)
+            reply = client.post(
+                "/logprobs", content=to_frame({**body, "return_routed_experts": True}), headers=FRAME_HEADERS
+            )
             reply.raise_for_status()
             answer = from_frame(reply.content)
             moe = answer["moe"]
@@ -91,7 +93,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     model = build_model(shape, dtype, device, register(backend))
     samples = workload(int(shape["vocab_size"]), sequences=args.sequences)
     tokens = sum(len(s.tokens) for s in samples)
-    floor_s = floor_flops(floor_shape(shape, int(shape["num_hidden_layers"])), active_params(model), samples) / rate
+    floor_s = (
+        floor_flops(floor_shape(shape, int(shape["num_hidden_layers"])), active_params(model), samples) / rate
+    )
     settings = Settings(device=device.type, dtype=args.dtype, cuda_graphs=args.cuda_graphs, decoder="fused")
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
     engine.warm_up()
@@ -133,7 +137,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         "tokens": tokens,
         "floor_ms": floor_s * 1e3,
         "route_entries": entries,
-        "route_bytes_per_entry": (variants["replay"]["request_bytes"] - variants["live"]["request_bytes"]) / entries,
+        "route_bytes_per_entry": (variants["replay"]["request_bytes"] - variants["live"]["request_bytes"])
+        / entries,
         "replay_vs_live_max_abs_diff": diff,
         "replay_exact_agreement_min": min(agreement),
         "variants": variants,
@@ -148,7 +153,8 @@ def table(results: dict[str, Any]) -> str:
     for name, m in results["models"].items():
         for variant, v in m["variants"].items():
             lines.append(
-                f"| {name} | {variant} | {v['ms']:.1f} | {v['floor_fraction']:.1%} | {v['cost_over_live']:+.1%} |"
+                f"| {name} | {variant} | {v['ms']:.1f} | {v['floor_fraction']:.1%} | "
+                f"{v['cost_over_live']:+.1%} |"
             )
     lines.append("")
     for name, m in results["models"].items():
@@ -169,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "replay-latest.json")
+    parser.add_argument(
+        "--output", type=Path, default=Path(__file__).parent / "results" / "replay-latest.json"
+    )
     args = parser.parse_args(argv)
     results = run_models(args, argv, bench_model, module="benchmarks.replay")
     print(table(results))

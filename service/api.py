@@ -19,9 +19,10 @@ from service.diagnostics import rollout_statistics
 from service.errors import NotReady
 from service.frame import MEDIA_TYPE
 from service.http_io import answer_or_give_up, read_body
-from service.metrics import CONTENT_TYPE
-from service.normalise import normalise
-from service.response import answer, to_json
+from service.jobs import SequenceScores
+from service.metrics import CONTENT_TYPE, Metrics
+from service.normalise import ScoringPlan, normalise
+from service.response import answer, route_agreement, to_json
 from service.schemas import (
     ErrorBody,
     Health,
@@ -29,6 +30,8 @@ from service.schemas import (
     LogprobsRequest,
     LogprobsResponse,
     ModelSummary,
+    RolloutMismatch,
+    RouteAgreementSummary,
     parse_request,
 )
 from service.state import ServiceState
@@ -55,13 +58,28 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 BINARY = {"type": "string", "format": "binary"}
 FRAME_DOC = (
     "The same request as a compact frame: the JSON fields, with input_ids, prompt_ids, attention_mask, "
-    "action_mask and rollout_logprobs as little-endian arrays (docs/api.md, 'Compact frames'). Send "
+    "action_mask, rollout_logprobs, routed_experts and prompt_routed_experts as little-endian arrays "
+    "(docs/api.md, 'Compact frames'). Send "
     f"`Accept: {MEDIA_TYPE}` to get the answer in the same form."
 )
 
 
 def _media_type(header: str | None) -> str:
     return (header or "").split(";", 1)[0].strip().lower()
+
+
+def _statistics(
+    plan: ScoringPlan, scores: list[SequenceScores], metrics: Metrics
+) -> tuple[RolloutMismatch | None, RouteAgreementSummary | None]:
+    """The answer's rollout statistics and route agreement, observed in the metrics."""
+    processed = [p for s in scores if (p := s.processed_logprobs) is not None]
+    sampled = plan.jobs[0].sampling is not None
+    rollout = rollout_statistics([s.logprobs for s in scores], plan.rollout, processed if sampled else None)
+    if rollout is not None:
+        metrics.observe_rollout(rollout)
+    agreement = route_agreement(scores)
+    metrics.observe_route_agreement(agreement)
+    return rollout, agreement
 
 
 def build_router(state: ServiceState) -> APIRouter:
@@ -109,15 +127,15 @@ def build_router(state: ServiceState) -> APIRouter:
         finally:
             metrics.queue_requests.dec()
         scores = scored.scores
-        processed = [p for s in scores if (p := s.processed_logprobs) is not None]
-        sampled = plan.jobs[0].sampling is not None
-        rollout = rollout_statistics(
-            [s.logprobs for s in scores], plan.rollout, processed if sampled else None
-        )
-        if rollout is not None:
-            metrics.observe_rollout(rollout)
+        rollout, agreement = _statistics(plan, scores, metrics)
         answered = answer(
-            plan, scores, serving.info, scored.versions, rollout, computed_tokens=scored.computed_tokens
+            plan,
+            scores,
+            serving.info,
+            scored.versions,
+            rollout,
+            computed_tokens=scored.computed_tokens,
+            agreement=agreement,
         )
         media_type = MEDIA_TYPE if MEDIA_TYPE in http.headers.get("accept", "") else "application/json"
         body = to_frame(answered) if media_type == MEDIA_TYPE else to_json(answered)

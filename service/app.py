@@ -125,6 +125,7 @@ async def _start(
         max_request_tokens=settings.max_request_tokens,
         max_top_logprobs=settings.max_top_logprobs,
         max_timeout_s=settings.max_request_timeout_s,
+        moe=info.moe,
     )
     reloader = Reloader(engine, batcher, state.metrics, settings)
     follower = None

@@ -3,11 +3,15 @@
 A framed request becomes the same LogprobsRequest a JSON body does: its JSON part is validated by
 the same model (ScoringOptions), and its arrays get the checks the JSON schema gives the list
 fields (token ids >= 0, finite rollout log-probs); their rows are numpy views of the body, which
-service/normalise/ reads like lists.
+service/normalise/ reads like lists. Routes (`routed_experts`, `prompt_routed_experts`) travel as
+each row's [positions, layers, top_k] ids flattened (normalise reshapes them by the policy's
+shape); an answer's recorded routes go back the same way, in the narrowest dtype that holds the
+policy's expert ids (u1 up to 256 experts), with `moe` in the JSON part to reshape them.
 """
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,12 +23,15 @@ from service.frame import ArraySpec, FrameError, pack, unpack
 from service.schemas import ARRAY_FIELDS, LogprobsRequest, ScoringOptions, parse_body
 
 _INTEGER = ("i4", "i8", "u1")
+_ROUTES = ("u1", "u2", "i2", "i4", "i8")
 _DTYPES = {
     "input_ids": _INTEGER,
     "prompt_ids": _INTEGER,
     "attention_mask": _INTEGER,
     "action_mask": _INTEGER,
     "rollout_logprobs": ("f4", "f8"),
+    "routed_experts": _ROUTES,
+    "prompt_routed_experts": _ROUTES,
 }
 # the answer's [rows, window] fields and the dtype each travels in
 RESPONSE_ARRAYS = {
@@ -100,6 +107,10 @@ def to_frame(body: Mapping[str, Any]) -> bytes:
     """An answer (response.py's body: rows as numpy arrays) as one frame."""
     fields = {k: v for k, v in body.items() if k not in RESPONSE_ARRAYS or v is None}
     arrays = []
+    routes = body.get("routed_experts")
+    if routes is not None:
+        fields.pop("routed_experts", None)
+        arrays.append(_routes_array(routes, int(body["moe"]["experts"])))
     for name, dtype in RESPONSE_ARRAYS.items():
         rows = body.get(name)
         if rows is None:
@@ -108,3 +119,15 @@ def to_frame(body: Mapping[str, Any]) -> bytes:
         flat = np.concatenate(rows) if rows else np.empty(0)
         arrays.append((spec, flat.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes()))
     return pack(orjson.dumps(fields), arrays)
+
+
+def _routes_array(rows: list[Any], experts: int) -> tuple[ArraySpec, bytes]:
+    """Recorded routes (arrays, or base64 int32 strings) as one flat array: u1 when every id fits a
+    byte (at most 256 experts), else u2, else i4."""
+    dtype = "u1" if experts <= 256 else "u2" if experts <= 65536 else "i4"
+    flat = [
+        np.frombuffer(base64.b64decode(r), dtype="<i4") if isinstance(r, str) else np.ravel(r) for r in rows
+    ]
+    spec = ArraySpec("routed_experts", dtype, tuple(int(r.size) for r in flat))
+    joined = np.concatenate(flat) if flat else np.empty(0, dtype=np.int64)
+    return spec, joined.astype(np.dtype(dtype).newbyteorder("<")).tobytes()

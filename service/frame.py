@@ -10,7 +10,9 @@ a number. Layout (all integers little-endian):
     | specs: a JSON list of {"name", "dtype", "lengths"}, the arrays in payload order
     | zero bytes up to a multiple of 8 | each array (its rows concatenated), padded to 8 bytes
 
-dtype is one of i4, i8 (signed), u1 (unsigned byte), f4, f8 (IEEE float). Standard library only:
+dtype is one of i2, i4, i8 (signed), u1, u2 (unsigned), f4, f8 (IEEE float). Routed experts
+(`routed_experts`, [positions, moe_layers, top_k] per row) travel flattened, in u1 when every id is
+below 256 (one byte per position, layer and slot), else u2 or i4. Standard library only:
 the client (no numpy) and the server share it.
 """
 
@@ -25,8 +27,16 @@ from dataclasses import dataclass
 MEDIA_TYPE = "application/vnd.logprobd.arrays"
 MAGIC = b"LPDA"
 VERSION = 1
-ITEMSIZE = {"i4": 4, "i8": 8, "u1": 1, "f4": 4, "f8": 8}
-TYPECODE = {"i4": "i", "i8": "q", "u1": "B", "f4": "f", "f8": "d"}  # the `array` module's codes
+ITEMSIZE = {"i2": 2, "i4": 4, "i8": 8, "u1": 1, "u2": 2, "f4": 4, "f8": 8}
+TYPECODE = {
+    "i2": "h",
+    "i4": "i",
+    "i8": "q",
+    "u1": "B",
+    "u2": "H",
+    "f4": "f",
+    "f8": "d",
+}  # the `array` module's codes
 _HEAD = struct.Struct("<4sB3xII")
 ALIGN = 8
 

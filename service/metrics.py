@@ -13,13 +13,15 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 
 from service.errors import OUTCOMES
 from service.jobs import IntArray
-from service.schemas import RolloutMismatch
+from service.schemas import RolloutMismatch, RouteAgreementSummary
 
 PREFIX = "logprobd"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 19))  # 16 .. 262144
 MISMATCH_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 FRACTION_BUCKETS = (0.0, 1e-4, 1e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+# route agreement, a fraction near 1 where replay matters: fine steps below 1
+AGREEMENT_BUCKETS = (0.0, 0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
 # an expert's tokens as a multiple of an even share: 0 idle, 1 even
 LOAD_BUCKETS = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0)
 # how prometheus_client writes a bucket's `le` (untyped there)
@@ -143,6 +145,20 @@ class Metrics:
             buckets=FRACTION_BUCKETS,
             registry=r,
         )
+        self.route_exact = Histogram(
+            f"{PREFIX}_route_exact_fraction",
+            "Per request with routed_experts: fraction of its (position, sparse layer) pairs whose live "
+            "top-k expert set equals the given (rollout's) set.",
+            buckets=AGREEMENT_BUCKETS,
+            registry=r,
+        )
+        self.route_overlap = Histogram(
+            f"{PREFIX}_route_mean_overlap",
+            "Per request with routed_experts: mean of |given ∩ live| / top_k over its (position, sparse "
+            "layer) pairs.",
+            buckets=AGREEMENT_BUCKETS,
+            registry=r,
+        )
         self.queue_requests = Gauge(
             f"{PREFIX}_queue_requests", "Requests waiting for or in scoring.", registry=r
         )
@@ -187,6 +203,11 @@ class Metrics:
             self.rollout_ratio_outside.observe(rollout.ratio_outside_fraction)
         if rollout.outside_kept_fraction is not None:
             self.outside_kept.observe(rollout.outside_kept_fraction)
+
+    def observe_route_agreement(self, agreement: RouteAgreementSummary | None) -> None:
+        if agreement is not None and agreement.compared:
+            self.route_exact.observe(agreement.exact_fraction)
+            self.route_overlap.observe(agreement.mean_overlap)
 
     def observe_expert_load(self, counts: IntArray | None) -> None:
         """counts [layers, experts]: the real tokens each expert took in one micro-batch."""

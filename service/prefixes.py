@@ -7,8 +7,14 @@ state depends on the tokens before it only, so a node computed once, its queries
 ancestors' keys and then causally to its own, gives each of its sequences what it would alone.
 A sequence that shares nothing is a tree of one node.
 
-Prefixes are compared on token ids, never on a hash alone. Torch-free: the batcher counts what a
-micro-batch computes with `Grouper`, and the engine packs the `Forest` of the micro-batch it gets.
+Sequences that give MoE routes (routing replay; jobs.GivenRoutes) share a position only where
+their routes there are equal too: both uncovered, or both covered with the same expert ids in the
+same order. Identical prompt tokens that the rollout routed differently are computed apart.
+
+Prefixes are compared on token ids and routes, never on a hash alone (a fingerprint of a position's
+routes orders the sequences, so that those sharing a prefix sit together; equality is then checked
+on the ids). Torch-free: the batcher counts what a micro-batch computes with `Grouper`, and the
+engine packs the `Forest` of the micro-batch it gets.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
-from service.jobs import IntArray
+from service.jobs import GivenRoutes, IntArray
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,20 +90,89 @@ def _key(tokens: IntArray) -> bytes:
     return np.ascontiguousarray(tokens, dtype=np.int64).tobytes()
 
 
-def share(tokens: Sequence[IntArray], min_tokens: int) -> Forest:
+# odd 64-bit multipliers of a position's route fingerprint, one per (layer, slot); fixed, grown on demand
+_MULTIPLIERS = np.random.default_rng(0x5EED).integers(1, 1 << 63, size=4096, dtype=np.uint64) | np.uint64(1)
+
+
+def _fingerprints(routes: GivenRoutes, length: int) -> npt.NDArray[np.uint64]:
+    """[length] per position: 0 where not covered; else an odd fingerprint of its expert ids."""
+    out = np.zeros(length, dtype=np.uint64)
+    experts = routes.experts
+    flat = experts.reshape(experts.shape[0], int(np.prod(experts.shape[1:]))).astype(np.uint64)
+    if flat.shape[1] > _MULTIPLIERS.shape[0]:
+        raise ValueError(f"routes of {flat.shape[1]} ids a position: at most {_MULTIPLIERS.shape[0]}")
+    with np.errstate(over="ignore"):
+        out[routes.start : routes.end] = (flat * _MULTIPLIERS[: flat.shape[1]]).sum(axis=1) | np.uint64(1)
+    return out
+
+
+def _routed_key(tokens: IntArray, routes: GivenRoutes | None) -> bytes:
+    """The key of a sequence whose positions compare on (token, routes): pairs of 8-byte words."""
+    pairs = np.zeros((tokens.shape[0], 2), dtype=np.uint64)
+    pairs[:, 0] = np.asarray(tokens, dtype=np.int64).view(np.uint64)
+    if routes is not None:
+        pairs[:, 1] = _fingerprints(routes, tokens.shape[0])
+    return pairs.tobytes()
+
+
+def routes_agree(a: GivenRoutes | None, b: GivenRoutes | None, n: int) -> int:
+    """How many leading positions of 0 .. n-1 two sequences' routes treat alike: both uncovered, or
+    both covered with equal ids (compared, not hashed)."""
+
+    def covered(r: GivenRoutes | None) -> tuple[int, int]:
+        lo, hi = (r.start, min(r.end, n)) if r is not None else (n, n)
+        return (lo, hi) if lo < hi else (n, n)
+
+    (sa, ea), (sb, eb) = covered(a), covered(b)
+    first = n
+    if sa != sb:
+        first = min(sa, sb)
+    elif ea != eb:
+        first = min(ea, eb)
+    lo, hi = max(sa, sb), min(ea, eb, first)
+    if lo < hi:
+        assert a is not None
+        assert b is not None
+        ids_a = a.experts[lo - a.start : hi - a.start]
+        ids_b = b.experts[lo - b.start : hi - b.start]
+        differ = np.flatnonzero((ids_a != ids_b).reshape(hi - lo, -1).any(axis=1))
+        if differ.size:
+            first = lo + int(differ[0])
+    return first
+
+
+def common_routed_prefix(
+    a: IntArray, b: IntArray, routes_a: GivenRoutes | None, routes_b: GivenRoutes | None
+) -> int:
+    """How many leading positions a and b have in common: equal tokens and equal routes."""
+    n = common_prefix(a, b)
+    if routes_a is None and routes_b is None:
+        return n
+    return routes_agree(routes_a, routes_b, n)
+
+
+def share(
+    tokens: Sequence[IntArray], min_tokens: int, routes: Sequence[GivenRoutes | None] | None = None
+) -> Forest:
     """The forest of `tokens` (one [L_i] array per sequence): sequences share a root when their first
-    `min_tokens` tokens are equal, and below it every prefix they have in common. Nodes follow the
-    sequences' order (each sequence's new nodes after those of the sequences before it)."""
+    `min_tokens` tokens are equal, and below it every prefix they have in common. `routes`: each
+    sequence's given MoE routes (None: none gives any); a position is then shared only where the
+    routes are equal too. Nodes follow the sequences' order (each sequence's new nodes after those
+    of the sequences before it)."""
+    if routes is not None and all(r is None for r in routes):
+        routes = None
+    keys = [_key(t) if routes is None else _routed_key(t, routes[i]) for i, t in enumerate(tokens)]
+    width = 8 if routes is None else 16  # key bytes a position
     clusters: dict[bytes, list[int]] = {}
     for i, t in enumerate(tokens):
         if t.shape[0] >= min_tokens:
-            clusters.setdefault(_key(t[:min_tokens]), []).append(i)
+            clusters.setdefault(keys[i][: width * min_tokens], []).append(i)
     built: list[Node] = []
     last: list[int] = [-1] * len(tokens)  # each sequence's deepest node
     grouped: set[int] = set()
     for members in clusters.values():
         if len(members) > 1:
-            _radix_tree(tokens, members, built, last)
+            _radix_tree(tokens, members, built, last, keys, routes)
             grouped.update(members)
     for i, t in enumerate(tokens):
         if i not in grouped:
@@ -105,10 +181,23 @@ def share(tokens: Sequence[IntArray], min_tokens: int) -> Forest:
     return _in_sequence_order(built, last)
 
 
-def _radix_tree(tokens: Sequence[IntArray], members: list[int], out: list[Node], last: list[int]) -> None:
-    """Append the radix tree of `members` (which share at least their first token) to `out`."""
-    order = sorted(members, key=lambda i: _key(tokens[i]))
-    lcp = [common_prefix(tokens[a], tokens[b]) for a, b in itertools.pairwise(order)]
+def _radix_tree(  # noqa: PLR0917
+    tokens: Sequence[IntArray],
+    members: list[int],
+    out: list[Node],
+    last: list[int],
+    keys: list[bytes],
+    routes: Sequence[GivenRoutes | None] | None,
+) -> None:
+    """Append the radix tree of `members` (which share at least their first position) to `out`."""
+    order = sorted(members, key=keys.__getitem__)
+    if routes is None:
+        lcp = [common_prefix(tokens[a], tokens[b]) for a, b in itertools.pairwise(order)]
+    else:
+        lcp = [
+            common_routed_prefix(tokens[a], tokens[b], routes[a], routes[b])
+            for a, b in itertools.pairwise(order)
+        ]
     stack = [(0, len(order), 0, -1)]  # ranges of `order`: [lo, hi), depth covered, parent node
     while stack:
         lo, hi, depth, parent = stack.pop()
@@ -159,31 +248,39 @@ def _in_sequence_order(built: list[Node], last: list[int]) -> Forest:
 class Grouper:
     """The tokens a growing micro-batch computes, one sequence at a time: `cost` of a sequence is
     what `add`ing it adds (its tokens past the longest prefix it shares, of at least `min_tokens`,
-    with a sequence already in); the costs of the sequences added sum to `share(...)`'s
-    computed_tokens."""
+    with a sequence already in: equal tokens and, where given, equal routes); the costs of the
+    sequences added sum to `share(...)`'s computed_tokens (with routes, unless two positions' route
+    fingerprints collide: then the cost may be more, never less)."""
 
     min_tokens: int
-    _clusters: dict[bytes, tuple[list[bytes], list[IntArray]]] = field(default_factory=dict)
+    _clusters: dict[bytes, tuple[list[bytes], list[tuple[IntArray, GivenRoutes | None]]]] = field(
+        default_factory=dict
+    )
 
-    def cost(self, tokens: IntArray) -> int:
-        return int(tokens.shape[0]) - self._shared(tokens)
+    def cost(self, tokens: IntArray, routes: GivenRoutes | None = None) -> int:
+        return int(tokens.shape[0]) - self._shared(tokens, routes)
 
-    def add(self, tokens: IntArray) -> None:
+    def add(self, tokens: IntArray, routes: GivenRoutes | None = None) -> None:
         if tokens.shape[0] < self.min_tokens:
             return
-        keys, arrays = self._clusters.setdefault(_key(tokens[: self.min_tokens]), ([], []))
-        key = _key(tokens)
+        key = _routed_key(tokens, routes)
+        keys, entries = self._clusters.setdefault(key[: 16 * self.min_tokens], ([], []))
         at = bisect.bisect_left(keys, key)
         keys.insert(at, key)
-        arrays.insert(at, tokens)
+        entries.insert(at, (tokens, routes))
 
-    def _shared(self, tokens: IntArray) -> int:
+    def _shared(self, tokens: IntArray, routes: GivenRoutes | None) -> int:
         if tokens.shape[0] < self.min_tokens:
             return 0
-        cluster = self._clusters.get(_key(tokens[: self.min_tokens]))
+        key = _routed_key(tokens, routes)
+        cluster = self._clusters.get(key[: 16 * self.min_tokens])
         if cluster is None:
             return 0
-        keys, arrays = cluster
-        at = bisect.bisect_left(keys, _key(tokens))
+        keys, entries = cluster
+        at = bisect.bisect_left(keys, key)
         # in lexicographic order, the longest common prefix with a set is with a neighbour
-        return max(common_prefix(tokens, arrays[j]) for j in (at - 1, at) if 0 <= j < len(arrays))
+        return max(
+            common_routed_prefix(tokens, entries[j][0], routes, entries[j][1])
+            for j in (at - 1, at)
+            if 0 <= j < len(entries)
+        )

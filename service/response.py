@@ -1,8 +1,15 @@
-"""Per-sequence scores -> the request's layout: one row per request row, aligned to its window."""
+"""Per-sequence scores -> the request's layout: one row per request row, aligned to its window.
+
+Recorded routes (R2) go back per column of a padded row (0 at padding, as verl lays them out) or
+per position of a ragged or grouped row's sequence, as arrays (a frame or JSON lists) or base64
+little-endian int32 strings (SGLang's encoding); route agreement per row and over the request.
+"""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -10,9 +17,10 @@ import orjson
 
 from service.diagnostics import kl
 from service.engine.contract import EngineInfo
-from service.jobs import FloatArray, IntArray, SequenceScores
+from service.errors import EngineFailure
+from service.jobs import FloatArray, IntArray, RouteAgreement, SequenceScores
 from service.normalise import ScoringPlan
-from service.schemas import RolloutMismatch
+from service.schemas import RolloutMismatch, RouteAgreementSummary
 
 
 def _rows(plan: ScoringPlan, per_job: Sequence[FloatArray | None]) -> list[FloatArray]:
@@ -68,6 +76,50 @@ def distribution(plan: ScoringPlan, scores: list[SequenceScores]) -> dict[str, A
     return out
 
 
+def _recorded_routes(plan: ScoringPlan, scores: Sequence[SequenceScores]) -> list[IntArray] | list[str]:
+    """Each row's recorded routes [L or width, layers, top_k], in the plan's layout and format."""
+    rows: list[IntArray] = []
+    for i, s in enumerate(scores):
+        if s.routes is None:
+            raise EngineFailure("the engine returned no routes for a sequence that asked for them")
+        columns = plan.route_columns[i] if plan.route_columns is not None else None
+        if columns is None:
+            rows.append(np.ascontiguousarray(s.routes, dtype=np.int64))
+            continue
+        wide = np.zeros((plan.padded_width, *s.routes.shape[1:]), dtype=np.int64)
+        wide[columns] = s.routes
+        rows.append(wide)
+    if plan.route_format == "base64":
+        return [base64.b64encode(r.astype("<i4").tobytes()).decode("ascii") for r in rows]
+    return rows
+
+
+def route_agreement(scores: Sequence[SequenceScores]) -> RouteAgreementSummary | None:
+    """Agreement over every sequence that gave routes (None: none did)."""
+    parts = [s.route_agreement for s in scores if s.route_agreement is not None]
+    if not parts:
+        return None
+    total = RouteAgreement.join(parts)
+    n = total.compared
+    return RouteAgreementSummary(
+        compared=n,
+        exact_fraction=total.exact / n if n else 0.0,
+        mean_overlap=total.overlap / n if n else 0.0,
+    )
+
+
+def _agreement_rows(
+    agreements: Sequence[RouteAgreement | None],
+) -> tuple[list[float | None], list[float | None]]:
+    """Per row: the exact fraction and the mean overlap (None: the row gave no routes)."""
+    exact: list[float | None] = []
+    overlap: list[float | None] = []
+    for a in agreements:
+        exact.append(a.exact / a.compared if a is not None and a.compared else None)
+        overlap.append(a.overlap / a.compared if a is not None and a.compared else None)
+    return exact, overlap
+
+
 def to_json(body: dict[str, Any]) -> bytes:
     """An answer (see `answer`) as the JSON body of a LogprobsResponse."""
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -81,10 +133,12 @@ def answer(
     rollout: RolloutMismatch | None = None,
     *,
     computed_tokens: int | None = None,
+    agreement: RouteAgreementSummary | None = None,
 ) -> dict[str, Any]:
     """A LogprobsResponse, its rows as numpy arrays (JSON or a frame writes it). Non-action entries
     of a window are exactly 0.0; `versions` are the weights (model -> version) the request ran on;
-    `computed_tokens` what the decoder ran for it (None: its input tokens)."""
+    `computed_tokens` what the decoder ran for it (None: its input tokens); `agreement` the
+    request's route agreement (route_agreement), when it gave routes."""
     job = plan.jobs[0]  # the options are the request's, the same for every job
     masks = []
     for window in plan.windows:
@@ -111,6 +165,19 @@ def answer(
         "batch_invariant": info.batch_invariant,
     }
     body |= distribution(plan, scores)
+    given = any(j.routes is not None for j in plan.jobs)
+    if job.return_routes:
+        body["routed_experts"] = _recorded_routes(plan, scores)
+    if (job.return_routes or given) and info.moe is not None:
+        body["moe"] = asdict(info.moe)
+    if given:
+        body["route_exact_fraction"], body["route_mean_overlap"] = _agreement_rows(
+            [
+                s.route_agreement if j.routes is not None else None
+                for s, j in zip(scores, plan.jobs, strict=True)
+            ]
+        )
+        body["route_agreement"] = agreement.model_dump() if agreement is not None else None
     if job.return_ref:
         body["ref_logprobs"] = _rows(plan, [s.ref_logprobs for s in scores])
         body["kl"] = _rows(

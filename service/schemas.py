@@ -17,6 +17,11 @@ Body = TypeVar("Body", bound=BaseModel)
 TokenId = Annotated[int, Strict(), Field(ge=0)]
 Count = Annotated[int, Strict(), Field(ge=0)]
 Flag = Annotated[int, Strict()]
+ExpertId = Annotated[int, Strict()]
+# one row's routed experts: [positions, moe_layers, top_k] ids, or SGLang's base64 of little-endian
+# int32 (`meta_info.routed_experts`), or null (the row replays nothing)
+RowRoutes = list[list[list[ExpertId]]] | str | None
+RouteFormat = Literal["lists", "base64"]
 
 
 class SamplingParams(BaseModel):
@@ -137,6 +142,36 @@ class LogprobsRequest(BaseModel):
         "the truncated, renormalised distribution (vLLM's processed_logprobs; null in JSON where the "
         "token lies outside the kept set, -inf in a frame), and the share outside in `rollout`.",
     )
+    routed_experts: list[RowRoutes] | None = Field(
+        None,
+        description="Routing replay (R3; MoE policies): per row, the experts the rollout chose, "
+        "[positions, moe_layers, top_k] for positions `routed_experts_start` onward (padded layouts: "
+        "columns; ragged and grouped: positions of the row's sequence, prompt then response), as nested "
+        "lists or as SGLang's `meta_info.routed_experts` (base64 of little-endian int32); null replays "
+        "nothing for that row. Positions not covered use the live router (docs/api.md, 'Routing replay').",
+    )
+    routed_experts_start: Count | list[Count] | None = Field(
+        None,
+        description="Where each row's `routed_experts` begin (one for all rows, or one per row); default 0, "
+        "or in the grouped form the end of the prompt's `prompt_routed_experts` when those are given.",
+    )
+    prompt_routed_experts: list[RowRoutes] | None = Field(
+        None,
+        description="Grouped form: per prompt of `prompt_ids`, the experts the rollout chose over its "
+        "positions 0 .. P-1 (P at most the prompt's length), sent once; each row's `routed_experts` "
+        "then continue them over its response.",
+    )
+    return_routed_experts: Annotated[bool, Strict()] = Field(
+        False,
+        description="Recorded routes (R2; MoE policies): also return, per row, the experts the policy's "
+        "own router chose at every position, in the request's route format.",
+    )
+    routed_experts_format: RouteFormat | None = Field(
+        None,
+        description="How a JSON answer writes `routed_experts`: lists, or base64 (little-endian int32, "
+        "as SGLang). Default: base64 when the request's routes were base64 strings, else lists. A "
+        "compact frame carries them as an array.",
+    )
     weights_version: Version | None = Field(
         None,
         description="Pin the policy weights: if this replica serves another version, 409 and nothing is "
@@ -148,7 +183,15 @@ class LogprobsRequest(BaseModel):
 
 # the [rows, length] fields: a compact frame (frame.py) carries them as arrays, and the rest, the
 # options, as a JSON object validated by ScoringOptions: the same fields, types and bounds
-ARRAY_FIELDS = ("input_ids", "prompt_ids", "attention_mask", "action_mask", "rollout_logprobs")
+ARRAY_FIELDS = (
+    "input_ids",
+    "prompt_ids",
+    "attention_mask",
+    "action_mask",
+    "rollout_logprobs",
+    "routed_experts",
+    "prompt_routed_experts",
+)
 _OPTIONS: dict[str, Any] = {
     name: (f.annotation, f) for name, f in LogprobsRequest.model_fields.items() if name not in ARRAY_FIELDS
 }
@@ -200,6 +243,22 @@ class RolloutMismatch(BaseModel):
     )
 
 
+class MoeSummary(BaseModel):
+    """The policy's sparse layers, as routes address them."""
+
+    layers: int = Field(description="Sparse (MoE) layers, in model order: the routes' second axis.")
+    experts: int = Field(description="Experts per layer: ids are 0 .. experts-1.")
+    top_k: int = Field(description="Experts chosen per token: the routes' third axis.")
+
+
+class RouteAgreementSummary(BaseModel):
+    """Over the request's (position, layer) pairs with given routes: how far the live router strayed."""
+
+    compared: int = Field(description="(position, layer) pairs with given routes")
+    exact_fraction: float = Field(description="fraction whose live top-k set equals the given set")
+    mean_overlap: float = Field(description="mean of |given ∩ live| / top_k")
+
+
 class LogprobsResponse(BaseModel):
     """Every row is aligned to the request's action window; non-action entries are 0.0."""
 
@@ -226,6 +285,26 @@ class LogprobsResponse(BaseModel):
         description="With sampling: the log-prob under the sampler; null (JSON) where outside its kept set.",
     )
     rollout: RolloutMismatch | None = None
+    routed_experts: list[list[list[list[int]]] | str] | None = Field(
+        None,
+        description="With return_routed_experts: per row, the experts the policy's router chose, "
+        "[positions, moe_layers, top_k]: every column of a padded row (0 at padding), every position of "
+        "a ragged or grouped row's sequence (prompt then response); lists, or base64 little-endian int32.",
+    )
+    moe: MoeSummary | None = Field(
+        None, description="The policy's sparse layers, with routed_experts or given routes."
+    )
+    route_exact_fraction: list[float | None] | None = Field(
+        None,
+        description="With routed_experts: per row, the fraction of its (position, layer) pairs with given "
+        "routes whose live top-k set equals the given set (null: the row gave none).",
+    )
+    route_mean_overlap: list[float | None] | None = Field(
+        None, description="With routed_experts: per row, the mean of |given ∩ live| / top_k (null: none)."
+    )
+    route_agreement: RouteAgreementSummary | None = Field(
+        None, description="With routed_experts: the agreement over every row that gave routes."
+    )
     action_mask: list[list[int]] = Field(description="The mask actually applied, after the EOS policy.")
     usage: Usage
     weights_version: str = Field(description="Version of the policy weights that produced every score.")

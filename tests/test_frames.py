@@ -42,7 +42,7 @@ def frame_header(fields: bytes, specs: bytes, version: int = 1, magic: bytes = b
 # --- the codec ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["i4", "i8", "u1", "f4", "f8"])
+@pytest.mark.parametrize("dtype", ["i2", "i4", "i8", "u1", "u2", "f4", "f8"])
 def test_rows_round_trip_through_a_frame(dtype: str) -> None:
     rng = random.Random(dtype)
     make_value = (lambda: rng.random() * 100 - 50) if dtype.startswith("f") else (lambda: rng.randrange(200))
@@ -77,7 +77,7 @@ def test_arrays_start_on_8_byte_boundaries_and_nothing_follows() -> None:
         (struct.pack("<4sB3xII", b"LPDA", 1, 1000, 0), "shorter", None),
         (frame_header(b"{}", b"{"), "not valid JSON", None),
         (frame_header(b"{}", b"{}"), "JSON list", None),
-        (frame_header(b"{}", b'[{"name":"x","dtype":"i2","lengths":[1]}]'), "dtype 'i2'", "x"),
+        (frame_header(b"{}", b'[{"name":"x","dtype":"i3","lengths":[1]}]'), "dtype 'i3'", "x"),
         (frame_header(b"{}", b'[{"name":"x","dtype":"i4","lengths":[-1]}]'), "non-negative", "x"),
         (frame_header(b"{}", b'[{"name":"x","dtype":"i4","lengths":[true]}]'), "non-negative", "x"),
         (frame_header(b"{}", b'[{"name":"x","dtype":"i4"}]'), "exactly name", None),

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import numpy as np
 import pytest
 
+from service.jobs import GivenRoutes
 from service.prefixes import Forest, Grouper, alone, common_prefix, share
 
 
-def _brute_force_tokens(seqs: list[list[int]], min_tokens: int) -> int:
+def _brute_force_tokens(seqs: list[list[Any]], min_tokens: int) -> int:
     """Tokens to compute: each distinct prefix once among sequences whose first `min_tokens` tokens
     are equal; every token of a sequence that shares them with no other."""
     heads: dict[tuple[int, ...], list[list[int]]] = {}
@@ -121,3 +123,72 @@ def test_common_prefix() -> None:
     assert common_prefix(np.asarray([1, 2, 3]), np.asarray([1, 2, 4, 5])) == 2
     assert common_prefix(np.asarray([1, 2]), np.asarray([1, 2, 4])) == 2
     assert common_prefix(np.asarray([9]), np.asarray([1])) == 0
+
+
+def _with_routes(
+    rng: random.Random, seqs: list[list[int]]
+) -> tuple[list[list[Any]], list[GivenRoutes | None]]:
+    """Random routes over each sequence (few distinct ids, so that equal routes are common; some
+    sequences without, some from a later position or ending early), and each sequence as the list
+    of its positions' (token, ids or None): what the brute force compares."""
+    keyed: list[list[Any]] = []
+    routes: list[GivenRoutes | None] = []
+    for s in seqs:
+        roll = rng.random()
+        if roll < 0.25:
+            keyed.append([(t, None) for t in s])
+            routes.append(None)
+            continue
+        start = 0 if roll < 0.6 else rng.randint(0, len(s))
+        end = rng.randint(start, len(s))
+        # an id per (position, layer, slot) drawn from the token so that equal prefixes often agree
+        ids = np.asarray(
+            [
+                [[(s[p] + (rng.random() < 0.1)) % 3, 3 + layer] for layer in range(2)]
+                for p in range(start, end)
+            ],
+            dtype=np.int64,
+        ).reshape(end - start, 2, 2)
+        given = GivenRoutes(start, ids)
+        keyed.append(
+            [(t, tuple(ids[p - start].ravel()) if start <= p < end else None) for p, t in enumerate(s)]
+        )
+        routes.append(given)
+    return keyed, routes
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_sequences_share_a_position_only_with_equal_routes(seed: int) -> None:
+    rng = random.Random(5000 + seed)
+    seqs = _random_tree(rng, rng.randint(1, 14))
+    keyed, routes = _with_routes(rng, seqs)
+    min_tokens = rng.choice([1, 3, 8])
+    arrays = [np.asarray(s, dtype=np.int64) for s in seqs]
+    forest = share(arrays, min_tokens, routes)
+    _check(forest, seqs)
+    assert forest.computed_tokens == _brute_force_tokens(keyed, min_tokens)
+    for i, path in enumerate(forest.paths):  # every node's positions routed alike for all its sequences
+        for n in path:
+            node = forest.nodes[n]
+            assert keyed[i][node.start : node.end] == keyed[node.owner][node.start : node.end]
+    order = list(range(len(seqs)))
+    rng.shuffle(order)
+    grouper = Grouper(min_tokens)
+    total = 0
+    for i in order:
+        total += grouper.cost(arrays[i], routes[i])
+        grouper.add(arrays[i], routes[i])
+    assert total == forest.computed_tokens
+
+
+def test_a_group_routed_two_ways_over_its_prompt() -> None:
+    prompt = list(range(10, 30))
+    seqs = [np.asarray([*prompt, 1, 2], dtype=np.int64), np.asarray([*prompt, 3], dtype=np.int64)]
+    ids = np.zeros((20, 1, 2), dtype=np.int64)
+    ids[:, 0, 1] = 1
+    other = ids.copy()
+    other[7, 0] = [1, 0]  # the same experts in another slot order: another route
+    assert share(seqs, 4, [GivenRoutes(0, ids), GivenRoutes(0, ids)]).computed_tokens == 20 + 2 + 1
+    split = share(seqs, 4, [GivenRoutes(0, ids), GivenRoutes(0, other)])
+    assert split.computed_tokens == 7 + 15 + 14  # shared up to position 7 only
+    assert share(seqs, 4, [GivenRoutes(0, ids), None]).computed_tokens == 22 + 21

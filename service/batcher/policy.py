@@ -130,7 +130,7 @@ class Policy(Generic[F]):
                     self._queue.appendleft(p)
                     break
                 looked += 1
-                cost = grouper.cost(p.job.tokens)
+                cost = grouper.cost(p.job.tokens, p.job.routes)
                 if cost == p.job.num_tokens or tokens + cost > room or p.gone:
                     skipped.append(p)  # shares nothing with the micro-batch, or does not fit
                     continue
@@ -150,7 +150,7 @@ class Policy(Generic[F]):
                     skipped.append(p)
                 continue
             if cost is None:
-                cost = grouper.cost(p.job.tokens) if grouper is not None else p.job.num_tokens
+                cost = grouper.cost(p.job.tokens, p.job.routes) if grouper is not None else p.job.num_tokens
             if batch and tokens + cost > room:
                 if grouper is None:
                     self._queue.appendleft(p)
@@ -162,7 +162,7 @@ class Policy(Generic[F]):
             batch.append(p)
             tokens += cost
             if grouper is not None:
-                grouper.add(p.job.tokens)
+                grouper.add(p.job.tokens, p.job.routes)
         self._queue.extendleft(reversed(skipped))
         taken.batch = self._with_chunk(batch, tokens)
         return taken

@@ -81,7 +81,7 @@ class Batch(Generic[F]):
         """The micro-batch of `pending` (and the chunk), with the prefixes they share found."""
         forest = None
         if share_min_tokens is not None and len(pending) > 1:
-            forest = share([p.job.tokens for p in pending], share_min_tokens)
+            forest = share([p.job.tokens for p in pending], share_min_tokens, [p.job.routes for p in pending])
             forest = forest if forest.shared else None
         return cls(pending, chunk, chunked, forest)
 

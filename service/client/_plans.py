@@ -22,7 +22,7 @@ import torch
 from service.client._async import AsyncClient
 from service.client._sync import Client
 from service.client.errors import LogprobdError
-from service.client.wire import RolloutStats, Scores, group_prompts
+from service.client.wire import RolloutStats, RouteAgreementStats, Scores, group_prompts
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -36,6 +36,9 @@ _OWN_FIELDS = {
     "prompt_index": "grouped=True (the default: rows that share a prompt are grouped)",
     "return_ref_logprobs": "return_ref_log_probs=True",
     "rollout_logprobs": "rollout_log_probs=, a tensor shaped like the output",
+    "routed_experts": "routed_experts=, verl's [B, L, layers, top_k] tensor",
+    "prompt_routed_experts": "routed_experts=, verl's [B, L, layers, top_k] tensor",
+    "return_routed_experts": "return_routed_experts=True",
 }
 
 
@@ -55,6 +58,9 @@ class TensorScores:
     kl: torch.Tensor | None = None  # per-token KL estimate of `kl_estimator` (`return_ref_log_probs`)
     rollout: RolloutStats | None = None  # mismatch statistics (when `rollout_log_probs` was given)
     weights_version: str | None = None  # the policy weights that produced every score
+    # verl's layout, [B, L, layers, top_k] like `input_ids`, 0 at padding (`return_routed_experts`)
+    routed_experts: torch.Tensor | None = None
+    route_agreement: RouteAgreementStats | None = None  # when routes were given
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +72,8 @@ class Asked:
     ref_log_probs: bool = False
     kl_estimator: str = "k1"
     rollout_log_probs: torch.Tensor | None = None  # shaped like the framework's output
+    routed_experts: torch.Tensor | None = None  # verl: [B, L, layers, top_k] like input_ids
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -84,6 +92,7 @@ class Plan:
     device: torch.device
     asked: Asked
     entropy_body: dict[str, Any] | None = None  # entropy asked at another temperature (OpenRLHF)
+    attention_mask: torch.Tensor | None = None  # [B, L] on the CPU: where recorded routes go back
 
     def run(self, client: Client) -> TensorScores:
         entropy = None if self.entropy_body is None else client.score_request(self.entropy_body)
@@ -132,7 +141,30 @@ class Plan:
             kl=None if kl is None else tensor(kl, torch.float32),
             rollout=None if rollout is None else RolloutStats.from_body(rollout),
             weights_version=scores.weights_version,
+            routed_experts=self._routes(scores) if self.asked.return_routed_experts else None,
+            route_agreement=scores.route_agreement,
         )
+
+    def _routes(self, scores: Scores) -> torch.Tensor:
+        """The recorded routes laid out as verl lays `routed_experts`: [B, L, layers, top_k], each
+        real column its token's experts, 0 at padding."""
+        rows, moe = scores.routed_experts, scores.extra.get("moe")
+        if rows is None or moe is None or self.attention_mask is None:
+            raise LogprobdError(
+                "the request asked for `routed_experts` and the response has none",
+                status=None,
+                error_type="bad_response",
+            )
+        batch, length = self.attention_mask.shape
+        dtype = torch.int16 if int(moe["experts"]) <= 32767 else torch.int32
+        out = torch.zeros(batch, length, int(moe["layers"]), int(moe["top_k"]), dtype=dtype)
+        for i, row in enumerate(rows):
+            recorded = torch.from_numpy(row).to(dtype)
+            if recorded.shape[0] == length:  # a padded answer: per column already
+                out[i] = recorded
+            else:  # a grouped answer: per position of the sequence
+                out[i, self.attention_mask[i].nonzero().flatten()] = recorded
+        return out.to(self.device)
 
 
 def openrlhf_plan(
@@ -252,16 +284,22 @@ def _last_columns_plan(
 ) -> Plan:
     """verl and TRL: the window is the last `r` columns, and so is the framework's output; grouped,
     the window is the same columns, sent as the responses."""
-    groups = _groups(input_ids, attention_mask, input_ids.shape[1] - r) if grouped else None
+    routes = asked.routed_experts
+    recorded = _recorded(routes, attention_mask, r) if routes is not None else None
+    start = input_ids.shape[1] - r
+    groups = _groups(input_ids, attention_mask, start, recorded) if grouped else None
     body = _body(
         input_ids, attention_mask, temperature=temperature, asked=asked, options=options, groups=groups
     )
     if groups is None:
         body["response_length"] = r
+    if recorded is not None:
+        body.update(_route_fields(recorded, groups))
     if asked.rollout_log_probs is not None:
         real = attention_mask.detach().cpu()[:, attention_mask.shape[1] - r :].bool()
         body["rollout_logprobs"] = _rollout(asked.rollout_log_probs, real, named).tolist()
-    return Plan(body=body, keep=r, device=input_ids.device, asked=asked)
+    mask = attention_mask.detach().cpu()
+    return Plan(body=body, keep=r, device=input_ids.device, asked=asked, attention_mask=mask)
 
 
 def _rollout(rollout: torch.Tensor, mask: torch.Tensor, named: str) -> torch.Tensor:
@@ -294,9 +332,13 @@ class _Groups:
     prompt_index: list[int]  # per row
 
 
-def _groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> _Groups | None:
-    """The prompts before column `start`, compared token for token; None when no prompt repeats, a
-    row's prompt is empty or the mask is not 0/1 (the full rows go, and the server names any fault)."""
+def _groups(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int, routes: _Recorded | None = None
+) -> _Groups | None:
+    """The prompts before column `start`, compared token for token (and, with routes, expert for
+    expert: rows the rollout routed differently over the same prompt are not merged); None when no
+    prompt repeats, a row's prompt is empty or the mask is not 0/1 (the full rows go, and the server
+    names any fault)."""
     mask = attention_mask.detach().cpu()
     if start < 1 or not bool(((mask == 0) | (mask == 1)).all()):
         return None
@@ -306,8 +348,72 @@ def _groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -
     ]
     if not all(prompts):
         return None
-    prompt_ids, prompt_index = group_prompts(prompts)
+    keys = prompts
+    if routes is not None:  # the prompt's routes join its key (-1 keeps ids and routes apart)
+        keys = [[*prompt, -1, *routes.prompt_key(i, len(prompt))] for i, prompt in enumerate(prompts)]
+    _, prompt_index = group_prompts(keys)
+    firsts = list(dict.fromkeys(prompt_index))
+    first_row = {p: prompt_index.index(p) for p in firsts}
+    prompt_ids = [prompts[first_row[p]] for p in range(len(firsts))]
     return _Groups(start, prompt_ids, prompt_index) if len(prompt_ids) < len(prompts) else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Recorded:
+    """verl's `routed_experts` [B, L, layers, top_k] read per row: the experts of each real token
+    the rollout recorded, in order (`per_row[i]` [n_i, layers, top_k]); None for a row with none."""
+
+    per_row: list[Any]  # numpy int arrays or None
+    columns: list[Any]  # per row: verl's columns 0 .. its last recorded column, [c+1, layers, top_k]
+
+    def prompt_key(self, i: int, prompt_length: int) -> list[int]:
+        row = self.per_row[i]
+        return [] if row is None else row[:prompt_length].ravel().tolist()
+
+
+def _recorded(routes: torch.Tensor, attention_mask: torch.Tensor, response: int) -> _Recorded:
+    """Each row's routes over the tokens verl replays: every real token but the last of a row with a
+    response, none of a row without (verl's `build_r3_replay_mask`, utils/megatron/
+    router_replay_utils.py: the final token was never forwarded by the rollout, and its slot holds
+    the zeros `agent_loop.py` fills around `routed_experts[:, start_pos:end_pos]`). The last `response`
+    columns are the response."""
+    if routes.dim() != 4 or routes.shape[:2] != attention_mask.shape:
+        raise ValueError(
+            f"routed_experts must be [B, L, layers, top_k] like input_ids {list(attention_mask.shape)}, "
+            f"got {list(routes.shape)}"
+        )
+    values = routes.detach().cpu().to(torch.int64).numpy()
+    mask = attention_mask.detach().cpu().bool().numpy()
+    per_row: list[Any] = []
+    columns: list[Any] = []
+    for i in range(values.shape[0]):
+        real = mask[i].nonzero()[0][:-1]  # the last real token routes live
+        if not response or not mask[i, mask.shape[1] - response :].any() or not real.shape[0]:
+            per_row.append(None)
+            columns.append(None)
+            continue
+        per_row.append(values[i][real])
+        columns.append(values[i][: int(real[-1]) + 1])
+    return _Recorded(per_row, columns)
+
+
+def _route_fields(recorded: _Recorded, groups: _Groups | None) -> dict[str, Any]:
+    """The request's route fields. Ungrouped: each row's columns up to its last recorded one, as verl
+    lays them (the server ignores padding columns). Grouped: each prompt's routes once, each row's
+    response routes after them (positions)."""
+    from service.client.routes import encode_row
+
+    if groups is None:
+        return {"routed_experts": [None if row is None else encode_row(row) for row in recorded.columns]}
+    lengths = [len(p) for p in groups.prompt_ids]
+    prompts: list[Any] = [None] * len(groups.prompt_ids)
+    rows = []
+    for i, row in enumerate(recorded.per_row):
+        p, n = groups.prompt_index[i], lengths[groups.prompt_index[i]]
+        if prompts[p] is None and row is not None:
+            prompts[p] = encode_row(row[:n])
+        rows.append(None if row is None or row.shape[0] <= n else encode_row(row[n:]))
+    return {"prompt_routed_experts": prompts, "routed_experts": rows}
 
 
 def _body(
@@ -339,4 +445,6 @@ def _body(
     if asked.ref_log_probs:
         body["return_ref_logprobs"] = True
         body["kl_estimator"] = asked.kl_estimator
+    if asked.return_routed_experts:
+        body["return_routed_experts"] = True
     return body

@@ -47,6 +47,14 @@ Everything PPO needs, from the same request (a server started with `--critic` / 
 (0.0 where `action_mask` is False), and None unless asked for. Other keyword arguments (`timeout_s`,
 `eos_token_id`, ...) are sent as they are; request fields the adapter fills itself are refused there.
 
+Routing replay (verl's router replay, R2/R3; docs/api.md, 'Routing replay'): `verl_log_probs(...,
+routed_experts=batch["routed_experts"])` replays verl's `[B, L, layers, top_k]` tensor, the layout
+verl's agent loop builds from SGLang's or vLLM's capture (`routed_experts[:, start_pos:end_pos]`,
+zeros elsewhere: the server ignores padding columns, and trailing all-zero entries, which the rollout
+never recorded, route live); `return_routed_experts=True` returns the policy's own routes in the
+same layout (`TensorScores.routed_experts`, int16 as verl stores them), and `route_agreement` says
+how far the live router strayed from given ones.
+
 GRPO batches repeat each prompt G times: rows whose prompts are the same, token for token (verl:
 the columns before `responses`; TRL: before the last `logits_to_keep`; OpenRLHF: before the first
 column `action_mask` marks in any row), go out grouped, each prompt once (docs/api.md, 'Grouped
@@ -163,12 +171,24 @@ def verl_log_probs(
     kl_estimator: str = "k1",
     rollout_log_probs: torch.Tensor | None = None,
     grouped: bool = True,
+    routed_experts: torch.Tensor | None = None,
+    return_routed_experts: bool = False,
     **options: Any,
 ) -> TensorScores:
     """verl's `[B, R]` log-probs (and entropy) of `input_ids` `[B, P+R]` ending in `responses` `[B, R]`;
     with `return_values` / `return_ref_log_probs` also the critic's `values` and the reference's
-    `ref_log_prob` (`ref_log_probs`) and `kl`, each `[B, R]`."""
-    asked = Asked(calculate_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
+    `ref_log_prob` (`ref_log_probs`) and `kl`, each `[B, R]`. `routed_experts`: verl's router-replay
+    tensor `[B, P+R, layers, top_k]` (`batch["routed_experts"]`, laid out like `input_ids`), replayed
+    (R3); `return_routed_experts`: the policy's own routes back in that layout (R2)."""
+    asked = Asked(
+        calculate_entropy,
+        return_values,
+        return_ref_log_probs,
+        kl_estimator,
+        rollout_log_probs,
+        routed_experts,
+        return_routed_experts,
+    )
     plan = verl_plan(
         input_ids,
         attention_mask,
@@ -194,9 +214,19 @@ async def verl_log_probs_async(
     kl_estimator: str = "k1",
     rollout_log_probs: torch.Tensor | None = None,
     grouped: bool = True,
+    routed_experts: torch.Tensor | None = None,
+    return_routed_experts: bool = False,
     **options: Any,
 ) -> TensorScores:
-    asked = Asked(calculate_entropy, return_values, return_ref_log_probs, kl_estimator, rollout_log_probs)
+    asked = Asked(
+        calculate_entropy,
+        return_values,
+        return_ref_log_probs,
+        kl_estimator,
+        rollout_log_probs,
+        routed_experts,
+        return_routed_experts,
+    )
     plan = verl_plan(
         input_ids,
         attention_mask,

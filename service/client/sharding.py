@@ -12,8 +12,9 @@ prompts its rows name, once each, and its `prompt_index` renumbered to them; a r
 counted with its prompt's, as the server counts them.
 
 Responses merge by the same rule: per-row lists are concatenated; `usage` counts are summed;
-`rollout` statistics (over action tokens) are recombined exactly: token counts summed, maxima
-maxed, means weighted by tokens.
+`rollout` statistics (over action tokens) and `route_agreement` (over (position, layer) pairs) are
+recombined exactly: counts summed, maxima maxed, means weighted by the counts. Routes travel with
+their rows (`routed_experts`, a per-row `routed_experts_start`) and prompts (`prompt_routed_experts`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,21 @@ from dataclasses import dataclass
 from typing import Any
 
 # request fields with one entry per row (besides any list of lists, which is per row by its shape)
-ROW_FIELDS = ("input_ids", "attention_mask", "action_mask", "num_actions", "prompt_index", "rollout_logprobs")
+ROW_FIELDS = (
+    "input_ids",
+    "attention_mask",
+    "action_mask",
+    "num_actions",
+    "prompt_index",
+    "rollout_logprobs",
+    "routed_experts",
+    "routed_experts_start",
+)
 PROMPTS = "prompt_ids"  # a list of lists that is not per row: each chunk takes the prompts it names
+PER_PROMPT = ("prompt_routed_experts",)  # one entry per prompt: they go with their prompts
 SUMMED = frozenset({"usage"})  # response objects of counts
-TOKEN_STATISTICS = frozenset({"rollout"})  # response objects of statistics over `tokens` action tokens
+# response objects of statistics over a count of items (means are weighted by it, max_ maxed)
+TOKEN_STATISTICS = {"rollout": "tokens", "route_agreement": "compared"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +84,9 @@ def _rows(body: Mapping[str, Any], per_row: list[str], a: int, b: int) -> dict[s
         named = list(dict.fromkeys(chunk["prompt_index"]))  # prompts in order of first use
         renumber = {p: k for k, p in enumerate(named)}
         chunk[PROMPTS] = [body[PROMPTS][p] for p in named]
+        for name in PER_PROMPT:
+            if isinstance(body.get(name), list | tuple) and len(body[name]) == len(body[PROMPTS]):
+                chunk[name] = [body[name][p] for p in named]
         chunk["prompt_index"] = [renumber[p] for p in chunk["prompt_index"]]
     return chunk
 
@@ -107,7 +122,7 @@ def merge(replies: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         elif isinstance(value, dict) and key in SUMMED:
             merged[key] = {k: sum(v[k] for v in values if v) for k in value}
         elif isinstance(value, dict) and key in TOKEN_STATISTICS:
-            merged[key] = _token_statistics([v for v in values if v])
+            merged[key] = _token_statistics([v for v in values if v], TOKEN_STATISTICS[key])
         elif isinstance(value, dict) and any(v != value for v in values):
             raise ValueError(f"the chunks' `{key}` objects differ and this client cannot combine them")
         else:
@@ -115,17 +130,17 @@ def merge(replies: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _token_statistics(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """Statistics over disjoint sets of tokens, as if taken over their union."""
-    tokens = sum(int(p["tokens"]) for p in parts)
-    merged: dict[str, Any] = {"tokens": tokens}
+def _token_statistics(parts: list[Mapping[str, Any]], count: str) -> dict[str, Any]:
+    """Statistics over disjoint sets of `count` items (tokens), as if taken over their union."""
+    tokens = sum(int(p[count]) for p in parts)
+    merged: dict[str, Any] = {count: tokens}
     for name in parts[0]:
-        if name == "tokens":
+        if name == count:
             continue
         if name.startswith("max_"):
             merged[name] = max(float(p[name]) for p in parts)
         else:
-            merged[name] = sum(float(p[name]) * int(p["tokens"]) for p in parts) / tokens if tokens else 0.0
+            merged[name] = sum(float(p[name]) * int(p[count]) for p in parts) / tokens if tokens else 0.0
     return merged
 
 
@@ -135,7 +150,11 @@ def _row_fields(body: Mapping[str, Any]) -> list[str]:
             return False
         return name in ROW_FIELDS or (bool(value) and all(isinstance(row, list | tuple) for row in value))
 
-    return [name for name, value in body.items() if name != PROMPTS and per_row(name, value)]
+    return [
+        name
+        for name, value in body.items()
+        if name != PROMPTS and name not in PER_PROMPT and per_row(name, value)
+    ]
 
 
 def _real_tokens(body: Mapping[str, Any]) -> list[int]:

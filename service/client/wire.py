@@ -6,7 +6,9 @@ here, so the rest of the client never imports numpy or torch.
 
 from __future__ import annotations
 
+import base64
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -37,6 +39,11 @@ _FRAME_ARRAYS = {
     "attention_mask": ("u1", "i8"),
     "action_mask": ("u1", "i8"),
     "rollout_logprobs": ("f4",),
+}
+# routed experts travel flattened per row, in the narrowest dtype that holds every id
+_ROUTE_ARRAYS = {
+    "routed_experts": ("u1", "u2", "i4", "i8"),
+    "prompt_routed_experts": ("u1", "u2", "i4", "i8"),
 }
 
 
@@ -86,6 +93,24 @@ class RolloutStats:
 
 
 @dataclass(frozen=True, slots=True)
+class RouteAgreementStats:
+    """The response's `route_agreement`: over the (position, sparse layer) pairs the request gave
+    routes for, how far the server's live router would have strayed from them."""
+
+    compared: int
+    exact_fraction: float  # pairs whose live top-k set equals the given set
+    mean_overlap: float  # mean |given ∩ live| / top_k
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> RouteAgreementStats:
+        return cls(
+            compared=int(body["compared"]),
+            exact_fraction=float(body["exact_fraction"]),
+            mean_overlap=float(body["mean_overlap"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Scores:
     """One response, rows in request order, each aligned to its row's action window (SEMANTICS.md).
 
@@ -131,6 +156,24 @@ class Scores:
             candidate_logprobs=body.get("candidate_logprobs"),
             processed_logprobs=_neg_inf(body.get("processed_logprobs")),
         )
+
+    @property
+    def routed_experts(self) -> list[Any] | None:
+        """With `return_routed_experts`: per row, int64 numpy arrays [positions, moe_layers, top_k]
+        (every column of a padded row, every position of a ragged or grouped row's sequence)."""
+        rows, moe = self.extra.get("routed_experts"), self.extra.get("moe")
+        if rows is None or moe is None:
+            return None
+        from service.client.routes import decode  # numpy, only for callers of routes
+
+        return decode(rows, moe)
+
+    @property
+    def route_agreement(self) -> RouteAgreementStats | None:
+        """With `routed_experts`: the agreement over the request (per row: `extra['route_exact_fraction']`
+        and `extra['route_mean_overlap']`)."""
+        body = self.extra.get("route_agreement")
+        return None if body is None else RouteAgreementStats.from_body(body)
 
 
 def _neg_inf(rows: list[list[float | None]] | None) -> list[list[float]] | None:
@@ -224,6 +267,11 @@ def build_body(
     if distribution is not None:
         body.update(distribution.fields())
     body.update(options)
+    for name in ("routed_experts", "prompt_routed_experts"):
+        if body.get(name) is not None:
+            from service.client.routes import encode  # numpy, only for callers of routes
+
+            body[name] = encode(body[name])
     return body
 
 
@@ -242,8 +290,53 @@ def to_frame(body: Mapping[str, Any]) -> bytes | None:
                 continue
         else:
             return None
-    fields = {k: v for k, v in body.items() if k not in _FRAME_ARRAYS}
+    for name, dtypes in _ROUTE_ARRAYS.items():
+        rows = body.get(name)
+        if rows is None:
+            continue
+        flat = _flat_routes(rows)
+        if flat is None:
+            return None
+        for dtype in dtypes:
+            try:
+                arrays.append(encode_rows(name, flat, dtype))
+                break
+            except (OverflowError, TypeError):
+                continue
+        else:
+            return None
+    fields = {k: v for k, v in body.items() if k not in _FRAME_ARRAYS and k not in _ROUTE_ARRAYS}
     return pack(json.dumps(fields, separators=(",", ":")).encode(), arrays)
+
+
+def _flat_routes(rows: Any) -> list[list[int]] | None:
+    """Each row's routes as one flat list of ids (a base64 string decoded as little-endian int32,
+    nested lists flattened, None empty); None when a row is none of these (JSON goes, and the server
+    names the fault)."""
+    from array import array
+
+    if not isinstance(rows, list | tuple):
+        return None
+    flat: list[list[int]] = []
+    for row in rows:
+        if row is None:
+            flat.append([])
+        elif isinstance(row, str):
+            try:
+                values = array("i", base64.b64decode(row, validate=True))
+            except ValueError:  # binascii.Error is one; also a length not a multiple of 4
+                return None
+            if sys.byteorder != "little":
+                values.byteswap()
+            flat.append(values.tolist())
+        elif isinstance(row, list | tuple) and all(isinstance(p, list | tuple) for p in row):
+            try:
+                flat.append([int(x) for position in row for layer in position for x in layer])
+            except TypeError:
+                return None
+        else:
+            return None
+    return flat
 
 
 def from_frame(raw: bytes) -> dict[str, Any]:

@@ -14,6 +14,7 @@ Modules, top-down as the data flows; each imports only modules below it:
     ragged    ragged input_ids [B][L_i] + num_actions | action_mask -> Rows
     padded    padded input_ids [B, L] + attention_mask + response_length | action_mask -> Rows
     grouped   prompt_ids + prompt_index + responses (ragged or padded) -> Rows
+    routes    routed_experts (lists, base64, frame rows) -> GivenRoutes per row, positions mapped
     rows      Row (tokens [L], actions [A], slots [A], width) and the readers every layout shares
 """
 
@@ -26,6 +27,7 @@ from service.normalise.limits import ModelLimits, check_models, check_sequence, 
 from service.normalise.padded import padded_rows
 from service.normalise.plan import RowWindow, ScoringPlan, build_plan
 from service.normalise.ragged import ragged_rows
+from service.normalise.routes import given_routes, route_format
 from service.normalise.rows import Row
 from service.schemas import LogprobsRequest
 
@@ -42,7 +44,9 @@ def normalise(request: LogprobsRequest, limits: ModelLimits) -> ScoringPlan:
     rows = _grouped_rows(request, limits) if grouped else _ungrouped_rows(request, limits)
     for i, row in enumerate(rows):
         check_sequence(row, i, limits)
-    return build_plan(request, rows, read_asks(request, limits, [row.width for row in rows]))
+    asks = read_asks(request, limits, [row.width for row in rows])
+    routes = given_routes(request, rows, limits.moe)
+    return build_plan(request, rows, asks, routes, route_format(request))
 
 
 def _check_one_spec(request: LogprobsRequest) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.engine.contract import MoeShape
 from service.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
 from service.normalise.rows import Row
 from service.schemas import LogprobsRequest
@@ -29,6 +30,7 @@ class ModelLimits:
     max_request_tokens: int | None = None
     max_timeout_s: float | None = None
     max_top_logprobs: int = 1024
+    moe: MoeShape | None = None  # the policy's sparse layers (routes); None: dense
 
 
 def check_models(request: LogprobsRequest, limits: ModelLimits) -> None:

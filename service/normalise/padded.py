@@ -84,6 +84,7 @@ def padded_rows(request: LogprobsRequest) -> list[Row]:
                 actions=position[action_columns].astype(np.int64),
                 slots=(action_columns - start).astype(np.int64),
                 width=width - start,
+                columns=columns.astype(np.int64),
             )
         )
     return rows

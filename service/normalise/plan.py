@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.errors import InvalidRequest
-from service.jobs import FloatArray, IntArray, SequenceJob
+from service.jobs import FloatArray, GivenRoutes, IntArray, SequenceJob
 from service.normalise.distribution import Asks
 from service.normalise.rows import Row
 from service.schemas import LogprobsRequest
@@ -34,6 +34,11 @@ class ScoringPlan:
     kl_estimator: str = "k1"
     rollout: list[FloatArray] | None = None  # per job, aligned with its actions
     pins: dict[str, str] = field(default_factory=dict)  # model -> the weights version the request requires
+    route_format: str = "lists"  # how a JSON answer writes routes: lists | base64
+    # padded layouts: per row, the column of each real token [L] and the padded width, so recorded
+    # routes go back per column (0 at padding); None: per position of the sequence
+    route_columns: list[IntArray | None] | None = None
+    padded_width: int = 0
 
     @property
     def input_tokens(self) -> int:
@@ -44,13 +49,21 @@ class ScoringPlan:
         return sum(int(job.actions.shape[0]) for job in self.jobs)
 
 
-def build_plan(request: LogprobsRequest, rows: list[Row], asks: Asks | None = None) -> ScoringPlan:
-    """One job and one window per row, in the request's row order."""
+def build_plan(
+    request: LogprobsRequest,
+    rows: list[Row],
+    asks: Asks | None = None,
+    routes: list[GivenRoutes | None] | None = None,
+    route_format: str = "lists",
+) -> ScoringPlan:
+    """One job and one window per row, in the request's row order; `asks`: what each job wants beyond
+    the log-prob; `routes`: each row's given routes."""
     asks = asks or Asks()
+    routes = routes or [None] * len(rows)
     eos = _eos_ids(request.eos_token_id)
     jobs: list[SequenceJob] = []
     windows: list[RowWindow] = []
-    for i, row in enumerate(rows):
+    for i, (row, given) in enumerate(zip(rows, routes, strict=True)):
         keep = _eos_cut(row.tokens[row.actions], eos)
         jobs.append(
             SequenceJob(
@@ -63,12 +76,22 @@ def build_plan(request: LogprobsRequest, rows: list[Row], asks: Asks | None = No
                 top_logprobs=asks.top_logprobs,
                 candidate_ids=asks.candidates(i, row.slots[:keep]),
                 sampling=asks.sampling,
+                routes=given,
+                return_routes=request.return_routed_experts,
             )
         )
         windows.append(RowWindow(width=row.width, slots=row.slots[:keep]))
     rollout = _rollout(request.rollout_logprobs, windows) if request.rollout_logprobs is not None else None
+    padded = request.attention_mask is not None and request.prompt_ids is None
     return ScoringPlan(
-        jobs=jobs, windows=windows, kl_estimator=request.kl_estimator, rollout=rollout, pins=_pins(request)
+        jobs=jobs,
+        windows=windows,
+        kl_estimator=request.kl_estimator,
+        rollout=rollout,
+        pins=_pins(request),
+        route_format=route_format,
+        route_columns=[row.columns for row in rows] if padded else None,
+        padded_width=len(request.input_ids[0]) if padded else 0,
     )
 
 

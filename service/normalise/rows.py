@@ -1,9 +1,10 @@
 """The bottom of normalisation: one request row read into a `Row`, and the readers every layout shares.
 
 A `Row` is a row's real tokens [L], its action positions [A] and the window slot [A] each action's
-score goes to, in a window of `width` entries. The helpers read 0/1 mask rows, per-row counts,
-token ids and padded rows, raising InvalidRequest that names the field and the row at fault. This
-module knows no layout and imports nothing from the package.
+score goes to, in a window of `width` entries (padded layouts: also each real token's column [L]).
+The helpers read 0/1 mask rows, per-row counts, token ids and padded rows, raising InvalidRequest
+that names the field and the row at fault. This module knows no layout and imports nothing from
+the package.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Row:
     width: int
     prompt: int | None = None  # grouped form: tokens start with prompt_ids[prompt]...
     prompt_length: int = 0  # ...of this many tokens; the rest is the row's response
+    columns: IntArray | None = None  # padded layouts: [L] the request column of each real token
 
 
 def per_row(value: int | list[int], batch: int, field: str) -> list[int]:

@@ -226,7 +226,7 @@ def test_every_panel_query_returns_data(observed: Observed) -> None:
         if any(name in expr for name in EXTERNAL):  # another exporter's series: parse and type only
             assert data["result"] == [], (title, sent)
             continue
-        if title in SPARSE_PANELS:  # a dense policy's: no expert load (test_expert_load_panels)
+        if title in SPARSE_PANELS or title in ROUTE_PANELS:  # a dense policy has no experts, no routes
             assert not numbers(data["result"]), (title, sent)
             continue
         if not numbers(data["result"]):
@@ -246,6 +246,8 @@ def _row_panels(title: str) -> list[str]:
 
 
 SPARSE_PANELS = _row_panels("Mixture of experts (sparse policies)")
+# the routing drift panel sits with the rollout mismatch; only a sparse policy takes routes
+ROUTE_PANELS = sorted({title for title, _, expr in panel_queries() if "logprobd_route_" in expr})
 
 
 def _instant(observed: Observed, expr: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -335,7 +337,8 @@ def test_the_keda_query_returns_the_queue(observed: Observed) -> None:
 @pytest.fixture(scope="module")
 def sparse(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     """One replica serving the tiny Mixtral (4 experts, one counted sparse layer), scraped by a
-    Prometheus of its own after six requests of 13 tokens, one after another."""
+    Prometheus of its own after six requests of 13 tokens, one after another, and two that replay
+    routes other than the live router's (each recorded first)."""
     manifests = render(MONITORED)
     settings = settings_for(model_dirs["mixtral"], batch_wait_ms=0)
     with loopback(create_app(settings), log_level="error") as base:
@@ -347,10 +350,43 @@ def sparse(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
             with httpx.Client(timeout=60) as http:
                 for i in range(6):
                     assert http.post(f"{base}/logprobs", json=good(i)).status_code == 200
+                replay_other_routes(http, base)
             count = metric(base, "logprobd_moe_expert_load_count")
-            assert count == 4 * metric(base, "logprobd_forward_duration_seconds_count") >= 4 * 6
+            assert count == 4 * metric(base, "logprobd_forward_duration_seconds_count") >= 4 * 10
             wait_for(prometheus, f"sum(logprobd_moe_expert_load_count) == {count}")
-            yield Observed(prometheus, manifests, Counter(ok=6), 30, started, time.time())
+            yield Observed(prometheus, manifests, Counter(ok=10), 50, started, time.time())
+
+
+def replay_other_routes(http: httpx.Client, base: str) -> None:
+    """Two requests that replay routes the live router did not take: each one recorded (R2), then
+    sent back with every expert id moved on by one (mod experts), so agreement is below 1."""
+    for i in range(2):
+        body = good(10 + i)
+        recorded = http.post(f"{base}/logprobs", json={**body, "return_routed_experts": True}).json()
+        experts = recorded["moe"]["experts"]
+        moved = [
+            [[[(e + 1) % experts for e in slot] for slot in pos] for pos in row]
+            for row in recorded["routed_experts"]
+        ]
+        reply = http.post(f"{base}/logprobs", json={**body, "routed_experts": moved})
+        assert reply.status_code == 200, reply.text
+
+
+def test_routing_drift_panel_shows_the_replayed_requests(sparse: Observed) -> None:
+    """The panel's queries return numbers on the sparse replica, and its means are the replica's own
+    sums over counts (two requests observed)."""
+    assert ROUTE_PANELS == ["Routing drift (requests sent with routed_experts)"]
+    exact_mean, _, overlap_mean, _ = _panel(ROUTE_PANELS[0])
+    for expr in _panel(ROUTE_PANELS[0]):
+        assert numbers(sparse.prometheus.query(as_grafana_sends(expr))["result"]), expr
+    count = _instant(sparse, "sum(logprobd_route_exact_fraction_count)")[()]
+    assert count == 2
+    exact = _instant(sparse, "sum(logprobd_route_exact_fraction_sum)")[()] / count
+    overlap = _instant(sparse, "sum(logprobd_route_mean_overlap_sum)")[()] / count
+    assert 0 <= exact < 1
+    assert exact <= overlap < 1
+    assert _instant(sparse, exact_mean)[()] == pytest.approx(exact)
+    assert _instant(sparse, overlap_mean)[()] == pytest.approx(overlap)
 
 
 def test_expert_load_panels_show_a_sparse_policys_load(sparse: Observed) -> None:

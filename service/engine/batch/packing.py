@@ -11,9 +11,11 @@ import numpy as np
 import torch
 
 from service.engine.batch import asks
+from service.engine.batch import routes as moe_routes
 from service.engine.batch.kv_store import CONTEXT_KWARG, KVContext, KVStore
-from service.engine.contract import SHAPE_STEP
+from service.engine.contract import SHAPE_STEP, MoeShape
 from service.engine.heads.contract import Extras
+from service.engine.moe.replay import BatchRoutes
 from service.jobs import Chunk, SequenceJob
 from service.prefixes import Forest, alone
 
@@ -45,6 +47,9 @@ class PackedBatch:
     one): cu_k / max_len_k are the key boundaries once the segment's context of `start` cached
     tokens is in front of it, and `attach` gives the batch one model's context. Its actions come
     last in the actions.
+
+    `routes`: the MoE routes the policy's forward replays and records (batch/routes.py), where a
+    sequence gives or asks for them; `route_rows` where each sequence's positions lie in the row.
     """
 
     input_ids: torch.Tensor
@@ -67,6 +72,12 @@ class PackedBatch:
     context: KVContext | None = None
     filler: int = 0  # the row's last tokens, the filler (no sequence's)
     extras: Extras | None = None
+    routes: BatchRoutes | None = None
+    route_rows: moe_routes.RouteRows | None = None
+
+    def without_routes(self) -> PackedBatch:
+        """This batch for a model that does not replay (the reference, the critic): its own routers."""
+        return self if self.routes is None else dataclasses.replace(self, routes=None)
 
     def attach(self, store: KVStore | None) -> PackedBatch:
         """This batch with one model's keys beyond each segment's own: the store of the chunk's
@@ -162,9 +173,12 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
     step: int = SHAPE_STEP,
     chunk: Chunk | None = None,
     forest: Forest | None = None,
+    *,
+    moe: MoeShape | None = None,
 ) -> PackedBatch:
     """The row of `jobs` (their shared prefixes once, per `forest`; None: each job whole), then the
-    chunk's segment; padded to multiples of `step`."""
+    chunk's segment; padded to multiples of `step`. `moe`: the policy's sparse layers, which the routes
+    jobs give or ask for address (batch/routes.py)."""
     if forest is None:
         forest = alone([job.num_tokens for job in jobs])
     nodes = forest.nodes
@@ -225,6 +239,7 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
     if chunk is not None:
         lo = int(np.searchsorted(chunk.job.actions, chunk.start + 1))
         scored.append(asks.Part(chunk.job, lo, lo + per_sequence[-1], int(firsts[-2])))
+    routed = moe_routes.lay_out(jobs, chunk, forest, starts, int(tokens.shape[0]), moe, device, to)
     return PackedBatch(
         input_ids=to(tokens)[None],
         position_ids=to(positions)[None],
@@ -245,4 +260,6 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
         max_len_k_own=None if key_index is None else int(key_lengths.max()),
         filler=filler,
         extras=asks.extras(scored, to),
+        routes=None if routed is None else routed[0],
+        route_rows=None if routed is None else routed[1],
     )

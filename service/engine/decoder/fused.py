@@ -18,7 +18,10 @@ per-module Python. A layer is:
                                          x += moe(h) (moe/layer.py)
 
 The last layer's attention reads every row's keys and values; from its output projection on, it runs
-on the rows the heads read only (a quarter of the tokens in a typical RL batch).
+on the rows the heads read only (a quarter of the tokens in a typical RL batch). A batch with MoE
+routes (moe/replay.py) sets them on the sparse layers for the forward; its last sparse layer then
+runs the output projection and the router on every row (routes are recorded for all), its experts on
+the read rows.
 
 The q|k|v and gate|up weights are concatenated once at start, and the model's own parameters become
 views of the concatenations: no second copy, and the transformers forward (the self-check), hot
@@ -29,8 +32,9 @@ the model's own 3-D parameters, read at each call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +47,7 @@ from service.engine.contract import SHAPE_STEP
 from service.engine.decoder.contract import DecoderKind, warm_rotary, zeros
 from service.engine.moe import kernels as moe_ops
 from service.engine.moe import layer as moe
+from service.engine.moe.replay import BatchRoutes, LayerRoutes
 from service.engine.ops.attention import Kernel, Segments
 from service.engine.ops.elementwise import HeadNorms, Ops
 from service.engine.ops.gate_up import GatedProjection, split
@@ -297,9 +302,27 @@ class FusedDecoder:
         stream = self.start(batch.input_ids[0], batch.position_ids, batch.cu_seqlens, batch.max_len)
         if batch.context is not None:
             stream = dataclasses.replace(stream, context=batch.context)
-        for layer in self.layers[:-1]:
-            self.run_layer(layer, stream)
-        return self.finish(stream, rows)
+        with self.routed(batch.routes):
+            for layer in self.layers[:-1]:
+                self.run_layer(layer, stream)
+            return self.finish(stream, rows)
+
+    @contextlib.contextmanager
+    def routed(self, routes: BatchRoutes | None) -> Iterator[None]:
+        """Within it, the sparse layers replay and record `routes` (moe/replay.py); None: nothing to do."""
+        if routes is None:
+            yield
+            return
+        sparse = self.sparse_layers
+        if not sparse:
+            raise ValueError("routes given or asked for, but this decoder has no mixture-of-experts layer")
+        for index, mlp in enumerate(sparse):
+            mlp.routes = routes.layer(index)
+        try:
+            yield
+        finally:
+            for mlp in sparse:
+                mlp.routes = None
 
     def start(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu: torch.Tensor, max_len: int
@@ -336,12 +359,38 @@ class FusedDecoder:
             seg = dataclasses.replace(seg, cu_k=stream.context.cu_k, max_len_k=stream.context.max_len_k)
         attended = self.attention(q, k, v, seg).reshape(n, hq * d)
         del qkv, q, k, v
+        mlp = layer.mlp
+        if rows is not None and isinstance(mlp, moe.SparseMoe) and mlp.routes is not None:
+            return self._routed_rows(layer, mlp, mlp.routes, x, attended, rows)
         if rows is not None:
             x, attended = x.index_select(0, rows), attended.index_select(0, rows)
         self.sums.add(x, [(slice(None), attended)], layer.o_proj, self.gemm)
         del attended
         h = ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
-        self._run_mlp(layer.mlp, x, h, self.sums)
+        self._run_mlp(mlp, x, h, self.sums)
+        return x
+
+    def _routed_rows(  # noqa: PLR0917
+        self,
+        layer: _Layer,
+        mlp: moe.SparseMoe,
+        routes: LayerRoutes,
+        x: torch.Tensor,
+        attended: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """run_layer's tail over `rows` for a sparse layer that replays or records: its routes are
+        recorded at every row (the output projection and the router run on all of them, in place on
+        x), its experts run on `rows`, taking the routes given there."""
+        self.sums.add(x, [(slice(None), attended)], layer.o_proj, self.gemm)
+        h = self.ops.rms_norm(x, layer.post_norm.weight, layer.post_norm.variance_epsilon)
+        mlp.observe(h)
+        x, h = x.index_select(0, rows), h.index_select(0, rows)
+        mlp.routes = routes.gathered(rows)
+        try:
+            self._run_mlp(mlp, x, h, self.sums)
+        finally:
+            mlp.routes = routes
         return x
 
     def _chunks(self, n: int) -> list[slice]:

@@ -22,6 +22,10 @@ max_len = N and at least 256 slots: one graph per N, all captured at start, larg
 kernels' grids grow with max_len x slots, so those round both up to powers of two and are captured the
 first time they are met. Past `limit` graphs the least recently used one goes.
 
+Routes. A micro-batch that replays or records MoE routes (moe/replay.py) runs eagerly: its sparse
+layers take other kernels (torch's top-k, the given ids' weights, the records), which the graphs,
+captured for live routing, do not hold.
+
 Safety. Capture runs in thread-local mode, so the results thread's waits on events go on meanwhile.
 `capture` checks a graph's result against the eager forward at start; a capture that fails turns
 graphs off for the decoder with a warning, and it runs eagerly from then on (cuda_graphs=on: graphs
@@ -165,8 +169,10 @@ class GraphedDecoder:
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         sequences = batch.cu_seqlens.shape[0] - 1
         key = self.key(batch.num_tokens, sequences, batch.max_len)
-        if key is None or self.disabled is not None or batch.context is not None:  # a chunk runs eagerly
-            return self.inner(batch, rows)
+        if key is None or self.disabled is not None or batch.context is not None or batch.routes is not None:
+            return self.inner(
+                batch, rows
+            )  # a chunk, and a micro-batch that replays or records routes, eagerly
         buffers, n = self._ready(), key.tokens
         self.inner.begin(batch)
         buffers.ids[:n].copy_(batch.input_ids[0])

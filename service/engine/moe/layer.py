@@ -43,6 +43,10 @@ A layer given a Tally (the fused decoder's sparse layers but the last) also adds
 of its experts took to the decoder's Load [layers, E] (moe_ops' counting), which the engine copies
 out per micro-batch for the expert-load metric.
 
+A layer given LayerRoutes (routing replay and recorded routes, moe/replay.py) records the experts
+its planner chose, or, where a micro-batch gives routes, routes in torch ops: the given ids where a
+token is covered, the top-k elsewhere, weighted by `Routing.weights_at` (docs/semantics.md).
+
 `choose` resolves the `moe_kernel` setting; `auto` takes quack, else grouped_mm, else the loop, each
 after running it once against the loop on a small input (a failure there: a warning, the next one).
 """
@@ -59,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.moe import kernels as moe_ops
+from service.engine.moe.replay import LayerRoutes
 from service.engine.ops import gate_up as gated
 from service.engine.runtime.packages import FAST_DTYPES
 from service.engine.strategies.gemm import ONE_CALL, TokenGemms
@@ -278,14 +283,15 @@ class Routing:
         """logits [T, E] -> weights [T, k] (float32, or logits' dtype), expert ids [T, k] int64.
         torch.topk as transformers calls it, on the same float32 values: ties resolve alike."""
         weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        return self._finish(weights, logits.dtype), experts
+        return self.finish(weights, logits.dtype), experts
 
     def weights_at(self, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The weights [T, k] of the given expert ids [T, k] (int64) under this rule."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        return self._finish(probs.gather(1, experts), logits.dtype)
+        return self.finish(probs.gather(1, experts), logits.dtype)
 
-    def _finish(self, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def finish(self, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """float32 weights [T, k] at the chosen experts -> the layer's: renormalised, rounded (the rule)."""
         if self.normalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(dtype) if self.round_weights else weights
@@ -357,6 +363,7 @@ class Plan:
     rows: torch.Tensor  # [S] int32: the token of each grouped row (grouped by expert, ascending in one)
     slots: torch.Tensor  # [T, k] int64: where each slot's row sits in the grouped order
     groups: Groups
+    experts: torch.Tensor  # [T, k] the expert ids (int64, or int32 from the kernels)
 
 
 # h [T, H], router weight [E, H], the rule, how the router GEMM runs (strategies/gemm.py) -> Plan
@@ -378,7 +385,7 @@ def _sorted(weights: torch.Tensor, experts: torch.Tensor, count: int) -> Plan:
     offsets = torch.searchsorted(ids, bounds, right=True).to(torch.int32)  # [E+1], offsets[0] = 0
     positions = torch.arange(order.shape[0], device=ids.device)
     slots = torch.empty_like(order).index_copy_(0, order, positions).view(weights.shape)
-    return Plan(weights, (order // k).to(torch.int32), slots, Groups(offsets))
+    return Plan(weights, (order // k).to(torch.int32), slots, Groups(offsets), experts)
 
 
 @dataclass(slots=True)
@@ -413,7 +420,7 @@ def plan_kernel(h: torch.Tensor, router: torch.Tensor, rule: Routing, gemm: Toke
     weight_dtype = logits.dtype if rule.round_weights else torch.float32
     routed = moe_ops.route_kernel(logits, rule.top_k, rule.normalise, weight_dtype)
     grouped, slots, offsets = moe_ops.group_kernel(routed)
-    return Plan(routed.weights, grouped, slots, Groups(offsets))
+    return Plan(routed.weights, grouped, slots, Groups(offsets), routed.experts)
 
 
 @dataclass(slots=True)
@@ -432,6 +439,7 @@ class SparseMoe:
     tally: Tally | None = None  # where it counts its experts' real tokens (None: it does not)
     count: Count = moe_ops.count_torch
     gemm: TokenGemms = ONE_CALL  # how the router's GEMM runs (batch invariance: fixed-row calls)
+    routes: LayerRoutes | None = None  # set for a forward that replays or records (moe/replay.py)
 
     def add_to(self, x: torch.Tensor, h: torch.Tensor, first: int = 0) -> None:
         """x += moe(h), in place, for x and h [T, H] (the forward's rows from `first` on). Under
@@ -450,14 +458,31 @@ class SparseMoe:
         self._add(out, h, 0)
         return out
 
-    def _add(self, x: torch.Tensor, h: torch.Tensor, first: int) -> None:
+    def observe(self, h: torch.Tensor) -> None:
+        """Route h [T, H] (every row of the forward) and record it, running no expert: the last
+        layer's experts run on the rows the heads read, its routes are recorded for all."""
+        self._route(h, 0)
+
+    def _route(self, h: torch.Tensor, first: int) -> Plan:
+        """The Plan of h [n, H], the forward's rows first .. first + n - 1: pinned (the self-check),
+        replayed where routes are given (moe/replay.py: torch ops), else the planner's."""
         if self.pinned is not None:
-            route = self.pinned.take(h, self.router.weight, self.routing, self.gemm)
-        else:
+            return self.pinned.take(h, self.router.weight, self.routing, self.gemm)
+        routes = self.routes
+        if routes is None or routes.given is None:
             route = self.planner(h, self.router.weight, self.routing, self.gemm)
-            if self.tally is not None:
-                load = self.tally.load
-                self.count(route.rows, route.groups.offsets, load.real, first, self.tally.counts, load.tail)
+            if routes is not None:
+                routes.record(first, route.experts)
+            return route
+        logits = self.gemm.linear(h, self.router.weight, None)
+        weights, experts = routes.choose(logits, self.routing, first)
+        return _sorted(weights, experts, self.router.weight.shape[0])
+
+    def _add(self, x: torch.Tensor, h: torch.Tensor, first: int) -> None:
+        route = self._route(h, first)
+        if self.pinned is None and self.tally is not None:
+            load = self.tally.load
+            self.count(route.rows, route.groups.offsets, load.real, first, self.tally.counts, load.tail)
         act = _expand(self.kernel, h, route.rows, self.experts.gate_up_proj, route.groups, self.swiglu)
         down = self.kernel.matmul(act, self.experts.down_proj, route.groups)  # [S, H]
         del act

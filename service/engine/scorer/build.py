@@ -20,6 +20,7 @@ from service.engine.config import EngineConfig
 from service.engine.contract import (
     EngineInfo,
     ModelInfo,
+    MoeShape,
     Target,
     WeightsState,
 )
@@ -105,6 +106,17 @@ def moe_kernel_name(forward: Decoder) -> str:
     layer runs fused."""
     fused = fused_of(forward)
     return fused.moe_kernel.name if fused is not None and fused.sparse else "none"
+
+
+def moe_shape(base: Any) -> MoeShape | None:
+    """The sparse layers of a decoder (transformers' modules) as routes address them; None where it has
+    none, or routes them by a rule logprobd does not know (moe.routing)."""
+    config = base.config
+    rule = moe.routing(str(getattr(config, "model_type", "")), config)
+    blocks = [layer.mlp for layer in getattr(base, "layers", []) if hasattr(layer.mlp, "experts")]
+    if rule is None or not blocks:
+        return None
+    return MoeShape(layers=len(blocks), experts=int(blocks[0].gate.weight.shape[0]), top_k=rule.top_k)
 
 
 def model_info(role: Target, name: str, model: Any) -> ModelInfo:
@@ -224,6 +236,7 @@ def describe(  # noqa: PLR0917
         versions=versions(),
         models=tuple(models),
         tensor_parallel_size=sharded.shard.world if sharded is not None else 1,
+        moe=moe_shape(loaded.model.base_model),
     )
     return dataclasses.replace(info, **longest(info.max_positions, None, config.max_sequence_tokens))
 

@@ -7,6 +7,10 @@ its decoder over that same PackedBatch and its own head on the action positions 
 Sequences that share a prefix arrive with the micro-batch's Forest (prefixes.py): the prefix is packed
 once and each sequence's later tokens attend to its keys (batch/packing.py, batch/kv_store.py).
 
+A sequence may give the MoE routes its rollout took, and ask for those the policy uses
+(batch/routes.py, moe/replay.py): the policy's forward replays and records them; the reference and
+the critic route live.
+
 A sequence longer than a micro-batch arrives as chunks, in order, each the last segment of a
 micro-batch; every model that scores it keeps its keys and values (a KVStore per model) from its
 first chunk to its last.
@@ -44,7 +48,14 @@ from service.engine.loading.models import LoadedModel, resolve_device, resolve_d
 from service.engine.ops.attention import AttentionBackend, choose_backend, register
 from service.engine.parallel.sharding import Sharded
 from service.engine.scorer import build, memory, reload, self_check
-from service.engine.scorer.inflight import InFlight, done_event, extra_host, host_copier, host_counts
+from service.engine.scorer.inflight import (
+    InFlight,
+    done_event,
+    extra_host,
+    host_copier,
+    host_counts,
+    host_routes,
+)
 from service.engine.scorer.models import Served, critic_values
 from service.engine.strategies import gemm as gemms
 from service.jobs import Chunk, SequenceJob, SequenceScores
@@ -157,21 +168,23 @@ class PackedScorer:
     @torch.inference_mode()
     def _launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None, forest: Forest | None) -> InFlight:
         served = self._served
-        batch = pack(jobs, self._device, self._step, chunk=chunk, forest=forest)
+        batch = pack(jobs, self._device, self._step, chunk=chunk, forest=forest, moe=self._info.moe)
         stores = self._stores_of(chunk)
         every = [*jobs, chunk.job] if chunk is not None else list(jobs)
         policy = served.policy.logprobs(batch.attach(stores.get("policy")), batch.want_entropy, extras=True)
         expert_counts = host_counts(served.policy.forward.expert_counts())  # before another forward
+        routes = host_routes(batch, every, self._info.moe)
+        others = batch.without_routes()  # replay is the policy's: the other models route live
         ref = None
         if served.reference is not None and any(job.return_ref for job in every):
             ref = served.reference.logprobs(
-                batch.attach(stores.get("reference")), want_entropy=False
+                others.attach(stores.get("reference")), want_entropy=False
             ).logprobs
         values = None
         if served.critic is not None and any(job.return_values for job in every):
             assert served.critic_forward is not None
             values = critic_values(
-                served.critic, served.critic_forward, batch.attach(stores.get("critic")), self._gemm
+                served.critic, served.critic_forward, others.attach(stores.get("critic")), self._gemm
             )
         if chunk is not None and chunk.last:
             self.release(chunk.sequence)  # freed once the work queued on the stores is done
@@ -188,6 +201,7 @@ class PackedScorer:
             extras=extra_host(self._device, batch.extras, policy.extras),
             done=done_event(self._device),
             expert_counts=expert_counts,
+            routes=routes,
         )
 
     @torch.inference_mode()

@@ -1,9 +1,9 @@
 """A launched micro-batch: its scores copied to host memory behind the device's queued work, and
 split back per sequence when the batcher collects them (any thread; `result` waits on an event).
 
-Boundary: device tensors [A] in (scores of the micro-batch's action rows, in packing order), and
-[R, ...] ones of the rows that asked more (the head's ExtraScores); one SequenceScores per job out,
-with only the extras its job asked.
+Boundary: device tensors [A] in (scores of the micro-batch's action rows, in packing order; the
+recorded MoE routes of its rows), and [R, ...] ones of the rows that asked more (the head's
+ExtraScores); one SequenceScores per job out, with only the extras its job asked.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from service.engine.batch.packing import PackedBatch
+from service.engine.batch.routes import RecordedRoutes, narrow
+from service.engine.contract import MoeShape
 from service.engine.heads.contract import Extras, ExtraScores
 from service.jobs import FloatArray, IntArray, SequenceJob, SequenceScores
 
@@ -89,6 +92,7 @@ class InFlight:
     done: torch.cuda.Event | None
     expert_counts: torch.Tensor | None = None  # [layers, E] int32 host copy: decoder.expert_counts
     extras: HostExtras | None = None
+    routes: RecordedRoutes | None = None  # where a sequence gave or asked for MoE routes
 
     def expert_load(self) -> IntArray | None:
         if self.done is not None:
@@ -108,16 +112,21 @@ class InFlight:
         lp, ent = per_sequence(self.logprobs), per_sequence(self.entropy)
         rf, vl = per_sequence(self.ref_logprobs), per_sequence(self.values)
         assert lp is not None
-        return [
-            SequenceScores(
-                logprobs=lp[i],
-                entropy=ent[i] if ent is not None and job.return_entropy else None,
-                values=vl[i] if vl is not None and job.return_values else None,
-                ref_logprobs=rf[i] if rf is not None and job.return_ref else None,
-                **self._extras(job, int(firsts[i]), self.actions_per_sequence[i]),
+        scores = []
+        for i, job in enumerate(self.jobs):
+            routes, agreement = self.routes.of(i, job) if self.routes is not None else (None, None)
+            scores.append(
+                SequenceScores(
+                    logprobs=lp[i],
+                    entropy=ent[i] if ent is not None and job.return_entropy else None,
+                    values=vl[i] if vl is not None and job.return_values else None,
+                    ref_logprobs=rf[i] if rf is not None and job.return_ref else None,
+                    routes=routes,
+                    route_agreement=agreement,
+                    **self._extras(job, int(firsts[i]), self.actions_per_sequence[i]),
+                )
             )
-            for i, job in enumerate(self.jobs)
-        ]
+        return scores
 
     def _extras(self, job: SequenceJob, first: int, count: int) -> dict[str, Any]:
         if not job.wants_extras:
@@ -176,6 +185,31 @@ def host_counts(counts: torch.Tensor | None) -> torch.Tensor | None:
     host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
     host.copy_(counts, non_blocking=True)
     return host
+
+
+def host_routes(
+    batch: PackedBatch, jobs: Sequence[SequenceJob], shape: MoeShape | None
+) -> RecordedRoutes | None:
+    """Host copies of what the policy's forward over `batch` recorded (moe/replay.py), queued on the
+    stream: the experts used, in the narrowest dtype, where a sequence asked for them; each row's
+    agreement counts where one gave routes."""
+    routes, rows = batch.routes, batch.route_rows
+    if routes is None or rows is None:
+        return None
+    assert shape is not None
+    used = None
+    if any(job.return_routes for job in jobs):
+        used = host_counts(routes.used.to(_TORCH_DTYPES[narrow(shape.experts)]))
+    agreement = routes.agreement()
+    exact, matches = (None, None) if agreement is None else (host_counts(a) for a in agreement)
+    return RecordedRoutes(rows, shape.top_k, used, exact, matches)
+
+
+_TORCH_DTYPES = {
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int32): torch.int32,
+}
 
 
 def done_event(device: torch.device) -> torch.cuda.Event | None:

@@ -1,0 +1,280 @@
+"""Routing replay's routes (routes.py): every accepted form gives the same GivenRoutes, on the right
+positions of every layout, and every bad input is a 422 naming the field and the row.
+
+The reference is by hand: each test builds routes indexed by the token they belong to, and checks
+that the job's routes at position t are those of token t of the sequence.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from service.arrays import parse_frame
+from service.client.wire import to_frame
+from service.engine.contract import MoeShape
+from service.errors import InvalidRequest
+from service.frame import encode_rows, pack
+from service.jobs import GivenRoutes
+from service.normalise import ModelLimits, ScoringPlan, normalise
+from service.schemas import parse_request
+
+MOE = MoeShape(layers=3, experts=8, top_k=2)
+LIMITS = ModelLimits(vocab_size=100, max_sequence_tokens=512, moe=MOE)
+
+
+def plan(limits: ModelLimits = LIMITS, **body: Any) -> ScoringPlan:
+    return normalise(parse_request(json.dumps(body).encode()), limits)
+
+
+def routes_of(n: int, seed: int) -> np.ndarray:
+    """[n, layers, top_k] distinct ids per (position, layer)."""
+    rng = np.random.default_rng(seed)
+    return np.stack(
+        [[rng.choice(MOE.experts, MOE.top_k, replace=False) for _ in range(MOE.layers)] for _ in range(n)]
+    )
+
+
+def b64(experts: np.ndarray) -> str:
+    return base64.b64encode(experts.astype("<i4").tobytes()).decode()
+
+
+def given(p: ScoringPlan) -> list[tuple[int, list[Any]] | None]:
+    return [None if j.routes is None else (j.routes.start, j.routes.experts.tolist()) for j in p.jobs]
+
+
+def test_lists_base64_and_frames_give_identical_jobs() -> None:
+    ids = [[5, 6, 7, 8, 9], [1, 2, 3]]
+    r0, r1 = routes_of(4, 0), routes_of(2, 1)
+    base: dict[str, Any] = {"input_ids": ids, "num_actions": [2, 1], "routed_experts_start": [0, 1]}
+    lists = plan(**base, routed_experts=[r0.tolist(), r1.tolist()])
+    strings = plan(**base, routed_experts=[b64(r0), b64(r1)])
+    framed = to_frame({**base, "routed_experts": [r0.tolist(), b64(r1)]})
+    assert framed is not None
+    frames = normalise(parse_frame(framed), LIMITS)
+    want = [(0, r0.tolist()), (1, r1.tolist())]
+    assert given(lists) == given(strings) == given(frames) == want
+    assert lists.jobs[0].routes is not None
+    assert lists.jobs[0].routes.experts.dtype == np.int64
+    assert (lists.route_format, strings.route_format, frames.route_format) == ("lists", "base64", "lists")
+
+
+def test_frames_carry_routes_in_one_byte_each() -> None:
+    r = routes_of(4, 2)
+    framed = to_frame({"input_ids": [[1, 2, 3, 4, 5]], "num_actions": 1, "routed_experts": [r.tolist()]})
+    assert framed is not None
+    request = parse_frame(framed)
+    (row,) = request.routed_experts or []
+    assert isinstance(row, np.ndarray)
+    assert row.dtype == np.uint8
+    assert row.nbytes == 4 * MOE.layers * MOE.top_k
+
+
+def test_padded_layouts_map_columns_to_positions_on_either_side() -> None:
+    # row 0 left-padded (2 pad columns), row 1 right-padded, row 2 split (prompt left, response right)
+    ids = [[0, 0, 11, 12, 13, 14], [21, 22, 23, 24, 0, 0], [0, 31, 32, 33, 0, 0]]
+    mask = [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 0, 0]]
+    per_column = [routes_of(6, 10 + i) for i in range(3)]  # verl: one entry per column
+    for i, m in enumerate(mask):  # padding columns hold zeros, as verl fills them
+        per_column[i][np.asarray(m) == 0] = 0
+    p = plan(
+        input_ids=ids,
+        attention_mask=mask,
+        response_length=2,
+        routed_experts=[r.tolist() for r in per_column],
+    )
+    for i, m in enumerate(mask):
+        real = np.flatnonzero(m)
+        assert given(p)[i] == (0, per_column[i][real].tolist())
+    # a start past the left padding: columns 3.. of row 0 are positions 1..
+    p = plan(
+        input_ids=ids[:1],
+        attention_mask=mask[:1],
+        response_length=2,
+        routed_experts=[per_column[0][3:5].tolist()],
+        routed_experts_start=3,
+    )
+    assert given(p) == [(1, per_column[0][3:5].tolist())]
+    # a range that holds only padding replays nothing
+    p = plan(
+        input_ids=ids[:1], attention_mask=mask[:1], response_length=2, routed_experts=[[[[0, 0]] * 3] * 2]
+    )
+    assert given(p) == [None]
+
+
+def test_grouped_equals_flat() -> None:
+    prompt, responses = [4, 5, 6], [[7, 8], [9]]
+    seqs = [prompt + r for r in responses]
+    full = [routes_of(len(s) - 1, 20 + i) for i, s in enumerate(seqs)]  # SGLang: L-1 positions
+    full[1][: len(prompt)] = full[0][: len(prompt)]  # the same prompt routes, as grouped sends once
+    flat = plan(input_ids=seqs, num_actions=[2, 1], routed_experts=[f.tolist() for f in full])
+    grouped_whole = plan(
+        input_ids=responses,
+        prompt_ids=[prompt],
+        prompt_index=[0, 0],
+        routed_experts=[f.tolist() for f in full],
+    )
+    grouped_once = plan(
+        input_ids=responses,
+        prompt_ids=[prompt],
+        prompt_index=[0, 0],
+        prompt_routed_experts=[b64(full[0][: len(prompt)])],
+        routed_experts=[b64(f[len(prompt) :]) for f in full],
+    )
+    assert given(flat) == given(grouped_whole) == given(grouped_once)
+    assert given(flat)[1] == (0, full[1].tolist())
+    # a prompt's routes alone, and padded responses
+    only_prompt = plan(
+        input_ids=[[7, 8, 0], [9, 0, 0]],
+        attention_mask=[[1, 1, 0], [1, 0, 0]],
+        prompt_ids=[prompt],
+        prompt_index=[0, 0],
+        prompt_routed_experts=[full[0][:2].tolist()],
+    )
+    assert given(only_prompt) == [(0, full[0][:2].tolist())] * 2
+
+
+def test_rows_without_routes_and_no_routes_at_all() -> None:
+    r = routes_of(2, 3)
+    p = plan(input_ids=[[1, 2, 3], [4, 5, 6]], num_actions=1, routed_experts=[None, r.tolist()])
+    assert given(p) == [None, (0, r.tolist())]
+    assert plan(input_ids=[[1, 2, 3]], num_actions=1).jobs[0].routes is None
+    dense = ModelLimits(vocab_size=100, max_sequence_tokens=512)
+    assert plan(dense, input_ids=[[1, 2, 3]], num_actions=1).jobs[0].routes is None
+
+
+def test_return_routed_experts_reaches_the_job() -> None:
+    p = plan(input_ids=[[1, 2, 3]], num_actions=1, return_routed_experts=True, routed_experts_format="base64")
+    assert p.jobs[0].return_routes
+    assert p.route_format == "base64"
+    padded = plan(
+        input_ids=[[0, 1, 2]], attention_mask=[[0, 1, 1]], response_length=1, return_routed_experts=True
+    )
+    assert padded.padded_width == 3
+    assert padded.route_columns is not None
+    assert [c.tolist() for c in padded.route_columns if c is not None] == [[1, 2]]
+
+
+GOOD = routes_of(3, 4)
+
+
+def bad(good: np.ndarray, p: int, layer: int, slot: int, value: int) -> list[Any]:
+    out = good.copy()
+    out[p, layer, slot] = value
+    listed: list[Any] = out.tolist()
+    return listed
+
+
+@pytest.mark.parametrize(
+    ("body", "limits", "field", "row", "words"),
+    [
+        ({"routed_experts": [None, GOOD.tolist()]}, ModelLimits(100, 512), "routed_experts", None, "dense"),
+        ({"return_routed_experts": True}, ModelLimits(100, 512), "return_routed_experts", None, "dense"),
+        ({"routed_experts": [None, GOOD[:, :2].tolist()]}, LIMITS, "routed_experts", 1, "[positions, 3, 2]"),
+        ({"routed_experts": [None, GOOD[:, :, :1].tolist()]}, LIMITS, "routed_experts", 1, "top_k 2"),
+        ({"routed_experts": [None, [[[1, 2]], [[3]]]]}, LIMITS, "routed_experts", 1, "ragged"),
+        ({"routed_experts": [None, bad(GOOD, 2, 1, 0, 8)]}, LIMITS, "routed_experts", 1, "[2][1][0] is 8"),
+        ({"routed_experts": [None, bad(GOOD, 0, 0, 1, -1)]}, LIMITS, "routed_experts", 1, "is -1"),
+        (
+            {"routed_experts": [None, GOOD.tolist()], "routed_experts_start": 2},
+            LIMITS,
+            "routed_experts",
+            1,
+            "3 tokens",
+        ),
+        ({"routed_experts": [None, "not*base64"]}, LIMITS, "routed_experts", 1, "not valid base64"),
+        ({"routed_experts": [None, b64(GOOD)[:-4]]}, LIMITS, "routed_experts", 1, "multiple of 24"),
+        ({"routed_experts": [GOOD.tolist()]}, LIMITS, "routed_experts", None, "1 rows, input_ids has 2"),
+        (
+            {"routed_experts": [None, None], "routed_experts_start": [0]},
+            LIMITS,
+            "routed_experts_start",
+            None,
+            "1 entries",
+        ),
+        (
+            {"routed_experts": [None, "x"], "routed_experts_format": "csv"},
+            LIMITS,
+            "routed_experts_format",
+            None,
+            "",
+        ),
+    ],
+)
+def test_bad_routes_are_a_422_naming_field_and_row(
+    body: dict[str, Any], limits: ModelLimits, field: str, row: int | None, words: str
+) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        plan(limits, input_ids=[[1, 2, 3, 4], [5, 6, 7]], num_actions=1, **body)
+    assert (caught.value.field, caught.value.row) == (field, row), caught.value.message
+    assert words in caught.value.message
+
+
+def test_a_duplicate_expert_is_named_with_its_position_and_layer() -> None:
+    twice = GOOD.copy()
+    twice[1, 2] = [5, 5]
+    with pytest.raises(InvalidRequest) as caught:
+        plan(input_ids=[[1, 2, 3, 4]], num_actions=1, routed_experts=[b64(twice)])
+    assert (caught.value.field, caught.value.row) == ("routed_experts", 0)
+    assert "routed_experts[0][1][2] names an expert twice ([5, 5])" in caught.value.message
+
+
+def test_padding_entries_are_not_checked_but_real_ones_are() -> None:
+    ids, mask = [[0, 0, 1, 2, 3]], [[0, 0, 1, 1, 1]]
+    routes = np.zeros((5, 3, 2), dtype=np.int64)  # zeros at padding: duplicates, ignored
+    routes[2:] = GOOD
+    p = plan(input_ids=ids, attention_mask=mask, response_length=1, routed_experts=[routes.tolist()])
+    assert given(p) == [(0, GOOD.tolist())]
+    routes[3, 0] = [9, 1]
+    with pytest.raises(InvalidRequest) as caught:
+        plan(input_ids=ids, attention_mask=mask, response_length=1, routed_experts=[routes.tolist()])
+    assert (caught.value.field, caught.value.row) == ("routed_experts", 0)
+    assert "routed_experts[0][3][0][0] is 9" in caught.value.message
+    with pytest.raises(InvalidRequest, match=r"covers columns 0 \.\. 5; the padded row has 5 columns"):
+        plan(input_ids=ids, attention_mask=mask, response_length=1, routed_experts=[routes_of(6, 0).tolist()])
+
+
+def test_grouped_faults() -> None:
+    base: dict[str, Any] = {"input_ids": [[7, 8], [9]], "prompt_ids": [[4, 5, 6]], "prompt_index": [0, 0]}
+    with pytest.raises(InvalidRequest) as caught:
+        plan(**base, prompt_routed_experts=[routes_of(4, 0).tolist()])
+    assert (caught.value.field, caught.value.row) == ("prompt_routed_experts", 0)
+    assert "the prompt has 3 tokens" in caught.value.message
+    with pytest.raises(InvalidRequest) as caught:  # a gap between the prompt's routes and the row's
+        plan(
+            **base,
+            prompt_routed_experts=[GOOD.tolist()],
+            routed_experts=[None, GOOD[:1].tolist()],
+            routed_experts_start=[0, 2],
+        )
+    assert caught.value.field == "routed_experts_start"
+    assert caught.value.row == 1
+    with pytest.raises(InvalidRequest) as caught:
+        plan(input_ids=[[1, 2]], num_actions=1, prompt_routed_experts=[GOOD.tolist()])
+    assert caught.value.field == "prompt_routed_experts"
+    with pytest.raises(InvalidRequest) as caught:
+        plan(**base, prompt_routed_experts=[])
+    assert caught.value.field == "prompt_routed_experts"
+
+
+def test_frame_rows_not_a_multiple_of_layers_times_k() -> None:
+    fields = json.dumps({"num_actions": 1}).encode()
+    framed = pack(
+        fields,
+        [encode_rows("input_ids", [[1, 2, 3]], "i4"), encode_rows("routed_experts", [[1, 2, 3, 4, 5]], "u1")],
+    )
+    with pytest.raises(InvalidRequest) as caught:
+        normalise(parse_frame(framed), LIMITS)
+    assert (caught.value.field, caught.value.row) == ("routed_experts", 0)
+    assert "5 ids, not a multiple of 6" in caught.value.message
+
+
+def test_given_routes_type() -> None:
+    p = plan(input_ids=[[1, 2, 3]], num_actions=1, routed_experts=[GOOD[:2].tolist()], routed_experts_start=1)
+    routes = p.jobs[0].routes
+    assert isinstance(routes, GivenRoutes)
+    assert (routes.start, routes.end) == (1, 3)
