@@ -10,7 +10,7 @@ from pathlib import Path
 import service.normalise
 
 PACKAGE = Path(service.normalise.__file__).parent
-ORDER = ["__init__", "limits", "plan", "ragged", "padded", "grouped", "rows"]  # top to bottom
+ORDER = ["__init__", "limits", "plan", "distribution", "ragged", "padded", "grouped", "rows"]  # top to bottom
 OUTSIDE = {"service.errors", "service.jobs", "service.schemas"}
 
 
