@@ -118,7 +118,7 @@ def to_frame(body: Mapping[str, Any]) -> bytes:
         spec = ArraySpec(name, dtype, tuple(len(row) for row in rows))
         flat = np.concatenate(rows) if rows else np.empty(0)
         arrays.append((spec, flat.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes()))
-    return pack(orjson.dumps(fields), arrays)
+    return pack(orjson.dumps(fields, option=orjson.OPT_SERIALIZE_NUMPY), arrays)  # [rows, K] lists in JSON
 
 
 def _routes_array(rows: list[Any], experts: int) -> tuple[ArraySpec, bytes]:

@@ -137,7 +137,9 @@ def _token_statistics(parts: list[Mapping[str, Any]], count: str) -> dict[str, A
     for name in parts[0]:
         if name == count:
             continue
-        if name.startswith("max_"):
+        if any(p.get(name) is None for p in parts):  # a statistic the request did not ask
+            merged[name] = None
+        elif name.startswith("max_"):
             merged[name] = max(float(p[name]) for p in parts)
         else:
             merged[name] = sum(float(p[name]) * int(p[count]) for p in parts) / tokens if tokens else 0.0

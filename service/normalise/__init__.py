@@ -7,15 +7,15 @@ other or to the model raises InvalidRequest (or a 413) naming the field and the 
 
 Modules, top-down as the data flows; each imports only modules below it:
 
-    __init__  normalise(): the request's checks, its layout read into Rows, each sequence checked
-    limits    ModelLimits and what the server allows: models held, request size, each sequence
-    plan      Rows -> ScoringPlan: the EOS cut, jobs, windows, rollout log-probs, pins
-    distribution  top_logprobs, candidate_ids, sampling -> Asks (each job's share)
-    ragged    ragged input_ids [B][L_i] + num_actions | action_mask -> Rows
-    padded    padded input_ids [B, L] + attention_mask + response_length | action_mask -> Rows
-    grouped   prompt_ids + prompt_index + responses (ragged or padded) -> Rows
-    routes    routed_experts (lists, base64, frame rows) -> GivenRoutes per row, positions mapped
-    rows      Row (tokens [L], actions [A], slots [A], width) and the readers every layout shares
+    __init__      normalise(): the request's checks, its layout read into Rows, each sequence checked
+    limits        ModelLimits and what the server allows: models held, request size, each sequence
+    plan          Rows -> ScoringPlan: the EOS cut, jobs, windows, rollout log-probs, pins
+    distribution  top_logprobs, candidate_ids, sampling -> Asks, each job's share of them
+    ragged        ragged input_ids [B][L_i] + num_actions | action_mask -> Rows
+    padded        padded input_ids [B, L] + attention_mask + response_length | action_mask -> Rows
+    grouped       prompt_ids + prompt_index + responses (ragged or padded) -> Rows
+    routes        routed_experts (lists, base64, frame rows) -> GivenRoutes per row, positions mapped
+    rows          Row (tokens [L], actions [A], slots [A], width) and the readers every layout shares
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def normalise(request: LogprobsRequest, limits: ModelLimits) -> ScoringPlan:
     rows = _grouped_rows(request, limits) if grouped else _ungrouped_rows(request, limits)
     for i, row in enumerate(rows):
         check_sequence(row, i, limits)
-    asks = read_asks(request, limits, [row.width for row in rows])
+    widths = [row.width for row in rows]
+    asks = read_asks(request, limits.max_top_logprobs, limits.vocab_size, widths)
     routes = given_routes(request, rows, limits.moe)
     return build_plan(request, rows, asks, routes, route_format(request))
 

@@ -15,7 +15,6 @@ import numpy as np
 
 from service.errors import InvalidRequest
 from service.jobs import IntArray, Sampling
-from service.normalise.limits import ModelLimits
 from service.normalise.rows import int64
 from service.schemas import LogprobsRequest
 
@@ -36,15 +35,16 @@ class Asks:
         return self.shared
 
 
-def read_asks(request: LogprobsRequest, limits: ModelLimits, widths: list[int]) -> Asks:
-    """The request's asks, checked against the server's limits and each row's window width."""
+def read_asks(request: LogprobsRequest, max_top_logprobs: int, vocab_size: int, widths: list[int]) -> Asks:
+    """The request's asks, checked against the server's limit on K, the vocabulary and each row's
+    window width."""
     k = request.top_logprobs or 0
-    if k > limits.max_top_logprobs:
+    if k > max_top_logprobs:
         raise InvalidRequest(
-            f"top_logprobs is {k}; this server returns at most {limits.max_top_logprobs} (max_top_logprobs)",
+            f"top_logprobs is {k}; this server returns at most {max_top_logprobs} (max_top_logprobs)",
             field="top_logprobs",
         )
-    shared, per_row = _candidates(request, limits.vocab_size, widths)
+    shared, per_row = _candidates(request, vocab_size, widths)
     sampling = None
     if request.sampling is not None:
         s = request.sampling

@@ -11,7 +11,8 @@ from pathlib import Path
 import service.normalise
 
 PACKAGE = Path(service.normalise.__file__).parent
-ORDER = ["__init__", "limits", "plan", "distribution", "ragged", "padded", "grouped", "routes", "rows"]  # top to bottom
+# top to bottom
+ORDER = ["__init__", "limits", "plan", "distribution", "ragged", "padded", "grouped", "routes", "rows"]
 OUTSIDE = {"service.errors", "service.jobs", "service.schemas", "service.engine.contract"}
 
 

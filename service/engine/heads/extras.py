@@ -7,7 +7,7 @@ per-row shift with log p = x - shift, in; ExtraScores of those rows out. Under t
 this rank's slice and `Join` holds the collectives: sums (rank, candidates, kept mass, the target's
 logit), maxima (row max, the draw) and a gather of each rank's top keys, merged by one more top-k.
 All of it is elementwise or a top-k over x; the only sort of a whole row is a top-p whose kept set
-outgrows every prefix searched (PREFIX, then 4x, ... up to the vocabulary).
+outgrows every prefix searched (PREFIX, then 4x or more, up to the vocabulary).
 
 Order: a token's key is its float32 logit's bits mapped to an order-preserving int32, times 2^32,
 plus V - 1 - id: one int64 per token, unique, larger for a larger logit and, among equal logits,
@@ -203,8 +203,9 @@ def _top_p(  # noqa: PLR0917
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[r] the kept set's mass and the key of its last token (LOWEST: every survivor kept). A token
     is kept when the survivors before it hold less than `goal` (vLLM drops those whose ascending
-    cumulative share is <= 1 - top_p). Searched over the first PREFIX keys of each row, 4x more for
-    the rows whose prefix holds less than `goal`, up to the whole vocabulary."""
+    cumulative share is <= 1 - top_p). Searched over the first PREFIX keys of each row, then for
+    the rows whose prefix holds less than `goal` a prefix 4x longer or, where the prefix held a small
+    share of the goal, twice the length its share suggests, up to the whole vocabulary."""
     total = mass.clone()
     last = torch.full_like(k[:, 0], LOWEST)
     rows = torch.arange(k.shape[0], device=k.device)
@@ -228,7 +229,9 @@ def _top_p(  # noqa: PLR0917
         if not bool(short.any()):  # the same on every rank: the keys and sums are joined
             break
         pending = at[short]
-        n *= 4
+        # at least 4x; more where the prefix held a small share of the goal (a flat distribution)
+        need = float((goals[short] / upto[short, -1].clamp(min=1e-30)).max())
+        n = int(min(join.vocab, max(4 * n, 2 * n * min(need, float(join.vocab)))))
     return total, last
 
 
