@@ -9,9 +9,8 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from service.batcher.policy import LOOKAHEAD, Policy, Taken, invariant_chunk
+from service.batcher.policy import LOOKAHEAD, Policy, Taken
 from service.batcher.queue import Batch, Request
-from service.engine.contract import GEMM_ROWS
 from service.errors import Overloaded, VersionMismatch
 from service.jobs import SequenceJob, SequenceScores
 
@@ -132,20 +131,6 @@ def test_no_chunk_when_whole_sequences_leave_less_than_the_least_chunk() -> None
     assert policy.queued_tokens == 43
     batch = take(policy)
     assert (firsts(batch), span(batch)) == ([200], (0, 13))
-
-
-def test_fixed_chunks_in_batch_invariant_mode() -> None:
-    policy: Policy[Answer] = Policy(16, SERVING, chunk_tokens=8)
-    submit(policy, [job(20), job(3, first=100)])
-    batches = [take(policy) for _ in range(3)]
-    assert [(firsts(b), span(b)) for b in batches] == [([100], (0, 8)), ([], (8, 16)), ([], (16, 20))]
-
-
-def test_invariant_chunk_is_half_the_budget_in_whole_gemm_rows() -> None:
-    assert invariant_chunk(8 * GEMM_ROWS) == 4 * GEMM_ROWS
-    assert invariant_chunk(3 * GEMM_ROWS) == GEMM_ROWS
-    assert invariant_chunk(1000) == 500
-    assert invariant_chunk(1) == 1
 
 
 def test_a_group_fits_by_the_tokens_it_computes() -> None:
