@@ -40,13 +40,15 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _jobs(seed: int, count: int, low: int, high: int, **flags: bool) -> list[SequenceJob]:
+def _jobs(seed: int, count: int, low: int, high: int, *, wants: bool = False) -> list[SequenceJob]:
+    """`count` random sequences of low..high tokens; `wants`: values and reference log-probs too."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
         n = int(rng.integers(low, high))
         tokens = rng.integers(0, models.VOCAB, n).astype(np.int64)
-        out.append(SequenceJob(tokens, np.arange(n // 3, n, dtype=np.int64), 0.7, True, **flags))
+        actions = np.arange(n // 3, n, dtype=np.int64)
+        out.append(SequenceJob(tokens, actions, 0.7, True, return_values=wants, return_ref=wants))
     return out
 
 
@@ -140,9 +142,8 @@ def test_a_sequence_scores_the_same_bits_however_it_is_batched(
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_values_and_reference_log_probs_too_across_a_reload_back(dirs: dict[str, Path], dtype: str) -> None:
     engine, settings = _engine(dirs["qwen2"], dtype, ref_model=dirs["ref"], critic=dirs["critic"])
-    wants = {"return_values": True, "return_ref": True}
-    target = _jobs(4, 1, 200, 201, **wants)[0]
-    others = _jobs(5, 10, 20, 250, **wants) + _jobs(6, 4, 20, 250)
+    target = _jobs(4, 1, 200, 201, wants=True)[0]
+    others = _jobs(5, 10, 20, 250, wants=True) + _jobs(6, 4, 20, 250)
     (alone,) = _score(engine, settings, [[target]])[0]
     assert alone.values is not None
     assert alone.ref_logprobs is not None

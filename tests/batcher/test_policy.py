@@ -9,10 +9,11 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from service.batcher.policy import LOOKAHEAD, Policy, Taken
+from service.batcher.policy import LOOKAHEAD, Policy, Taken, sharing
 from service.batcher.queue import Batch, Request
 from service.errors import Overloaded, VersionMismatch
 from service.jobs import SequenceJob, SequenceScores
+from service.settings import Settings
 
 Answer = Future[SequenceScores]
 SERVING = {"policy": "v1"}
@@ -346,3 +347,9 @@ def test_beside_a_chunk_whole_sequences_take_at_most_half_the_budget() -> None:
     submit(policy, [job(6, first=1000), job(6, first=2000)])
     batches = [take(policy) for _ in range(2)]
     assert [(firsts(b), span(b)) for b in batches] == [([1000], (16, 26)), ([2000], (26, 36))]
+
+
+def test_prefixes_are_shared_in_batch_invariant_mode_too() -> None:
+    """A shared prefix changes which rows run, not a row's bits (tests/test_invariant.py)."""
+    assert sharing(Settings(batch_invariant=True, share_min_tokens=24)) == 24
+    assert sharing(Settings(batch_invariant=True, share_prefixes=False)) is None

@@ -86,14 +86,14 @@ def _cut(start: int, end: int, before: int, whole: Segments) -> Segments:
     of `before` tokens that attends to itself (a shared node, or a chunk after its context, in a row)."""
     cu = [0, before, before + end - start] if before else [0, end - start]
     cu_k = [0, before, before + end] if before else [0, end]
-    as_int = {"dtype": torch.int32, "device": whole.cu.device}
+    device = whole.cu.device
     return Segments(
-        torch.tensor(cu, **as_int),
+        torch.tensor(cu, dtype=torch.int32, device=device),
         max(before, end - start),
         whole.scale,
         whole.window,
         whole.softcap,
-        torch.tensor(cu_k, **as_int),
+        torch.tensor(cu_k, dtype=torch.int32, device=device),
         max(before, end),
     )
 
