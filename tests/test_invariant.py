@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from service.batcher import Batcher, Scored
 from service.engine.contract import ReloadOrder
+from service.engine.ops.attention import blocked_kernel
 from service.engine.scorer import build
 from service.engine.scorer.engine import PackedScorer
 from service.engine.strategies.gemm import GEMM_ROWS, FixedRows
@@ -237,9 +238,12 @@ def test_shared_prefixes_and_chunks_give_each_sequence_its_bits_alone(
     float32 with the mode off."""
     name, _, decoder = served.partition("/")
     engine, settings = _engine(dirs[name], dtype, decoder=decoder or "auto")
-    fused = build.fused_of(engine.served.policy.forward)
+    forward = engine.served.policy.forward
+    fused = build.fused_of(forward)
     if fused is not None and fused.sparse:  # the experts in one call of every token, not 1024-token blocks
         assert all(layer.kernel.row_invariant for layer in fused.sparse_layers)
+    assert getattr(fused or forward, "attention", None) is blocked_kernel  # either decoder runs it
+    assert engine.info.attention_backend == "blocked"
     group = _group(7, 150, [40, 90, 20, 130, 60, 75])
     others = _jobs(8, 3, 20, 120)
     long = _jobs(9, 1, 700, 701)[0]

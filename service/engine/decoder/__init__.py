@@ -45,12 +45,11 @@ def build(  # noqa: PLR0917
 ) -> Decoder:
     """The forward the `decoder` setting asks for: auto takes the fused one wherever it fits.
     `projection` makes the fused decoder's gate|up projection and `moe_kernel` its sparse layers'
-    grouped GEMM (each called only when a fused decoder is built); `attention`: the packed kernel either
-    decoder runs (the transformers one through its kwargs); `gemm` and `sums`: the strategies
+    grouped GEMM (each called only when a fused decoder is built); `gemm` and `sums`: the strategies
     the fused decoder runs with (FusedDecoder; the transformers decoder's modules are patched by the
     caller, and it cannot take an all-reduce)."""
     if setting == "transformers":
-        return TransformersDecoder(decoder, attention)
+        return TransformersDecoder(decoder)
     reason = unsupported(decoder)
     if reason is None:
         kernel = moe_kernel() if moe_kernel is not None and sparse(decoder) else moe.LOOP
@@ -59,4 +58,4 @@ def build(  # noqa: PLR0917
         )
     if setting == "fused":
         raise RuntimeError(f"decoder=fused: {reason}")
-    return TransformersDecoder(decoder, attention)
+    return TransformersDecoder(decoder)
