@@ -150,16 +150,17 @@ class Settings(BaseSettings):
         False,
         description="Batch-invariant scores: a sequence's log-probs, entropy, values and reference "
         "log-probs are bitwise the same however it is batched (alone, anywhere in any micro-batch, beside "
-        "any other request), across restarts on the same GPU and software. Every GEMM runs in calls of "
-        "1024 rows and micro-batches are padded to them; a sequence longer than a micro-batch is cut at "
-        "fixed positions. Costs throughput (BENCHMARKS.md).",
+        "any other request, shared or not, in chunks or whole), across restarts on the same GPU and "
+        "software, whatever max_batch_tokens. Every GEMM runs in calls of 1024 rows and micro-batches are "
+        "padded to them; attention reduces each query over its keys in one order however the queries are "
+        "cut (docs/semantics.md). Costs throughput (BENCHMARKS.md).",
     )
     share_prefixes: bool = Field(
         True,
         description="Compute a prefix that several queued sequences share (a GRPO group's prompt, a "
         "multi-turn conversation's earlier turns) once per micro-batch: each sequence's later tokens "
         "attend to the shared tokens' keys and values. The scores are the same function of the same "
-        "tokens; the budget counts tokens computed. Off in batch-invariant mode.",
+        "tokens; the budget counts tokens computed. Bitwise the same scores in batch-invariant mode.",
     )
     share_min_tokens: int = Field(
         16,

@@ -18,8 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.batcher import Batcher
+from service.batcher import Batcher, Scored
 from service.engine.contract import ReloadOrder
+from service.engine.ops.attention import blocked_kernel
+from service.engine.scorer import build
 from service.engine.scorer.engine import PackedScorer
 from service.engine.strategies.gemm import GEMM_ROWS, FixedRows
 from service.jobs import SequenceJob, SequenceScores
@@ -39,13 +41,15 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _jobs(seed: int, count: int, low: int, high: int, **flags: Any) -> list[SequenceJob]:
+def _jobs(seed: int, count: int, low: int, high: int, *, wants: bool = False) -> list[SequenceJob]:
+    """`count` random sequences of low..high tokens; `wants`: values and reference log-probs too."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
         n = int(rng.integers(low, high))
         tokens = rng.integers(0, models.VOCAB, n).astype(np.int64)
-        out.append(SequenceJob(tokens, np.arange(n // 3, n, dtype=np.int64), 0.7, True, **flags))
+        actions = np.arange(n // 3, n, dtype=np.int64)
+        out.append(SequenceJob(tokens, actions, 0.7, True, return_values=wants, return_ref=wants))
     return out
 
 
@@ -139,9 +143,8 @@ def test_a_sequence_scores_the_same_bits_however_it_is_batched(
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_values_and_reference_log_probs_too_across_a_reload_back(dirs: dict[str, Path], dtype: str) -> None:
     engine, settings = _engine(dirs["qwen2"], dtype, ref_model=dirs["ref"], critic=dirs["critic"])
-    wants = {"return_values": True, "return_ref": True}
-    target = _jobs(4, 1, 200, 201, **wants)[0]
-    others = _jobs(5, 10, 20, 250, **wants) + _jobs(6, 4, 20, 250)
+    target = _jobs(4, 1, 200, 201, wants=True)[0]
+    others = _jobs(5, 10, 20, 250, wants=True) + _jobs(6, 4, 20, 250)
     (alone,) = _score(engine, settings, [[target]])[0]
     assert alone.values is not None
     assert alone.ref_logprobs is not None
@@ -176,3 +179,124 @@ def test_a_long_sequence_under_a_small_budget_is_scored_in_chunks(
     assert want.entropy is not None
     np.testing.assert_allclose(alone.entropy, want.entropy, atol=1e-4, rtol=0)
     assert not engine._stores  # every chunk's store dropped after its last chunk
+
+
+# ---- prefix sharing and chunks in the mode (ops/attention.py `invariant`) ---------------------------
+
+# against float32 with the mode off: float32 every score as the parity suite; bfloat16 on average (a
+# router's near-tie that bfloat16 flips moves a mixture of experts' score by up to a nat)
+BOUND = {"float32": 1e-4, "bfloat16": 0.05}
+
+
+def _group(seed: int, prompt: int, lengths: list[int]) -> list[SequenceJob]:
+    """A GRPO-like group: one prompt, a response of each length; the first two responses share a
+    second turn of 24 tokens too (a tree two levels deep). The responses are scored."""
+    rng = np.random.default_rng(seed)
+    head = rng.integers(0, models.VOCAB, prompt)
+    turn = rng.integers(0, models.VOCAB, 24)
+    out = []
+    for i, n in enumerate(lengths):
+        parts = [head, turn] if i < 2 else [head]
+        tokens = np.concatenate([*parts, rng.integers(0, models.VOCAB, n)]).astype(np.int64)
+        out.append(SequenceJob(tokens, np.arange(prompt, tokens.shape[0], dtype=np.int64), 0.7, True))
+    return out
+
+
+def _scored(engine: PackedScorer, settings: Settings, batches: list[list[SequenceJob]]) -> list[Scored]:
+    """_score's answers whole (their computed tokens too)."""
+
+    async def main() -> list[Scored]:
+        batcher = Batcher.from_settings(engine, settings, Metrics())
+        batcher.start()
+        try:
+            return list(await asyncio.gather(*(batcher.score(b) for b in batches)))
+        finally:
+            await batcher.stop()
+
+    return asyncio.run(main())
+
+
+_OFF: dict[str, list[SequenceScores]] = {}
+# the quick cases: a sliding window (qwen2), a soft-cap in the transformers decoder (gemma2), the fused
+# experts (qwen3_moe) and transformers' own (mixtral/transformers); the other cases are marked slow
+QUICK = {("qwen2", "float32"), ("qwen2", "bfloat16"), ("gemma2", "bfloat16"), ("qwen3_moe", "bfloat16")}
+QUICK |= {("mixtral/transformers", "float32")}
+CASES = [
+    pytest.param(served, dtype, marks=() if (served, dtype) in QUICK else pytest.mark.slow)
+    for served in SERVED
+    for dtype in DTYPES
+]
+
+
+@pytest.mark.parametrize(("served", "dtype"), CASES)
+def test_shared_prefixes_and_chunks_give_each_sequence_its_bits_alone(
+    dirs: dict[str, Path], served: str, dtype: str
+) -> None:
+    """Sharing on (the grouped form, a group split over concurrent requests among others and in
+    another order, a group larger than the budget) and a long sequence in chunks under two budgets:
+    every sequence scores the bits it scores alone, unshared and whole; within the parity bound of
+    float32 with the mode off."""
+    name, _, decoder = served.partition("/")
+    engine, settings = _engine(dirs[name], dtype, decoder=decoder or "auto")
+    forward = engine.served.policy.forward
+    fused = build.fused_of(forward)
+    if fused is not None and fused.sparse:  # the experts in one call of every token, not 1024-token blocks
+        assert all(layer.kernel.row_invariant for layer in fused.sparse_layers)
+    assert getattr(fused or forward, "attention", None) is blocked_kernel  # either decoder runs it
+    assert engine.info.attention_backend == "blocked"
+    group = _group(7, 150, [40, 90, 20, 130, 60, 75])
+    others = _jobs(8, 3, 20, 120)
+    long = _jobs(9, 1, 700, 701)[0]
+    alone = [engine.score([job])[0] for job in [*group, others[0], long]]
+    assert settings.share_prefixes
+
+    def budget(tokens: int) -> Settings:
+        return settings.model_copy(update={"max_batch_tokens": tokens})
+
+    grouped = _scored(engine, settings, [group])[0]
+    assert grouped.computed_tokens < sum(job.num_tokens for job in group)  # the prompt ran once
+    split = _scored(
+        engine,
+        settings,
+        [[others[0], group[3], group[1]], [group[5], others[1], group[0]], [group[2], group[4], others[2]]],
+    )
+    small = _scored(engine, budget(256), [[*others[:2], *group[::-1]]])[0]
+    assert sum(job.num_tokens for job in group) - 24 - 5 * 150 > 256  # larger than the budget, shared
+    chunked_256 = _scored(engine, budget(256), [[long], group[:3]])
+    chunked_512 = _scored(engine, budget(512), [group[3:], [others[0], long]])
+    where = ((1, 2), (0, 2), (2, 0), (0, 1), (2, 1), (1, 0))  # group[j] is split[r].scores[i]
+    seen = {
+        "grouped": grouped.scores,
+        "split over requests": [split[r].scores[i] for r, i in where],
+        "group larger than the budget": small.scores[2:][::-1],
+        "beside chunks": chunked_256[1].scores + chunked_512[0].scores,
+    }
+    for label, scores in seen.items():
+        assert [_bits(s) for s in scores] == [_bits(s) for s in alone[:6]], label
+    assert _bits(split[0].scores[0]) == _bits(alone[6]), "beside a split group"
+    assert _bits(chunked_256[0].scores[0]) == _bits(alone[7]), "in chunks under a budget of 256"
+    assert _bits(chunked_512[1].scores[1]) == _bits(alone[7]), "in chunks under a budget of 512"
+    if served not in _OFF:
+        off = Settings(model=dirs[name], device="cpu", dtype="float32", decoder=decoder or "auto")
+        reference = PackedScorer.from_config(off.engine_config())
+        _OFF[served] = [reference.score([job])[0] for job in [*group, long]]
+    got = np.concatenate([s.logprobs for s in [*alone[:6], alone[7]]])
+    want = np.concatenate([s.logprobs for s in _OFF[served]])
+    error = np.abs(got - want)
+    assert (error.max() if dtype == "float32" else error.mean()) <= BOUND[dtype]
+
+
+def test_replicas_with_other_budgets_give_the_same_bits(dirs: dict[str, Path]) -> None:
+    """Two servers, --max-batch-tokens 256 and 4096: a long sequence (chunked under one, whole under
+    the other) and a shared group score the same bits."""
+    group = _group(11, 120, [50, 30, 80])
+    long = _jobs(12, 1, 900, 901)[0]
+    answers = []
+    for tokens in (256, 4096):
+        settings = Settings(
+            model=dirs["qwen3"], device="cpu", dtype="bfloat16", max_batch_tokens=tokens, batch_invariant=True
+        )
+        engine = PackedScorer.from_config(settings.engine_config())
+        engine.warm_up()
+        answers.append([s for a in _scored(engine, settings, [group, [long]]) for s in a.scores])
+    assert [_bits(s) for s in answers[0]] == [_bits(s) for s in answers[1]]

@@ -7,7 +7,7 @@ sees only micro-batches (`ScoringEngine.launch`), chunks of long sequences and w
 `runner.py` moves the work between the queue, the engine thread and the requests' futures.
 """
 
-from service.batcher.policy import LOOKAHEAD, invariant_chunk, sharing
+from service.batcher.policy import LOOKAHEAD, sharing
 from service.batcher.runner import IN_FLIGHT, LAUNCH_HOLD_S, Applied, Batcher, Scored
 
 __all__ = [
@@ -17,6 +17,5 @@ __all__ = [
     "Applied",
     "Batcher",
     "Scored",
-    "invariant_chunk",
     "sharing",
 ]

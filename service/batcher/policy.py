@@ -6,7 +6,8 @@ micro-batch. Synchronous and clock-free; `runner.py` calls it and moves what it 
   does not fit, up to `LOOKAHEAD` more are looked at for those that share a prefix with it and fit.
 - A sequence longer than the budget is scored in chunks, one such sequence at a time: each
   micro-batch ends with its next chunk, in what the whole sequences leave of the budget (they take
-  at most half of it while one is chunked), or in fixed `chunk_tokens` chunks (batch invariance).
+  at most half of it while one is chunked). Batch-invariant mode takes the same micro-batches: its
+  scores do not depend on where chunks end or on what is shared (ops/attention.py `invariant`).
 - A request starts, on the weights then served, when its first sequence is taken; pinned to others,
   it is refused. While a swap waits only started requests are taken; the barrier is reached when
   none of them has anything queued or in chunks (`open`).
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Generic
 
 from service.batcher.queue import Batch, Chunked, F, Pending, Request
-from service.engine.contract import GEMM_ROWS, SHAPE_STEP
+from service.engine.contract import SHAPE_STEP
 from service.errors import Overloaded, VersionMismatch
 from service.jobs import Chunk, SequenceJob
 from service.prefixes import Grouper
@@ -52,13 +53,11 @@ class Policy(Generic[F]):
         versions: Mapping[str, str],
         *,
         max_queued_tokens: int | None = None,
-        chunk_tokens: int | None = None,
         share_min_tokens: int | None = None,
     ) -> None:
         self.budget = budget
         self.versions = versions  # model -> the version served: what a request starting now runs on
         self.max_queued = max_queued_tokens
-        self.chunk_tokens = chunk_tokens
         self.share_min = share_min_tokens
         self.queued_tokens = 0  # of queued sequences and the chunked one's unscored rest
         self.chunked: Chunked[F] | None = None  # the long sequence being scored
@@ -200,12 +199,12 @@ class Policy(Generic[F]):
     def _with_chunk(self, batch: list[Pending[F]], tokens: int) -> Batch[F]:
         """`batch`, ended by the next chunk of the chunked sequence, in the budget left."""
         chunked = self.chunked
-        least = self.chunk_tokens or min(SHAPE_STEP, max(1, self.budget // 8))
+        least = min(SHAPE_STEP, max(1, self.budget // 8))
         if chunked is None or (batch and self.budget - tokens < least):  # no room: the next one
             return Batch.of(batch, self.share_min)
         job = chunked.pending.job
         start = chunked.next_start
-        end = min(job.num_tokens, start + (self.chunk_tokens or self.budget - tokens))
+        end = min(job.num_tokens, start + self.budget - tokens)
         chunked.next_start = end
         self.queued_tokens -= end - start
         if end == job.num_tokens:
@@ -230,16 +229,9 @@ def check_pins(pins: Mapping[str, str], versions: Mapping[str, str]) -> None:
             raise VersionMismatch(target=target, requested=wanted, serving=serving)
 
 
-def invariant_chunk(budget: int) -> int:
-    """The fixed chunk of batch-invariant mode: half the budget, a multiple of GEMM_ROWS where it can
-    be (the engine's GEMM calls), so whole sequences share its micro-batch."""
-    half = budget // 2
-    return half // GEMM_ROWS * GEMM_ROWS or max(1, half)
-
-
 def sharing(settings: Settings) -> int | None:
-    """The shortest prefix sequences share (None: sharing off; always off in batch-invariant mode,
-    where a sequence's scores must not depend on what else is batched)."""
-    if not settings.share_prefixes or settings.batch_invariant:
+    """The shortest prefix sequences share (None: sharing off). On in batch-invariant mode too: a
+    shared prefix changes which rows are computed, not any row's bits."""
+    if not settings.share_prefixes:
         return None
     return settings.share_min_tokens

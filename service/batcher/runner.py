@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.batcher.policy import Policy, invariant_chunk, sharing
+from service.batcher.policy import Policy, sharing
 from service.batcher.queue import Batch, Request
 from service.engine.contract import Launched, OutOfMemory, ScoringEngine, StagedWeights, WeightsState
 from service.errors import EngineFailure, SequenceTooLarge
@@ -93,19 +93,15 @@ class Batcher:
         wait_s: float = 0.0,
         max_queued_tokens: int | None = None,
         hold_s: float = LAUNCH_HOLD_S,
-        chunk_tokens: int | None = None,
         share_min_tokens: int | None = None,
     ) -> None:
-        """chunk_tokens: cut long sequences into chunks of exactly this many tokens (the last one
-        less), whatever else is queued (batch invariance); None: each chunk takes the budget left.
-        share_min_tokens: compute prefixes of at least this many tokens that sequences share once
+        """share_min_tokens: compute prefixes of at least this many tokens that sequences share once
         (None: never)."""
         self._engine = engine
         self._policy: Policy[Future] = Policy(
             max_batch_tokens,
             _serving_versions(engine),
             max_queued_tokens=max_queued_tokens,
-            chunk_tokens=chunk_tokens,
             share_min_tokens=share_min_tokens,
         )
         self._tokens_per_s = 0.0  # moving average of the engine's speed, for Retry-After
@@ -132,7 +128,6 @@ class Batcher:
             wait_s=settings.batch_wait_ms / 1e3,
             hold_s=settings.launch_hold_ms / 1e3,
             max_queued_tokens=settings.max_queued_tokens,
-            chunk_tokens=invariant_chunk(settings.max_batch_tokens) if settings.batch_invariant else None,
             share_min_tokens=sharing(settings),
         )
 

@@ -16,7 +16,7 @@ from service.prefixes import Forest
 # micro-batch's tokens. The batcher gives a chunk no less (a smaller one would pass a padded size).
 SHAPE_STEP = 128
 # Rows of every GEMM call over tokens in batch-invariant mode (strategies/gemm.py); micro-batches and
-# actions are padded to multiples of it, and the batcher's fixed chunks are multiples of it.
+# actions are padded to multiples of it.
 GEMM_ROWS = 1024
 
 Target = Literal["policy", "reference", "critic"]

@@ -9,11 +9,11 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from service.batcher.policy import LOOKAHEAD, Policy, Taken, invariant_chunk
+from service.batcher.policy import LOOKAHEAD, Policy, Taken, sharing
 from service.batcher.queue import Batch, Request
-from service.engine.contract import GEMM_ROWS
 from service.errors import Overloaded, VersionMismatch
 from service.jobs import SequenceJob, SequenceScores
+from service.settings import Settings
 
 Answer = Future[SequenceScores]
 SERVING = {"policy": "v1"}
@@ -132,20 +132,6 @@ def test_no_chunk_when_whole_sequences_leave_less_than_the_least_chunk() -> None
     assert policy.queued_tokens == 43
     batch = take(policy)
     assert (firsts(batch), span(batch)) == ([200], (0, 13))
-
-
-def test_fixed_chunks_in_batch_invariant_mode() -> None:
-    policy: Policy[Answer] = Policy(16, SERVING, chunk_tokens=8)
-    submit(policy, [job(20), job(3, first=100)])
-    batches = [take(policy) for _ in range(3)]
-    assert [(firsts(b), span(b)) for b in batches] == [([100], (0, 8)), ([], (8, 16)), ([], (16, 20))]
-
-
-def test_invariant_chunk_is_half_the_budget_in_whole_gemm_rows() -> None:
-    assert invariant_chunk(8 * GEMM_ROWS) == 4 * GEMM_ROWS
-    assert invariant_chunk(3 * GEMM_ROWS) == GEMM_ROWS
-    assert invariant_chunk(1000) == 500
-    assert invariant_chunk(1) == 1
 
 
 def test_a_group_fits_by_the_tokens_it_computes() -> None:
@@ -361,3 +347,9 @@ def test_beside_a_chunk_whole_sequences_take_at_most_half_the_budget() -> None:
     submit(policy, [job(6, first=1000), job(6, first=2000)])
     batches = [take(policy) for _ in range(2)]
     assert [(firsts(b), span(b)) for b in batches] == [([1000], (16, 26)), ([2000], (26, 36))]
+
+
+def test_prefixes_are_shared_in_batch_invariant_mode_too() -> None:
+    """A shared prefix changes which rows run, not a row's bits (tests/test_invariant.py)."""
+    assert sharing(Settings(batch_invariant=True, share_min_tokens=24)) == 24
+    assert sharing(Settings(batch_invariant=True, share_prefixes=False)) is None

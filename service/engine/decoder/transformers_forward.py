@@ -17,17 +17,24 @@ from service.engine.batch.packing import PackedBatch
 from service.engine.decoder.contract import DecoderKind, warm_rotary, zeros
 from service.engine.moe import layer as moe
 from service.engine.moe.replay import BatchRoutes, RouterHook
+from service.engine.ops.attention import KERNEL_KWARG, Kernel
 
 
 class TransformersDecoder:
     kind: DecoderKind = "transformers"
 
-    def __init__(self, decoder: Any) -> None:
+    def __init__(self, decoder: Any, attention: Kernel | None = None) -> None:
+        """attention: the packed attention kernel its layers run, where it is not the registered
+        backend's (batch-invariant mode's, ops/attention.py `invariant`); None: the registered one."""
         self.decoder = decoder
+        self.attention = attention
 
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
+        kwargs = batch.forward_kwargs()
+        if self.attention is not None:
+            kwargs[KERNEL_KWARG] = self.attention
         with self.routed(batch.routes):
-            hidden: torch.Tensor = self.decoder(**batch.forward_kwargs()).last_hidden_state[0]  # [N, H]
+            hidden: torch.Tensor = self.decoder(**kwargs).last_hidden_state[0]  # [N, H]
         return hidden.index_select(0, rows)
 
     @contextlib.contextmanager

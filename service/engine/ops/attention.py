@@ -8,7 +8,9 @@ kernel where each starts, so attention never crosses a sequence boundary. Four k
 - flash_attn:   flash-attn 2's `flash_attn_varlen_func` (bf16/fp16 on CUDA; softcap, sliding window);
 - torch_varlen: torch's `varlen_attn` (flash kernels shipped with torch; no softcap);
 - sdpa:         one `scaled_dot_product_attention` per sequence: the CPU path, and the fallback for
-                whatever the fast kernels cannot do (float32, attention softcapping without flash-attn).
+                whatever the fast kernels cannot do (float32, attention softcapping without flash-attn);
+- blocked:      batch-invariant mode's CPU path and fallback (`invariant`): fixed query tiles and key
+                blocks counted from each sequence's first position (`blocked_kernel`).
 
 Sliding windows follow transformers: a query at i sees keys j with i - W < j <= i.
 
@@ -23,10 +25,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -64,6 +68,9 @@ class Segments:
 
 # q: [N, Hq, D], k/v: [N, Hk, D] packed rows -> [N, Hq, D]
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Segments], torch.Tensor]
+# The keyword argument of a transformers decoder forward that carries the Kernel to run, where it is
+# not the registered backend's (batch-invariant mode's: `invariant`)
+KERNEL_KWARG = "logprobd_kernel"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +92,7 @@ _IMPLEMENTATION = {
     "flash_attn": "logprobd_fa2_varlen",
     "torch_varlen": "logprobd_torch_varlen",
     "sdpa": "logprobd_exact",
+    "blocked": "logprobd_blocked",
 }
 BACKENDS = tuple(_IMPLEMENTATION)
 
@@ -217,6 +225,157 @@ def _flash_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments,
     return out
 
 
+# batch-invariant mode's blocked kernel: queries in tiles of QUERY_TILE rows, keys in blocks of KEY_BLOCK
+# positions from each sequence's position 0 (every matmul of one shape per model)
+QUERY_TILE = 64
+KEY_BLOCK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class _Tiles:
+    """Where blocked_kernel's tiles read and write, from the boundaries (read on the host): T query
+    tiles of QUERY_TILE rows and B key blocks of KEY_BLOCK keys; an index past the real rows (a zero
+    row) where a tile or block runs past its segment.
+
+    query_rows [T, QT], positions [T, QT] (each query's position in its sequence; -1: padding),
+    key_rows [B, KB], key_length [T] (the keys of the tile's segment), on the device; per tile on the
+    host: first_block (in the table of B blocks), first_key (its first block's first position),
+    blocks (how many, in order). Tiles come most blocks first, so a step's tiles are a prefix."""
+
+    query_rows: torch.Tensor
+    positions: torch.Tensor
+    key_rows: torch.Tensor
+    key_length: torch.Tensor
+    first_block: np.ndarray
+    first_key: np.ndarray
+    blocks: np.ndarray
+
+
+def _tiles(seg: Segments, queries: int, keys: int, device: torch.device) -> _Tiles:
+    cu_k, _ = seg.keys
+    q_bounds = seg.cu.cpu().numpy().astype(np.int64)
+    k_bounds = cu_k.cpu().numpy().astype(np.int64)
+    q_len, k_len = np.diff(q_bounds), np.diff(k_bounds)
+    live = np.flatnonzero(q_len > 0)
+    n_blocks = -(-k_len[live] // KEY_BLOCK)  # key blocks of each live segment
+    table = np.concatenate(([0], np.cumsum(n_blocks)))[:-1]  # its first block in the table
+    n_tiles = -(-q_len[live] // QUERY_TILE)
+    segment = np.repeat(np.arange(live.shape[0]), n_tiles)  # [T] each tile's live segment
+    r0 = (np.arange(segment.shape[0]) - np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)) * QUERY_TILE
+    seq = live[segment]
+    r = r0[:, None] + np.arange(QUERY_TILE)  # [T, QT] rows within the segment
+    real = r < q_len[seq, None]
+    offset = (k_len - q_len)[seq]  # the queries are the segment's last positions (bottom-right aligned)
+    last = offset + np.minimum(r0 + QUERY_TILE, q_len[seq]) - 1  # each tile's last query position
+    first = np.zeros_like(last)  # each tile's first block: none left of its first query's window
+    if seg.window is not None:
+        first = np.maximum(0, offset + r0 - seg.window + 1) // KEY_BLOCK
+    block = np.arange(int(n_blocks.sum())) - np.repeat(table, n_blocks)  # each block's index in its segment
+    key_segment = live[np.repeat(np.arange(live.shape[0]), n_blocks)]
+    key_r = block[:, None] * KEY_BLOCK + np.arange(KEY_BLOCK)
+    key_rows = np.where(key_r < k_len[key_segment, None], key_r + k_bounds[key_segment, None], keys)
+
+    def to(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+    counts = last // KEY_BLOCK + 1 - first
+    order = np.argsort(-counts, kind="stable")  # most blocks first: a step's tiles are a prefix
+    return _Tiles(
+        query_rows=to(np.where(real, r + q_bounds[seq, None], queries)[order]),
+        positions=to(np.where(real, r + offset[:, None], -1)[order]),
+        key_rows=to(key_rows),
+        key_length=to(k_len[seq][order]),
+        first_block=(table[segment] + first)[order],
+        first_key=(first * KEY_BLOCK)[order],
+        blocks=counts[order],
+    )
+
+
+def blocked_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """Exact attention whose every query row is reduced over its keys in one order, however the
+    queries are segmented: batch-invariant mode's CPU kernel, and its fallback where the fast kernels
+    cannot run (float32, a soft-cap torch varlen lacks).
+
+    A segment's queries are cut into tiles of QUERY_TILE rows, its keys (positions 0 .. k-1 of its
+    sequence: its own, a shared prefix's or a cached context's) into blocks of KEY_BLOCK positions from
+    position 0. Each tile runs an online softmax in float32 over its key blocks in ascending order;
+    every product is one batched matmul of fixed shape ([Hk, G·QT, D] x [Hk, D, KB] and [Hk, G·QT, KB]
+    x [Hk, KB, D + 1], whose last column of ones sums the weights), so a row's bits depend on its own
+    query and keys alone. A block past a row's last key (or before its window) is masked whole for
+    that row and leaves its running max, sum and output exactly as they were (exp(0) = 1 scales, zeros
+    add), so a row scores the same bits in a tile of any other rows, beside a shared prefix's keys or
+    a chunk's cached context, and alone."""
+    device, hk, d = q.device, k.shape[1], q.shape[2]
+    groups = q.shape[1] // hk
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    tiles = _tiles(seg, q.shape[0], k.shape[0], device)
+    n_tiles = tiles.query_rows.shape[0]
+    zero_q = q.new_zeros((1, *q.shape[1:]))
+    padded_q = torch.cat([q, zero_q]).float()
+    # [T, QT, Hk·G, D] -> [T, Hk, G·QT, D]
+    tile_q = padded_q[tiles.query_rows].view(n_tiles, QUERY_TILE, hk, groups, d)
+    tile_q = tile_q.permute(0, 2, 3, 1, 4).reshape(n_tiles, hk, groups * QUERY_TILE, d).contiguous()
+    padded_k = torch.cat([k, k.new_zeros((1, *k.shape[1:]))]).float()
+    padded_v = torch.cat([v, v.new_zeros((1, *v.shape[1:]))]).float()
+    n_blocks = tiles.key_rows.shape[0]
+    block_k = padded_k[tiles.key_rows].permute(0, 2, 3, 1).contiguous()  # [B, Hk, D, KB]
+    block_v = padded_v[tiles.key_rows].permute(0, 2, 1, 3)  # [B, Hk, KB, D]
+    ones = block_v.new_ones((n_blocks, hk, KEY_BLOCK, 1))
+    block_v = torch.cat([block_v, ones], dim=3).contiguous()  # [B, Hk, KB, D + 1]
+    acc = q.new_zeros((n_tiles, hk, groups * QUERY_TILE, d + 1), dtype=torch.float32)
+    row_max = acc.new_full((n_tiles, hk, groups, QUERY_TILE), float("-inf"))
+    within = torch.arange(KEY_BLOCK, device=device)
+    for step in range(int(tiles.blocks[0])):
+        t = int(np.count_nonzero(tiles.blocks > step))  # the tiles with a block at this step: a prefix
+        blocks = torch.from_numpy(tiles.first_block[:t] + step).to(device)
+        key_position = torch.from_numpy(tiles.first_key[:t] + step * KEY_BLOCK).to(device)[:, None] + within
+        query_position = tiles.positions[:t]  # [t, QT]
+        allowed = key_position[:, None, :] <= query_position[:, :, None]  # [t, QT, KB]
+        allowed &= (key_position < tiles.key_length[:t, None])[:, None, :]
+        if seg.window is not None:
+            allowed &= key_position[:, None, :] > query_position[:, :, None] - seg.window
+        scores = torch.matmul(tile_q[:t], block_k[blocks]) * seg.scale  # [t, Hk, G·QT, KB]
+        if seg.softcap is not None:
+            scores = torch.tanh(scores / seg.softcap) * seg.softcap
+        scores = scores.view(t, hk, groups, QUERY_TILE, KEY_BLOCK)
+        scores = scores.masked_fill(~allowed[:, None, None], -math.inf)
+        previous = row_max[:t]
+        new_max = torch.maximum(previous, scores.amax(dim=-1))
+        safe = new_max.masked_fill(new_max == -math.inf, 0.0)  # a row with no key yet
+        rescale = torch.exp(previous - safe).view(t, hk, groups * QUERY_TILE, 1)
+        weights = torch.exp(scores - safe[..., None]).view(t, hk, groups * QUERY_TILE, KEY_BLOCK)
+        product = torch.matmul(weights, block_v[blocks])  # [t, Hk, G·QT, D + 1]
+        acc[:t] = acc[:t] * rescale + product
+        row_max[:t] = new_max
+    result = acc[..., :d] / acc[..., d:]  # [T, Hk, G·QT, D]
+    result = result.view(n_tiles, hk, groups, QUERY_TILE, d).permute(0, 3, 1, 2, 4)
+    result = result.reshape(n_tiles * QUERY_TILE, hk * groups, d)
+    rows = tiles.query_rows.flatten()
+    real = rows < q.shape[0]
+    out[rows[real]] = result[real].to(q.dtype)
+    return out
+
+
+def invariant(backend: AttentionBackend) -> AttentionBackend:
+    """`backend` as batch-invariant mode runs it: the blocked kernel on the CPU (sdpa's place) and
+    wherever the fast kernel would fall back to sdpa; a fast kernel as it is, the one varlen call for
+    segments whose keys are their own, a shared prefix's or a chunk's context alike (its query tiles
+    reduce each row over key blocks counted from the segment's key 0, in one order, no split of the
+    keys; a block masked whole for a row leaves it as it was)."""
+    if backend.name in {"sdpa", "blocked"}:
+        return AttentionBackend("blocked", blocked_kernel)
+    fast, softcap = backend.kernel, backend.name != "torch_varlen"
+
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+        if q.dtype not in FAST_DTYPES or (seg.softcap is not None and not softcap):
+            return blocked_kernel(q, k, v, seg)
+        return fast(q, k, v, seg)
+
+    return AttentionBackend(backend.name, kernel)
+
+
 # The fast backends `auto` tries on CUDA, in order: the module each needs, its package, and whether the
 # device can run it.
 _OPTIONAL = {
@@ -268,10 +427,11 @@ def choose_backend(requested: str, device: torch.device) -> AttentionBackend:
 
 
 def register(backend: AttentionBackend) -> str:
-    """Make `backend` usable as `attn_implementation=<returned name>` in transformers."""
+    """Make `backend` usable as `attn_implementation=<returned name>` in transformers; a forward
+    given KERNEL_KWARG runs that kernel instead."""
     from transformers import AttentionInterface
 
-    kernel = backend.kernel
+    registered = backend.kernel
 
     def packed_attention(  # noqa: PLR0917 (transformers calls it positionally)
         module: torch.nn.Module,
@@ -300,6 +460,7 @@ def register(backend: AttentionBackend) -> str:
         if context is not None:  # shared prefixes' keys, the last segment's cached context
             k, v = context.extend(int(getattr(module, "layer_idx")), k, v)  # noqa: B009 (a Module attribute)
             seg = dataclasses.replace(seg, cu_k=context.cu_k, max_len_k=context.max_len_k)
+        kernel: Kernel = kwargs.get(KERNEL_KWARG) or registered
         out = kernel(q, k, v, seg)
         return out.reshape(batch, seq, heads, dim), None
 

@@ -87,6 +87,8 @@ def prepare(  # noqa: PLR0917
         raise RuntimeError(
             f"moe_kernel={config.moe_kernel} runs in the fused decoder, which this model does not run"
         )
+    if config.batch_invariant and isinstance(forward, decoder.TransformersDecoder):
+        forward.attention = backend.kernel  # the mode's attention (ops/attention.py invariant), per call
     kernels = apply_fused_kernels(model, config.kernels, device, batch_invariant=gemm.rows is not None)
     chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
     gemm.patch(base)

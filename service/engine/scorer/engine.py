@@ -45,7 +45,7 @@ from service.engine.decoder import graphs
 from service.engine.loading.critic import Critic
 from service.engine.loading.load import Whole, load_models
 from service.engine.loading.models import LoadedModel, resolve_device, resolve_dtype
-from service.engine.ops.attention import AttentionBackend, choose_backend, register
+from service.engine.ops.attention import AttentionBackend, choose_backend, invariant, register
 from service.engine.parallel.sharding import Sharded
 from service.engine.scorer import build, memory, reload, self_check
 from service.engine.scorer.inflight import (
@@ -81,6 +81,8 @@ class PackedScorer:
         decoders whose row-parallel projections all-reduce, no CUDA graphs."""
         # batch invariance (strategies/gemm.py): GEMMs of fixed rows, tokens and actions padded to them
         self._gemm = gemms.choose(config.batch_invariant)
+        if config.batch_invariant:  # attention that reduces each row alike however queries are cut
+            backend = invariant(backend)
         self._step = self._gemm.step
         self._device = device
         self._sharded = sharded

@@ -79,7 +79,8 @@ def check_or_fall_back(
         if setting != "auto":
             raise
         log.warning("%s: %s; serving it with the transformers decoder instead", role, exc)
-    lm.forward = decoder.TransformersDecoder(lm.model.base_model)
+    fused = fused_of(lm.forward)
+    lm.forward = decoder.TransformersDecoder(lm.model.base_model, fused.attention if fused else None)
     return Checked(logits_check(lm, job, device), fell_back=True)
 
 

@@ -8,7 +8,8 @@ sequences share its micro-batch. Under FixedRows every GEMM over tokens runs as 
 every call has one shape per weight, one kernel, and a row's reduction order depends on nothing but
 its own values. Everything else a score goes through is computed per row or per sequence with shapes
 that depend on that sequence alone (the embedding gather, RoPE, the row-wise Triton kernels, the
-log-softmax over fixed [chunk_rows, V] chunks, varlen attention tiled from each sequence's start).
+log-softmax over fixed [chunk_rows, V] chunks, attention reducing each query over its sequence's keys
+in one order however the queries are cut: ops/attention.py `invariant`).
 
 Boundary: x [N, K]; with N a multiple of `rows`, `rows`-row calls; any other N (the lm_head's fixed
 chunks, a warm-up probe) is one call, whose shape its caller then fixes.

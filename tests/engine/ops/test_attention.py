@@ -8,7 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.engine.ops.attention import BACKENDS, AttentionBackend, Segments, choose_backend, sdpa_kernel
+from service.engine.ops.attention import (
+    BACKENDS,
+    KEY_BLOCK,
+    QUERY_TILE,
+    AttentionBackend,
+    Kernel,
+    Segments,
+    blocked_kernel,
+    choose_backend,
+    invariant,
+    sdpa_kernel,
+)
 from service.engine.runtime import packages as optional
 from service.engine.scorer.build import versions as _versions
 
@@ -59,6 +70,79 @@ def test_sdpa_kernel_matches_dense_reference(
     q, k, v, seg = make_inputs(lengths, "cpu", torch.float32, window, softcap)
     got = sdpa_kernel(q, k, v, seg)
     torch.testing.assert_close(got.double(), dense_reference(q, k, v, seg), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("lengths", "window", "softcap"), CASES)
+def test_blocked_kernel_matches_dense_reference(
+    lengths: list[int], window: int | None, softcap: float | None
+) -> None:
+    q, k, v, seg = make_inputs(lengths, "cpu", torch.float32, window, softcap)
+    got = blocked_kernel(q, k, v, seg)
+    torch.testing.assert_close(got.double(), dense_reference(q, k, v, seg), atol=1e-5, rtol=1e-5)
+
+
+def _cut(start: int, end: int, before: int, whole: Segments) -> Segments:
+    """Queries [start, end) of one sequence whose keys are its positions 0 .. end - 1, after a segment
+    of `before` tokens that attends to itself (a shared node, or a chunk after its context, in a row)."""
+    cu = [0, before, before + end - start] if before else [0, end - start]
+    cu_k = [0, before, before + end] if before else [0, end]
+    device = whole.cu.device
+    return Segments(
+        torch.tensor(cu, dtype=torch.int32, device=device),
+        max(before, end - start),
+        whole.scale,
+        whole.window,
+        whole.softcap,
+        torch.tensor(cu_k, dtype=torch.int32, device=device),
+        max(before, end),
+    )
+
+
+# (start, end, before): positions [start, end) as queries, end keys, a segment of `before` in front
+CUTS = [(0, 300, 0), (1, 300, 0), (130, 300, 0), (64, 128, 0), (299, 300, 0), (77, 201, 37), (0, 5, 70)]
+
+
+def _scores_rows_alike(kernel: Kernel, device: str, dtype: torch.dtype) -> None:
+    """Every row of one 300-token sequence (several query tiles and key blocks, grouped heads) scores
+    the same bits however the queries are cut, with a window, a soft-cap, both or neither."""
+    assert 2 * max(QUERY_TILE, KEY_BLOCK) < 300
+    for window, softcap in ((None, None), (40, None), (None, 2.0), (100, 3.0)):
+        q, k, v, whole = make_inputs([300], device, dtype, window, softcap)
+        want = kernel(q, k, v, whole)
+        other = make_inputs([70], device, dtype, window, softcap)[:3]  # a segment in front of the cut
+        for start, end, before in CUTS:
+            qs = torch.cat([other[0][:before], q[start:end]])
+            ks, vs = (torch.cat([o[:before], x[:end]]) for o, x in ((other[1], k), (other[2], v)))
+            got = kernel(qs, ks, vs, _cut(start, end, before, whole))[before:]
+            assert torch.equal(got, want[start:end]), (window, softcap, start, end, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_kernel_scores_a_row_alike_however_its_queries_are_cut(dtype: torch.dtype) -> None:
+    """A shared node's queries, a chunk's after its cached context, a suffix of one query, beside
+    another segment: bitwise the rows of the whole sequence (sdpa_kernel's one-query rows differ in
+    float32 on the CPU: another kernel for that shape)."""
+    _scores_rows_alike(blocked_kernel, "cpu", dtype)
+
+
+def test_invariant_backend_runs_the_blocked_kernel_where_a_fast_one_cannot() -> None:
+    assert invariant(choose_backend("sdpa", torch.device("cpu"))).name == "blocked"
+    calls: list[str] = []
+
+    def fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+        calls.append("fast")
+        return q
+
+    q, k, v, seg = make_inputs([9, 4], "cpu", torch.bfloat16, None, 2.0)
+    for name, dtype, want in (("flash_attn", torch.bfloat16, ["fast"]), ("torch_varlen", torch.bfloat16, [])):
+        calls.clear()
+        out = invariant(AttentionBackend(name, fast)).kernel(q.to(dtype), k.to(dtype), v.to(dtype), seg)
+        assert calls == want  # torch varlen has no soft-cap: the blocked kernel
+        if not want:
+            torch.testing.assert_close(out, blocked_kernel(q, k, v, seg))
+    calls.clear()
+    invariant(AttentionBackend("flash_attn_cute", fast)).kernel(q.float(), k.float(), v.float(), seg)
+    assert calls == []  # float32: the blocked kernel
 
 
 def test_auto_backend_on_cpu_is_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,6 +264,18 @@ def test_gpu_kernel_with_a_context_matches_cpu_twin(
     torch.testing.assert_close(got.cpu(), want, atol=2e-2, rtol=2e-2)
     full = sdpa_kernel(q.float().cpu(), k.float().cpu(), v.float().cpu(), _on_cpu(whole))
     torch.testing.assert_close(want, full[keep], atol=1e-5, rtol=1e-5)  # = the whole sequence's rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_kernel_in_invariant_mode_scores_a_row_alike_however_its_queries_are_cut(backend: str) -> None:
+    """Batch-invariant mode's premise for prefix sharing and chunks on the GPU: the fast kernel, given
+    a shared node's or a chunk's queries with keys from the sequence's position 0, reduces each row as
+    over the whole sequence (bf16, and float32 through the blocked kernel)."""
+    kernel = invariant(choose_backend(backend, torch.device("cuda"))).kernel
+    for dtype in (torch.bfloat16, torch.float32):
+        _scores_rows_alike(kernel, "cuda", dtype)
 
 
 def _on_cpu(seg: Segments) -> Segments:
