@@ -79,6 +79,48 @@ def expected(model: Any, request: dict[str, Any]) -> Expected:
     return out
 
 
+def reference_routes(model: Any, request: dict[str, Any]) -> list[list[Any]]:
+    """Each row's `routed_experts` as the reference's own routers choose them on its unpadded sequence
+    alone ([L, sparse layers, top_k], transformers' TopKRouter outputs in layer order), laid out as the
+    request's rows: per position of a ragged row, per column of a padded one (padding columns: experts
+    0 .. k-1, which the service ignores)."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    out = []
+    for i in range(len(request["input_ids"])):
+        tokens, _ = row_tokens_and_window(request, i)
+        chosen: list[torch.Tensor] = []
+
+        def keep(_module: Any, _args: Any, output: Any, into: list[torch.Tensor] = chosen) -> None:
+            into.append(output[2].detach().cpu())  # (logits, weights, ids)
+
+        hooks = [r.register_forward_hook(keep) for r in routers]
+        try:
+            with torch.no_grad():
+                model(input_ids=torch.tensor([tokens], device=model.device))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        routes = torch.stack(chosen, dim=1)  # [L, layers, k]
+        if "attention_mask" in request:
+            mask = torch.tensor(request["attention_mask"][i], dtype=torch.bool)
+            columns = torch.arange(routes.shape[-1]).expand(mask.shape[0], *routes.shape[1:]).clone()
+            columns[mask] = routes
+            routes = columns
+        out.append(routes.tolist())
+    return out
+
+
+def mean_diff(got: list[list[float]], want: list[list[float]], mask: list[list[int]]) -> float:
+    """The mean |got - want| over the actions (mask 1) of ragged rows."""
+    diffs = [
+        abs(g - w)
+        for gr, wr, mr in zip(got, want, mask, strict=True)
+        for g, w, m in zip(gr, wr, mr, strict=True)
+        if m
+    ]
+    return sum(diffs) / len(diffs) if diffs else 0.0
+
+
 def max_diff(got: list[list[float]], want: list[list[float]]) -> float:
     """The largest |got - want| over ragged rows of equal lengths (0.0 for none)."""
     assert len(got) == len(want)

@@ -3,6 +3,11 @@
 Runs the whole service path (HTTP -> normalise -> batcher -> packed engine -> response) against
 tests/reference.py, which runs each unpadded sequence alone through the model's own eager forward.
 The mixtures of experts run twice: in the fused decoder (decoder=auto) and in transformers' own.
+
+In bf16 and fp16 the tiny random MoE models' routers hold near ties that rounding flips (a flipped
+expert moves a score by up to a few nats, in transformers' own modules as in the fused ones), so the
+live-routing cases bound the mean |Δ| there (MOE_LIVE_MEAN); the same layouts scored on the experts
+the float32 reference chose (routing replay, `routed_experts`) bound every score by the tolerance.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from fastapi.testclient import TestClient
 
 from tests import models
 from tests.conftest import DEVICE, DTYPE, TOLERANCE, running, settings_for
-from tests.reference import check_reply, expected, max_diff
+from tests.reference import check_reply, expected, max_diff, mean_diff, reference_routes
 from tests.requests import LAYOUTS, make
 
 REQUESTS_PER_CASE = 3
+MOE_LIVE_MEAN = 0.05  # bf16/fp16 live routing of the MoE models: the mean |Δ| over actions
 _worst: dict[str, float] = {}
 
 
@@ -57,8 +63,37 @@ def test_scores_equal_reference(
         request = make(layout, rng, models.VOCAB, rows=5)
         reply = client.post("/logprobs", json=request)
         diff = check_reply(reply, request, reference_models[name], tolerance=math.inf)  # bounded below
+        if name in models.MOE_ARCHITECTURES and DTYPE != "float32":
+            want = expected(reference_models[name], request)
+            mean = mean_diff(reply.json()["logprobs"], want.logprobs, want.action_mask)
+            assert mean <= MOE_LIVE_MEAN, f"{name}/{layout}: mean |Δ| {mean:.3g} (live routes)"
+            continue
         _worst[name] = max(_worst.get(name, 0.0), diff)
         assert diff <= TOLERANCE, f"{name}/{layout}: max |Δ| {diff:.3g} > {TOLERANCE}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_scores_equal_reference_on_its_routes(
+    served: tuple[str, TestClient], layout: str, reference_models: dict[str, Any]
+) -> None:
+    """Each row replays the experts the float32 reference chose on it: every score within the tolerance,
+    in every dtype, and the reported agreement covers every position and layer."""
+    name, client = served
+    if name not in models.MOE_ARCHITECTURES:
+        pytest.skip("a dense policy takes no routes")
+    rng = random.Random(f"routes-{name}-{layout}")
+    for _ in range(REQUESTS_PER_CASE):
+        request = make(layout, rng, models.VOCAB, rows=5)
+        request["routed_experts"] = reference_routes(reference_models[name], request)
+        reply = client.post("/logprobs", json=request)
+        diff = check_reply(reply, request, reference_models[name], tolerance=math.inf)  # bounded below
+        key = f"{name} (reference routes)"
+        _worst[key] = max(_worst.get(key, 0.0), diff)
+        assert diff <= TOLERANCE, f"{name}/{layout}: max |Δ| {diff:.3g} on the reference's routes"
+        agreement = reply.json()["route_agreement"]
+        assert agreement["compared"] > 0
+        if DTYPE == "float32":  # the live router chooses what the float32 reference chose
+            assert agreement["exact_fraction"] == 1.0
 
 
 def test_report_worst_difference() -> None:
