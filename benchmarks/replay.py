@@ -79,7 +79,8 @@ def replayed(url: str, bodies: list[dict[str, Any]]) -> tuple[list[list[np.ndarr
     with httpx.Client(base_url=url, timeout=600) as client:
         for body in bodies:
             reply = client.post("/logprobs", content=to_frame(body), headers=FRAME_HEADERS)
-            reply.raise_for_status()
+            if reply.status_code != 200:
+                raise RuntimeError(reply.text)
             answer = from_frame(reply.content)
             scores.append([np.asarray(r, dtype=np.float64) for r in answer["logprobs"]])
             agreement.append(float(answer["route_agreement"]["exact_fraction"]))
@@ -104,7 +105,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     with HttpServer(engine, settings) as url:
         routes, live_scores = recorded(url, plain)
         replay = [
-            {**body, "routed_experts": [r.astype(np.uint8) if int(r.max()) < 256 else r for r in rs]}
+            {**body, "routed_experts": [r.tolist() for r in rs]}
             for body, rs in zip(plain, routes, strict=True)
         ]
         replay_scores, agreement = replayed(url, replay)
