@@ -44,13 +44,16 @@ class Pool:
     data: Bytes
     start: Ints
     length: Ints
+    head: NDArray[np.void] | None = None  # [n] each string's first bytes, one item each: copy_over's
 
     @classmethod
-    def of(cls, strings: Sequence[bytes]) -> Pool:
+    def of(cls, strings: Sequence[bytes], head: int = 0) -> Pool:
+        """The strings; with `head` > 0 also their first `head` bytes as a table, copied faster."""
         length = np.fromiter(map(len, strings), dtype=np.int64, count=len(strings))
         start = np.cumsum(length) - length
         data = np.frombuffer(b"".join(strings) + bytes(SLACK), dtype=np.uint8)
-        return cls(data=data, start=start, length=length)
+        heads = np.ascontiguousarray(windows(data, head)[start]) if head else None
+        return cls(data=data, start=start, length=length, head=heads)
 
     @classmethod
     def of_json_array(cls, text: bytes) -> Pool:
@@ -78,16 +81,21 @@ def copy_over(buf: Bytes, at: Ints, pool: Pool, which: Ints, width: int) -> None
     """buf[at[i]:] = pool string which[i], written `width` bytes at a time (strings longer than width
     in several): each copy spills up to width - 1 bytes past its string, for a later copy to cover."""
     assert width <= SLACK
-    start, length = pool.start[which], pool.length[which]
     dst, src = windows(buf, width), windows(pool.data, width)
-    dst[at] = src[start]
-    done = width
-    while True:
+    if pool.head is not None:
+        assert pool.head.dtype.itemsize == width
+        dst[at] = np.take(pool.head, which)
+    else:
+        dst[at] = src[pool.start[which]]
+    if pool.longest <= width:
+        return
+    start, length = pool.start[which], pool.length[which]
+    for done in range(width, pool.longest, width):
         longer = np.flatnonzero(length > done)  # the strings not yet whole
         if longer.size == 0:
             return
-        dst[at[longer] + done] = src[start[longer] + done]
-        done += width
+        at, start, length = at[longer], start[longer], length[longer]
+        dst[at + done] = src[start + done]
 
 
 def copy_exact(buf: Bytes, at: Ints, data: Bytes, start: Ints, length: Ints) -> None:

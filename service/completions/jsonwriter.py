@@ -14,6 +14,7 @@ numbers are orjson's own, of float64 arrays, and the rest is pieces.py's text co
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,15 +23,15 @@ import numpy as np
 import orjson
 from numpy.typing import NDArray
 
-from service.completions.bytepool import SLACK, Bytes, Ints, Pool, copy_exact, copy_over, room
-from service.completions.pieces import TokenPieces
+from service.completions.bytepool import SLACK, Bytes, Ints, Pool, copy_exact, copy_over, room, windows
+from service.completions.pieces import DECODED_WIDTH, KEY_WIDTH, TokenPieces
 
 FLOOR = -9999.0  # vLLM's clamp for -inf, which JSON cannot carry
 BLOCK_ENTRIES = 1 << 17  # entries (tokens shown) rendered at once: about 10 MB of JSON
 NUMBERS = orjson.OPT_SERIALIZE_NUMPY
 # copy_over widths for prompt_logprobs, and the shortest piece that follows each in an entry: a
 # spill must stay inside pieces copied after it (the order in _prompt_block).
-KEY_WIDTH, NUMBER_WIDTH, DECODED_WIDTH = 24, 24, 32
+NUMBER_WIDTH = 24
 SHORTEST_KEY, SHORTEST_NUMBER, SHORTEST_RANK = (
     len(b',"0":{"logprob":'),
     len(b"0.0"),
@@ -171,9 +172,20 @@ def _prompt_block(pieces: TokenPieces, block: Positions, k: int) -> Bytes:
     copy_over(buf, at_decoded, pieces.decoded, ids, DECODED_WIDTH)
     copy_over(buf, at_key, pieces.key, keys, KEY_WIDTH)
     copy_over(buf, at_number, numbers, np.arange(ids.size), NUMBER_WIDTH)
-    copy_exact(buf, at_rank, pieces.rank.data, pieces.rank.start[ranks], l_rank * keep)
+    _copy_ranks(buf, at_rank.reshape(n, s), pieces.rank, e.ranks[:, 0])
     buf[layout.close] = ord("}")
     return buf[:total]
+
+
+def _copy_ranks(buf: Bytes, at: Ints, rank: Pool, first: Ints) -> None:
+    """The rank pieces, each its exact length: slot 0's by its rank, slot j's (rank j) by column."""
+    copy_exact(buf, at[:, 0], rank.data, rank.start[first], rank.length[first])
+    widths = rank.length[1 : at.shape[1]]
+    cuts = [0, *(np.flatnonzero(np.diff(widths)) + 1).tolist(), widths.size]
+    for a, b in itertools.pairwise(cuts):  # slots a + 1 .. b, ranks of one number of digits
+        if b > a:
+            width = int(widths[a])
+            windows(buf, width)[at[:, a + 1 : b + 1]] = windows(rank.data, width)[rank.start[a + 1 : b + 1]]
 
 
 def _top_block(pieces: TokenPieces, block: Positions, k: int) -> Bytes:

@@ -26,6 +26,8 @@ import orjson
 from service.completions.bytepool import Ints, Pool
 from service.engine.contract import TokenText
 
+KEY_WIDTH, DECODED_WIDTH = 24, 32  # bytes per copy of a key and of a decoded_token (jsonwriter.py)
+
 
 @dataclass(frozen=True, slots=True)
 class TokenPieces:
@@ -48,10 +50,12 @@ class TokenPieces:
             vocab_size=vocab_size,
             key=Pool.of(
                 [b',"' + d + b'":{"logprob":' for d in digits]
-                + [b',{"' + d + b'":{"logprob":' for d in digits]
+                + [b',{"' + d + b'":{"logprob":' for d in digits],
+                head=KEY_WIDTH,
             ),
             decoded=Pool.of(
-                [q + b"}" for q in quoted] if token_text is not None else [b"null}"] * vocab_size
+                [q + b"}" for q in quoted] if token_text is not None else [b"null}"] * vocab_size,
+                head=DECODED_WIDTH,
             ),
             rank=Pool.of([b',"rank":%d,"decoded_token":' % r for r in range(vocab_size + 1)]),
             text=Pool.of([b"," + q + b":" for q in quoted] + [b",{" + q + b":" for q in quoted]),

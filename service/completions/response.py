@@ -146,6 +146,14 @@ def _openai_logprobs(
     out.add(b',"text_offset":', jsonwriter.text_offsets(pieces, tokens), b"}")
 
 
+def _text(plan: CompletionPlan, prompt: np.ndarray, drawn: Drawn | None, token_text: TokenText | None) -> str:
+    """choices[i].text: the prompt's text with echo, then the drawn token's; "" without a tokenizer."""
+    if token_text is None:
+        return ""
+    generated = token_text.decode([drawn.token]) if drawn is not None else ""
+    return token_text.decode(prompt.tolist()) + generated if plan.echo else generated
+
+
 def completion_chunks(
     plan: CompletionPlan,
     scores: list[SequenceScores],
@@ -165,10 +173,10 @@ def completion_chunks(
     for i, (prompt, s, d) in enumerate(zip(plan.prompts, scores, drawn, strict=True)):
         positions = prompt_positions(prompt, s) if plan.scores_prompt else None
         drawn_at = drawn_position(d, s) if d is not None else None
-        generated = token_text.decode([d.token]) if d is not None and token_text is not None else ""
-        prompt_text = token_text.decode(prompt.tolist()) if token_text is not None else ""
-        out.add(b"," if i else b"", b'{"index":', dumps(i), b',"text":')
-        out.add(dumps((prompt_text + generated) if plan.echo else generated), b',"logprobs":')
+        out.add(
+            b"," if i else b"", b'{"index":', dumps(i), b',"text":', dumps(_text(plan, prompt, d, token_text))
+        )
+        out.add(b',"logprobs":')
         if plan.logprobs_k is None:
             out.add(b"null")
         else:
