@@ -74,7 +74,7 @@ class Pool:
 
 def room(total: int, *pools: Pool) -> Bytes:
     """A destination buffer for `total` real bytes, with room after them for any copy sent past."""
-    return np.empty(total + 2 * SLACK + max(p.longest for p in pools), dtype=np.uint8)
+    return np.empty(total + 2 * SLACK + sum(p.longest for p in pools), dtype=np.uint8)
 
 
 def copy_over(buf: Bytes, at: Ints, pool: Pool, which: Ints, width: int) -> None:

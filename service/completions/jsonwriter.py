@@ -23,24 +23,20 @@ import numpy as np
 import orjson
 from numpy.typing import NDArray
 
-from service.completions.bytepool import SLACK, Bytes, Ints, Pool, copy_exact, copy_over, room, windows
+from service.completions.bytepool import Bytes, Ints, Pool, copy_exact, copy_over, room, windows
 from service.completions.pieces import DECODED_WIDTH, KEY_WIDTH, TokenPieces
 
 FLOOR = -9999.0  # vLLM's clamp for -inf, which JSON cannot carry
 BLOCK_ENTRIES = 1 << 17  # entries (tokens shown) rendered at once: about 10 MB of JSON
 NUMBERS = orjson.OPT_SERIALIZE_NUMPY
-# copy_over widths for prompt_logprobs, and the shortest piece that follows each in an entry: a
-# spill must stay inside pieces copied after it (the order in _prompt_block).
+# prompt_logprobs' copies spill up to width - 1 bytes past a piece, into the pieces after it, which
+# _prompt_block copies later: the shortest of those must hold the spill (test_jsonwriter checks it).
 NUMBER_WIDTH = 24
 SHORTEST_KEY, SHORTEST_NUMBER, SHORTEST_RANK = (
-    len(b',"0":{"logprob":'),
-    len(b"0.0"),
-    len(b',"rank":0,"decoded_token":'),
+    len(',"0":{"logprob":'),
+    len("0.0"),
+    len(',"rank":0,"decoded_token":'),
 )
-assert NUMBER_WIDTH - 1 <= SHORTEST_RANK
-assert KEY_WIDTH - 1 <= SHORTEST_NUMBER + SHORTEST_RANK
-assert DECODED_WIDTH - 1 <= SHORTEST_KEY + SHORTEST_NUMBER + SHORTEST_RANK
-assert max(KEY_WIDTH, NUMBER_WIDTH, DECODED_WIDTH) <= SLACK
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,33 +71,32 @@ class Positions:
 
 @dataclass(frozen=True, slots=True)
 class Entries:
-    """A block's entries, slot 0 the position's token, slot j its j-th most likely: ids, logprobs
-    (float64, clamped), ranks, keep (False: shown in an earlier slot) [n, K + 1]."""
+    """A block's entries, slot 0 the position's token, slot j its j-th most likely (rank j): ids,
+    logprobs (float64, clamped), keep (False: shown in an earlier slot) [n, K + 1]; first_rank [n]
+    slot 0's rank."""
 
     ids: Ints
     logprobs: NDArray[np.float64]
-    ranks: Ints
+    first_rank: Ints
     keep: NDArray[np.bool_]
 
     @classmethod
     def of(cls, block: Positions, k: int) -> Entries:
         n = len(block)
-        ids = np.concatenate([block.token[:, None], block.top_ids[:, :k]], axis=1).astype(np.int64)
-        logprobs = np.concatenate([block.logprob[:, None], block.top_logprobs[:, :k]], axis=1).astype(
-            np.float64
-        )
-        ranks = np.empty((n, k + 1), dtype=np.int64)
-        ranks[:, 0] = block.rank
-        ranks[:, 1:] = np.arange(1, k + 1)
+        ids = np.empty((n, k + 1), dtype=np.int64)
+        ids[:, 0], ids[:, 1:] = block.token, block.top_ids[:, :k]
+        logprobs = np.empty((n, k + 1), dtype=np.float64)
+        logprobs[:, 0], logprobs[:, 1:] = block.logprob, block.top_logprobs[:, :k]
+        first_rank = block.rank.astype(np.int64)
         again = ids[:, 1:] == ids[:, :1]  # the position's token among the K: shown once, in slot 0
         rows, slots = np.nonzero(again)  # one slot at most per row: the K are distinct ids
         slots += 1
         logprobs[rows, 0] = logprobs[rows, slots]
-        ranks[rows, 0] = slots
+        first_rank[rows] = slots
         keep = np.ones((n, k + 1), dtype=np.bool_)
         keep[:, 1:] = ~again
         np.copyto(logprobs, FLOOR, where=logprobs < FLOOR)  # -inf to the floor; NaN stays (null)
-        return cls(ids=ids, logprobs=logprobs, ranks=ranks, keep=keep)
+        return cls(ids=ids, logprobs=logprobs, first_rank=first_rank, keep=keep)
 
     def merge_same_text(self, text_class: Ints) -> None:
         """Keys by text: of the tokens of one text, the first keeps its slot and takes the last's log-prob."""
@@ -157,10 +152,12 @@ def _prompt_block(pieces: TokenPieces, block: Positions, k: int) -> Bytes:
     ids, keep = e.ids.ravel(), e.keep.ravel()
     keys = e.ids.copy()
     keys[:, 0] += pieces.vocab_size  # the first entry opens the position's dict
-    keys, ranks = keys.ravel(), e.ranks.ravel()
+    keys = keys.ravel()
     numbers = _numbers(e.logprobs)
-    l_key, l_number = pieces.key.length[keys], numbers.length
-    l_rank, l_decoded = pieces.rank.length[ranks], pieces.decoded.length[ids]
+    l_key, l_number, l_decoded = pieces.key.length[keys], numbers.length, pieces.decoded.length[ids]
+    rank_lengths = np.empty((n, s), dtype=np.int64)  # slot j >= 1: rank j
+    rank_lengths[:, 0], rank_lengths[:, 1:] = pieces.rank.length[e.first_rank], pieces.rank.length[1:s]
+    l_rank = rank_lengths.ravel()
     layout = Layout.of(((l_key + l_number + l_rank + l_decoded) * keep).reshape(n, s))
     total, at_key = layout.total, layout.at
     at_key[~keep] = total  # left out: copied past the end
@@ -172,7 +169,7 @@ def _prompt_block(pieces: TokenPieces, block: Positions, k: int) -> Bytes:
     copy_over(buf, at_decoded, pieces.decoded, ids, DECODED_WIDTH)
     copy_over(buf, at_key, pieces.key, keys, KEY_WIDTH)
     copy_over(buf, at_number, numbers, np.arange(ids.size), NUMBER_WIDTH)
-    _copy_ranks(buf, at_rank.reshape(n, s), pieces.rank, e.ranks[:, 0])
+    _copy_ranks(buf, at_rank.reshape(n, s), pieces.rank, e.first_rank)
     buf[layout.close] = ord("}")
     return buf[:total]
 

@@ -14,6 +14,8 @@ import orjson
 import pytest
 
 from service.completions import jsonwriter
+from service.completions import pieces as pieces_module
+from service.completions.bytepool import SLACK
 from service.completions.jsonwriter import Positions
 from service.completions.pieces import TokenPieces
 
@@ -191,3 +193,16 @@ def test_token_lists(with_tokenizer: bool) -> None:
     assert jsonwriter.logprob_list(values, null_first=True) == orjson.dumps([None, *floats])
     assert jsonwriter.logprob_list(values, null_first=False) == orjson.dumps(floats)
     assert jsonwriter.logprob_list(values[:0], null_first=True) == b"[null]"
+
+
+def test_spills_land_in_pieces_copied_later() -> None:
+    """_prompt_block's order: decoded_token (spills into the next entry's key, number and rank), key
+    (into its number and rank), number (into its rank), rank (exact)."""
+    w = jsonwriter
+    assert w.NUMBER_WIDTH - 1 <= w.SHORTEST_RANK
+    assert pieces_module.KEY_WIDTH - 1 <= w.SHORTEST_NUMBER + w.SHORTEST_RANK
+    assert pieces_module.DECODED_WIDTH - 1 <= w.SHORTEST_KEY + w.SHORTEST_NUMBER + w.SHORTEST_RANK
+    pieces = TokenPieces.build(None, 10)
+    assert int(pieces.key.length.min()) == w.SHORTEST_KEY
+    assert int(pieces.rank.length.min()) == w.SHORTEST_RANK
+    assert max(pieces_module.KEY_WIDTH, w.NUMBER_WIDTH, pieces_module.DECODED_WIDTH) <= SLACK
