@@ -206,3 +206,24 @@ def test_spills_land_in_pieces_copied_later() -> None:
     assert int(pieces.key.length.min()) == w.SHORTEST_KEY
     assert int(pieces.rank.length.min()) == w.SHORTEST_RANK
     assert max(pieces_module.KEY_WIDTH, w.NUMBER_WIDTH, pieces_module.DECODED_WIDTH) <= SLACK
+
+
+@pytest.mark.parametrize("value", [0.0, -0.0, float("nan"), float("-inf")])
+def test_the_shortest_entries(value: float) -> None:
+    """Entries of one-digit ids, empty texts and the shortest numbers: every copy's spill at its widest."""
+    v, k, n = 10, 9, 12
+    rng = np.random.default_rng(3)
+    table = Table([""] * v)
+    top = np.stack([rng.permutation(v)[:k] for _ in range(n)])
+    p = Positions(
+        token=rng.integers(0, v, size=n),
+        logprob=np.full(n, value, dtype=np.float32),
+        rank=rng.integers(1, v, size=n),
+        top_ids=top,
+        top_logprobs=np.full((n, k), value, dtype=np.float32),
+    )
+    for t in (table, None):
+        pieces = TokenPieces.build(t, v)
+        assert joined(jsonwriter.prompt_logprobs(pieces, p, k)) == orjson.dumps(vllm_reference(p, k, t))
+        got = joined(jsonwriter.top_logprobs(pieces, p, k, null_first=True))
+        assert got == orjson.dumps([None, *openai_reference(p, k, t)])
