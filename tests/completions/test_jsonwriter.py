@@ -54,7 +54,7 @@ def positions(n: int, v: int, k: int, rng: np.random.Generator, ties: bool = Fal
         scores = np.round(scores)
     logprobs = (scores - np.log(np.exp(scores).sum(axis=1, keepdims=True))).astype(np.float32)
     logprobs[rng.random((n, v)) < 0.05] = -np.inf
-    logprobs[0, :3] = np.nan
+    logprobs[:1, :3] = np.nan
     order = np.argsort(-logprobs, axis=1, kind="stable")  # ties by the lower id
     top = order[:, : max(k, 1)]
     token = rng.integers(0, v, size=n)

@@ -29,6 +29,8 @@ def test_prompt_logprobs_as_vllm_returns_them(served: str, reference: Reference)
         {"model": "teacher", "prompt": PROMPTS, "max_tokens": 1, "temperature": t, "prompt_logprobs": k},
     )
     assert reply.status_code == 200, reply.text
+    assert int(reply.headers["content-length"]) == len(reply.content)  # sent whole, in chunks
+    assert reply.headers["content-type"] == "application/json"
     body = reply.json()
     assert body["object"] == "text_completion"
     assert body["model"] == "teacher"
