@@ -188,7 +188,8 @@ def _copy_ranks(buf: Bytes, at: Ints, rank: Pool, first: Ints) -> None:
 def _top_block(pieces: TokenPieces, block: Positions, k: int) -> Bytes:
     """One block of top_logprobs' positions, each `,{...}` keyed by text; every copy exact."""
     e = Entries.of(block, k)
-    e.merge_same_text(pieces.text_class)
+    if pieces.shared_texts:
+        e.merge_same_text(pieces.text_class)
     n, s = e.ids.shape
     keys = e.ids.copy()
     keys[:, 0] += pieces.vocab_size

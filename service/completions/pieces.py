@@ -38,6 +38,7 @@ class TokenPieces:
     text: Pool
     text_class: Ints
     chars: Ints
+    shared_texts: bool  # some ids have one text (never without a tokenizer: "token_id:<id>")
 
     @classmethod
     def build(cls, token_text: TokenText | None, vocab_size: int) -> TokenPieces:
@@ -46,6 +47,7 @@ class TokenPieces:
         quoted = [orjson.dumps(t) for t in texts]
         digits = [str(i).encode() for i in ids]
         first: dict[str, int] = {}
+        text_class = np.array([first.setdefault(t, i) for i, t in enumerate(texts)], dtype=np.int64)
         return cls(
             vocab_size=vocab_size,
             key=Pool.of(
@@ -59,8 +61,9 @@ class TokenPieces:
             ),
             rank=Pool.of([b',"rank":%d,"decoded_token":' % r for r in range(vocab_size + 1)]),
             text=Pool.of([b"," + q + b":" for q in quoted] + [b",{" + q + b":" for q in quoted]),
-            text_class=np.array([first.setdefault(t, i) for i, t in enumerate(texts)], dtype=np.int64),
+            text_class=text_class,
             chars=np.fromiter(map(len, texts), dtype=np.int64, count=vocab_size),
+            shared_texts=len(first) < vocab_size,
         )
 
 
