@@ -15,7 +15,7 @@ numbers are orjson's own, of float64 arrays, and the rest is pieces.py's text co
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from numpy.typing import NDArray
 from service.completions.bytepool import Bytes, Ints, Pool, copy_exact, copy_over, room, windows
 from service.completions.pieces import DECODED_WIDTH, KEY_WIDTH, TokenPieces
 
+Map = Callable[[Callable[[Any], bytes], Iterable[Any]], Iterator[bytes]]  # map, Executor.map
 FLOOR = -9999.0  # vLLM's clamp for -inf, which JSON cannot carry
 BLOCK_ENTRIES = 1 << 17  # entries (tokens shown) rendered at once: about 10 MB of JSON
 NUMBERS = orjson.OPT_SERIALIZE_NUMPY
@@ -204,26 +205,37 @@ def _top_block(pieces: TokenPieces, block: Positions, k: int) -> Bytes:
     return buf[: layout.total]
 
 
-def _array(blocks: Iterator[Bytes], null_first: bool) -> list[bytes]:
-    """A JSON array of the blocks' `,{...}` items, after a null where `null_first`."""
-    chunks = [b"[null"] if null_first else [b"["]
-    for i, block in enumerate(blocks):
-        if i == 0 and not null_first and block.size:
-            block[0] = ord("[")  # the first item's comma opens the array
-            chunks.pop()
-        chunks.append(block.tobytes())
-    chunks.append(b"]")
-    return chunks
+def _array(blocks: Iterator[bytes], null_first: bool, empty: bool) -> Iterator[bytes]:
+    """A JSON array of the blocks' `,{...}` items (the first block opens it unless `null_first`)."""
+    if null_first:
+        yield b"[null"
+    elif empty:
+        yield b"["
+    yield from blocks
+    yield b"]"
 
 
-def prompt_logprobs(pieces: TokenPieces, positions: Positions, k: int) -> list[bytes]:
-    """vLLM's choices[i].prompt_logprobs for the prompt's positions 1..L-1 (null for position 0)."""
-    return _array((_prompt_block(pieces, b, k) for b in positions.blocks(k)), null_first=True)
+def prompt_logprobs(pieces: TokenPieces, positions: Positions, k: int, run: Map = map) -> Iterator[bytes]:
+    """vLLM's choices[i].prompt_logprobs for the prompt's positions 1..L-1 (null for position 0); its
+    blocks rendered by `run` (map, or an Executor's map: submitted at once, in parallel)."""
+    blocks = run(lambda block: _prompt_block(pieces, block, k).tobytes(), positions.blocks(k))
+    return _array(blocks, null_first=True, empty=len(positions) == 0)
 
 
-def top_logprobs(pieces: TokenPieces, positions: Positions, k: int, *, null_first: bool) -> list[bytes]:
+def top_logprobs(
+    pieces: TokenPieces, positions: Positions, k: int, *, null_first: bool, run: Map = map
+) -> Iterator[bytes]:
     """OpenAI's logprobs.top_logprobs: a dict of the K + 1 at most per position, keyed by text."""
-    return _array((_top_block(pieces, b, k) for b in positions.blocks(k)), null_first=null_first)
+
+    def render(numbered: tuple[int, Positions]) -> bytes:
+        i, block = numbered
+        buf = _top_block(pieces, block, k)
+        if i == 0 and not null_first:
+            buf[0] = ord("[")  # the first item's comma opens the array
+        return buf.tobytes()
+
+    blocks = run(render, enumerate(positions.blocks(k)))
+    return _array(blocks, null_first=null_first, empty=len(positions) == 0)
 
 
 def token_strings(pieces: TokenPieces, tokens: Ints) -> bytes:

@@ -23,19 +23,23 @@ chunks of about a block each (the document once, no joined copy) for the route t
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import orjson
 
 from service.completions import jsonwriter
-from service.completions.jsonwriter import Positions
+from service.completions.jsonwriter import Map, Positions
 from service.completions.pieces import TokenPieces
 from service.completions.plan import CompletionPlan
 from service.engine.contract import TokenText
 from service.jobs import SequenceScores
 
 CHUNK_BYTES = 1 << 20  # small pieces of the answer are sent together, up to this many bytes
+RENDER_THREADS = min(4, os.cpu_count() or 1)  # each holds one block's temporaries (~30 MB) at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,32 +99,30 @@ def drawn_position(drawn: Drawn, scores: SequenceScores) -> Positions:
 
 
 class Chunks:
-    """The answer's bytes in order: big pieces kept as they are, small ones gathered together."""
+    """The answer's bytes in order: big pieces kept as they are, small ones gathered together. A
+    part may be an iterator of pieces (an array's blocks, rendered meanwhile), read in done()."""
 
     def __init__(self) -> None:
-        self.chunks: list[bytes] = []
-        self._small: list[bytes] = []
-        self._small_bytes = 0
+        self._parts: list[bytes | Iterator[bytes]] = []
 
-    def add(self, *pieces: bytes) -> None:
-        for piece in pieces:
-            if len(piece) >= CHUNK_BYTES:
-                self._flush()
-                self.chunks.append(piece)
-            else:
-                self._small.append(piece)
-                self._small_bytes += len(piece)
-                if self._small_bytes >= CHUNK_BYTES:
-                    self._flush()
-
-    def _flush(self) -> None:
-        if self._small:
-            self.chunks.append(b"".join(self._small))
-            self._small, self._small_bytes = [], 0
+    def add(self, *parts: bytes | Iterator[bytes]) -> None:
+        self._parts.extend(parts)
 
     def done(self) -> list[bytes]:
-        self._flush()
-        return self.chunks
+        chunks: list[bytes] = []
+        small: list[bytes] = []
+        size = 0
+        for part in self._parts:
+            for piece in [part] if isinstance(part, bytes) else part:
+                if len(piece) >= CHUNK_BYTES or size + len(piece) >= CHUNK_BYTES:
+                    chunks.append(b"".join([*small, piece]) if small else piece)
+                    small, size = [], 0
+                else:
+                    small.append(piece)
+                    size += len(piece)
+        if small:
+            chunks.append(b"".join(small))
+        return chunks
 
 
 def _openai_logprobs(
@@ -132,6 +134,7 @@ def _openai_logprobs(
     positions: Positions | None,
     drawn: Positions | None,
     echo: bool,
+    run: Map,
 ) -> None:
     """choices[i].logprobs: with echo the prompt's tokens (the first without scores), then the drawn one."""
     shown = [p for p in ((positions if echo else None), drawn) if p is not None]
@@ -142,7 +145,7 @@ def _openai_logprobs(
     tokens = np.concatenate([prompt[:1] if echo else prompt[:0], rows.token]).astype(np.int64)
     out.add(b'{"tokens":', jsonwriter.token_strings(pieces, tokens))
     out.add(b',"token_logprobs":', jsonwriter.logprob_list(rows.logprob, null_first=echo))
-    out.add(b',"top_logprobs":', *jsonwriter.top_logprobs(pieces, rows, k, null_first=echo))
+    out.add(b',"top_logprobs":', jsonwriter.top_logprobs(pieces, rows, k, null_first=echo, run=run))
     out.add(b',"text_offset":', jsonwriter.text_offsets(pieces, tokens), b"}")
 
 
@@ -165,29 +168,60 @@ def completion_chunks(
     request_id: str,
     created: int,
 ) -> list[bytes]:
-    """A CompletionResponse as JSON bytes: one choice per prompt, in order."""
+    """A CompletionResponse as JSON bytes: one choice per prompt, in order; the big arrays' blocks
+    rendered on RENDER_THREADS threads (numpy lets go of the GIL while it copies), all submitted
+    before the first is read."""
+    with ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="completions-json") as pool:
+        return _choices(plan, scores, drawn, Shared(model, token_text, pieces, request_id, created), pool.map)
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """What every choice's rendering needs besides its scores."""
+
+    model: str
+    token_text: TokenText | None
+    pieces: TokenPieces
+    request_id: str
+    created: int
+
+
+def _choices(
+    plan: CompletionPlan, scores: list[SequenceScores], drawn: list[Drawn | None], h: Shared, run: Map
+) -> list[bytes]:
     out = Chunks()
     dumps = orjson.dumps
-    out.add(b'{"id":', dumps(request_id), b',"object":"text_completion","created":', dumps(created))
-    out.add(b',"model":', dumps(model), b',"choices":[')
+    out.add(b'{"id":', dumps(h.request_id), b',"object":"text_completion","created":', dumps(h.created))
+    out.add(b',"model":', dumps(h.model), b',"choices":[')
     for i, (prompt, s, d) in enumerate(zip(plan.prompts, scores, drawn, strict=True)):
         positions = prompt_positions(prompt, s) if plan.scores_prompt else None
         drawn_at = drawn_position(d, s) if d is not None else None
         out.add(
-            b"," if i else b"", b'{"index":', dumps(i), b',"text":', dumps(_text(plan, prompt, d, token_text))
+            b"," if i else b"",
+            b'{"index":',
+            dumps(i),
+            b',"text":',
+            dumps(_text(plan, prompt, d, h.token_text)),
         )
         out.add(b',"logprobs":')
         if plan.logprobs_k is None:
             out.add(b"null")
         else:
             _openai_logprobs(
-                out, pieces, plan.logprobs_k, prompt, positions=positions, drawn=drawn_at, echo=plan.echo
+                out,
+                h.pieces,
+                plan.logprobs_k,
+                prompt,
+                positions=positions,
+                drawn=drawn_at,
+                echo=plan.echo,
+                run=run,
             )
         out.add(b',"finish_reason":"length","stop_reason":null,"prompt_logprobs":')
         if plan.prompt_k is None or positions is None:
             out.add(b"null")
         else:
-            out.add(*jsonwriter.prompt_logprobs(pieces, positions, plan.prompt_k))
+            out.add(jsonwriter.prompt_logprobs(h.pieces, positions, plan.prompt_k, run=run))
         out.add(b"}")
     prompt_tokens = plan.input_tokens
     completion_tokens = len(plan.prompts) if plan.draw else 0

@@ -6,7 +6,7 @@ text_offset, over K = 0, 1, 5, 100 and the whole vocabulary, ties, the token amo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -110,7 +110,7 @@ def openai_reference(p: Positions, k: int, table: Table | None) -> list[Any]:
     return out
 
 
-def joined(chunks: list[bytes]) -> bytes:
+def joined(chunks: Iterable[bytes]) -> bytes:
     return b"".join(chunks)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import orjson
 import pytest
 
+from service.completions import jsonwriter, response
 from service.completions.jsonwriter import Positions
 from service.completions.pieces import TokenPieces
 from service.completions.plan import CompletionPlan
@@ -131,6 +132,19 @@ def reference_body(
 )
 @pytest.mark.parametrize("with_tokenizer", [True, False])
 def test_the_answer_is_orjson_of_the_dicts(
+    prompt_k: int | None, logprobs_k: int | None, echo: bool, draw: bool, with_tokenizer: bool
+) -> None:
+    check_answer(prompt_k, logprobs_k, echo, draw, with_tokenizer)
+
+
+def test_blocks_on_threads_keep_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of a few positions each, rendered on the pool's threads, read back in order."""
+    monkeypatch.setattr(jsonwriter, "BLOCK_ENTRIES", 11)
+    monkeypatch.setattr(response, "RENDER_THREADS", 3)
+    check_answer(4, 2, True, True, True)
+
+
+def check_answer(
     prompt_k: int | None, logprobs_k: int | None, echo: bool, draw: bool, with_tokenizer: bool
 ) -> None:
     rng = np.random.default_rng(11)
