@@ -80,6 +80,7 @@ class Entries:
     logprobs: NDArray[np.float64]
     first_rank: Ints
     keep: NDArray[np.bool_]
+    repeated: Ints  # [<= n] flat indices of the K's slots that repeat slot 0 (keep False)
 
     @classmethod
     def of(cls, block: Positions, k: int) -> Entries:
@@ -95,9 +96,11 @@ class Entries:
         logprobs[rows, 0] = logprobs[rows, slots]
         first_rank[rows] = slots
         keep = np.ones((n, k + 1), dtype=np.bool_)
-        keep[:, 1:] = ~again
+        keep[rows, slots] = False
         np.copyto(logprobs, FLOOR, where=logprobs < FLOOR)  # -inf to the floor; NaN stays (null)
-        return cls(ids=ids, logprobs=logprobs, first_rank=first_rank, keep=keep)
+        return cls(
+            ids=ids, logprobs=logprobs, first_rank=first_rank, keep=keep, repeated=rows * (k + 1) + slots
+        )
 
     def merge_same_text(self, text_class: Ints) -> None:
         """Keys by text: of the tokens of one text, the first keeps its slot and takes the last's log-prob."""
@@ -150,7 +153,7 @@ def _prompt_block(pieces: TokenPieces, block: Positions, k: int) -> Bytes:
     """One block of prompt_logprobs' positions, each `,{...}`."""
     e = Entries.of(block, k)
     n, s = e.ids.shape
-    ids, keep = e.ids.ravel(), e.keep.ravel()
+    ids = e.ids.ravel()
     keys = e.ids.copy()
     keys[:, 0] += pieces.vocab_size  # the first entry opens the position's dict
     keys = keys.ravel()
@@ -159,9 +162,11 @@ def _prompt_block(pieces: TokenPieces, block: Positions, k: int) -> Bytes:
     rank_lengths = np.empty((n, s), dtype=np.int64)  # slot j >= 1: rank j
     rank_lengths[:, 0], rank_lengths[:, 1:] = pieces.rank.length[e.first_rank], pieces.rank.length[1:s]
     l_rank = rank_lengths.ravel()
-    layout = Layout.of(((l_key + l_number + l_rank + l_decoded) * keep).reshape(n, s))
+    sizes = l_key + l_number + l_rank + l_decoded
+    sizes[e.repeated] = 0
+    layout = Layout.of(sizes.reshape(n, s))
     total, at_key = layout.total, layout.at
-    at_key[~keep] = total  # left out: copied past the end
+    at_key[e.repeated] = total  # left out: copied past the end
     at_number = at_key + l_key
     at_rank = at_number + l_number
     at_decoded = at_rank + l_rank
