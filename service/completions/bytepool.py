@@ -100,8 +100,9 @@ def copy_over(buf: Bytes, at: Ints, pool: Pool, which: Ints, width: int) -> None
 
 def copy_exact(buf: Bytes, at: Ints, data: Bytes, start: Ints, length: Ints) -> None:
     """buf[at[i] : at[i] + length[i]] = data[start[i] : start[i] + length[i]]; length 0 copies nothing."""
-    order = np.argsort(length, kind="stable")
-    cuts = np.flatnonzero(np.diff(length[order])) + 1
+    small = length.astype(np.uint16) if length.size and length.max() < 1 << 16 else length
+    order = np.argsort(small, kind="stable")  # a radix sort on 16-bit keys
+    cuts = np.flatnonzero(np.diff(small[order])) + 1
     for group in np.split(order, cuts):
         if group.size == 0:
             continue
