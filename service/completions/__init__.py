@@ -6,6 +6,7 @@ local-completions send, answered as vLLM answers them.
     schemas   the wire models (CompletionRequest ... ModelList)
     plan      a request -> one SequenceJob per prompt, after the checks that name a field
     response  the jobs' scores -> choices[i].prompt_logprobs (vLLM) and choices[i].logprobs (OpenAI)
+    jsonwriter  those two arrays as JSON bytes, by numpy (bytepool: the copies; pieces: per-token text)
 
 It uses the batcher and the error table of /logprobs; the engine sees plain SequenceJobs.
 """

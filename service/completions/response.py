@@ -15,20 +15,31 @@ vllm/entrypoints/generate/base/serving.py (clamp_prompt_logprobs):
 
 Token text is the checkpoint tokenizer's `decode([id])`; without a tokenizer, decoded_token is null
 and a token's text is vLLM's id placeholder "token_id:<id>" (--return-tokens-as-token-ids).
+
+The answer is written as JSON bytes, the bytes orjson.dumps writes for it as dicts: the big arrays
+by jsonwriter.py, a block of positions at a time, the rest by orjson here. It comes as a list of
+chunks of about a block each (the document once, no joined copy) for the route to send in turn.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
+import numpy as np
+import orjson
+
+from service.completions import jsonwriter
+from service.completions.jsonwriter import Map, Positions
+from service.completions.pieces import TokenPieces
 from service.completions.plan import CompletionPlan
 from service.engine.contract import TokenText
 from service.jobs import SequenceScores
 
-FLOOR = -9999.0  # vLLM's clamp for -inf, which JSON cannot carry
+CHUNK_BYTES = 1 << 20  # small pieces of the answer are sent together, up to this many bytes
+RENDER_THREADS = min(4, os.cpu_count() or 1)  # each holds one block's temporaries (~30 MB) at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,26 +49,6 @@ class Drawn:
     token: int
     logprob: float
     rank: int
-
-
-class Texts:
-    """Token text: the tokenizer's pieces, or the id placeholder and a null decoded_token without one."""
-
-    def __init__(self, token_text: TokenText | None) -> None:
-        self.token_text = token_text
-
-    def decoded(self, token: int) -> str | None:
-        return self.token_text.piece(token) if self.token_text is not None else None
-
-    def token(self, token: int) -> str:
-        return self.token_text.piece(token) if self.token_text is not None else f"token_id:{token}"
-
-    def text(self, tokens: list[int]) -> str:
-        return self.token_text.decode(tokens) if self.token_text is not None else ""
-
-
-def _lp(value: float) -> float:
-    return value if value >= FLOOR else FLOOR  # NaN stays NaN (null in JSON), as vLLM's
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,68 +62,6 @@ class Position:
     top_logprobs: list[float]
 
 
-def _positions(prompt: list[int], scores: SequenceScores) -> list[Position]:
-    """Prompt positions 1 .. L-1 (the job's first L-1 actions)."""
-    assert scores.top_ids is not None
-    assert scores.top_logprobs is not None
-    assert scores.ranks is not None
-    n = len(prompt) - 1
-    logprobs, ranks = scores.logprobs[:n].tolist(), scores.ranks[:n].tolist()
-    top_ids, top_lps = scores.top_ids[:n].tolist(), scores.top_logprobs[:n].tolist()
-    return [Position(prompt[p + 1], logprobs[p], ranks[p], top_ids[p], top_lps[p]) for p in range(n)]
-
-
-def _vllm_entry(position: Position, k: int, texts: Texts) -> dict[str, dict[str, Any]]:
-    def one(lp: float, rank: int, token: int) -> dict[str, Any]:
-        return {"logprob": _lp(lp), "rank": rank, "decoded_token": texts.decoded(token)}
-
-    entry = {str(position.token): one(position.logprob, position.rank, position.token)}
-    for j in range(k):
-        token = position.top_ids[j]
-        entry[str(token)] = one(position.top_logprobs[j], j + 1, token)
-    return entry
-
-
-def _openai_top(token: int, logprob: float, top: Position, *, k: int, texts: Texts) -> dict[str, float]:
-    """The position's token then the K most likely, by id (K + 1 at most), keyed by their text."""
-    by_id = {token: logprob}
-    for j in range(k):
-        by_id[top.top_ids[j]] = top.top_logprobs[j]
-    return {texts.token(t): _lp(lp) for t, lp in list(by_id.items())[: k + 1]}
-
-
-def _openai_logprobs(
-    prompt: list[int],
-    positions: list[Position],
-    plan: CompletionPlan,
-    texts: Texts,
-    *,
-    drawn: Drawn | None,
-    last: Position | None,
-) -> dict[str, Any]:
-    k = plan.logprobs_k or 0
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    tops: list[dict[str, float] | None] = []
-    if plan.echo:
-        tokens.append(texts.token(prompt[0]))
-        token_logprobs.append(None)
-        tops.append(None)
-        for p in positions:
-            tokens.append(texts.token(p.token))
-            token_logprobs.append(_lp(p.logprob))
-            tops.append(_openai_top(p.token, p.logprob, p, k=k, texts=texts))
-    if drawn is not None and last is not None:
-        tokens.append(texts.token(drawn.token))
-        token_logprobs.append(_lp(drawn.logprob))
-        tops.append(_openai_top(drawn.token, drawn.logprob, last, k=k, texts=texts))
-    offsets, at = [], 0
-    for token in tokens:
-        offsets.append(at)
-        at += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-
 def last_position(scores: SequenceScores) -> Position:
     """The distribution after the prompt (the draw's action, the job's last); token: the head's top 1."""
     assert scores.top_ids is not None
@@ -141,50 +70,165 @@ def last_position(scores: SequenceScores) -> Position:
     return Position(top_ids[0], top_lps[0], 1, top_ids, top_lps)
 
 
-def completion_body(
+def prompt_positions(prompt: np.ndarray, scores: SequenceScores) -> Positions:
+    """Prompt positions 1 .. L-1 (the job's first L-1 actions)."""
+    assert scores.top_ids is not None
+    assert scores.top_logprobs is not None
+    assert scores.ranks is not None
+    n = prompt.shape[0] - 1
+    return Positions(
+        token=prompt[1:].astype(np.int64),
+        logprob=scores.logprobs[:n],
+        rank=scores.ranks[:n].astype(np.int64),
+        top_ids=scores.top_ids[:n].astype(np.int64),
+        top_logprobs=scores.top_logprobs[:n],
+    )
+
+
+def drawn_position(drawn: Drawn, scores: SequenceScores) -> Positions:
+    """The drawn token over the distribution after the prompt (the job's last action)."""
+    assert scores.top_ids is not None
+    assert scores.top_logprobs is not None
+    return Positions(
+        token=np.array([drawn.token], dtype=np.int64),
+        logprob=np.array([drawn.logprob], dtype=np.float64),
+        rank=np.array([drawn.rank], dtype=np.int64),
+        top_ids=scores.top_ids[-1:].astype(np.int64),
+        top_logprobs=scores.top_logprobs[-1:],
+    )
+
+
+class Chunks:
+    """The answer's bytes in order: big pieces kept as they are, small ones gathered together. A
+    part may be an iterator of pieces (an array's blocks, rendered meanwhile), read in done()."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes | Iterator[bytes]] = []
+
+    def add(self, *parts: bytes | Iterator[bytes]) -> None:
+        self._parts.extend(parts)
+
+    def done(self) -> list[bytes]:
+        chunks: list[bytes] = []
+        small: list[bytes] = []
+        size = 0
+        for part in self._parts:
+            for piece in [part] if isinstance(part, bytes) else part:
+                if len(piece) >= CHUNK_BYTES or size + len(piece) >= CHUNK_BYTES:
+                    chunks.append(b"".join([*small, piece]) if small else piece)
+                    small, size = [], 0
+                else:
+                    small.append(piece)
+                    size += len(piece)
+        if small:
+            chunks.append(b"".join(small))
+        return chunks
+
+
+def _openai_logprobs(
+    out: Chunks,
+    pieces: TokenPieces,
+    k: int,
+    prompt: np.ndarray,
+    *,
+    positions: Positions | None,
+    drawn: Positions | None,
+    echo: bool,
+    run: Map,
+) -> None:
+    """choices[i].logprobs: with echo the prompt's tokens (the first without scores), then the drawn one."""
+    shown = [p for p in ((positions if echo else None), drawn) if p is not None]
+    if not shown:  # no echo, no token drawn (max_tokens 0)
+        out.add(b'{"tokens":[],"token_logprobs":[],"top_logprobs":[],"text_offset":[]}')
+        return
+    rows = Positions.concat(shown)
+    tokens = np.concatenate([prompt[:1] if echo else prompt[:0], rows.token]).astype(np.int64)
+    out.add(b'{"tokens":', jsonwriter.token_strings(pieces, tokens))
+    out.add(b',"token_logprobs":', jsonwriter.logprob_list(rows.logprob, null_first=echo))
+    out.add(b',"top_logprobs":', jsonwriter.top_logprobs(pieces, rows, k, null_first=echo, run=run))
+    out.add(b',"text_offset":', jsonwriter.text_offsets(pieces, tokens), b"}")
+
+
+def _text(plan: CompletionPlan, prompt: np.ndarray, drawn: Drawn | None, token_text: TokenText | None) -> str:
+    """choices[i].text: the prompt's text with echo, then the drawn token's; "" without a tokenizer."""
+    if token_text is None:
+        return ""
+    generated = token_text.decode([drawn.token]) if drawn is not None else ""
+    return token_text.decode(prompt.tolist()) + generated if plan.echo else generated
+
+
+def completion_chunks(
     plan: CompletionPlan,
     scores: list[SequenceScores],
     drawn: list[Drawn | None],
+    *,
     model: str,
     token_text: TokenText | None,
-) -> dict[str, Any]:
-    """A CompletionResponse: one choice per prompt, in order."""
-    texts = Texts(token_text)
-    choices = []
-    for i, (prompt_ids, s, d) in enumerate(zip(plan.prompts, scores, drawn, strict=True)):
-        prompt = prompt_ids.tolist()
-        positions = _positions(prompt, s) if plan.scores_prompt else []
-        last = last_position(s) if plan.draw else None
-        prompt_logprobs = None
-        if plan.prompt_k is not None:
-            prompt_logprobs = [None, *(_vllm_entry(p, plan.prompt_k, texts) for p in positions)]
-        logprobs = (
-            _openai_logprobs(prompt, positions, plan, texts, drawn=d, last=last)
-            if plan.logprobs_k is not None
-            else None
+    pieces: TokenPieces,
+    request_id: str,
+    created: int,
+) -> list[bytes]:
+    """A CompletionResponse as JSON bytes: one choice per prompt, in order; the big arrays' blocks
+    rendered on RENDER_THREADS threads (numpy lets go of the GIL while it copies), all submitted
+    before the first is read."""
+    with ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="completions-json") as pool:
+        return _choices(plan, scores, drawn, Shared(model, token_text, pieces, request_id, created), pool.map)
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """What every choice's rendering needs besides its scores."""
+
+    model: str
+    token_text: TokenText | None
+    pieces: TokenPieces
+    request_id: str
+    created: int
+
+
+def _choices(
+    plan: CompletionPlan, scores: list[SequenceScores], drawn: list[Drawn | None], h: Shared, run: Map
+) -> list[bytes]:
+    out = Chunks()
+    dumps = orjson.dumps
+    out.add(b'{"id":', dumps(h.request_id), b',"object":"text_completion","created":', dumps(h.created))
+    out.add(b',"model":', dumps(h.model), b',"choices":[')
+    for i, (prompt, s, d) in enumerate(zip(plan.prompts, scores, drawn, strict=True)):
+        positions = prompt_positions(prompt, s) if plan.scores_prompt else None
+        drawn_at = drawn_position(d, s) if d is not None else None
+        out.add(
+            b"," if i else b"",
+            b'{"index":',
+            dumps(i),
+            b',"text":',
+            dumps(_text(plan, prompt, d, h.token_text)),
         )
-        generated = texts.text([d.token]) if d is not None else ""
-        choices.append(
-            {
-                "index": i,
-                "text": (texts.text(prompt) + generated) if plan.echo else generated,
-                "logprobs": logprobs,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "prompt_logprobs": prompt_logprobs,
-            }
-        )
+        out.add(b',"logprobs":')
+        if plan.logprobs_k is None:
+            out.add(b"null")
+        else:
+            _openai_logprobs(
+                out,
+                h.pieces,
+                plan.logprobs_k,
+                prompt,
+                positions=positions,
+                drawn=drawn_at,
+                echo=plan.echo,
+                run=run,
+            )
+        out.add(b',"finish_reason":"length","stop_reason":null,"prompt_logprobs":')
+        if plan.prompt_k is None or positions is None:
+            out.add(b"null")
+        else:
+            out.add(jsonwriter.prompt_logprobs(h.pieces, positions, plan.prompt_k, run=run))
+        out.add(b"}")
     prompt_tokens = plan.input_tokens
     completion_tokens = len(plan.prompts) if plan.draw else 0
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
+    out.add(b'],"usage":', dumps(usage), b"}")
+    return out.done()

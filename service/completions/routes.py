@@ -4,21 +4,27 @@ A completion goes the way a /logprobs request does: body limit, parse, the plan'
 batcher (its micro-batches, prefix sharing, queue limits and deadline), the same outcome metrics.
 With max_tokens 1 the token after each prompt is the head's most likely one (temperature 0) or its
 seeded draw; where the answer shows that token's log-prob and the draw fell outside the top K
-scored, one more job scores it (prompt + the drawn token, one action).
+scored, one more job scores it (prompt + the drawn token, one action). The answer (up to hundreds
+of MB for a distillation teacher's prompt_logprobs) is written on a worker thread, whole before its
+first byte is sent, then sent chunk by chunk with its Content-Length, each chunk let go once sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from service.completions.pieces import PiecesCache
 from service.completions.plan import CompletionPlan, plan_completion
-from service.completions.response import Drawn, completion_body, last_position
+from service.completions.response import Drawn, completion_chunks, last_position
 from service.completions.schemas import CompletionRequest, CompletionResponse, ModelList
 from service.http_io import answer_or_give_up, read_body
 from service.jobs import SequenceJob, SequenceScores
@@ -35,6 +41,7 @@ def build_completions_router(
     metrics, settings = state.metrics, state.settings
     router = APIRouter()
     started_at = int(time.time())
+    vocabulary = PiecesCache()
 
     @router.post(
         "/v1/completions",
@@ -59,12 +66,28 @@ def build_completions_router(
             scores, drawn = await answer_or_give_up(http, _score(serving, plan), settings.request_timeout_s)
         finally:
             metrics.queue_requests.dec()
-        body = completion_body(plan, scores, drawn, serving.info.model, serving.token_text)
+
+        def render() -> list[bytes]:
+            return completion_chunks(
+                plan,
+                scores,
+                drawn,
+                model=serving.info.model,
+                token_text=serving.token_text,
+                pieces=vocabulary.get(serving.token_text, serving.info.vocab_size),
+                request_id=f"cmpl-{uuid.uuid4().hex}",
+                created=int(time.time()),
+            )
+
+        chunks = await asyncio.to_thread(render)
         metrics.requests.labels("ok").inc()
         metrics.input_tokens.inc(plan.input_tokens)
         metrics.scored_tokens.inc(plan.scored_tokens)
         metrics.request_seconds.observe(time.perf_counter() - began)
-        return Response(orjson.dumps(body), media_type="application/json")
+        size = sum(map(len, chunks))
+        return StreamingResponse(
+            _sent(deque(chunks)), media_type="application/json", headers={"content-length": str(size)}
+        )
 
     @router.get("/v1/models", response_model=ModelList, responses={503: {"model": ErrorBody}})
     async def models() -> ModelList:
@@ -95,6 +118,12 @@ def build_completions_router(
         return JSONResponse({"status": phase}, status_code=200 if phase == "ready" else 503)
 
     return router
+
+
+async def _sent(chunks: deque[bytes]) -> AsyncIterator[bytes]:
+    """The chunks in order, each let go once handed to the server."""
+    while chunks:
+        yield chunks.popleft()
 
 
 async def _score(serving: Serving, plan: CompletionPlan) -> tuple[list[SequenceScores], list[Drawn | None]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.completions.conftest import MAX_TOP, TOLERANCE, Reference
@@ -29,6 +30,8 @@ def test_prompt_logprobs_as_vllm_returns_them(served: str, reference: Reference)
         {"model": "teacher", "prompt": PROMPTS, "max_tokens": 1, "temperature": t, "prompt_logprobs": k},
     )
     assert reply.status_code == 200, reply.text
+    assert int(reply.headers["content-length"]) == len(reply.content)  # sent whole, in chunks
+    assert reply.headers["content-type"] == "application/json"
     body = reply.json()
     assert body["object"] == "text_completion"
     assert body["model"] == "teacher"
@@ -117,3 +120,21 @@ def test_bad_input_is_a_422_naming_the_field(
     assert reply.status_code == 422, reply.text
     error = reply.json()["error"]
     assert (error["type"], error["field"], error.get("row")) == ("invalid_request", field, row)
+
+
+def test_a_large_answer_arrives_whole(served: str) -> None:
+    """Twelve prompts of 250 tokens, K = 64: blocks rendered on the pool, sent in several chunks."""
+    prompts = [[1, *((np.arange(249) * (7 + i)) % 90 + 3).tolist()] for i in range(12)]
+    reply = post(served, {"prompt": prompts, "max_tokens": 0, "prompt_logprobs": MAX_TOP})
+    assert reply.status_code == 200, reply.text
+    assert int(reply.headers["content-length"]) == len(reply.content) > 8 << 20
+    choices = reply.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(12))
+    for prompt, choice in zip(prompts, choices, strict=True):
+        entries = choice["prompt_logprobs"]
+        assert len(entries) == len(prompt)
+        for p in (1, 150, 249):
+            entry = entries[p]
+            assert next(iter(entry)) == str(prompt[p])
+            assert len(entry) in (MAX_TOP, MAX_TOP + 1)
+            assert sorted(e["rank"] for e in entry.values())[: MAX_TOP - 1] == list(range(1, MAX_TOP))

@@ -1,0 +1,229 @@
+"""jsonwriter.py's bytes against orjson.dumps of the dicts built the obvious way from the same scores:
+equal bytes, for vLLM's prompt_logprobs and OpenAI's top_logprobs / tokens / token_logprobs /
+text_offset, over K = 0, 1, 5, 100 and the whole vocabulary, ties, the token among the K or not,
+-inf (the -9999.0 floor), NaN (null), texts that need escaping and texts shared by several ids."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from service.completions import jsonwriter
+from service.completions import pieces as pieces_module
+from service.completions.bytepool import SLACK
+from service.completions.jsonwriter import Positions
+from service.completions.pieces import TokenPieces
+
+FLOOR = -9999.0
+ODD_TEXTS = ['"', "\\", "\n", "\t\r", "\x00\x01\x1f\x7f", "é", "日本語", "🙂", " the", "", 'a"b\\c', "\u2028"]
+
+
+class Table:
+    """TokenText over a fixed list of pieces."""
+
+    def __init__(self, pieces: Sequence[str]) -> None:
+        self.pieces = list(pieces)
+
+    def piece(self, token_id: int) -> str:
+        return self.pieces[token_id]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(self.pieces[t] for t in token_ids)
+
+
+def vocabulary(v: int, rng: np.random.Generator, shared: bool = True) -> Table:
+    """Texts with escapes, non-ASCII, long runs, and (shared) several ids of one text."""
+    texts = [f"{ODD_TEXTS[i % len(ODD_TEXTS)]}{i}" for i in range(v)]
+    for i in range(0, v, 7):
+        texts[i] = ODD_TEXTS[int(rng.integers(len(ODD_TEXTS)))] * int(rng.integers(1, 40))
+    if shared:
+        for i in range(3, v, 5):
+            texts[i] = "\ufffd"  # byte tokens alone decode to the replacement character
+    return Table(texts)
+
+
+def positions(n: int, v: int, k: int, rng: np.random.Generator, ties: bool = False) -> Positions:
+    """Random distributions; a third of the positions' tokens among the top K."""
+    scores = rng.standard_normal((n, v)) * 3
+    if ties:
+        scores = np.round(scores)
+    logprobs = (scores - np.log(np.exp(scores).sum(axis=1, keepdims=True))).astype(np.float32)
+    logprobs[rng.random((n, v)) < 0.05] = -np.inf
+    logprobs[:1, :3] = np.nan
+    order = np.argsort(-logprobs, axis=1, kind="stable")  # ties by the lower id
+    top = order[:, : max(k, 1)]
+    token = rng.integers(0, v, size=n)
+    among = rng.random(n) < 0.33
+    token[among] = top[among, rng.integers(0, max(k, 1), size=among.sum())]
+    rank = (logprobs > logprobs[np.arange(n), token][:, None]).sum(axis=1) + 1
+    return Positions(
+        token=token.astype(np.int64),
+        logprob=logprobs[np.arange(n), token],
+        rank=rank.astype(np.int64),
+        top_ids=top.astype(np.int64),
+        top_logprobs=np.take_along_axis(logprobs, top, axis=1),
+    )
+
+
+def clamp(x: float) -> float:
+    return x if math.isnan(x) else max(x, FLOOR)
+
+
+def vllm_reference(p: Positions, k: int, table: Table | None) -> list[Any]:
+    out: list[Any] = [None]
+    for i in range(len(p)):
+        token = int(p.token[i])
+        entry = {
+            str(token): {
+                "logprob": clamp(float(p.logprob[i])),
+                "rank": int(p.rank[i]),
+                "decoded_token": table.piece(token) if table else None,
+            }
+        }
+        for j in range(k):
+            t = int(p.top_ids[i, j])
+            entry[str(t)] = {
+                "logprob": clamp(float(p.top_logprobs[i, j])),
+                "rank": j + 1,
+                "decoded_token": table.piece(t) if table else None,
+            }
+        out.append(entry)
+    return out
+
+
+def text_of(table: Table | None, t: int) -> str:
+    return table.piece(t) if table else f"token_id:{t}"
+
+
+def openai_reference(p: Positions, k: int, table: Table | None) -> list[Any]:
+    out = []
+    for i in range(len(p)):
+        by_id = {int(p.token[i]): float(p.logprob[i])}
+        for j in range(k):
+            by_id[int(p.top_ids[i, j])] = float(p.top_logprobs[i, j])
+        out.append({text_of(table, t): clamp(lp) for t, lp in by_id.items()})
+    return out
+
+
+def joined(chunks: Iterable[bytes]) -> bytes:
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize(
+    ("k", "v", "n"), [(0, 50, 9), (1, 50, 40), (5, 300, 40), (100, 1000, 30), (64, 64, 20)]
+)
+@pytest.mark.parametrize("with_tokenizer", [True, False])
+def test_prompt_logprobs_are_orjson_of_the_dicts(k: int, v: int, n: int, with_tokenizer: bool) -> None:
+    rng = np.random.default_rng(k + v)
+    table = vocabulary(v, rng) if with_tokenizer else None
+    pieces = TokenPieces.build(table, v)
+    for ties in (False, True):
+        p = positions(n, v, k, rng, ties=ties)
+        got = joined(jsonwriter.prompt_logprobs(pieces, p, k))
+        assert got == orjson.dumps(vllm_reference(p, k, table))
+
+
+@pytest.mark.parametrize(
+    ("k", "v", "n"), [(0, 50, 9), (1, 50, 40), (5, 300, 40), (100, 1000, 30), (64, 64, 20)]
+)
+@pytest.mark.parametrize("with_tokenizer", [True, False])
+@pytest.mark.parametrize("null_first", [True, False])
+def test_top_logprobs_are_orjson_of_the_dicts(
+    k: int, v: int, n: int, with_tokenizer: bool, null_first: bool
+) -> None:
+    rng = np.random.default_rng(k + v + 1)
+    table = vocabulary(v, rng) if with_tokenizer else None
+    pieces = TokenPieces.build(table, v)
+    for ties in (False, True):
+        p = positions(n, v, k, rng, ties=ties)
+        got = joined(jsonwriter.top_logprobs(pieces, p, k, null_first=null_first))
+        expected = openai_reference(p, k, table)
+        assert got == orjson.dumps([None, *expected] if null_first else expected)
+
+
+def test_blocks_join_into_one_array(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Positions over several blocks (and a block of one position) write one array."""
+    monkeypatch.setattr(jsonwriter, "BLOCK_ENTRIES", 7)
+    rng = np.random.default_rng(5)
+    table = vocabulary(40, rng)
+    pieces = TokenPieces.build(table, 40)
+    p = positions(13, 40, 3, rng)
+    assert joined(jsonwriter.prompt_logprobs(pieces, p, 3)) == orjson.dumps(vllm_reference(p, 3, table))
+    got = joined(jsonwriter.top_logprobs(pieces, p, 3, null_first=False))
+    assert got == orjson.dumps(openai_reference(p, 3, table))
+
+
+def test_no_positions() -> None:
+    pieces = TokenPieces.build(None, 10)
+    empty = (
+        positions(0, 10, 2, np.random.default_rng(0))
+        if False
+        else Positions(
+            np.zeros(0, np.int64),
+            np.zeros(0, np.float32),
+            np.zeros(0, np.int64),
+            np.zeros((0, 2), np.int64),
+            np.zeros((0, 2), np.float32),
+        )
+    )
+    assert joined(jsonwriter.prompt_logprobs(pieces, empty, 2)) == b"[null]"
+    assert joined(jsonwriter.top_logprobs(pieces, empty, 2, null_first=True)) == b"[null]"
+    assert joined(jsonwriter.top_logprobs(pieces, empty, 2, null_first=False)) == b"[]"
+
+
+@pytest.mark.parametrize("with_tokenizer", [True, False])
+def test_token_lists(with_tokenizer: bool) -> None:
+    rng = np.random.default_rng(9)
+    table = vocabulary(200, rng) if with_tokenizer else None
+    pieces = TokenPieces.build(table, 200)
+    tokens = rng.integers(0, 200, size=300)
+    texts = [text_of(table, int(t)) for t in tokens]
+    assert jsonwriter.token_strings(pieces, tokens) == orjson.dumps(texts)
+    assert jsonwriter.token_strings(pieces, tokens[:0]) == b"[]"
+    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    assert jsonwriter.text_offsets(pieces, tokens) == orjson.dumps(offsets)
+    values = rng.standard_normal(50).astype(np.float32) * 4
+    values[[3, 7]] = [-np.inf, np.nan]
+    floats = [clamp(float(x)) for x in values]
+    assert jsonwriter.logprob_list(values, null_first=True) == orjson.dumps([None, *floats])
+    assert jsonwriter.logprob_list(values, null_first=False) == orjson.dumps(floats)
+    assert jsonwriter.logprob_list(values[:0], null_first=True) == b"[null]"
+
+
+def test_spills_land_in_pieces_copied_later() -> None:
+    """_prompt_block's order: decoded_token (spills into the next entry's key, number and rank), key
+    (into its number and rank), number (into its rank), rank (exact)."""
+    w = jsonwriter
+    assert w.NUMBER_WIDTH - 1 <= w.SHORTEST_RANK
+    assert pieces_module.KEY_WIDTH - 1 <= w.SHORTEST_NUMBER + w.SHORTEST_RANK
+    assert pieces_module.DECODED_WIDTH - 1 <= w.SHORTEST_KEY + w.SHORTEST_NUMBER + w.SHORTEST_RANK
+    pieces = TokenPieces.build(None, 10)
+    assert int(pieces.key.length.min()) == w.SHORTEST_KEY
+    assert int(pieces.rank.length.min()) == w.SHORTEST_RANK
+    assert max(pieces_module.KEY_WIDTH, w.NUMBER_WIDTH, pieces_module.DECODED_WIDTH) <= SLACK
+
+
+@pytest.mark.parametrize("value", [0.0, -0.0, float("nan"), float("-inf")])
+def test_the_shortest_entries(value: float) -> None:
+    """Entries of one-digit ids, empty texts and the shortest numbers: every copy's spill at its widest."""
+    v, k, n = 10, 9, 12
+    rng = np.random.default_rng(3)
+    table = Table([""] * v)
+    top = np.stack([rng.permutation(v)[:k] for _ in range(n)])
+    p = Positions(
+        token=rng.integers(0, v, size=n),
+        logprob=np.full(n, value, dtype=np.float32),
+        rank=rng.integers(1, v, size=n),
+        top_ids=top,
+        top_logprobs=np.full((n, k), value, dtype=np.float32),
+    )
+    for t in (table, None):
+        pieces = TokenPieces.build(t, v)
+        assert joined(jsonwriter.prompt_logprobs(pieces, p, k)) == orjson.dumps(vllm_reference(p, k, t))
+        got = joined(jsonwriter.top_logprobs(pieces, p, k, null_first=True))
+        assert got == orjson.dumps([None, *openai_reference(p, k, t)])
