@@ -256,7 +256,8 @@ def test_shared_prefixes_and_chunks_give_each_sequence_its_bits_alone(
     engine, settings = _engine(dirs[name], dtype, decoder=decoder or "auto")
     forward = engine.served.policy.forward
     fused = build.fused_of(forward)
-    if fused is not None and fused.sparse:  # the experts in one call of every token, not 1024-token blocks
+    # the experts in one call of every token, not 1024-token blocks (on a GPU: quack's, where installed)
+    if fused is not None and fused.sparse and (ON_CPU or engine.info.moe_kernel == "quack"):
         assert all(layer.kernel.row_invariant for layer in fused.sparse_layers)
     if ON_CPU or dtype == "float32":  # either decoder runs it
         assert getattr(fused or forward, "attention", None) is blocked_kernel
