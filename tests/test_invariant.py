@@ -2,6 +2,11 @@
 batched, on every architecture of the parity suite (the mixtures of experts in both decoders), in
 float32 and bfloat16, on the CPU.
 
+On a GPU (LOGPROBD_TEST_DEVICE=cuda LOGPROBD_TEST_DTYPE=bfloat16) the same cases run on cuda in that
+dtype with the fast attention kernel; `-m "not slow"` picks the GPU subset (qwen2, dense, and
+qwen3_moe, the fused experts: sharing on vs off, a group split over concurrent requests, chunks
+under two budgets, two budgets' replicas, restarts and a reload back), the rest is marked slow there.
+
 On these tiny CPU models the default path happens to be invariant too (the GEMM libraries pick one
 kernel for every row count the packing makes); what the mode removes is shown on a GEMM alone, whose
 rows do change with the call's shape, and on the GPU by benchmarks.invariance (BENCHMARKS.md).
@@ -28,8 +33,16 @@ from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import Settings
 from tests import critics, models
+from tests.conftest import DEVICE, DTYPE
 
-DTYPES = ("float32", "bfloat16")
+ON_CPU = DEVICE == "cpu"
+DTYPES = ("float32", "bfloat16") if ON_CPU else (DTYPE,)
+# on the GPU: the dense decoder and the fused experts; the other architectures are marked slow there
+GPU_SUBSET = ("qwen2", "qwen3_moe")
+
+
+def _gpu_slow(served: str) -> tuple[pytest.MarkDecorator, ...]:
+    return () if ON_CPU or served in GPU_SUBSET else (pytest.mark.slow,)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +93,7 @@ def _bits(scores: SequenceScores) -> list[bytes]:
 
 def _engine(path: Path, dtype: str, **extra: Any) -> tuple[PackedScorer, Settings]:
     settings = Settings(
-        model=path, device="cpu", dtype=dtype, max_batch_tokens=2048, batch_invariant=True, **extra
+        model=path, device=DEVICE, dtype=dtype, max_batch_tokens=2048, batch_invariant=True, **extra
     )
     engine = PackedScorer.from_config(settings.engine_config())
     engine.warm_up()
@@ -111,7 +124,7 @@ SERVED = [*models.EVERY, *(f"{name}/transformers" for name in models.MOE_ARCHITE
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("served", SERVED)
+@pytest.mark.parametrize("served", [pytest.param(s, marks=_gpu_slow(s)) for s in SERVED])
 def test_a_sequence_scores_the_same_bits_however_it_is_batched(
     dirs: dict[str, Path], served: str, dtype: str
 ) -> None:
@@ -157,6 +170,7 @@ def test_values_and_reference_log_probs_too_across_a_reload_back(dirs: dict[str,
 
 
 @pytest.mark.parametrize(("budget", "length"), [(64, 65), (128, 200), (1024, 1100)])
+@pytest.mark.skipif(not ON_CPU, reason="float32 against float32 on the CPU; chunks on a GPU: below")
 def test_a_long_sequence_under_a_small_budget_is_scored_in_chunks(
     dirs: dict[str, Path], budget: int, length: int
 ) -> None:
@@ -221,6 +235,8 @@ _OFF: dict[str, list[SequenceScores]] = {}
 # experts (qwen3_moe) and transformers' own (mixtral/transformers); the other cases are marked slow
 QUICK = {("qwen2", "float32"), ("qwen2", "bfloat16"), ("gemma2", "bfloat16"), ("qwen3_moe", "bfloat16")}
 QUICK |= {("mixtral/transformers", "float32")}
+if not ON_CPU:
+    QUICK = {(served, DTYPE) for served in GPU_SUBSET}
 CASES = [
     pytest.param(served, dtype, marks=() if (served, dtype) in QUICK else pytest.mark.slow)
     for served in SERVED
@@ -240,10 +256,14 @@ def test_shared_prefixes_and_chunks_give_each_sequence_its_bits_alone(
     engine, settings = _engine(dirs[name], dtype, decoder=decoder or "auto")
     forward = engine.served.policy.forward
     fused = build.fused_of(forward)
-    if fused is not None and fused.sparse:  # the experts in one call of every token, not 1024-token blocks
+    # the experts in one call of every token, not 1024-token blocks (on a GPU: quack's, where installed)
+    if fused is not None and fused.sparse and (ON_CPU or engine.info.moe_kernel == "quack"):
         assert all(layer.kernel.row_invariant for layer in fused.sparse_layers)
-    assert getattr(fused or forward, "attention", None) is blocked_kernel  # either decoder runs it
-    assert engine.info.attention_backend == "blocked"
+    if ON_CPU or dtype == "float32":  # either decoder runs it
+        assert getattr(fused or forward, "attention", None) is blocked_kernel
+        assert engine.info.attention_backend == "blocked"
+    else:  # the fast kernel as it is (ops/attention.py `invariant`)
+        assert engine.info.attention_backend not in {"sdpa", "blocked"}
     group = _group(7, 150, [40, 90, 20, 130, 60, 75])
     others = _jobs(8, 3, 20, 120)
     long = _jobs(9, 1, 700, 701)[0]
@@ -255,6 +275,8 @@ def test_shared_prefixes_and_chunks_give_each_sequence_its_bits_alone(
 
     grouped = _scored(engine, settings, [group])[0]
     assert grouped.computed_tokens < sum(job.num_tokens for job in group)  # the prompt ran once
+    unshared = _scored(engine, settings.model_copy(update={"share_prefixes": False}), [group])[0]
+    assert unshared.computed_tokens == sum(job.num_tokens for job in group)
     split = _scored(
         engine,
         settings,
@@ -267,6 +289,7 @@ def test_shared_prefixes_and_chunks_give_each_sequence_its_bits_alone(
     where = ((1, 2), (0, 2), (2, 0), (0, 1), (2, 1), (1, 0))  # group[j] is split[r].scores[i]
     seen = {
         "grouped": grouped.scores,
+        "the same batch, sharing off": unshared.scores,
         "split over requests": [split[r].scores[i] for r, i in where],
         "group larger than the budget": small.scores[2:][::-1],
         "beside chunks": chunked_256[1].scores + chunked_512[0].scores,
@@ -277,7 +300,7 @@ def test_shared_prefixes_and_chunks_give_each_sequence_its_bits_alone(
     assert _bits(chunked_256[0].scores[0]) == _bits(alone[7]), "in chunks under a budget of 256"
     assert _bits(chunked_512[1].scores[1]) == _bits(alone[7]), "in chunks under a budget of 512"
     if served not in _OFF:
-        off = Settings(model=dirs[name], device="cpu", dtype="float32", decoder=decoder or "auto")
+        off = Settings(model=dirs[name], device=DEVICE, dtype="float32", decoder=decoder or "auto")
         reference = PackedScorer.from_config(off.engine_config())
         _OFF[served] = [reference.score([job])[0] for job in [*group, long]]
     got = np.concatenate([s.logprobs for s in [*alone[:6], alone[7]]])
@@ -286,7 +309,11 @@ def test_shared_prefixes_and_chunks_give_each_sequence_its_bits_alone(
     assert (error.max() if dtype == "float32" else error.mean()) <= BOUND[dtype]
 
 
-def test_replicas_with_other_budgets_give_the_same_bits(dirs: dict[str, Path]) -> None:
+REPLICAS = ["qwen3"] if ON_CPU else list(GPU_SUBSET)
+
+
+@pytest.mark.parametrize("name", REPLICAS)
+def test_replicas_with_other_budgets_give_the_same_bits(dirs: dict[str, Path], name: str) -> None:
     """Two servers, --max-batch-tokens 256 and 4096: a long sequence (chunked under one, whole under
     the other) and a shared group score the same bits."""
     group = _group(11, 120, [50, 30, 80])
@@ -294,7 +321,7 @@ def test_replicas_with_other_budgets_give_the_same_bits(dirs: dict[str, Path]) -
     answers = []
     for tokens in (256, 4096):
         settings = Settings(
-            model=dirs["qwen3"], device="cpu", dtype="bfloat16", max_batch_tokens=tokens, batch_invariant=True
+            model=dirs[name], device=DEVICE, dtype="bfloat16", max_batch_tokens=tokens, batch_invariant=True
         )
         engine = PackedScorer.from_config(settings.engine_config())
         engine.warm_up()

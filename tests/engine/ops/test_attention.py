@@ -281,3 +281,41 @@ def test_gpu_kernel_in_invariant_mode_scores_a_row_alike_however_its_queries_are
 def _on_cpu(seg: Segments) -> Segments:
     cu_k = seg.cu_k.cpu() if seg.cu_k is not None else None
     return Segments(seg.cu.cpu(), seg.max_len, seg.scale, seg.window, seg.softcap, cu_k, seg.max_len_k)
+
+
+# the attention shapes (query heads, key/value heads; head_dim 128) of Qwen2.5-1.5B, 7B, Qwen3-30B-A3B
+REAL_HEADS = {"qwen2.5-1.5b": (12, 2), "qwen2.5-7b": (28, 4), "qwen3-30b-a3b": (32, 4)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("shape", list(REAL_HEADS))
+def test_gpu_kernel_in_invariant_mode_cuts_a_long_sequence_of_a_real_shape_alike(
+    backend: str, shape: str
+) -> None:
+    """The same premise at the served shapes and lengths (bf16): one 20,000-token sequence (the long
+    workload's) scored whole, in chunks after their cached context (cut where budgets of 4,096,
+    8,192 and 16,384 and an odd length would cut), its last query alone, and queries after a shared
+    prefix beside the prefix's own segment: every row bitwise the whole sequence's."""
+    kernel = invariant(choose_backend(backend, torch.device("cuda"))).kernel
+    heads, kv_heads = REAL_HEADS[shape]
+    n, gen = 20_000, torch.Generator().manual_seed(1)
+    q = torch.randn(n, heads, 128, generator=gen).to("cuda", torch.bfloat16)
+    k = torch.randn(n, kv_heads, 128, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(n, kv_heads, 128, generator=gen).to("cuda", torch.bfloat16)
+    whole = Segments(torch.tensor([0, n], dtype=torch.int32, device="cuda"), n, 128**-0.5, None, None)
+    want = kernel(q, k, v, whole)
+    for chunk in (4096, 8192, 16384, 5003):
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            got = kernel(q[start:end], k[:end], v[:end], _cut(start, end, 0, whole))
+            assert torch.equal(got, want[start:end]), (shape, chunk, start)
+    assert torch.equal(kernel(q[n - 1 :], k, v, _cut(n - 1, n, 0, whole)), want[n - 1 :])
+    prefix = 3000  # a shared node's rows in one segment, then a response's after it
+    node = kernel(q[:prefix], k[:prefix], v[:prefix], _cut(0, prefix, 0, whole))
+    qs = torch.cat([q[:prefix], q[prefix:4000]])
+    ks, vs = torch.cat([k[:prefix], k[:4000]]), torch.cat([v[:prefix], v[:4000]])
+    beside = kernel(qs, ks, vs, _cut(prefix, 4000, prefix, whole))
+    assert torch.equal(node, want[:prefix])
+    assert torch.equal(beside[prefix:], want[prefix:4000])
