@@ -137,12 +137,14 @@ def render_openapi(spec: dict[str, Any]) -> str:
         "equal to what the app serves at `/openapi.json`. The prose reference is [API reference](api.md).",
         "",
     ]
+    nested: dict[str, Any] = {}  # the $defs of request bodies declared inline (their $refs link here)
     for path, methods in spec["paths"].items():
         for method, op in methods.items():
             out += [f"## `{method.upper()} {path}`", "", op.get("description") or op.get("summary", ""), ""]
             for kind, body in op.get("requestBody", {}).get("content", {}).items():
                 out += [f"Request body, `{kind}`:", ""]
                 body_schema = body.get("schema", {})
+                nested.update(body_schema.get("$defs", {}))
                 out += (
                     [*properties_table(body_schema), ""]
                     if "properties" in body_schema
@@ -161,7 +163,8 @@ def render_openapi(spec: dict[str, Any]) -> str:
                 )
             out.append("")
     out += ["## Schemas", ""]
-    for name, schema in spec.get("components", {}).get("schemas", {}).items():
+    every_schema = {**nested, **spec.get("components", {}).get("schemas", {})}
+    for name, schema in every_schema.items():
         out += [f"### {name}", "", schema.get("description", ""), "", *properties_table(schema), ""]
     return "\n".join(out)
 

@@ -144,7 +144,7 @@ def test_unknown_routes_and_methods_answer_in_the_error_shape() -> None:
     app = create_app(Settings(), engine_factory=lambda _: FakeEngine())
     with TestClient(app) as client:
         wait_ready(client)
-        for path in ("/", "/health", "/logprobs/x"):
+        for path in ("/", "/healthz", "/logprobs/x"):
             missing = client.get(path)
             assert missing.status_code == 404
             assert missing.json() == {
