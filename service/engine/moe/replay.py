@@ -102,11 +102,6 @@ class BatchRoutes:
     def replays(self) -> bool:
         return self.given is not None
 
-    @property
-    def mode(self) -> str:
-        """ "replay" where something is given, else "record" (what a CUDA graph of the forward holds)."""
-        return "replay" if self.given is not None else "record"
-
     def layer(self, index: int) -> LayerRoutes:
         """The routes of sparse layer `index` (of the policy's sparse layers, in order)."""
         return LayerRoutes(
