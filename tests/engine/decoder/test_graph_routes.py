@@ -142,3 +142,39 @@ def test_a_wrong_routed_graph_turns_its_mode_off(
     assert caplog.text.count("CUDA graphs off for micro-batches with replay routes") == 1
     assert decoder.disabled is None
     assert decoder.graphs == 0
+
+
+# ---- on the GPU: CUDA capture, the Triton routing kernels, the device's grouped GEMM -----------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", models.MOE_ARCHITECTURES)
+def test_cuda_routed_graphs_equal_the_eager_forward(name: str) -> None:
+    """bf16, torch_varlen attention, Triton ops (route_kernel replays and records), the grouped GEMM
+    `auto` picks: every mode's graphs against the same decoder run eagerly, the same records."""
+    from service.engine.decoder import graphs
+    from service.engine.moe import layer as moe
+    from service.engine.ops.attention import choose_backend
+    from service.engine.ops.elementwise import Ops
+
+    device = torch.device("cuda")
+    backend = choose_backend("torch_varlen", device)
+    model = packed_model(name).to(device=device, dtype=torch.bfloat16)
+    kernel = moe.choose("auto", device, torch.bfloat16)
+    ops = Ops.for_device(device, allow_triton=True)
+    inner = FusedDecoder(model.base_model, backend.kernel, ops, 0, moe_kernel=kernel)
+    decoder = GraphedDecoder(inner, graphs.CudaRecorder(device), 512, False, limit=16)
+    shape = shape_of(inner)
+    with torch.inference_mode():
+        for seed, (lengths, mode) in enumerate(BATCHES):
+            jobs = jobs_of(lengths, mode, shape, seed)
+            mine, theirs = pack(jobs, device, moe=shape), pack(jobs, device, moe=shape)
+            got, want = decoder(mine, mine.hidden_index), inner(theirs, theirs.hidden_index)
+            assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-3
+            if mode != "live":
+                assert_same_records(mine, theirs)
+    assert decoder.modes_off == {}
+    assert {key.mode for key in decoder._graphs} == {"live", "record", "replay"}
