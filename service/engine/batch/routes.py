@@ -102,7 +102,8 @@ def lay_out(  # noqa: PLR0917
                     lo - job.routes.start : hi - job.routes.start
                 ]
                 covered[row + lo - start : row + hi - start] = True
-        routes = BatchRoutes(used, to(given), to(covered), torch.zeros_like(used))
+        matches = torch.zeros((tokens, shape.layers), dtype=torch.int8, device=device)
+        routes = BatchRoutes(used, to(given), to(covered), torch.zeros_like(used), matches)
     lengths = np.asarray([n.length for n in forest.nodes], dtype=np.int64)
     rows = [_ranges(starts[list(path)], lengths[list(path)]) for path in forest.paths]
     first = [0] * len(rows)

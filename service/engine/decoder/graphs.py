@@ -22,9 +22,14 @@ max_len = N and at least 256 slots: one graph per N, all captured at start, larg
 kernels' grids grow with max_len x slots, so those round both up to powers of two and are captured the
 first time they are met. Past `limit` graphs the least recently used one goes.
 
-Routes. A micro-batch that replays or records MoE routes (moe/replay.py) runs eagerly: its sparse
-layers take other kernels (torch's top-k, the given ids' weights, the records), which the graphs,
-captured for live routing, do not hold.
+Routes. A micro-batch that records MoE routes (R2) or replays given ones (R3, moe/replay.py) replays
+a graph of its own mode (the key's `mode`: live / record / replay), captured lazily the first time a
+mode meets a shape, never for live-only traffic. Its routes go through static buffers
+(graph_routes.py): the given ids copied in, the records copied out after the last layer. The first
+graph of a mode is checked where it is captured: its replay, over outputs cleared first, against the
+eager forward of the same batch (hidden states within the start-up check's bound, the records
+equal); a mismatch or a failed capture turns graphs off for that mode (a warning; eager from then
+on), never for live routing.
 
 Safety. Capture runs in thread-local mode, so the results thread's waits on events go on meanwhile.
 `capture` checks a graph's result against the eager forward at start; a capture that fails turns
@@ -48,6 +53,7 @@ import torch
 from service.engine.batch.packing import SHAPE_STEP, PackedBatch
 from service.engine.decoder.contract import Decoder, DecoderKind, relative_error
 from service.engine.decoder.fused import FusedDecoder, Stream
+from service.engine.decoder.graph_routes import RouteBuffers, RouteMode, mode_of
 from service.engine.runtime.packages import FAST_DTYPES
 
 log = logging.getLogger(__name__)
@@ -108,6 +114,7 @@ class GraphKey:
     tokens: int  # N
     slots: int  # sequence slots: cu has slots + 1 entries
     max_len: int  # the bound the attention kernel is given
+    mode: RouteMode = "live"  # what the sparse layers do with routes (graph_routes.py)
 
 
 def _pow2(n: int) -> int:
@@ -152,6 +159,9 @@ class GraphedDecoder:
         self._buffers: _Buffers | None = None
         self._params = self._signature()
         self.disabled: str | None = None  # why graphs are off for this decoder
+        self.modes_off: dict[RouteMode, str] = {}  # why graphs are off for routed micro-batches of a mode
+        self._checked: set[RouteMode] = set()  # the routed modes whose first graph passed its check
+        self._routes: RouteBuffers | None = None
 
     @property
     def graphs(self) -> int:
@@ -169,25 +179,91 @@ class GraphedDecoder:
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         sequences = batch.cu_seqlens.shape[0] - 1
         key = self.key(batch.num_tokens, sequences, batch.max_len)
-        if key is None or self.disabled is not None or batch.context is not None or batch.routes is not None:
-            return self.inner(
-                batch, rows
-            )  # a chunk, and a micro-batch that replays or records routes, eagerly
+        routes, mode = batch.routes, mode_of(batch.routes)
+        if key is None or self.disabled is not None or batch.context is not None or not self._routable(batch):
+            return self.inner(batch, rows)  # a chunk, a shape no graph holds, a mode whose graphs are off
+        key = dataclasses.replace(key, mode=mode)
         buffers, n = self._ready(), key.tokens
         self.inner.begin(batch)
         buffers.ids[:n].copy_(batch.input_ids[0])
         buffers.positions[:, :n].copy_(batch.position_ids)
         buffers.cu[: sequences + 1].copy_(batch.cu_seqlens)
         buffers.cu[sequences + 1 : key.slots + 1].fill_(n)  # empty sequences up to the graph's slots
+        static = None
+        if routes is not None:
+            assert self._routes is not None
+            self._routes.load(routes, n)
+            static = self._routes.view(mode, n)
         replay = self._graphs.get(key)
         if replay is not None:
             self._graphs.move_to_end(key)
             replay()
+        elif mode != "live" and mode not in self._checked:  # a mode's first graph: checked as captured
+            if not self._record_checked(key):
+                return self.inner(batch, rows)
         else:  # first met: run what the graph will record, eagerly (every kernel of the shape is then
             self._body(key)  # compiled and loaded: loading one inside a capture fails it), then record it
             self._record(key)
         stream = Stream(buffers.x[:n], buffers.cos[:n], buffers.sin[:n], batch.cu_seqlens, batch.max_len)
-        return self.inner.finish(stream, rows)
+        with self.inner.routed(static):  # the last layer records into the same buffers
+            out = self.inner.finish(stream, rows)
+        if routes is not None:
+            assert self._routes is not None
+            self._routes.unload(routes, n)
+        return out
+
+    def _routable(self, batch: PackedBatch) -> bool:
+        """Whether a graph may run `batch`'s routes (allocating the static ones the first time)."""
+        routes = batch.routes
+        if routes is None:
+            return True
+        if mode_of(routes) in self.modes_off:
+            return False
+        if self._routes is None:
+            given = routes.given.dtype if routes.given is not None else torch.uint8
+            self._routes = RouteBuffers(self._capacity, routes, given)
+        return self._routes.fits(routes, batch.num_tokens)
+
+    def _record_checked(self, key: GraphKey) -> bool:
+        """Capture the first graph of a routed mode and check it: the eager body and the graph's replay
+        (over cleared outputs) must give the same hidden states and records. False (graphs off for the
+        mode, the static buffers then unreliable) where the capture fails or the check does."""
+        assert self._routes is not None
+        buffers, n, mode = self._ready(), key.tokens, key.mode
+        outputs = self._routes.outputs(mode, n)
+        for out in outputs:
+            out.fill_(-1)
+        self._body(key)
+        want_x, want = buffers.x[:n].clone(), [out.clone() for out in outputs]
+        try:
+            replay = self._recorder.capture(lambda: self._body(key))
+        except Exception as exc:  # this mode runs eagerly
+            self._mode_off(mode, f"capture of {key} failed: {type(exc).__name__}: {exc}")
+            return False
+        buffers.x[:n].zero_()
+        for out in outputs:
+            out.fill_(-1)
+        replay()
+        error = relative_error(buffers.x[:n], want_x)
+        same = all(torch.equal(got, wanted) for got, wanted in zip(outputs, want, strict=True))
+        if not (error <= _CHECK_TOL and same):
+            records = "equal" if same else "different"
+            self._mode_off(
+                mode, f"a {mode} graph's hidden states are {error:.3g} from the eager ones, records {records}"
+            )
+            return False
+        log.info("CUDA graphs for %s routes: within %.3g of the eager forward, the same records", mode, error)
+        self._checked.add(mode)
+        self._graphs[key] = replay
+        if len(self._graphs) > self._limit:
+            self._graphs.popitem(last=False)
+        return True
+
+    def _mode_off(self, mode: RouteMode, reason: str) -> None:
+        self.modes_off[mode] = reason
+        for key in [key for key in self._graphs if key.mode == mode]:
+            del self._graphs[key]
+        log.warning("CUDA graphs off for micro-batches with %s routes (%s); they run eagerly", mode, reason)
 
     def refresh(self) -> None:
         self.inner.refresh()
@@ -253,8 +329,12 @@ class GraphedDecoder:
         self._ready()  # the buffers are allocated outside every graph (inside, a replay would zero them)
         try:
             replay = self._recorder.capture(lambda: self._body(key))
-        except Exception as exc:  # graphs go off; micro-batches run eagerly
-            self._turn_off(f"capture of {key} failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # graphs go off (for a routed mode: that mode's); micro-batches run eagerly
+            reason = f"capture of {key} failed: {type(exc).__name__}: {exc}"
+            if key.mode == "live":
+                self._turn_off(reason)
+            else:
+                self._mode_off(key.mode, reason)
             return False
         self._graphs[key] = replay
         if len(self._graphs) > self._limit:
@@ -271,8 +351,10 @@ class GraphedDecoder:
         buffers.sin[:n].copy_(fresh.sin)
         del fresh
         stream = Stream(buffers.x[:n], buffers.cos[:n], buffers.sin[:n], cu, key.max_len)
-        for layer in inner.layers[:-1]:
-            inner.run_layer(layer, stream)
+        routes = None if self._routes is None else self._routes.view(key.mode, n)
+        with inner.routed(routes):
+            for layer in inner.layers[:-1]:
+                inner.run_layer(layer, stream)
 
     def _ready(self) -> _Buffers:
         if self._buffers is None:

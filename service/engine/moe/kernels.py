@@ -33,16 +33,26 @@ them, so within an expert's group (tokens ascending) the filler is its last rows
 
 `first` is the row of the whole micro-batch where this call's h starts. The kernel reads only the last
 `tail` rows of each group (a bound on the filler tokens), one program per expert.
+
+Replaying and recording (route_kernel given a layer's LayerRoutes, moe/replay.py): in the same pass, a
+covered token takes its given ids in their slot order, weighted by p gathered at them (normalised,
+rounded, as the top-k's); the others keep the top-k. The grouping then reads the ids taken, so the
+experts run exactly as live. The kernel writes the ids taken into `used`, the top-k into `live` and
+|given ∩ top-k| into `matches` (int8, one per token): the route agreement, counted while both sets
+are in registers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from service.engine.runtime import triton_jit
+
+if TYPE_CHECKING:
+    from service.engine.moe.replay import LayerRoutes
 
 tl: Any = None  # triton.language, bound by triton_jit.jit
 
@@ -185,8 +195,16 @@ class Routed:
     counts: torch.Tensor
 
 
-def route_kernel(logits: torch.Tensor, k: int, normalise: bool, weight_dtype: torch.dtype) -> Routed:
-    """Softmax, top-k and renormalisation of logits [T, E] (see the module), in one Triton pass."""
+def route_kernel(  # noqa: PLR0917
+    logits: torch.Tensor,
+    k: int,
+    normalise: bool,
+    weight_dtype: torch.dtype,
+    routes: LayerRoutes | None = None,
+    first: int = 0,
+) -> Routed:
+    """Softmax, top-k and renormalisation of logits [T, E] (see the module), in one Triton pass; with
+    `routes`, the replay and the records of the layer's rows first .. first + T - 1 in the same pass."""
     triton_jit.runnable(logits)
     t, count = logits.shape
     blocks = triton_jit.cdiv(t, ROUTE_TOKENS)
@@ -194,24 +212,51 @@ def route_kernel(logits: torch.Tensor, k: int, normalise: bool, weight_dtype: to
     experts = torch.empty((t, k), device=logits.device, dtype=torch.int32)
     ranks = torch.empty((t, k), device=logits.device, dtype=torch.int32)
     counts = torch.empty((blocks, count), device=logits.device, dtype=torch.int32)
-    if t:
-        with triton_jit.on_device(logits):
-            triton_jit.jit(_route)[(blocks,)](
-                logits,
-                logits.stride(0),
-                weights,
-                experts,
-                ranks,
-                counts,
-                t,
-                EXPERTS=count,
-                K=k,
-                BLOCK_T=ROUTE_TOKENS,
-                BLOCK_E=triton_jit.next_power_of_2(count),
-                BLOCK_K=triton_jit.next_power_of_2(k),
-                NORMALISE=normalise,
-                num_warps=4,
-            )
+    if not t:
+        return Routed(weights, experts, ranks, counts)
+    rows = slice(first, first + t)
+    given = covered = used = live = matches = None
+    if routes is not None:
+        used = None if routes.used is None else routes.used[rows]
+        if routes.given is not None and routes.covered is not None:
+            given, covered = routes.given[rows], routes.covered[rows]
+            live = None if routes.live is None else routes.live[rows]
+            matches = None if routes.matches is None else routes.matches[rows]
+    for name, out in (("used", used), ("live", live)):
+        if out is not None and (out.dtype != torch.int32 or out.stride(1) != 1):
+            raise ValueError(f"route_kernel writes {name} as int32 rows of contiguous slots")
+    if given is not None and given.stride(1) != 1:
+        raise ValueError("route_kernel reads given ids as rows of contiguous slots")
+    with triton_jit.on_device(logits):
+        triton_jit.jit(_route)[(blocks,)](
+            logits,
+            logits.stride(0),
+            weights,
+            experts,
+            ranks,
+            counts,
+            t,
+            given if given is not None else experts,
+            given.stride(0) if given is not None else 0,
+            covered.view(torch.uint8) if covered is not None else experts,
+            used if used is not None else experts,
+            used.stride(0) if used is not None else 0,
+            live if live is not None else experts,
+            live.stride(0) if live is not None else 0,
+            matches if matches is not None else experts,
+            matches.stride(0) if matches is not None else 0,
+            EXPERTS=count,
+            K=k,
+            BLOCK_T=ROUTE_TOKENS,
+            BLOCK_E=triton_jit.next_power_of_2(count),
+            BLOCK_K=triton_jit.next_power_of_2(k),
+            NORMALISE=normalise,
+            REPLAY=given is not None,
+            USED=used is not None,
+            LIVE=live is not None,
+            MATCHES=matches is not None,
+            num_warps=4,
+        )
     return Routed(weights, experts, ranks, counts)
 
 
@@ -254,7 +299,7 @@ def group_kernel(routed: Routed) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return rows, slots, offsets
 
 
-def _route(  # noqa: PLR0917
+def _route(  # noqa: PLR0917, PLR0915
     logits_ptr: tl.tensor,
     stride: tl.tensor,
     w_ptr: tl.tensor,
@@ -262,15 +307,29 @@ def _route(  # noqa: PLR0917
     ranks_ptr: tl.tensor,
     counts_ptr: tl.tensor,
     tokens: tl.tensor,
+    given_ptr: tl.tensor,
+    given_stride: tl.tensor,
+    covered_ptr: tl.tensor,
+    used_ptr: tl.tensor,
+    used_stride: tl.tensor,
+    live_ptr: tl.tensor,
+    live_stride: tl.tensor,
+    matches_ptr: tl.tensor,
+    matches_stride: tl.tensor,
     EXPERTS: tl.constexpr,
     K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORMALISE: tl.constexpr,
+    REPLAY: tl.constexpr,
+    USED: tl.constexpr,
+    LIVE: tl.constexpr,
+    MATCHES: tl.constexpr,
 ) -> None:
-    """BLOCK_T tokens: float32 softmax, k rounds of (largest, lowest id among equals); which experts
-    each token took, whose running sum over the block's tokens gives the ranks and the counts."""
+    """BLOCK_T tokens: float32 softmax, k rounds of (largest, lowest id among equals); where REPLAY, a
+    covered token's given ids instead, p gathered at them; which experts each token took, whose running
+    sum over the block's tokens gives the ranks and the counts."""
     block = tl.program_id(0).to(tl.int64)
     tok = block * BLOCK_T + tl.arange(0, BLOCK_T)
     live = tok < tokens
@@ -283,7 +342,9 @@ def _route(  # noqa: PLR0917
     e = tl.exp(x - tl.max(x, axis=1)[:, None])
     p = e / tl.sum(e, axis=1)[:, None]
     p = tl.where(real[None, :], p, -1.0)  # below every probability: never taken
+    probs = p
     cols = tl.arange(0, BLOCK_K)
+    slot_ok = live[:, None] & (cols[None, :] < K)
     weights = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     chosen = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
     for j in tl.static_range(K):
@@ -293,6 +354,26 @@ def _route(  # noqa: PLR0917
         weights = tl.where(cols[None, :] == j, best[:, None], weights)
         chosen = tl.where(cols[None, :] == j, pick[:, None], chosen)
     took = ((p == -2.0) & live[:, None]).to(tl.int32)  # [tokens, experts]: 1 where the token chose it
+    if REPLAY:
+        out = tok[:, None] * given_stride + cols[None, :]
+        given = tl.load(given_ptr + out, mask=slot_ok, other=0).to(tl.int32)
+        covered = (tl.load(covered_ptr + tok, mask=live, other=0) != 0) & live
+        at = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+        hits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)  # 1 where a given id names the expert
+        for j in tl.static_range(K):
+            want = tl.sum(tl.where(cols[None, :] == j, given, 0), axis=1)
+            hit = ids[None, :] == want[:, None]
+            at = tl.where(cols[None, :] == j, tl.sum(tl.where(hit, probs, 0.0), axis=1)[:, None], at)
+            hits += hit.to(tl.int32)
+        if LIVE:
+            tl.store(live_ptr + tok[:, None] * live_stride + cols[None, :], chosen, mask=slot_ok)
+        if MATCHES:
+            overlap = tl.sum(hits * took, axis=1)  # |given ∩ top-k|: the ids are distinct within a token
+            overlap = tl.where(covered, overlap, 0)
+            tl.store(matches_ptr + tok * matches_stride, overlap.to(tl.int8), mask=live)
+        chosen = tl.where(covered[:, None], given, chosen)
+        weights = tl.where(covered[:, None], at, weights)
+        took = tl.where(covered[:, None], hits * live[:, None].to(tl.int32), took)
     before = tl.cumsum(took, axis=0) - took  # the block's earlier tokens that chose it
     ranks = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
     for j in tl.static_range(K):
@@ -302,11 +383,12 @@ def _route(  # noqa: PLR0917
     if NORMALISE:
         weights = weights / tl.sum(weights, axis=1)[:, None]
     out = tok[:, None] * K + cols[None, :]
-    mask = live[:, None] & (cols[None, :] < K)
-    tl.store(w_ptr + out, weights.to(w_ptr.dtype.element_ty), mask=mask)
-    tl.store(e_ptr + out, chosen, mask=mask)
-    tl.store(ranks_ptr + out, ranks, mask=mask)
+    tl.store(w_ptr + out, weights.to(w_ptr.dtype.element_ty), mask=slot_ok)
+    tl.store(e_ptr + out, chosen, mask=slot_ok)
+    tl.store(ranks_ptr + out, ranks, mask=slot_ok)
     tl.store(counts_ptr + block * EXPERTS + ids, tl.sum(took, axis=0), mask=real)
+    if USED:
+        tl.store(used_ptr + tok[:, None] * used_stride + cols[None, :], chosen, mask=slot_ok)
 
 
 def _starts(  # noqa: PLR0917

@@ -43,9 +43,10 @@ A layer given a Tally (the fused decoder's sparse layers but the last) also adds
 of its experts took to the decoder's Load [layers, E] (moe_ops' counting), which the engine copies
 out per micro-batch for the expert-load metric.
 
-A layer given LayerRoutes (routing replay and recorded routes, moe/replay.py) records the experts
-its planner chose, or, where a micro-batch gives routes, routes in torch ops: the given ids where a
-token is covered, the top-k elsewhere, weighted by `Routing.weights_at` (docs/semantics.md).
+A layer given LayerRoutes (routing replay and recorded routes, moe/replay.py) hands them to its
+planner: the given ids where a token is covered, the top-k elsewhere, weighted by the rule at those ids
+(docs/semantics.md), and the ids taken recorded; plan_kernel does it in its routing kernel's pass,
+plan (the twin) in torch ops (LayerRoutes.choose).
 
 `choose` resolves the `moe_kernel` setting; `auto` takes quack, else grouped_mm, else the loop, each
 after running it once against the loop on a small input (a failure there: a warning, the next one).
@@ -366,14 +367,24 @@ class Plan:
     experts: torch.Tensor  # [T, k] the expert ids (int64, or int32 from the kernels)
 
 
-# h [T, H], router weight [E, H], the rule, how the router GEMM runs (strategies/gemm.py) -> Plan
-Planner = Callable[[torch.Tensor, torch.Tensor, Routing, TokenGemms], Plan]
+# h [T, H], router weight [E, H], the rule, how the router GEMM runs (strategies/gemm.py), the layer's
+# routes to replay and record (None: none) and the row of the forward h starts at -> Plan
+Planner = Callable[[torch.Tensor, torch.Tensor, Routing, TokenGemms, LayerRoutes | None, int], Plan]
 
 
-def plan(h: torch.Tensor, router: torch.Tensor, rule: Routing, gemm: TokenGemms = ONE_CALL) -> Plan:
+def plan(  # noqa: PLR0917
+    h: torch.Tensor,
+    router: torch.Tensor,
+    rule: Routing,
+    gemm: TokenGemms = ONE_CALL,
+    routes: LayerRoutes | None = None,
+    first: int = 0,
+) -> Plan:
     """Route h [T, H] with the router weight [E, H] (its GEMM run by `gemm`): torch
-    ops, the rule's own topk (ties as transformers resolves them) and a stable sort."""
-    weights, experts = rule(gemm.linear(h, router, None))  # [T, k] each
+    ops, the rule's own topk (ties as transformers resolves them) and a stable sort; with `routes`,
+    the given ids where covered and the records (LayerRoutes.choose: plan_kernel's twin)."""
+    logits = gemm.linear(h, router, None)
+    weights, experts = rule(logits) if routes is None else routes.choose(logits, rule, first)  # [T, k] each
     return _sorted(weights, experts, router.shape[0])
 
 
@@ -413,12 +424,19 @@ class Pin:
         return _sorted(rule.weights_at(logits, experts), experts, router.shape[0])
 
 
-def plan_kernel(h: torch.Tensor, router: torch.Tensor, rule: Routing, gemm: TokenGemms = ONE_CALL) -> Plan:
+def plan_kernel(  # noqa: PLR0917
+    h: torch.Tensor,
+    router: torch.Tensor,
+    rule: Routing,
+    gemm: TokenGemms = ONE_CALL,
+    routes: LayerRoutes | None = None,
+    first: int = 0,
+) -> Plan:
     """plan in two Triton kernels and a few small ops (moe_ops: the same order; a tie of the top-k goes
-    to the lower expert id)."""
+    to the lower expert id); the replay and the records in the routing kernel's pass."""
     logits = gemm.linear(h, router, None)  # [T, E]
     weight_dtype = logits.dtype if rule.round_weights else torch.float32
-    routed = moe_ops.route_kernel(logits, rule.top_k, rule.normalise, weight_dtype)
+    routed = moe_ops.route_kernel(logits, rule.top_k, rule.normalise, weight_dtype, routes, first)
     grouped, slots, offsets = moe_ops.group_kernel(routed)
     return Plan(routed.weights, grouped, slots, Groups(offsets), routed.experts)
 
@@ -464,19 +482,11 @@ class SparseMoe:
         self._route(h, 0)
 
     def _route(self, h: torch.Tensor, first: int) -> Plan:
-        """The Plan of h [n, H], the forward's rows first .. first + n - 1: pinned (the self-check),
-        replayed where routes are given (moe/replay.py: torch ops), else the planner's."""
+        """The Plan of h [n, H], the forward's rows first .. first + n - 1: pinned (the self-check), else
+        the planner's, which replays and records the layer's routes where set (moe/replay.py)."""
         if self.pinned is not None:
             return self.pinned.take(h, self.router.weight, self.routing, self.gemm)
-        routes = self.routes
-        if routes is None or routes.given is None:
-            route = self.planner(h, self.router.weight, self.routing, self.gemm)
-            if routes is not None:
-                routes.record(first, route.experts)
-            return route
-        logits = self.gemm.linear(h, self.router.weight, None)
-        weights, experts = routes.choose(logits, self.routing, first)
-        return _sorted(weights, experts, self.router.weight.shape[0])
+        return self.planner(h, self.router.weight, self.routing, self.gemm, self.routes, first)
 
     def _add(self, x: torch.Tensor, h: torch.Tensor, first: int) -> None:
         route = self._route(h, first)

@@ -6,6 +6,8 @@ A micro-batch's routes cover its packed row of N tokens (batch/routes.py builds 
     given   [N, layers, k]  expert ids (a narrow int dtype), read where covered [N] bool
     used    [N, layers, k]  int32, written by the forward: the experts each token's layers used
     live    [N, layers, k]  int32, written where something is given: the layer's own router's top-k
+    matches [N, layers]     int8, written where something is given: |given ∩ live| at covered tokens,
+                            0 elsewhere (the route agreement, without an [N, layers, k, k] temporary)
 
 At a sparse layer the router's logits are computed as usual; a covered token takes the given ids, in
 the given slot order, weighted by the architecture's own rule at those ids (Routing.weights_at: the
@@ -14,6 +16,8 @@ any other token keeps the router's own top-k and weights. Megatron-LM's RouterRe
 router replay (R2/R3) take the same definition.
 
 A layer's calls take consecutive rows of the packed row (`first` on): LayerRoutes is one layer's view.
+The fused decoder's Triton path does all of a layer's routing in moe_ops.route_kernel; `choose` is its
+torch twin (and the transformers decoder's router hook).
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class LayerRoutes:
     """One sparse layer's part of BatchRoutes: given [n, k] and covered [n] (None: nothing given in
-    this micro-batch), used and live [n, k] to write (None: not recorded here)."""
+    this micro-batch), used and live [n, k] and matches [n] to write (None: not recorded here)."""
 
     given: torch.Tensor | None = None
     covered: torch.Tensor | None = None
     used: torch.Tensor | None = None
     live: torch.Tensor | None = None
+    matches: torch.Tensor | None = None
 
     def gathered(self, rows: torch.Tensor) -> LayerRoutes:
         """The inputs at rows [R] (the last layer's MLP runs on the rows the heads read); no outputs."""
@@ -71,6 +76,9 @@ class LayerRoutes:
             weights = torch.where(covered, rule.weights_at(logits, experts), live[0])
         if self.live is not None:
             self.live[first : first + n].copy_(own)
+        if self.matches is not None:  # [n, k, k] for one layer's call: the twin's way
+            overlap = (given[:, :, None] == own[:, None, :]).any(-1).sum(-1)
+            self.matches[first : first + n].copy_(torch.where(covered[:, 0], overlap, 0))
         self.record(first, experts)
         return weights, experts
 
@@ -88,6 +96,7 @@ class BatchRoutes:
     given: torch.Tensor | None = None
     covered: torch.Tensor | None = None
     live: torch.Tensor | None = None
+    matches: torch.Tensor | None = None
 
     @property
     def replays(self) -> bool:
@@ -100,18 +109,18 @@ class BatchRoutes:
             self.covered,
             self.used[:, index],
             None if self.live is None else self.live[:, index],
+            None if self.matches is None else self.matches[:, index],
         )
 
     def agreement(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Per token [N] int32: the layers whose live top-k set equals the given set, and the sum over
         layers of |given ∩ live| (divide by k for the overlap); None where nothing was given. Read at
         covered tokens only (ids are distinct within a token's top-k, so |∩| = k is set equality)."""
-        if self.given is None or self.live is None:
+        if self.given is None or self.matches is None:
             return None
-        k = self.live.shape[-1]
-        matches = (self.given.long()[..., :, None] == self.live[..., None, :]).any(-1).sum(-1)  # [N, layers]
-        exact = (matches == k).sum(-1, dtype=torch.int32)
-        return exact, matches.sum(-1, dtype=torch.int32)
+        k = self.used.shape[-1]
+        exact = (self.matches == k).sum(-1, dtype=torch.int32)
+        return exact, self.matches.sum(-1, dtype=torch.int32)
 
 
 class RouterHook:
