@@ -4,7 +4,8 @@ experts, top-8), in one compact frame.
 
     python -m benchmarks.routes_host [--reps 5]
 
-- client_frame: the client's wire.to_frame of the body (routes as nested lists, and as numpy rows);
+- client_frame: the client's wire.to_frame of the body, routes as nested lists, as the base64 strings
+  build_body makes of arrays (routes.encode), and as numpy rows;
 - normalise: arrays.parse_frame + normalise, plain and with `routed_experts` (u1 in the frame);
 - answer: response.answer + arrays.to_frame / to_json with recorded routes (the engine's uint8 rows),
   as a frame, JSON lists and base64 strings.
@@ -18,6 +19,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -25,10 +27,11 @@ import numpy as np
 from benchmarks.workload import workload
 from service.arrays import parse_frame
 from service.arrays import to_frame as answer_frame
+from service.client.routes import encode
 from service.client.wire import to_frame
 from service.engine.contract import EngineInfo, MoeShape
 from service.jobs import SequenceScores
-from service.normalise import ModelLimits, normalise
+from service.normalise import ModelLimits, ScoringPlan, normalise
 from service.response import answer, to_json
 
 VOCAB = 151936
@@ -65,6 +68,10 @@ def median_ms(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
+def rendered(plan: ScoringPlan, scores: list[SequenceScores], write: Callable[[Any], bytes]) -> bytes:
+    return write(answer(plan, scores, INFO, {"policy": "v"}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=5)
@@ -78,6 +85,8 @@ def main() -> None:
 
     lists = {**plain, "routed_experts": [r.tolist() for r in given]}
     figures = {"client_frame_lists": median_ms(lambda: to_frame(lists), max(1, args.reps // 2))}
+    strings = {**plain, "routed_experts": encode(given)}  # what build_body makes of arrays
+    figures["client_frame_base64"] = median_ms(lambda: to_frame(strings), args.reps)
     arrays = {**plain, "routed_experts": given}
     if to_frame(arrays) is None:
         print("client_frame_arrays: no frame (the client takes routes as lists only)")
@@ -98,14 +107,8 @@ def main() -> None:
             for job, r in zip(plan.jobs, given, strict=True)
         ]
         if form == "lists":
-            figures["answer_frame"] = median_ms(
-                lambda: answer_frame(answer(plan, scores, INFO, {"policy": "v"})),
-                args.reps,  # noqa: B023
-            )
-        figures[f"answer_json_{form}"] = median_ms(
-            lambda: to_json(answer(plan, scores, INFO, {"policy": "v"})),
-            args.reps,  # noqa: B023
-        )
+            figures["answer_frame"] = median_ms(partial(rendered, plan, scores, answer_frame), args.reps)
+        figures[f"answer_json_{form}"] = median_ms(partial(rendered, plan, scores, to_json), args.reps)
     for name, ms in figures.items():
         print(f"{name:22s} {ms:9.1f} ms")
 
