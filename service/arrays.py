@@ -123,11 +123,12 @@ def to_frame(body: Mapping[str, Any]) -> bytes:
 
 def _routes_array(rows: list[Any], experts: int) -> tuple[ArraySpec, bytes]:
     """Recorded routes (arrays, or base64 int32 strings) as one flat array: u1 when every id fits a
-    byte (at most 256 experts), else u2, else i4."""
-    dtype = "u1" if experts <= 256 else "u2" if experts <= 65536 else "i4"
+    byte (at most 256 experts), else u2, else i4. The engine's rows are narrow already: joined once,
+    converted only where their dtype is not the frame's."""
+    dtype = np.dtype("u1" if experts <= 256 else "u2" if experts <= 65536 else "i4").newbyteorder("<")
     flat = [
         np.frombuffer(base64.b64decode(r), dtype="<i4") if isinstance(r, str) else np.ravel(r) for r in rows
     ]
-    spec = ArraySpec("routed_experts", dtype, tuple(int(r.size) for r in flat))
-    joined = np.concatenate(flat) if flat else np.empty(0, dtype=np.int64)
-    return spec, joined.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+    spec = ArraySpec("routed_experts", dtype.str[1:], tuple(int(r.size) for r in flat))
+    joined = np.concatenate(flat) if flat else np.empty(0, dtype=dtype)
+    return spec, joined.astype(dtype, copy=False).tobytes()

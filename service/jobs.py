@@ -13,6 +13,15 @@ import numpy.typing as npt
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float32]
+RouteArray = npt.NDArray[np.integer[Any]]  # expert ids in route_dtype (any integer dtype is read)
+
+
+def route_dtype(experts: int) -> np.dtype[np.integer[Any]]:
+    """The narrowest integer dtype routes of a policy with `experts` experts travel in: uint8 up to
+    256 experts, int16 up to 32768, else int32."""
+    if experts <= 256:
+        return np.dtype(np.uint8)
+    return np.dtype(np.int16) if experts <= 1 << 15 else np.dtype(np.int32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,12 +29,13 @@ class GivenRoutes:
     """The experts a rollout engine chose for a sequence (routing replay, R3; docs/semantics.md).
 
     experts: [P, moe_layers, top_k] expert ids for positions start .. start + P - 1 of the sequence,
-             every sparse layer of the policy in order, distinct within one (position, layer).
+             every sparse layer of the policy in order, distinct within one (position, layer); any
+             integer dtype (normalise gives route_dtype's).
     Positions outside [start, start + P) use the live router.
     """
 
     start: int
-    experts: IntArray
+    experts: RouteArray
 
     @property
     def end(self) -> int:
@@ -145,7 +155,7 @@ class SequenceScores:
     entropy: FloatArray | None
     values: FloatArray | None = None
     ref_logprobs: FloatArray | None = None
-    routes: IntArray | None = None  # [L, moe_layers, top_k] the experts used at every position
+    routes: RouteArray | None = None  # [L, moe_layers, top_k] the experts used at every position (narrow)
     route_agreement: RouteAgreement | None = None  # when the job gave routes
     top_ids: IntArray | None = None  # [A, K] most likely first, ties by the lower id
     top_logprobs: FloatArray | None = None  # [A, K]

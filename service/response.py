@@ -18,7 +18,7 @@ import orjson
 from service.diagnostics import kl
 from service.engine.contract import EngineInfo
 from service.errors import EngineFailure
-from service.jobs import FloatArray, IntArray, RouteAgreement, SequenceScores
+from service.jobs import FloatArray, IntArray, RouteAgreement, RouteArray, SequenceScores
 from service.normalise import ScoringPlan
 from service.schemas import RolloutMismatch, RouteAgreementSummary
 
@@ -76,17 +76,19 @@ def distribution(plan: ScoringPlan, scores: list[SequenceScores]) -> dict[str, A
     return out
 
 
-def _recorded_routes(plan: ScoringPlan, scores: Sequence[SequenceScores]) -> list[IntArray] | list[str]:
-    """Each row's recorded routes [L or width, layers, top_k], in the plan's layout and format."""
-    rows: list[IntArray] = []
+def _recorded_routes(plan: ScoringPlan, scores: Sequence[SequenceScores]) -> list[RouteArray] | list[str]:
+    """Each row's recorded routes [L or width, layers, top_k], in the plan's layout and format, in the
+    engine's narrow dtype (a frame packs them as they are, orjson writes them as lists); base64: one
+    int32 conversion a row."""
+    rows: list[RouteArray] = []
     for i, s in enumerate(scores):
         if s.routes is None:
             raise EngineFailure("the engine returned no routes for a sequence that asked for them")
         columns = plan.route_columns[i] if plan.route_columns is not None else None
         if columns is None:
-            rows.append(np.ascontiguousarray(s.routes, dtype=np.int64))
+            rows.append(np.ascontiguousarray(s.routes))
             continue
-        wide = np.zeros((plan.padded_width, *s.routes.shape[1:]), dtype=np.int64)
+        wide = np.zeros((plan.padded_width, *s.routes.shape[1:]), dtype=s.routes.dtype)
         wide[columns] = s.routes
         rows.append(wide)
     if plan.route_format == "base64":

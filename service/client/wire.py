@@ -6,9 +6,7 @@ here, so the rest of the client never imports numpy or torch.
 
 from __future__ import annotations
 
-import base64
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -40,11 +38,8 @@ _FRAME_ARRAYS = {
     "action_mask": ("u1", "i8"),
     "rollout_logprobs": ("f4",),
 }
-# routed experts travel flattened per row, in the narrowest dtype that holds every id
-_ROUTE_ARRAYS = {
-    "routed_experts": ("u1", "u2", "i4", "i8"),
-    "prompt_routed_experts": ("u1", "u2", "i4", "i8"),
-}
+# routed experts travel flattened per row, in the narrowest dtype that holds every id (routes.frame_rows)
+_ROUTE_ARRAYS = ("routed_experts", "prompt_routed_experts")
 
 
 @runtime_checkable
@@ -290,53 +285,17 @@ def to_frame(body: Mapping[str, Any]) -> bytes | None:
                 continue
         else:
             return None
-    for name, dtypes in _ROUTE_ARRAYS.items():
-        rows = body.get(name)
-        if rows is None:
+    for name in _ROUTE_ARRAYS:
+        if body.get(name) is None:
             continue
-        flat = _flat_routes(rows)
-        if flat is None:
+        from service.client.routes import frame_rows  # numpy, only for callers of routes
+
+        routes = frame_rows(name, body[name])
+        if routes is None:
             return None
-        for dtype in dtypes:
-            try:
-                arrays.append(encode_rows(name, flat, dtype))
-                break
-            except (OverflowError, TypeError):
-                continue
-        else:
-            return None
+        arrays.append(routes)
     fields = {k: v for k, v in body.items() if k not in _FRAME_ARRAYS and k not in _ROUTE_ARRAYS}
     return pack(json.dumps(fields, separators=(",", ":")).encode(), arrays)
-
-
-def _flat_routes(rows: Any) -> list[list[int]] | None:
-    """Each row's routes as one flat list of ids (a base64 string decoded as little-endian int32,
-    nested lists flattened, None empty); None when a row is none of these (JSON goes, and the server
-    names the fault)."""
-    from array import array
-
-    if not isinstance(rows, list | tuple):
-        return None
-    flat: list[list[int]] = []
-    for row in rows:
-        if row is None:
-            flat.append([])
-        elif isinstance(row, str):
-            try:
-                values = array("i", base64.b64decode(row, validate=True))
-            except ValueError:  # binascii.Error is one; also a length not a multiple of 4
-                return None
-            if sys.byteorder != "little":
-                values.byteswap()
-            flat.append(values.tolist())
-        elif isinstance(row, list | tuple) and all(isinstance(p, list | tuple) for p in row):
-            try:
-                flat.append([int(x) for position in row for layer in position for x in layer])
-            except TypeError:
-                return None
-        else:
-            return None
-    return flat
 
 
 def from_frame(raw: bytes) -> dict[str, Any]:

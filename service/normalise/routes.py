@@ -12,8 +12,12 @@ They cover `routed_experts_start` .. `routed_experts_start + P - 1` of the row, 
 - grouped form: positions of the row's sequence, prompt then response. `prompt_routed_experts[p]`
   covers prompt p's positions 0 .. P-1, sent once; a row's own routes then start where they end.
 
-Every check is vectorised: ids in [0, experts), distinct within one (position, layer), the layer
-count and top_k of the policy, no position past the row. Faults are 422s naming field and row.
+Routes stay narrow: a frame's row is read in its own dtype (no copy), base64 as int32, lists through
+one np.asarray; once their ids are in range they are narrowed to jobs.route_dtype (uint8 up to 256
+experts). Every check is vectorised and works on that dtype: ids in [0, experts) (min / max first,
+a fault located only once found), distinct within one (position, layer) (the k slots compared
+pairwise, no sort), the layer count and top_k of the policy, no position past the row. Faults are
+422s naming field and row.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 
 from service.engine.contract import MoeShape
 from service.errors import InvalidRequest
-from service.jobs import GivenRoutes, IntArray
+from service.jobs import GivenRoutes, RouteArray, route_dtype
 from service.normalise.rows import Row, per_row
 from service.schemas import LogprobsRequest
 
@@ -76,8 +80,9 @@ def given_routes(request: LogprobsRequest, rows: list[Row], moe: MoeShape | None
     return out
 
 
-def read_routes(value: Any, moe: MoeShape, field: str, i: int, name: str | None = None) -> IntArray | None:
-    """[P, layers, top_k] int64 from nested lists, a base64 string or a frame's flat row; None: null."""
+def read_routes(value: Any, moe: MoeShape, field: str, i: int, name: str | None = None) -> RouteArray | None:
+    """[P, layers, top_k] ids from nested lists (int64), a base64 string (int32) or a frame's flat row
+    (its dtype, a view); None: null. Not yet checked or narrowed (check_experts does both)."""
     if value is None:
         return None
     name = name or f"{field} row {i}"
@@ -100,7 +105,7 @@ def read_routes(value: Any, moe: MoeShape, field: str, i: int, name: str | None 
                 field=field,
                 row=i,
             )
-        return np.frombuffer(raw, dtype="<i4").astype(np.int64).reshape(-1, *shape)
+        return np.frombuffer(raw, dtype="<i4").reshape(-1, *shape)
     if isinstance(value, np.ndarray):  # a compact frame's row, flattened
         if value.size % per:
             raise InvalidRequest(
@@ -109,7 +114,7 @@ def read_routes(value: Any, moe: MoeShape, field: str, i: int, name: str | None 
                 field=field,
                 row=i,
             )
-        return value.astype(np.int64).reshape(-1, *shape)
+        return value.reshape(-1, *shape)
     try:
         experts = np.asarray(value, dtype=np.int64)
     except (ValueError, OverflowError):  # ragged nesting, or ids past int64
@@ -128,10 +133,36 @@ def read_routes(value: Any, moe: MoeShape, field: str, i: int, name: str | None 
 
 
 def check_experts(
-    experts: IntArray, moe: MoeShape, field: str, i: int, *, name: str, keep: Any = None
-) -> None:
-    """Ids in [0, experts) and distinct within each (position, layer); `keep` [P] bool: only those."""
-    bad = (experts < 0) | (experts >= moe.experts)
+    experts: RouteArray, moe: MoeShape, field: str, i: int, *, name: str, keep: Any = None
+) -> RouteArray:
+    """Ids in [0, experts) and distinct within each (position, layer) (`keep` [P] bool: only those
+    positions); the ids in route_dtype (no copy where they are in it already)."""
+    _check_range(experts, moe, field, i, name=name, keep=keep)
+    narrow = experts.astype(route_dtype(moe.experts), copy=False)
+    twice = _repeats(narrow)
+    if twice is not None and keep is not None:
+        twice &= keep[:, None]
+    if twice is not None and twice.any():
+        p, layer = (int(x) for x in np.argwhere(twice)[0])
+        raise InvalidRequest(
+            f"{name}[{p}][{layer}] names an expert twice ({experts[p, layer].tolist()}); the top_k ids of "
+            "one position and layer are distinct",
+            field=field,
+            row=i,
+        )
+    return narrow
+
+
+def _check_range(experts: RouteArray, moe: MoeShape, field: str, i: int, *, name: str, keep: Any) -> None:
+    """Ids in [0, experts): min / max over the whole array, the first fault's place only past that."""
+    if experts.size == 0:
+        return
+    signed = experts.dtype.kind == "i"
+    if int(experts.max()) < moe.experts and not (signed and int(experts.min()) < 0):
+        return
+    bad = experts >= moe.experts
+    if signed:
+        bad |= experts < 0
     if keep is not None:
         bad &= keep[:, None, None]
     if bad.any():
@@ -142,22 +173,28 @@ def check_experts(
             field=field,
             row=i,
         )
-    ordered = np.sort(experts, axis=-1)
-    twice = (ordered[..., 1:] == ordered[..., :-1]).any(axis=-1)  # [P, layers]
-    if keep is not None:
-        twice &= keep[:, None]
-    if twice.any():
-        p, layer = (int(x) for x in np.argwhere(twice)[0])
-        raise InvalidRequest(
-            f"{name}[{p}][{layer}] names an expert twice ({experts[p, layer].tolist()}); the top_k ids of "
-            "one position and layer are distinct",
-            field=field,
-            row=i,
-        )
+
+
+def _repeats(experts: RouteArray) -> np.ndarray | None:
+    """[P, layers] bool: where one (position, layer) names an expert twice; None: nowhere. The k
+    slots are compared pairwise (k (k - 1) / 2 compares of [P * layers], slot-major)."""
+    k = experts.shape[-1]
+    if k < 2 or experts.size == 0:
+        return None
+    slots = np.ascontiguousarray(np.moveaxis(experts, -1, 0)).reshape(k, -1)  # [k, P * layers]
+    twice = np.zeros(slots.shape[1], dtype=np.bool_)
+    same = np.empty_like(twice)
+    for a in range(k - 1):
+        for b in range(a + 1, k):
+            np.equal(slots[a], slots[b], out=same)
+            twice |= same
+    if not twice.any():
+        return None
+    return twice.reshape(experts.shape[:-1])
 
 
 def _padded(
-    experts: IntArray | None, start: int | None, row: Row, moe: MoeShape, *, i: int, width: int
+    experts: RouteArray | None, start: int | None, row: Row, moe: MoeShape, *, i: int, width: int
 ) -> GivenRoutes | None:
     """Columns start .. start+P-1 of a padded row; padding columns' entries are ignored."""
     if experts is None or experts.shape[0] == 0:
@@ -173,7 +210,7 @@ def _padded(
     real = np.zeros(p, dtype=bool)  # [P] entries that fall on a real token
     inside = row.columns[(row.columns >= s) & (row.columns < s + p)]
     real[inside - s] = True
-    check_experts(experts, moe, FIELD, i, name=f"routed_experts[{i}]", keep=real)
+    experts = check_experts(experts, moe, FIELD, i, name=f"routed_experts[{i}]", keep=real)
     if not inside.size:
         return None
     first = int(np.searchsorted(row.columns, inside[0]))  # the position of the first covered token
@@ -181,9 +218,9 @@ def _padded(
 
 
 def _positions(
-    experts: IntArray | None,
+    experts: RouteArray | None,
     start: int | None,
-    before: IntArray | None,
+    before: RouteArray | None,
     row: Row,
     moe: MoeShape,
     *,
@@ -202,7 +239,7 @@ def _positions(
             field=FIELD,
             row=i,
         )
-    check_experts(experts, moe, FIELD, i, name=f"routed_experts[{i}]")
+    experts = check_experts(experts, moe, FIELD, i, name=f"routed_experts[{i}]")
     if before is None or head == 0:
         return GivenRoutes(start=s, experts=experts)
     if s != head:
@@ -215,7 +252,7 @@ def _positions(
     return GivenRoutes(start=0, experts=np.concatenate([before, experts]))
 
 
-def _prompt_routes(request: LogprobsRequest, rows: Sequence[Row], moe: MoeShape) -> dict[int, IntArray]:
+def _prompt_routes(request: LogprobsRequest, rows: Sequence[Row], moe: MoeShape) -> dict[int, RouteArray]:
     """prompt index -> its routes [P, layers, k], P <= its length, for the prompts some row names;
     a prompt's fault is reported at the first row that continues it."""
     given = request.prompt_routed_experts
@@ -228,7 +265,7 @@ def _prompt_routes(request: LogprobsRequest, rows: Sequence[Row], moe: MoeShape)
             f"prompt_routed_experts has {len(given)} entries for {len(request.prompt_ids)} prompts",
             field=PROMPT_FIELD,
         )
-    out: dict[int, IntArray] = {}
+    out: dict[int, RouteArray] = {}
     seen: set[int] = set()
     for i, row in enumerate(rows):
         p = row.prompt
@@ -246,6 +283,5 @@ def _prompt_routes(request: LogprobsRequest, rows: Sequence[Row], moe: MoeShape)
                 field=PROMPT_FIELD,
                 row=i,
             )
-        check_experts(experts, moe, PROMPT_FIELD, i, name=name)
-        out[p] = experts
+        out[p] = check_experts(experts, moe, PROMPT_FIELD, i, name=name)
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import torch
 
 from service.client import Client
 from service.client.adapters import verl_log_probs
+from service.client.wire import to_frame
 from tests.client.conftest import serving
 from tests.client.releases import importing
 
@@ -144,3 +146,44 @@ def test_verl_routes_of_another_rollout_change_the_scores(moe_server: str) -> No
     assert not torch.allclose(replayed.log_probs, live.log_probs, atol=1e-3)
     assert replayed.route_agreement is not None
     assert replayed.route_agreement.exact_fraction < 1.0
+
+
+def test_frames_take_arrays_tensors_strings_and_lists_alike() -> None:
+    """Every row form flattens to the same ids, in the narrowest dtype that holds them; a row that
+    is not routes (bad base64, ragged lists, floats) gives no frame (JSON goes)."""
+    import base64
+
+    from service.client.routes import frame_rows
+    from service.frame import unpack
+
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(0, 128, size=(n, 2, 4)) for n in (3, 0, 5)]
+    forms: list[list[Any]] = [
+        [r.astype(np.uint8) for r in rows],
+        [torch.from_numpy(r) for r in rows],
+        [base64.b64encode(r.astype("<i4").tobytes()).decode() for r in rows],
+        [r.tolist() for r in rows],
+    ]
+    want = [r.ravel().tolist() for r in rows]
+    for form in forms:
+        got = frame_rows("routed_experts", [*form, None])
+        assert got is not None
+        spec, data = got
+        assert spec.dtype == "u1"
+        assert spec.lengths == (24, 0, 40, 0)
+        assert np.frombuffer(data, dtype=np.uint8).tolist() == [x for row in want for x in row]
+    for value, dtype in ((300, "u2"), (-1, "i4"), (1 << 40, "i8")):
+        wide = rows[0].copy()
+        wide[2, 1, 3] = value
+        got = frame_rows("routed_experts", [wide])
+        assert got is not None
+        assert got[0].dtype == dtype
+        sent = np.frombuffer(got[1], dtype=np.dtype(dtype).newbyteorder("<"))
+        assert sent.tolist() == wide.ravel().tolist()
+    good = base64.b64encode(rows[0].astype("<i4").tobytes()).decode()
+    for bad in (good[:-4] + "*AAA", good[:8] + "=" + good[9:], good[:-4], [[[1, 2]], [[3]]], [[[1.5]]], 7):
+        assert frame_rows("routed_experts", [bad]) is None, bad
+    framed = to_frame({"input_ids": [[1, 2, 3]], "routed_experts": [rows[0]]})
+    assert framed is not None
+    spec, view = unpack(framed).arrays["routed_experts"]
+    assert (spec.dtype, bytes(view)) == ("u1", rows[0].astype(np.uint8).tobytes())

@@ -58,8 +58,8 @@ def test_lists_base64_and_frames_give_identical_jobs() -> None:
     frames = normalise(parse_frame(framed), LIMITS)
     want = [(0, r0.tolist()), (1, r1.tolist())]
     assert given(lists) == given(strings) == given(frames) == want
-    assert lists.jobs[0].routes is not None
-    assert lists.jobs[0].routes.experts.dtype == np.int64
+    for p in (lists, strings, frames):  # every form narrowed to one byte an id (8 experts)
+        assert all(j.routes is not None and j.routes.experts.dtype == np.uint8 for j in p.jobs)
     assert (lists.route_format, strings.route_format, frames.route_format) == ("lists", "base64", "lists")
 
 
@@ -278,3 +278,107 @@ def test_given_routes_type() -> None:
     routes = p.jobs[0].routes
     assert isinstance(routes, GivenRoutes)
     assert (routes.start, routes.end) == (1, 3)
+
+
+def framed_routes(dtype: str, flat: list[int], limits: ModelLimits = LIMITS) -> ScoringPlan:
+    """One row of 4 tokens whose routes travel in a frame of `dtype`."""
+    fields = json.dumps({"num_actions": 1}).encode()
+    framed = pack(
+        fields,
+        [encode_rows("input_ids", [[1, 2, 3, 4]], "i4"), encode_rows("routed_experts", [flat], dtype)],
+    )
+    return normalise(parse_frame(framed), limits)
+
+
+@pytest.mark.parametrize("dtype", ["u1", "u2", "i2", "i4", "i8"])
+def test_frame_rows_of_any_dtype_are_checked_and_narrowed(dtype: str) -> None:
+    p = framed_routes(dtype, GOOD.ravel().tolist())
+    routes = p.jobs[0].routes
+    assert routes is not None
+    assert routes.experts.dtype == np.uint8
+    assert routes.experts.tolist() == GOOD.tolist()
+    too_big = bad(GOOD, 2, 0, 1, 8)
+    with pytest.raises(InvalidRequest) as caught:
+        framed_routes(dtype, np.asarray(too_big).ravel().tolist())
+    assert (caught.value.field, caught.value.row) == ("routed_experts", 0)
+    assert "routed_experts[0][2][0][1] is 8; expert ids are 0 .. 7" in caught.value.message
+    twice = GOOD.copy()
+    twice[1, 1] = [3, 3]
+    with pytest.raises(InvalidRequest) as caught:
+        framed_routes(dtype, twice.ravel().tolist())
+    assert (caught.value.field, caught.value.row) == ("routed_experts", 0)
+    assert "routed_experts[0][1][1] names an expert twice ([3, 3])" in caught.value.message
+
+
+def test_a_negative_id_in_a_signed_frame_is_named() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        framed_routes("i2", np.asarray(bad(GOOD, 1, 2, 0, -3)).ravel().tolist())
+    assert (caught.value.field, caught.value.row) == ("routed_experts", 0)
+    assert "routed_experts[0][1][2][0] is -3" in caught.value.message
+
+
+def test_more_than_256_experts_travel_in_two_bytes() -> None:
+    """300 experts: lists, base64 and a u2 frame give int16 ids (route_dtype), and ids past a byte
+    are kept, checked and named."""
+    moe = MoeShape(layers=2, experts=300, top_k=4)
+    limits = ModelLimits(vocab_size=100, max_sequence_tokens=512, moe=moe)
+    rng = np.random.default_rng(7)
+    r = np.stack([[rng.choice(300, 4, replace=False) for _ in range(2)] for _ in range(3)])
+    r[0, 0] = [299, 256, 0, 255]
+    base: dict[str, Any] = {"input_ids": [[1, 2, 3]], "num_actions": 1}
+    framed = to_frame({**base, "routed_experts": [r.tolist()]})
+    assert framed is not None
+    request = parse_frame(framed)
+    (row,) = request.routed_experts or []
+    assert isinstance(row, np.ndarray)
+    assert row.dtype == np.uint16
+    forms = [
+        normalise(request, limits),
+        plan(limits, **base, routed_experts=[r.tolist()]),
+        plan(limits, **base, routed_experts=[b64(r)]),
+    ]
+    for p in forms:
+        routes = p.jobs[0].routes
+        assert routes is not None
+        assert routes.experts.dtype == np.int16
+        assert routes.experts.tolist() == r.tolist()
+    r[2, 1, 3] = 300
+    with pytest.raises(InvalidRequest) as caught:
+        plan(limits, **base, routed_experts=[b64(r)])
+    assert (caught.value.field, caught.value.row) == ("routed_experts", 0)
+    assert "routed_experts[0][2][1][3] is 300; expert ids are 0 .. 299" in caught.value.message
+    r[2, 1, 3] = 0
+    r[1, 0, 1:3] = 298
+    with pytest.raises(InvalidRequest) as caught:
+        plan(limits, **base, routed_experts=[r.tolist()])
+    assert "routed_experts[0][1][0] names an expert twice" in caught.value.message
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_first_repeat_is_found_as_a_sort_finds_it(seed: int) -> None:
+    """top_k 8 of 128 experts, uint8: repeats planted at random (position, layer, slot pairs); the
+    one named is the first, in row-major order, that a sort along k finds."""
+    moe = MoeShape(layers=5, experts=128, top_k=8)
+    limits = ModelLimits(vocab_size=100, max_sequence_tokens=512, moe=moe)
+    rng = np.random.default_rng(seed)
+    keys = rng.random((40, 5, 128))
+    r = np.argpartition(keys, 8, axis=-1)[..., :8]
+    for _ in range(3):
+        p, layer = int(rng.integers(10, 40)), int(rng.integers(5))
+        a, b = rng.choice(8, 2, replace=False)
+        r[p, layer, b] = r[p, layer, a]
+    ordered = np.sort(r, axis=-1)
+    p, layer = np.argwhere((ordered[..., 1:] == ordered[..., :-1]).any(axis=-1))[0]
+    body: dict[str, Any] = {"input_ids": [list(range(40))], "num_actions": 1}
+    framed = to_frame({**body, "routed_experts": [b64(r)]})
+    assert framed is not None
+    for request in (
+        parse_frame(framed),
+        parse_request(json.dumps({**body, "routed_experts": [b64(r)]}).encode()),
+    ):
+        with pytest.raises(InvalidRequest) as caught:
+            normalise(request, limits)
+        assert f"routed_experts[0][{p}][{layer}] names an expert twice" in caught.value.message
+    assert normalise(
+        parse_request(json.dumps({**body, "routed_experts": [b64(ordered[:10])]}).encode()), limits
+    )

@@ -14,21 +14,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from service.engine.contract import MoeShape
 from service.engine.moe.replay import BatchRoutes
-from service.jobs import Chunk, IntArray, RouteAgreement, SequenceJob
+from service.jobs import Chunk, IntArray, RouteAgreement, SequenceJob, route_dtype
 from service.prefixes import Forest, routes_agree
 
 
-def narrow(experts: int) -> np.dtype[np.signedinteger | np.unsignedinteger]:
-    """The smallest integer dtype that holds ids 0 .. experts - 1 (uint8 up to 256 experts)."""
-    if experts <= 256:
-        return np.dtype(np.uint8)
-    return np.dtype(np.int16) if experts <= 1 << 15 else np.dtype(np.int32)
+def narrow(experts: int) -> np.dtype[np.integer[Any]]:
+    """The smallest integer dtype that holds ids 0 .. experts - 1 (uint8 up to 256 experts): the one
+    normalise gives GivenRoutes in (jobs.route_dtype), so laying them out copies without converting."""
+    return route_dtype(experts)
 
 
 @dataclass(frozen=True, slots=True)

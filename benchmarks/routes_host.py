@@ -1,0 +1,117 @@
+"""What routes cost on the host per request (no GPU): the standard workload's first 8 sequences
+(~7,000 positions) with random distinct routes of Qwen3-30B-A3B's shape (48 sparse layers, 128
+experts, top-8), in one compact frame.
+
+    python -m benchmarks.routes_host [--reps 5]
+
+- client_frame: the client's wire.to_frame of the body, routes as nested lists, as the base64 strings
+  build_body makes of arrays (routes.encode), and as numpy rows;
+- normalise: arrays.parse_frame + normalise, plain and with `routed_experts` (u1 in the frame);
+- answer: response.answer + arrays.to_frame / to_json with recorded routes (the engine's uint8 rows),
+  as a frame, JSON lists and base64 strings.
+
+Each figure is the median of `reps` runs, in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from benchmarks.workload import workload
+from service.arrays import parse_frame
+from service.arrays import to_frame as answer_frame
+from service.client.routes import encode
+from service.client.wire import to_frame
+from service.engine.contract import EngineInfo, MoeShape
+from service.jobs import SequenceScores
+from service.normalise import ModelLimits, ScoringPlan, normalise
+from service.response import answer, to_json
+
+VOCAB = 151936
+MOE = MoeShape(layers=48, experts=128, top_k=8)
+LIMITS = ModelLimits(vocab_size=VOCAB, max_sequence_tokens=32768, moe=MOE)
+INFO = EngineInfo(
+    model="bench",
+    demo=False,
+    architecture="Qwen3MoeForCausalLM",
+    dtype="bfloat16",
+    device="cpu",
+    attention_backend="none",
+    decoder="fused",
+    kernels="none",
+    vocab_size=VOCAB,
+    max_positions=32768,
+    versions={},
+    moe=MOE,
+)
+
+
+def routes(length: int, rng: np.random.Generator) -> np.ndarray:
+    """[length, layers, top_k] uint8: top_k distinct experts at every (position, layer)."""
+    keys = rng.random((length, MOE.layers, MOE.experts), dtype=np.float32)
+    return np.argpartition(keys, MOE.top_k, axis=-1)[..., : MOE.top_k].astype(np.uint8)
+
+
+def median_ms(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def rendered(plan: ScoringPlan, scores: list[SequenceScores], write: Callable[[Any], bytes]) -> bytes:
+    return write(answer(plan, scores, INFO, {"policy": "v"}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    samples = workload(VOCAB, sequences=64)[:8]
+    rng = np.random.default_rng(0)
+    plain = {"input_ids": [s.tokens for s in samples], "num_actions": [len(s.response) for s in samples]}
+    given = [routes(len(s.tokens), rng) for s in samples]
+    positions = sum(len(s.tokens) for s in samples)
+    print(f"8 rows, {positions} positions x {MOE.layers} layers x top_k {MOE.top_k}")
+
+    lists = {**plain, "routed_experts": [r.tolist() for r in given]}
+    figures = {"client_frame_lists": median_ms(lambda: to_frame(lists), max(1, args.reps // 2))}
+    strings = {**plain, "routed_experts": encode(given)}  # what build_body makes of arrays
+    figures["client_frame_base64"] = median_ms(lambda: to_frame(strings), args.reps)
+    arrays = {**plain, "routed_experts": given}
+    if to_frame(arrays) is None:
+        print("client_frame_arrays: no frame (the client takes routes as lists only)")
+    else:
+        figures["client_frame_arrays"] = median_ms(lambda: to_frame(arrays), args.reps)
+    plain_raw, routed_raw = to_frame(plain), to_frame(lists)
+    assert plain_raw is not None
+    assert routed_raw is not None
+    figures["normalise_plain"] = median_ms(lambda: normalise(parse_frame(plain_raw), LIMITS), args.reps)
+    figures["normalise_routes"] = median_ms(lambda: normalise(parse_frame(routed_raw), LIMITS), args.reps)
+
+    for form in ("lists", "base64"):
+        raw = to_frame({**plain, "return_routed_experts": True, "routed_experts_format": form})
+        assert raw is not None
+        plan = normalise(parse_frame(raw), LIMITS)
+        scores = [
+            SequenceScores(logprobs=np.zeros(job.actions.shape[0], dtype=np.float32), entropy=None, routes=r)
+            for job, r in zip(plan.jobs, given, strict=True)
+        ]
+        if form == "lists":
+            figures["answer_frame"] = median_ms(partial(rendered, plan, scores, answer_frame), args.reps)
+        figures[f"answer_json_{form}"] = median_ms(partial(rendered, plan, scores, to_json), args.reps)
+    for name, ms in figures.items():
+        print(f"{name:22s} {ms:9.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
