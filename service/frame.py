@@ -74,13 +74,14 @@ def _pad(size: int) -> int:
     return -size % ALIGN
 
 
-def pack(fields: bytes, arrays: Sequence[tuple[ArraySpec, bytes]]) -> bytes:
-    """One frame from a JSON object's bytes and (spec, little-endian bytes) per array."""
+def pack(fields: bytes, arrays: Sequence[tuple[ArraySpec, bytes | memoryview]]) -> bytes:
+    """One frame from a JSON object's bytes and (spec, little-endian bytes) per array (a memoryview:
+    its length in bytes, as memoryview.cast("B") gives)."""
     specs = json.dumps(
         [{"name": s.name, "dtype": s.dtype, "lengths": list(s.lengths)} for s, _ in arrays],
         separators=(",", ":"),
     ).encode()
-    parts = [_HEAD.pack(MAGIC, VERSION, len(fields), len(specs)), fields, specs]
+    parts: list[bytes | memoryview] = [_HEAD.pack(MAGIC, VERSION, len(fields), len(specs)), fields, specs]
     parts.append(bytes(_pad(_HEAD.size + len(fields) + len(specs))))
     for spec, data in arrays:
         if len(data) != spec.nbytes:
