@@ -10,7 +10,8 @@ sorted log-probs) as the engine would return them. Prints, best of --reps:
 - server: service.response.answer (the rows scattered into their windows) and service.arrays.to_frame
   as they are now, and `json part` (the [rows][window][K] fields written by orjson into the frame's
   JSON part, the frame before they travelled as arrays, rebuilt here);
-- client: service.client.wire.from_frame + Scores.from_body on each of the two frames; and the JSON
+- client: service.client.wire.from_frame + Scores.from_body on each of the two frames (the json part
+  one: stdlib json.loads of the nested lists, then Scores' numpy blocks from them); and the JSON
   form (response.to_json, then json.loads + Scores.from_body as httpx reads it) for comparison;
 - the sizes, and that both frames read back to the same numbers.
 """
