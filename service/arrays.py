@@ -6,7 +6,11 @@ fields (token ids >= 0, finite rollout log-probs); their rows are numpy views of
 service/normalise/ reads like lists. Routes (`routed_experts`, `prompt_routed_experts`) travel as
 each row's [positions, layers, top_k] ids flattened (normalise reshapes them by the policy's
 shape); an answer's recorded routes go back the same way, in the narrowest dtype that holds the
-policy's expert ids (u1 up to 256 experts), with `moe` in the JSON part to reshape them.
+policy's expert ids (u1 up to 256 experts), with `moe` in the JSON part to reshape them. The
+answer's [rows][window][K] fields (`top_ids`, `top_logprobs`, `candidate_logprobs`) go back as each
+row's [window, K] block flattened, ids in u2 when every id is below 65536 else i4, log-probs in f4,
+with K per field in the JSON part's `columns` ({"top_ids": K, "top_logprobs": K,
+"candidate_logprobs": C}) to reshape them.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ RESPONSE_ARRAYS = {
     "ranks": "i8",
     "processed_logprobs": "f4",  # -inf outside the sampler's kept set (JSON: null)
 }
+# the answer's [rows, window, K] fields, each row's block flattened; None: ids, u2 or i4 by their range
+WIDE_ARRAYS: dict[str, str | None] = {"top_ids": None, "top_logprobs": "f4", "candidate_logprobs": "f4"}
 
 
 def parse_frame(raw: bytes) -> LogprobsRequest:
@@ -105,8 +111,10 @@ def _check_finite(rows: list[np.ndarray]) -> None:
 
 def to_frame(body: Mapping[str, Any]) -> bytes:
     """An answer (response.py's body: rows as numpy arrays) as one frame."""
-    fields = {k: v for k, v in body.items() if k not in RESPONSE_ARRAYS or v is None}
-    arrays = []
+    fields = {
+        k: v for k, v in body.items() if (k not in RESPONSE_ARRAYS and k not in WIDE_ARRAYS) or v is None
+    }
+    arrays: list[tuple[ArraySpec, bytes | memoryview]] = []
     routes = body.get("routed_experts")
     if routes is not None:
         fields.pop("routed_experts", None)
@@ -118,7 +126,36 @@ def to_frame(body: Mapping[str, Any]) -> bytes:
         spec = ArraySpec(name, dtype, tuple(len(row) for row in rows))
         flat = np.concatenate(rows) if rows else np.empty(0)
         arrays.append((spec, flat.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes()))
-    return pack(orjson.dumps(fields, option=orjson.OPT_SERIALIZE_NUMPY), arrays)  # [rows, K] lists in JSON
+    columns: dict[str, int] = {}
+    for name, wide_dtype in WIDE_ARRAYS.items():
+        rows = body.get(name)
+        if rows is None:
+            continue
+        spec, data, columns[name] = _wide_array(name, rows, wide_dtype)
+        arrays.append((spec, data))
+    if columns:
+        fields["columns"] = columns
+    return pack(orjson.dumps(fields, option=orjson.OPT_SERIALIZE_NUMPY), arrays)
+
+
+def _wide_array(name: str, rows: list[Any], dtype: str | None) -> tuple[ArraySpec, memoryview, int]:
+    """[window, K] blocks (one K for every row) as one flat array, and K. dtype None: token ids, u2
+    when every id is below 65536, else i4."""
+    blocks = [np.asarray(row) for row in rows]
+    widths = {int(b.shape[1]) for b in blocks if b.ndim == 2 and b.shape[0]}
+    if len(widths) > 1:
+        raise ValueError(f"{name}: rows of {sorted(widths)} columns; a frame carries one K per field")
+    width = widths.pop() if widths else 0
+    if dtype is None:
+        top = max((int(b.max()) for b in blocks if b.size), default=0)
+        dtype = "u2" if top < 65536 else "i4"
+    flat = np.empty(sum(int(b.size) for b in blocks), dtype=np.dtype(dtype).newbyteorder("<"))
+    start = 0
+    for b in blocks:
+        flat[start : start + b.size] = b.reshape(-1)
+        start += b.size
+    spec = ArraySpec(name, dtype, tuple(int(b.size) for b in blocks))
+    return spec, flat.view(np.uint8).data, width  # no copy: pack joins it into the frame
 
 
 def _routes_array(rows: list[Any], experts: int) -> tuple[ArraySpec, bytes]:

@@ -12,7 +12,9 @@ a number. Layout (all integers little-endian):
 
 dtype is one of i2, i4, i8 (signed), u1, u2 (unsigned), f4, f8 (IEEE float). Routed experts
 (`routed_experts`, [positions, moe_layers, top_k] per row) travel flattened, in u1 when every id is
-below 256 (one byte per position, layer and slot), else u2 or i4. Standard library only:
+below 256 (one byte per position, layer and slot), else u2 or i4; an answer's [window, K] fields
+(`top_ids`, `top_logprobs`, `candidate_logprobs`) likewise, with each field's K in the JSON part's
+`columns` (service/arrays.py writes them, service/client/wire.py reads them). Standard library only:
 the client (no numpy) and the server share it.
 """
 
@@ -74,13 +76,14 @@ def _pad(size: int) -> int:
     return -size % ALIGN
 
 
-def pack(fields: bytes, arrays: Sequence[tuple[ArraySpec, bytes]]) -> bytes:
-    """One frame from a JSON object's bytes and (spec, little-endian bytes) per array."""
+def pack(fields: bytes, arrays: Sequence[tuple[ArraySpec, bytes | memoryview]]) -> bytes:
+    """One frame from a JSON object's bytes and (spec, little-endian bytes) per array (a memoryview:
+    its length in bytes, as memoryview.cast("B") gives)."""
     specs = json.dumps(
         [{"name": s.name, "dtype": s.dtype, "lengths": list(s.lengths)} for s, _ in arrays],
         separators=(",", ":"),
     ).encode()
-    parts = [_HEAD.pack(MAGIC, VERSION, len(fields), len(specs)), fields, specs]
+    parts: list[bytes | memoryview] = [_HEAD.pack(MAGIC, VERSION, len(fields), len(specs)), fields, specs]
     parts.append(bytes(_pad(_HEAD.size + len(fields) + len(specs))))
     for spec, data in arrays:
         if len(data) != spec.nbytes:

@@ -15,6 +15,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from service.client.wire import from_frame, to_frame
+from service.frame import MEDIA_TYPE
 from tests import distribution as ref
 from tests import models
 from tests.conftest import running, settings_for
@@ -49,7 +51,9 @@ def _sequences(body: dict[str, Any]) -> list[tuple[list[int], list[int | None]]]
     return out
 
 
-def _check(model: Any, body: dict[str, Any], reply: dict[str, Any]) -> None:
+def _check(model: Any, body: dict[str, Any], reply: dict[str, Any], *, framed: bool = False) -> None:
+    """`reply` parsed from JSON, or (framed) from a compact frame by the client's from_frame: the
+    [window, K] fields numpy blocks, -inf where JSON writes null."""
     t = body.get("temperature", 1.0)
     shared = body.get("candidate_ids")
     for i, (tokens, window) in enumerate(_sequences(body)):
@@ -67,7 +71,7 @@ def _check(model: Any, body: dict[str, Any], reply: dict[str, Any]) -> None:
             logp = ref.logprobs(logits[position - 1], t)[tokens[position]]
             assert abs(reply["logprobs"][i][slot] - logp) < ATOL
             if "top_logprobs" in body:
-                got_ids = reply["top_ids"][i][slot]
+                got_ids = np.asarray(reply["top_ids"][i][slot]).tolist()
                 assert got_ids == want.top_ids.tolist(), (i, slot)
                 np.testing.assert_allclose(reply["top_logprobs"][i][slot], want.top_logprobs, atol=ATOL)
                 assert reply["ranks"][i][slot] == want.rank
@@ -76,7 +80,7 @@ def _check(model: Any, body: dict[str, Any], reply: dict[str, Any]) -> None:
             if "sampling" in body:
                 got = reply["processed_logprobs"][i][slot]
                 if np.isinf(want.processed):
-                    assert got is None, (i, slot, got)  # JSON's -inf
+                    assert got == -np.inf if framed else got is None, (i, slot, got)  # JSON's -inf: null
                 else:
                     assert got is not None
                     assert abs(got - want.processed) < ATOL
@@ -90,8 +94,9 @@ def _ragged(rng: random.Random, lengths: tuple[int, ...] = (9, 17, 30)) -> dict[
     }
 
 
+@pytest.mark.parametrize("framed", [False, True])
 def test_ragged_top_k_candidates_and_sampler(
-    served: tuple[str, TestClient], reference_models: dict[str, Any]
+    served: tuple[str, TestClient], reference_models: dict[str, Any], framed: bool
 ) -> None:
     name, client = served
     body = _ragged(random.Random(name)) | {
@@ -99,14 +104,21 @@ def test_ragged_top_k_candidates_and_sampler(
         "candidate_ids": [3, 1, 95],
         "sampling": SAMPLING,
     }
-    reply = client.post("/logprobs", json=body)
+    if framed:
+        raw = to_frame(body)
+        assert raw is not None
+        reply = client.post(
+            "/logprobs", content=raw, headers={"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
+        )
+        assert reply.headers["content-type"] == MEDIA_TYPE
+    else:
+        reply = client.post("/logprobs", json=body)
     assert reply.status_code == 200, reply.text
-    _check(reference_models[name], body, reply.json())
-    rollout = reply.json()["rollout"]
-    processed = [v for row in reply.json()["processed_logprobs"] for v in row]
-    assert rollout["outside_kept_fraction"] == pytest.approx(
-        sum(v is None for v in processed) / len(processed)
-    )
+    answer = from_frame(reply.content) if framed else reply.json()
+    _check(reference_models[name], body, answer, framed=framed)
+    processed = [v for row in answer["processed_logprobs"] for v in row]
+    outside = sum(v is None or v == -np.inf for v in processed)
+    assert answer["rollout"]["outside_kept_fraction"] == pytest.approx(outside / len(processed))
 
 
 def test_padded_k1_and_whole_vocabulary(

@@ -4,6 +4,7 @@ request exactly as it answers the same request in JSON, errors included."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import struct
 from collections.abc import Iterator
@@ -15,8 +16,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.arrays import parse_frame
+from service.arrays import to_frame as server_frame
 from service.client import Client
-from service.client.wire import from_frame, to_frame
+from service.client.wire import Scores, from_frame, to_frame
 from service.frame import MEDIA_TYPE, ArraySpec, FrameError, decode_rows, encode_rows, pack, unpack
 from service.normalise import ModelLimits, normalise
 from service.schemas import LogprobsRequest
@@ -290,3 +292,112 @@ def loopback_server(path: Path) -> Any:
     from service.app import create_app
 
     return loopback(create_app(settings_for(path)))
+
+
+# --- top-K, candidates and processed log-probs ---------------------------------------------------
+
+WIDE = {"top_ids": np.int64, "top_logprobs": np.float32, "candidate_logprobs": np.float32}
+
+
+def _same_wide(got: dict[str, Any], want: dict[str, Any], name: str, width: int) -> None:
+    """A frame's [window, K] blocks equal the JSON answer's lists: ids exactly, log-probs as float32."""
+    assert len(got[name]) == len(want[name])
+    for g, w, mask in zip(got[name], want[name], want["action_mask"], strict=True):
+        assert isinstance(g, np.ndarray)
+        assert g.dtype == WIDE[name]
+        assert g.shape == (len(mask), width)
+        np.testing.assert_array_equal(g, np.asarray(w, dtype=WIDE[name]).reshape(len(mask), width))
+
+
+@pytest.mark.parametrize("top", [1, 5, 96])
+@pytest.mark.parametrize("candidates", ["shared", "per_position"])
+def test_top_k_and_candidates_travel_as_arrays_with_the_json_values(
+    server: TestClient, top: int, candidates: str
+) -> None:
+    rng = random.Random(f"{top}-{candidates}")
+    lengths, actions = (6, 11, 9), (1, 7, 4)  # rows of different windows
+    body: dict[str, Any] = {
+        "input_ids": [[rng.randrange(3, 96) for _ in range(n)] for n in lengths],
+        "num_actions": list(actions),
+        "temperature": 0.9,
+        "top_logprobs": top,
+        "sampling": {"top_k": 2},  # most actions fall outside: -inf
+    }
+    if candidates == "shared":
+        body["candidate_ids"] = [4, 0, 95]
+    else:
+        body["candidate_ids"] = [[[rng.randrange(96) for _ in range(2)] for _ in range(a)] for a in actions]
+    width = 3 if candidates == "shared" else 2
+    want = server.post("/logprobs", json=body).json()
+    framed = to_frame(body)
+    assert framed is not None
+    r = server.post("/logprobs", content=framed, headers=FRAMED)
+    assert r.status_code == 200, r.text
+    frame = unpack(r.content)
+    assert json.loads(frame.fields)["columns"] == {
+        "top_ids": top,
+        "top_logprobs": top,
+        "candidate_logprobs": width,
+    }
+    assert {n: frame.arrays[n][0].dtype for n in WIDE} == {
+        "top_ids": "u2",  # ids below 65536
+        "top_logprobs": "f4",
+        "candidate_logprobs": "f4",
+    }
+    assert frame.arrays["top_ids"][0].lengths == tuple(a * top for a in actions)
+    got = from_frame(r.content)
+    assert "columns" not in got
+    assert set(got) == set(want)
+    _same_wide(got, want, "top_ids", top)
+    _same_wide(got, want, "top_logprobs", top)
+    _same_wide(got, want, "candidate_logprobs", width)
+    assert got["ranks"] == want["ranks"]
+    # -inf outside the sampler's kept set: -inf in the frame, null in JSON, -inf in the client's Scores
+    outside = [[v is None for v in row] for row in want["processed_logprobs"]]
+    assert any(any(row) for row in outside)
+    assert [[v == -math.inf for v in row] for row in got["processed_logprobs"]] == outside
+    a, b = Scores.from_body(got), Scores.from_body(want)
+    assert a.processed_logprobs is not None
+    assert b.processed_logprobs is not None
+    for x, y in zip(a.processed_logprobs, b.processed_logprobs, strict=True):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))  # shortest form
+    for name in WIDE:
+        for x, y in zip(getattr(a, name), getattr(b, name), strict=True):
+            assert (x.dtype, x.shape) == (y.dtype, y.shape)
+            np.testing.assert_array_equal(x, y)
+
+
+def test_wide_rows_go_in_the_narrowest_id_dtype_and_read_back() -> None:
+    """Ids past 65536 travel as i4; a row without actions is [0, K]; log-probs keep -inf."""
+    ids = [np.array([[70000, 3], [5, 151935]]), np.zeros((0, 2), np.int64), np.array([[1, 2]])]
+    lps: list[np.ndarray] = [
+        np.array([[-0.5, -np.inf], [-1.25, -2.0]], np.float32),
+        np.zeros((0, 2), np.float32),
+        np.zeros((1, 2)),
+    ]
+    body = {
+        "model": "m",
+        "logprobs": [np.zeros(2, np.float32), np.zeros(0, np.float32), np.zeros(1, np.float32)],
+    }
+    raw = server_frame(body | {"top_ids": ids, "top_logprobs": lps})
+    frame = unpack(raw)
+    assert frame.arrays["top_ids"][0].dtype == "i4"
+    assert frame.arrays["top_ids"][0].lengths == (4, 0, 2)
+    got = from_frame(raw)
+    for g, w in zip(got["top_ids"], ids, strict=True):
+        assert g.dtype == np.int64
+        np.testing.assert_array_equal(g, w)
+    for g, lp in zip(got["top_logprobs"], lps, strict=True):
+        assert (g.dtype, g.shape) == (np.float32, lp.shape)
+        np.testing.assert_array_equal(g, lp.astype(np.float32))
+    got["top_ids"][0][0, 0] = 1  # writable: a copy, not a view of the response's bytes
+
+
+def test_blocks_that_do_not_fit_their_k_are_refused() -> None:
+    spec, data = encode_rows("top_ids", [[1, 2, 3]], "i4")
+    raw = pack(json.dumps({"columns": {"top_ids": 2}}).encode(), [(spec, data)])
+    with pytest.raises(FrameError, match="do not hold 2 columns") as caught:
+        from_frame(raw)
+    assert caught.value.field == "top_ids"
+    with pytest.raises(ValueError, match="one K per field"):
+        server_frame({"top_ids": [np.zeros((1, 2), np.int64), np.zeros((1, 3), np.int64)]})

@@ -1,7 +1,10 @@
 """The wire format of `POST /logprobs`, seen from the client: request bodies in, `Scores` out.
 
-Plain Python lists only; anything with a `.tolist()` (numpy arrays, torch tensors) is converted
-here, so the rest of the client never imports numpy or torch.
+Requests are built from plain Python lists; anything with a `.tolist()` (numpy arrays, torch
+tensors) is converted here. Answers are Python lists, except the [rows][window][K] fields
+(`top_ids`, `top_logprobs`, `candidate_logprobs`): per row a numpy array [window, K] (int64 ids,
+float32 log-probs), read straight from a frame's arrays or converted from JSON lists. numpy is
+imported only when an answer carries them.
 """
 
 from __future__ import annotations
@@ -9,9 +12,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from service.frame import ArraySpec, decode_rows, encode_rows, pack, unpack
+from service.frame import ArraySpec, FrameError, decode_rows, encode_rows, pack, unpack
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    IdBlocks = list[npt.NDArray[np.int64]]  # per row [window, K]
+    FloatBlocks = list[npt.NDArray[np.float32]]  # per row [window, K] or [window, C]
 
 # response fields this client names; any other field the server adds lands in Scores.extra
 _KNOWN = frozenset(
@@ -124,10 +134,10 @@ class Scores:
     weights_version: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     # with top_logprobs / candidate_ids / sampling (docs/api.md, 'Beyond the log-prob'), per window entry:
-    top_ids: list[list[list[int]]] | None = None  # [B][window][K]
-    top_logprobs: list[list[list[float]]] | None = None  # [B][window][K]
+    top_ids: IdBlocks | None = None  # per row int64 [window, K]
+    top_logprobs: FloatBlocks | None = None  # per row float32 [window, K]
     ranks: list[list[int]] | None = None  # [B][window] vLLM's rank of the action token
-    candidate_logprobs: list[list[list[float]]] | None = None  # [B][window][C]
+    candidate_logprobs: FloatBlocks | None = None  # per row float32 [window, C]
     processed_logprobs: list[list[float]] | None = None  # [B][window]; -inf outside the kept set
 
     @classmethod
@@ -145,10 +155,10 @@ class Scores:
             entropy=body.get("entropy"),
             weights_version=body.get("weights_version"),
             extra={k: v for k, v in body.items() if k not in _KNOWN},
-            top_ids=body.get("top_ids"),
-            top_logprobs=body.get("top_logprobs"),
+            top_ids=_blocks(body.get("top_ids"), "int64"),
+            top_logprobs=_blocks(body.get("top_logprobs"), "float32"),
             ranks=body.get("ranks"),
-            candidate_logprobs=body.get("candidate_logprobs"),
+            candidate_logprobs=_blocks(body.get("candidate_logprobs"), "float32"),
             processed_logprobs=_neg_inf(body.get("processed_logprobs")),
         )
 
@@ -169,6 +179,29 @@ class Scores:
         and `extra['route_mean_overlap']`)."""
         body = self.extra.get("route_agreement")
         return None if body is None else RouteAgreementStats.from_body(body)
+
+
+def _blocks(rows: Sequence[Any] | None, dtype: str) -> Any:
+    """Per row a numpy array [window, K] of `dtype`: a frame's blocks as they are, JSON's nested
+    lists converted (null, a -inf JSON cannot carry, back to -inf); an empty row is [0, K]."""
+    if rows is None:
+        return None
+    import numpy as np
+
+    blocks = [
+        np.asarray(row, dtype=dtype) if isinstance(row, np.ndarray) else _listed(row, dtype) for row in rows
+    ]
+    width = next((b.shape[1] for b in blocks if b.ndim == 2), 0)
+    return [b if b.ndim == 2 else b.reshape(0, width) for b in blocks]
+
+
+def _listed(row: Sequence[Sequence[Any]], dtype: str) -> Any:
+    import numpy as np
+
+    block = np.array(row, dtype=dtype)  # JSON's null reads as nan
+    if block.dtype.kind == "f":
+        np.copyto(block, -np.inf, where=np.isnan(block))
+    return block
 
 
 def _neg_inf(rows: list[list[float | None]] | None) -> list[list[float]] | None:
@@ -299,9 +332,35 @@ def to_frame(body: Mapping[str, Any]) -> bytes | None:
 
 
 def from_frame(raw: bytes) -> dict[str, Any]:
-    """A compact-frame answer as the dict its JSON form would parse to."""
+    """A compact-frame answer as the dict its JSON form would parse to, except the fields the JSON
+    part's `columns` names (`top_ids`, `top_logprobs`, `candidate_logprobs`): per row a numpy array
+    [window, K] (int64 ids, float32 log-probs). FrameError for arrays that do not fit their K."""
     frame = unpack(raw)
     body: dict[str, Any] = json.loads(frame.fields)
+    columns = body.pop("columns", None) or {}
     for name, (spec, data) in frame.arrays.items():
-        body[name] = decode_rows(spec, data)
+        if name in columns:
+            body[name] = _frame_blocks(spec, data, columns[name])
+        else:
+            body[name] = decode_rows(spec, data)
     return body
+
+
+def _frame_blocks(spec: ArraySpec, data: memoryview, width: Any) -> list[Any]:
+    """An array of [window, K] rows, each flattened, as numpy blocks: one copy in int64 (ids) or
+    float32, split into per-row views."""
+    import numpy as np
+
+    if not isinstance(width, int) or width < 0 or any(width and n % width for n in spec.lengths):
+        raise FrameError(
+            f"{spec.name}: rows of {list(spec.lengths)} values do not hold {width!r} columns", field=spec.name
+        )
+    if width == 0 and any(spec.lengths):
+        raise FrameError(f"{spec.name}: 0 columns but values", field=spec.name)
+    wire = np.frombuffer(data, dtype=np.dtype(spec.dtype).newbyteorder("<"))
+    flat = wire.astype(np.float32 if spec.dtype.startswith("f") else np.int64)
+    ends = np.cumsum(spec.lengths, dtype=np.int64)
+    return [
+        flat[end - n : end].reshape(n // width if width else 0, width)
+        for n, end in zip(spec.lengths, ends.tolist(), strict=True)
+    ]

@@ -1,5 +1,6 @@
 """Client and AsyncClient: top_logprobs, candidate_ids and sampling reach a real app (its JSON and
-frame forms), and Scores carries the distribution fields, -inf where the JSON form wrote null."""
+frame forms), and Scores carries the distribution fields (per row numpy [window, K] blocks from
+either form), -inf where the JSON form wrote null."""
 
 from __future__ import annotations
 
@@ -31,13 +32,28 @@ def test_client_asks_and_reads_the_distribution(model_dirs: dict[str, Path], fra
         )
         plain = httpx.post(
             f"{url}/logprobs",
-            json={"input_ids": IDS, "num_actions": [4, 3], "temperature": 0.7, "top_logprobs": 3},
+            json={
+                "input_ids": IDS,
+                "num_actions": [4, 3],
+                "temperature": 0.7,
+                "top_logprobs": 3,
+                "candidate_ids": [1, 2],
+            },
         ).json()
         client.close()
-    assert scores.top_ids == plain["top_ids"]
+    assert scores.top_ids is not None
+    assert scores.top_logprobs is not None
+    for name, dtype, width in (
+        ("top_ids", np.int64, 3),
+        ("top_logprobs", np.float32, 3),
+        ("candidate_logprobs", np.float32, 2),
+    ):
+        blocks = getattr(scores, name)
+        assert blocks is not None
+        assert [(b.dtype, b.shape) for b in blocks] == [(dtype, (4, width)), (dtype, (3, width))], name
+        for got, want in zip(blocks, plain[name], strict=True):
+            np.testing.assert_array_equal(got, np.asarray(want, dtype))  # float32 exactly, either form
     assert scores.ranks == plain["ranks"]
-    assert scores.candidate_logprobs is not None
-    assert [len(row) for row in scores.candidate_logprobs] == [4, 3]
     assert scores.processed_logprobs is not None
     flat = [v for row in scores.processed_logprobs for v in row]
     assert all(isinstance(v, float) for v in flat)
@@ -58,6 +74,7 @@ def test_async_client_sends_the_same_fields(model_dirs: dict[str, Path]) -> None
             "usage": {"input_tokens": 2, "scored_tokens": 1},
             "processed_logprobs": [[None]],
             "top_ids": [[[4]]],
+            "top_logprobs": [[[None]]],  # JSON's -inf
         }
         return httpx.Response(200, json=body)
 
@@ -65,7 +82,11 @@ def test_async_client_sends_the_same_fields(model_dirs: dict[str, Path]) -> None
         client = AsyncClient("http://x", transport=httpx.MockTransport(answer), frames=False)
         scores = await client.score([[1, 4]], num_actions=1, top_logprobs=1, sampling={"min_p": 0.2})
         assert scores.processed_logprobs == [[-math.inf]]
-        assert scores.top_ids == [[[4]]]
+        assert scores.top_logprobs is not None
+        assert scores.top_logprobs[0].tolist() == [[-math.inf]]
+        assert scores.top_ids is not None
+        assert [b.tolist() for b in scores.top_ids] == [[[4]]]
+        assert scores.top_ids[0].dtype == np.int64
         await client.aclose()
 
     asyncio.run(run())
