@@ -74,6 +74,8 @@ def test_recorded_routes_come_back_in_the_request_format(server: TestClient) -> 
     strings = post(server, {**RAGGED, "return_routed_experts": True, "routed_experts_format": "base64"})
     assert strings["routed_experts"] == [b64(r) for r in routes]
     framed = post(server, {**RAGGED, "return_routed_experts": True}, framed=True)
+    # the client reads a frame's routes as numpy rows of the wire's dtype, not Python ints
+    assert all(isinstance(r, np.ndarray) and r.dtype == np.uint8 for r in framed["routed_experts"])
     assert [np.asarray(r) for r in framed["routed_experts"]] == [] or all(
         np.array_equal(a, b)
         for a, b in zip(decode(framed["routed_experts"], framed["moe"]), routes, strict=True)

@@ -334,16 +334,28 @@ def to_frame(body: Mapping[str, Any]) -> bytes | None:
 def from_frame(raw: bytes) -> dict[str, Any]:
     """A compact-frame answer as the dict its JSON form would parse to, except the fields the JSON
     part's `columns` names (`top_ids`, `top_logprobs`, `candidate_logprobs`): per row a numpy array
-    [window, K] (int64 ids, float32 log-probs). FrameError for arrays that do not fit their K."""
+    [window, K] (int64 ids, float32 log-probs); and `routed_experts`: per row a flat numpy array of
+    the wire's dtype (Scores.routed_experts shapes them), never millions of Python ints. FrameError
+    for arrays that do not fit their K."""
     frame = unpack(raw)
     body: dict[str, Any] = json.loads(frame.fields)
     columns = body.pop("columns", None) or {}
     for name, (spec, data) in frame.arrays.items():
         if name in columns:
             body[name] = _frame_blocks(spec, data, columns[name])
+        elif name == "routed_experts":
+            body[name] = _frame_flat_rows(spec, data)
         else:
             body[name] = decode_rows(spec, data)
     return body
+
+
+def _frame_flat_rows(spec: ArraySpec, data: memoryview) -> list[Any]:
+    """An array's rows as numpy views of one copy, in the wire's dtype."""
+    import numpy as np
+
+    flat = np.frombuffer(data, dtype=np.dtype(spec.dtype).newbyteorder("<")).copy()
+    return np.split(flat, np.cumsum(spec.lengths, dtype=np.int64)[:-1]) if spec.lengths else []
 
 
 def _frame_blocks(spec: ArraySpec, data: memoryview, width: Any) -> list[Any]:
