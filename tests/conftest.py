@@ -26,6 +26,8 @@ from service.app import create_app
 from service.settings import Settings
 from tests import models
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository: a server process's working directory
+
 DEVICE = os.environ.get("LOGPROBD_TEST_DEVICE", "cpu")
 DTYPE = os.environ.get("LOGPROBD_TEST_DTYPE", "float32")
 ATTENTION = os.environ.get("LOGPROBD_TEST_ATTENTION", "auto")
@@ -126,6 +128,28 @@ def wait_served(url: str, process: subprocess.Popen[bytes], log: Path, timeout: 
             pass
         assert time.monotonic() < deadline, f"{what} did not become ready\n" + log.read_text()
         time.sleep(0.1)
+
+
+@contextmanager
+def server_process(
+    command: list[str], port: int, *, env: dict[str, str], log: Path, timeout: float, what: str
+) -> Iterator[str]:
+    """`command` (a server listening on loopback `port`) as a process, its output in `log`; yields its
+    base URL once ready (wait_served), and stops it (terminate, then kill) on the way out."""
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_served(url, process, log, timeout, what)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def free_port() -> int:

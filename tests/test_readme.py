@@ -21,7 +21,7 @@ import torch
 from tests.client import frameworks
 from tests.client.frameworks import make_batch
 from tests.client.test_adapters import check
-from tests.conftest import free_port, wait_served
+from tests.conftest import free_port, server_process
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -65,26 +65,9 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("demo") / "server.log"
     env = {**os.environ, "LOGPROBD_DRAIN_SECONDS": "0"}
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--port", str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_served(url, process, log, 120, "the demo server")
+    command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
+    with server_process(command, port, env=env, log=log, timeout=120, what="the demo server") as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
 
 
 def test_the_two_commands_are_what_the_readme_says(tmp_path: Path) -> None:

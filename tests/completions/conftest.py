@@ -4,7 +4,6 @@ reference the completions tests hold its answers to."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from tests import models
-from tests.conftest import free_port, wait_served
+from tests.conftest import free_port, server_process
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOP = 64  # the server's --max-top-logprobs here: under the vocabulary of 96, so -1 is over it
@@ -82,17 +81,5 @@ def served(teacher_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "LOGPROBD_MAX_TOP_LOGPROBS": str(MAX_TOP),
     }
     command = [sys.executable, "-m", "service", "serve", "--model", str(teacher_dir), "--port", str(port)]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_served(url, process, log, 180, "the teacher server")
+    with server_process(command, port, env=env, log=log, timeout=180, what="the teacher server") as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
