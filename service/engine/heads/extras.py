@@ -172,8 +172,13 @@ def _processed(  # noqa: PLR0917 (the rows' distribution and their sampler)
     join.max_(x_max)
     floor = min_p * torch.exp(x_max - shift)  # [r] min-p keeps p >= min_p · p_max (vLLM: p < it goes)
     kth = torch.full_like(shift, float("-inf"))  # [r] top-k keeps logits >= the k-th largest (ties kept)
+    # one top-k over the keys serves both the k-th largest and top-p's first prefix
+    first = None
+    if asks.most_top_k or asks.any_top_p:
+        first = _prefix(k, max(asks.most_top_k, PREFIX if asks.any_top_p else 0), join)
     if asks.most_top_k:
-        _, largest = decode(_prefix(k, asks.most_top_k, join), vocab)
+        assert first is not None
+        _, largest = decode(first[:, : asks.most_top_k], vocab)
         at = (top_k - 1).clamp(0, largest.shape[1] - 1)
         kth = torch.where(top_k > 0, largest.gather(1, at[:, None])[:, 0], kth)
     prob = torch.exp(x - shift[:, None])
@@ -184,7 +189,8 @@ def _processed(  # noqa: PLR0917 (the rows' distribution and their sampler)
     kept = (torch.exp(logp) >= floor) & (x_target >= kth)
     total = mass
     if asks.any_top_p:
-        total, last = _top_p(k, shift, floor, kth, top_p * mass, top_p < 1.0, mass, join)
+        assert first is not None
+        total, last = _top_p(k, first, shift, floor, kth, top_p * mass, top_p < 1.0, mass, join)
         kept &= keys(x_target, targets, vocab) >= last
     out = torch.where(kept, logp - torch.log(total), float("-inf"))
     off = (top_k == 0) & (top_p >= 1.0) & (min_p <= 0.0)
@@ -193,6 +199,7 @@ def _processed(  # noqa: PLR0917 (the rows' distribution and their sampler)
 
 def _top_p(  # noqa: PLR0917
     k: torch.Tensor,
+    first: torch.Tensor,  # [r, n] each row's largest keys, largest first (n >= PREFIX, or V)
     shift: torch.Tensor,
     floor: torch.Tensor,
     kth: torch.Tensor,
@@ -210,9 +217,9 @@ def _top_p(  # noqa: PLR0917
     last = torch.full_like(k[:, 0], LOWEST)
     rows = torch.arange(k.shape[0], device=k.device)
     pending: torch.Tensor | None = None  # rows still searched (None: all)
-    n = PREFIX
+    n = first.shape[1]
     while True:
-        top = _prefix(_take(k, pending), n, join)  # [p, n]
+        top = first if pending is None else _prefix(_take(k, pending), n, join)  # [p, n]
         _, values = decode(top, join.vocab)
         prob = torch.exp(values - _take(shift, pending)[:, None])
         survive = (prob >= _take(floor, pending)[:, None]) & (values >= _take(kth, pending)[:, None])
