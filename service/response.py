@@ -18,41 +18,26 @@ import orjson
 from service.diagnostics import kl
 from service.engine.contract import EngineInfo
 from service.errors import EngineFailure
-from service.jobs import FloatArray, IntArray, RouteAgreement, RouteArray, SequenceScores
+from service.jobs import RouteAgreement, RouteArray, SequenceScores
 from service.normalise import ScoringPlan
 from service.schemas import RolloutMismatch, RouteAgreementSummary
 
 
-def _rows(plan: ScoringPlan, per_job: Sequence[FloatArray | None]) -> list[FloatArray]:
-    """Scatter each job's per-action values into a zero row as wide as its window."""
-    rows = []
-    for window, values in zip(plan.windows, per_job, strict=True):
-        row = np.zeros(window.width, dtype=np.float32)
-        if values is not None:
-            row[window.slots] = values
-        rows.append(row)
-    return rows
-
-
-def _wide_rows(
-    plan: ScoringPlan, per_job: Sequence[np.ndarray | None], width: int, dtype: type
+def _rows(
+    plan: ScoringPlan,
+    per_job: Sequence[np.ndarray | None],
+    dtype: type = np.float32,
+    width: int | None = None,
 ) -> list[np.ndarray]:
-    """Scatter each job's per-action [A, width] values into a zero [window, width] block."""
+    """Scatter each job's per-action values into a zero row as wide as its window: [A] into [window],
+    or with `width`, [A, <= width] into [window, width]."""
     rows = []
     for window, values in zip(plan.windows, per_job, strict=True):
-        block: np.ndarray = np.zeros((window.width, width), dtype=dtype)
-        if values is not None:
-            block[window.slots, : values.shape[1]] = values
-        rows.append(block)
-    return rows
-
-
-def _int_rows(plan: ScoringPlan, per_job: Sequence[IntArray | None]) -> list[IntArray]:
-    rows = []
-    for window, values in zip(plan.windows, per_job, strict=True):
-        row = np.zeros(window.width, dtype=np.int64)
-        if values is not None:
+        row: np.ndarray = np.zeros((window.width,) if width is None else (window.width, width), dtype=dtype)
+        if values is not None and width is None:
             row[window.slots] = values
+        elif values is not None:
+            row[window.slots, : values.shape[1]] = values
         rows.append(row)
     return rows
 
@@ -64,13 +49,13 @@ def distribution(plan: ScoringPlan, scores: list[SequenceScores]) -> dict[str, A
     out: dict[str, Any] = {}
     if job.top_logprobs:
         width = max((s.top_ids.shape[1] for s in scores if s.top_ids is not None), default=0)
-        out["top_ids"] = _wide_rows(plan, [s.top_ids for s in scores], width, np.int64)
-        out["top_logprobs"] = _wide_rows(plan, [s.top_logprobs for s in scores], width, np.float32)
-        out["ranks"] = _int_rows(plan, [s.ranks for s in scores])
+        out["top_ids"] = _rows(plan, [s.top_ids for s in scores], np.int64, width)
+        out["top_logprobs"] = _rows(plan, [s.top_logprobs for s in scores], np.float32, width)
+        out["ranks"] = _rows(plan, [s.ranks for s in scores], np.int64)
     if any(j.candidate_ids is not None for j in plan.jobs):
         values = [s.candidate_logprobs for s in scores]
         width = max((v.shape[1] for v in values if v is not None), default=0)
-        out["candidate_logprobs"] = _wide_rows(plan, values, width, np.float32)
+        out["candidate_logprobs"] = _rows(plan, values, np.float32, width)
     if job.sampling is not None:
         out["processed_logprobs"] = _rows(plan, [s.processed_logprobs for s in scores])
     return out
