@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from service.completions.schemas import CompletionRequest
-from service.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
+from service.errors import InvalidRequest
 from service.jobs import IntArray, SequenceJob
 from service.normalise import ModelLimits
+from service.normalise.limits import check_length, check_request_size
 
 PLACEHOLDER = 0  # the token appended to score the distribution after a prompt (its own score is unused)
 
@@ -71,7 +72,9 @@ def plan_completion(
     server returns. Raises InvalidRequest (422) or PayloadTooLarge / SequenceTooLarge (413)."""
     _check_served(request, model)
     prompts = _prompts(request)
-    _check_size(prompts, limits)
+    check_request_size(
+        len(prompts), lambda: sum(int(p.shape[0]) for p in prompts), limits, unit="prompts", field="prompt"
+    )
     draw = _max_tokens(request) == 1
     for i, prompt in enumerate(prompts):
         _check_prompt(prompt, i, limits, draw)
@@ -174,37 +177,9 @@ def _prompts(request: CompletionRequest) -> list[IntArray]:
     return out
 
 
-def _check_size(prompts: list[IntArray], limits: ModelLimits) -> None:
-    if limits.max_request_sequences is not None and len(prompts) > limits.max_request_sequences:
-        raise PayloadTooLarge(
-            f"{len(prompts)} prompts; this server takes at most {limits.max_request_sequences} per request "
-            "(max_request_sequences)",
-            field="prompt",
-        )
-    tokens = sum(int(p.shape[0]) for p in prompts)
-    if limits.max_request_tokens is not None and tokens > limits.max_request_tokens:
-        raise PayloadTooLarge(
-            f"{tokens} tokens; this server takes at most {limits.max_request_tokens} per request "
-            "(max_request_tokens)",
-            field="prompt",
-        )
-
-
 def _check_prompt(prompt: IntArray, i: int, limits: ModelLimits, draw: bool) -> None:
-    length = int(prompt.shape[0]) + int(draw)
     needs = f"{prompt.shape[0]} tokens" + (" and the drawn one" if draw else "")
-    positions = limits.max_positions or limits.max_sequence_tokens
-    if length > positions:
-        raise InvalidRequest(
-            f"prompt[{i}] has {needs}; the model's positions cover {positions}", field="prompt", row=i
-        )
-    if length > limits.max_sequence_tokens:
-        raise SequenceTooLarge(
-            f"prompt[{i}] has {needs}; the longest sequence this server scores is "
-            f"{limits.max_sequence_tokens} (set by {limits.max_sequence_limit})",
-            field="prompt",
-            row=i,
-        )
+    check_length(int(prompt.shape[0]) + int(draw), f"prompt[{i}] has {needs}", limits, field="prompt", row=i)
     outside = np.flatnonzero(prompt >= limits.vocab_size)
     if outside.size:
         k = int(outside[0])

@@ -8,6 +8,7 @@ Over a size limit of the server is a 413 naming the limit; what the model cannot
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,24 +59,15 @@ def check_size(request: LogprobsRequest, limits: ModelLimits, tokens: int | None
     """Request-size limits of the server: 413 naming the limit (422 for a deadline over the cap).
     `tokens`: the real tokens of the sequences, when the caller has counted them (grouped form);
     None counts them from `input_ids` (and `attention_mask` where given)."""
-    rows = len(request.input_ids)
-    if limits.max_request_sequences is not None and rows > limits.max_request_sequences:
-        raise PayloadTooLarge(
-            f"{rows} rows; this server takes at most {limits.max_request_sequences} per request "
-            "(max_request_sequences)",
-            field="input_ids",
-        )
-    if limits.max_request_tokens is not None:
-        if tokens is None and request.attention_mask is not None:
-            tokens = sum(int(np.count_nonzero(row)) for row in request.attention_mask)
-        elif tokens is None:
-            tokens = sum(len(row) for row in request.input_ids)
-        if tokens > limits.max_request_tokens:
-            raise PayloadTooLarge(
-                f"{tokens} tokens; this server takes at most {limits.max_request_tokens} per request "
-                "(max_request_tokens)",
-                field="input_ids",
-            )
+
+    def counted() -> int:
+        if tokens is not None:
+            return tokens
+        if request.attention_mask is not None:
+            return sum(int(np.count_nonzero(row)) for row in request.attention_mask)
+        return sum(len(row) for row in request.input_ids)
+
+    check_request_size(len(request.input_ids), counted, limits, unit="rows", field="input_ids")
     cap = limits.max_timeout_s
     if cap is not None and request.timeout_s is not None and request.timeout_s > cap:
         raise InvalidRequest(
@@ -84,25 +76,51 @@ def check_size(request: LogprobsRequest, limits: ModelLimits, tokens: int | None
         )
 
 
+def check_request_size(
+    sequences: int, tokens: Callable[[], int], limits: ModelLimits, *, unit: str, field: str
+) -> None:
+    """A request of `sequences` sequences (named `unit`) against max_request_sequences, and of
+    `tokens()` tokens (counted only where the server caps them) against max_request_tokens: 413s
+    naming the limit and `field`."""
+    if limits.max_request_sequences is not None and sequences > limits.max_request_sequences:
+        raise PayloadTooLarge(
+            f"{sequences} {unit}; this server takes at most {limits.max_request_sequences} per request "
+            "(max_request_sequences)",
+            field=field,
+        )
+    if limits.max_request_tokens is not None:
+        count = tokens()
+        if count > limits.max_request_tokens:
+            raise PayloadTooLarge(
+                f"{count} tokens; this server takes at most {limits.max_request_tokens} per request "
+                "(max_request_tokens)",
+                field=field,
+            )
+
+
+def check_length(length: int, what: str, limits: ModelLimits, *, field: str, row: int) -> None:
+    """A sequence of `length` tokens (`what`: how the message names it and its length) against the
+    model's positions (422) and the longest sequence this server scores (413)."""
+    positions = limits.max_positions or limits.max_sequence_tokens
+    if length > positions:
+        raise InvalidRequest(f"{what}; the model's positions cover {positions}", field=field, row=row)
+    if length > limits.max_sequence_tokens:
+        raise SequenceTooLarge(
+            f"{what}; the longest sequence this server scores is {limits.max_sequence_tokens} "
+            f"(set by {limits.max_sequence_limit})",
+            field=field,
+            row=row,
+        )
+
+
 def check_sequence(row: Row, i: int, limits: ModelLimits) -> None:
     """Row i's sequence against the model: its length (positions: 422; the server's longest: 413)
     and its token ids (inside the vocabulary). A grouped row's prompt is named as the fault's source."""
     tokens = row.tokens
     what = f"input_ids row {i}" if row.prompt is None else f"input_ids row {i} with prompt {row.prompt}"
-    positions = limits.max_positions or limits.max_sequence_tokens
-    if tokens.shape[0] > positions:
-        raise InvalidRequest(
-            f"{what} has {tokens.shape[0]} tokens; the model's positions cover {positions}",
-            field="input_ids",
-            row=i,
-        )
-    if tokens.shape[0] > limits.max_sequence_tokens:
-        raise SequenceTooLarge(
-            f"{what} has {tokens.shape[0]} tokens; the longest sequence this server scores is "
-            f"{limits.max_sequence_tokens} (set by {limits.max_sequence_limit})",
-            field="input_ids",
-            row=i,
-        )
+    check_length(
+        int(tokens.shape[0]), f"{what} has {tokens.shape[0]} tokens", limits, field="input_ids", row=i
+    )
     outside = np.flatnonzero(tokens >= limits.vocab_size)
     if not outside.size:
         return
