@@ -151,8 +151,10 @@ def build_router(state: ServiceState) -> APIRouter:
         return Health(status="alive")
 
     @router.get("/health/ready", response_model=Health, responses={503: {"model": Health}})
+    @router.get("/health", response_model=Health, responses={503: {"model": Health}})  # vLLM's path (TRL)
     async def ready() -> Response:
-        """200 once the model is loaded and a warm-up forward has run; 503 before and while draining."""
+        """200 once the model is loaded and a warm-up forward has run; 503 before and while draining.
+        Also at /health, vLLM's path, which TRL's VLLMClient polls."""
         phase = state.phase
         return JSONResponse({"status": phase}, status_code=200 if phase == "ready" else 503)
 

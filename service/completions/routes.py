@@ -1,4 +1,5 @@
-"""The completions routes: POST /v1/completions, GET /v1/models, GET /health (vLLM's paths).
+"""The completions routes: POST /v1/completions, GET /v1/models (vLLM's paths; GET /health is api.py's
+readiness route at vLLM's path).
 
 A completion goes the way a /logprobs request does: body limit, parse, the plan's checks, the same
 batcher (its micro-batches, prefix sharing, queue limits and deadline), the same outcome metrics.
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from service.completions.pieces import PiecesCache
 from service.completions.plan import CompletionPlan, plan_completion
@@ -28,7 +29,7 @@ from service.completions.response import Drawn, completion_chunks, last_position
 from service.completions.schemas import CompletionRequest, CompletionResponse, ModelList
 from service.http_io import answer_or_give_up, read_body
 from service.jobs import SequenceJob, SequenceScores
-from service.schemas import ErrorBody, Health, parse_body
+from service.schemas import ErrorBody, parse_body
 from service.state import ServiceState, Serving
 
 OWNER = "logprobd"
@@ -110,12 +111,6 @@ def build_completions_router(
                 ],
             }
         )
-
-    @router.get("/health", response_model=Health, responses={503: {"model": Health}})
-    async def health() -> Response:
-        """vLLM's health path, which TRL's VLLMClient polls: 200 once ready, 503 before and while draining."""
-        phase = state.phase
-        return JSONResponse({"status": phase}, status_code=200 if phase == "ready" else 503)
 
     return router
 
