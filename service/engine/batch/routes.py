@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -23,12 +22,6 @@ from service.engine.contract import MoeShape
 from service.engine.moe.replay import BatchRoutes
 from service.jobs import Chunk, IntArray, RouteAgreement, SequenceJob, route_dtype
 from service.prefixes import Forest, routes_agree
-
-
-def narrow(experts: int) -> np.dtype[np.integer[Any]]:
-    """The smallest integer dtype that holds ids 0 .. experts - 1 (uint8 up to 256 experts): the one
-    normalise gives GivenRoutes in (jobs.route_dtype), so laying them out copies without converting."""
-    return route_dtype(experts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +84,8 @@ def lay_out(  # noqa: PLR0917
     used = torch.zeros((tokens, shape.layers, shape.top_k), dtype=torch.int32, device=device)
     routes = BatchRoutes(used)
     if any(job.routes is not None for job in every):
-        given = np.zeros((tokens, shape.layers, shape.top_k), dtype=narrow(shape.experts))
+        # the dtype normalise gives GivenRoutes in: laid out without a conversion
+        given = np.zeros((tokens, shape.layers, shape.top_k), dtype=route_dtype(shape.experts))
         covered = np.zeros(tokens, dtype=np.bool_)
         for (job, start, end), row in zip(segments, starts.tolist(), strict=False):
             if job.routes is None:

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from service.engine.batch.packing import PackedBatch
-from service.engine.batch.routes import RecordedRoutes, narrow
+from service.engine.batch.routes import RecordedRoutes
 from service.engine.contract import MoeShape
 from service.engine.heads.contract import Extras, ExtraScores
-from service.jobs import FloatArray, IntArray, SequenceJob, SequenceScores
+from service.jobs import FloatArray, IntArray, SequenceJob, SequenceScores, route_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +199,7 @@ def host_routes(
     assert shape is not None
     used = None
     if any(job.return_routes for job in jobs):
-        used = host_counts(routes.used.to(_TORCH_DTYPES[narrow(shape.experts)]))
+        used = host_counts(routes.used.to(_TORCH_DTYPES[route_dtype(shape.experts)]))
     agreement = routes.agreement()
     exact, matches = (None, None) if agreement is None else (host_counts(a) for a in agreement)
     return RecordedRoutes(rows, shape.top_k, used, exact, matches)
