@@ -2,6 +2,8 @@
 
 LOGPROBD_TEST_DEVICE / LOGPROBD_TEST_DTYPE / LOGPROBD_TEST_ATTENTION pick what the service side
 runs on (default cpu / float32 / auto); the reference is always float32 eager on the same device.
+LOGPROBD_TEST_TP_COLLECTIVES picks the tensor-parallel suites' collectives (default gloo, whose
+ranks may share one GPU; nccl on a host with a GPU per rank).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository: a server process's
 DEVICE = os.environ.get("LOGPROBD_TEST_DEVICE", "cpu")
 DTYPE = os.environ.get("LOGPROBD_TEST_DTYPE", "float32")
 ATTENTION = os.environ.get("LOGPROBD_TEST_ATTENTION", "auto")
+TP_COLLECTIVES = os.environ.get("LOGPROBD_TEST_TP_COLLECTIVES", "gloo")
 # float32 promises 1e-4 (SEMANTICS.md); half precisions are checked against bf16/fp16 noise
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.05}[DTYPE]
 

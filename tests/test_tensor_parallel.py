@@ -1,10 +1,11 @@
-"""Tensor parallel over 2 ranks (gloo): the same scores as one process and as the per-sequence
+"""Tensor parallel over 2 ranks: the same scores as one process and as the per-sequence
 reference, with a critic and a reference model, for every layout; a hot reload reaches both ranks;
 what cannot be sharded is refused before any process starts.
 
 On CPU the ranks share the host; in the GPU parity suite (LOGPROBD_TEST_DEVICE=cuda) both ranks share
 one GPU over gloo, which all-reduces CUDA tensors: the sharded kernels run on a GPU without a
-multi-GPU host (NCCL across GPUs is the production path and is measured where one is lent)."""
+multi-GPU host. On a host with two GPUs, LOGPROBD_TEST_TP_COLLECTIVES=nccl runs the same cases over
+NCCL, a GPU per rank: the production path."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from fastapi.testclient import TestClient
 
 from service.engine.parallel import ranks as parallel
 from tests import critics, models
-from tests.conftest import TOLERANCE, running, settings_for
+from tests.conftest import TOLERANCE, TP_COLLECTIVES, running, settings_for
 from tests.reference import check_reply, expected
 from tests.requests import LAYOUTS, make
 
@@ -41,7 +42,7 @@ def _settings(model_dirs: dict[str, Path], ref_dir: Path, critic_dir: Path, tp: 
         share_min_tokens=8,  # a group's prompt computed once (a Forest on every rank)
         admin_api_keys=ADMIN,
         tensor_parallel_size=tp,
-        tensor_parallel_collectives="gloo",  # two ranks may share one GPU
+        tensor_parallel_collectives=TP_COLLECTIVES,  # gloo: two ranks may share one GPU
     )
 
 
