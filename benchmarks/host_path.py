@@ -7,7 +7,7 @@ all sent at once. Per workload, in milliseconds summed over the round's 8 reques
 --reps), the stages a plain JSON client and the server go through, each timed alone in this process:
 
 - client_encode: the client's json.dumps of the bodies (what httpx's `json=` does);
-- parse: schemas.parse_request of the JSON bodies (frames: arrays.parse_frame of the frames);
+- parse: jsonrows.parse_json of the JSON bodies, as the route does (frames: arrays.parse_frame);
 - normalise: service.normalise of the parsed requests;
 - share: the prefix forest of the 64 sequences (prefixes.share, share_min_tokens 64);
 - answer: response.answer of scores as long as the actions (random float32 log-probs);
@@ -40,10 +40,10 @@ from benchmarks.workload import Sample, grpo_long, grpo_short, workload
 from service.arrays import parse_frame, to_frame
 from service.engine.contract import EngineInfo, ReloadOrder, StagedWeights, WeightsState
 from service.jobs import Chunk, SequenceJob, SequenceScores
+from service.jsonrows import parse_json
 from service.normalise import ModelLimits, normalise
 from service.prefixes import Forest, share
 from service.response import answer, to_json
-from service.schemas import parse_request
 from service.settings import Settings
 
 VOCAB = 151_936  # Qwen2.5's
@@ -131,7 +131,7 @@ def stages(samples: list[Sample], reps: int) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for form in ("plain", "frames"):
         bodies = http_bodies(samples, frames=form == "frames")
-        read = parse_frame if form == "frames" else parse_request
+        read = parse_frame if form == "frames" else parse_json
         write = to_frame if form == "frames" else to_json
         requests = [read(b) for b in bodies]
         plans = [normalise(r, limits) for r in requests]
