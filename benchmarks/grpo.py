@@ -1,6 +1,7 @@
 """GRPO groups and multi-turn trees: the service with prefix sharing off and on, and the naive peer.
 
     python -m benchmarks.grpo --models qwen2.5-1.5b qwen2.5-7b   # on a GPU host; results/grpo-latest.json
+    python -m benchmarks.grpo --models qwen2.5-1.5b --workloads grpo-short grpo-long --client plain
     python -m benchmarks.grpo --models tiny --device cpu --dtype float32 --scale 0.05 --share-min-tokens 4 \\
         --reps 1                                               # CPU smoke test (tests/benchmarks runs it)
 
@@ -16,14 +17,17 @@ Workloads (benchmarks/workload.py, fixed seeds; the response is the action windo
   turn shared by each pair of its samples, a last assistant turn (the actions) of each sample's own.
 
 Per model (random bf16 weights with the real shapes) and workload, in one run: the service over HTTP
-(the real app on loopback, 8 clients in another process, compact frames, one request per GRPO group
-or conversation) with `share_prefixes` off and on, both serving one engine; and the naive peer
-(padded rows of 8, full logits: what a trainer runs in-process; fewer rows where 8 run out of
-memory). Each reports milliseconds (median of --reps after a warm-up), tokens/s (tokens sent), the
-fraction of the FLOP floor counted on all tokens and on unique tokens (a trie over the sequences:
-what sharing can save), peak GPU memory, the `usage.computed_tokens` the server reports (summed over
-the answers; null where the server does not report it) and the largest |Δ| against a float32
-reference on the workload's first 4 sequences (one GRPO group's, one conversation's: they share).
+(the real app on loopback, one request per GRPO group or conversation, all at once from a client in
+another process: --client frames, compact frames over 8 connections of logprobd's transport; or
+--client plain, JSON as a trainer without logprobd's client writes it: a default httpx.AsyncClient,
+`json=` and `response.json()`, benchmarks/client.py's `plain` mode) with `share_prefixes` off and
+on, both serving one engine; and the naive peer (padded rows of 8, full logits: what a trainer runs
+in-process; fewer rows where 8 run out of memory). Each reports milliseconds (median of --reps after
+a warm-up), tokens/s (tokens sent), the fraction of the FLOP floor counted on all tokens and on
+unique tokens (a trie over the sequences: what sharing can save), peak GPU memory, the
+`usage.computed_tokens` the server reports (summed over the answers; null where the server does not
+report it) and the largest |Δ| against a float32 reference on the workload's first 4 sequences (one
+GRPO group's, one conversation's: they share).
 Each workload also reports its tokens sent, unique tokens (full tree) and the tokens computed when
 only one level is shared (each top-level group's longest common prefix once).
 """
@@ -83,6 +87,7 @@ WORKLOADS: dict[str, Callable[[int, float], list[Sample]]] = {
 }
 DEFAULT_WORKLOADS = ["grpo-short", "grpo-long", "multi-turn"]
 SHARING = {"sharing_off": False, "sharing_on": True}
+CLIENTS = {"frames": "asyncio", "plain": "plain"}  # --client -> benchmarks/client.py's mode
 
 
 def describe(samples: list[Sample], min_shared: int) -> dict[str, Any]:
@@ -213,15 +218,16 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
     engine.warm_up()
 
+    frames, mode = args.client == "frames", CLIENTS[args.client]
     for variant, share in SHARING.items():  # one engine; each server's batcher reads share_prefixes
         served = Settings(**{**settings.model_dump(), "share_prefixes": share})
         with HttpServer(engine, served) as url:
             for w, samples in workloads.items():
-                bodies = http_bodies(samples)
+                bodies = http_bodies(samples, frames=frames)
                 diff = accuracy(url, samples, want[w])
-                rounds = http_rounds(url, bodies, args.reps)
+                rounds = http_rounds(url, bodies, args.reps, mode, frames)
                 answers = asyncio.run(_answers(url, samples))
-                peak = peak_memory(functools.partial(http_rounds, url, bodies, 1), device)
+                peak = peak_memory(functools.partial(http_rounds, url, bodies, 1, mode, frames), device)
                 record(
                     w,
                     variant,
@@ -232,8 +238,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
                     max_abs_diff_vs_float32=diff,
                 )
                 if share:  # the same groups sent grouped: each prompt once on the wire
-                    grouped = http_bodies(samples, grouped=True)
-                    rounds = http_rounds(url, grouped, args.reps)
+                    grouped = http_bodies(samples, frames=frames, grouped=True)
+                    rounds = http_rounds(url, grouped, args.reps, mode, frames)
                     record(
                         w,
                         "sharing_on_grouped",
@@ -247,6 +253,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         r["speedup_sharing"] = v["sharing_off"]["ms"] / v["sharing_on"]["ms"]
         r["speedup_vs_naive"] = v["naive"]["ms"] / v["sharing_on"]["ms"]
     return {
+        "client": args.client,
         "attention": engine.info.attention_backend,
         "decoder": engine.info.decoder,
         "kernels": engine.info.kernels,
@@ -255,7 +262,10 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
 
 
 def table(results: dict[str, Any]) -> str:
+    clients = {m["client"] for m in results["models"].values()}
     lines = [
+        f"client: {', '.join(sorted(clients))}",
+        "",
         "| model | workload | tokens | unique (trie) | one level | variant | ms | tokens/s | floor | "
         "unique floor | computed tokens | peak GiB | max abs Δ vs fp32 |",
         "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -308,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
     parser.add_argument("--launch-hold-ms", type=float, default=Settings().launch_hold_ms)
     parser.add_argument("--share-min-tokens", type=int, default=Settings().share_min_tokens)
+    parser.add_argument(
+        "--client",
+        choices=list(CLIENTS),
+        default="frames",
+        help="frames: compact frames, logprobd's transport; plain: JSON, httpx defaults (client.py)",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "grpo-latest.json")
     args = parser.parse_args(argv)

@@ -20,6 +20,7 @@ from service.errors import NotReady
 from service.frame import MEDIA_TYPE
 from service.http_io import answer_or_give_up, read_body
 from service.jobs import SequenceScores
+from service.jsonrows import parse_json
 from service.metrics import CONTENT_TYPE, Metrics
 from service.normalise import ScoringPlan, normalise
 from service.response import answer, route_agreement, to_json
@@ -32,7 +33,6 @@ from service.schemas import (
     ModelSummary,
     RolloutMismatch,
     RouteAgreementSummary,
-    parse_request,
 )
 from service.state import ServiceState
 
@@ -96,7 +96,8 @@ def build_router(state: ServiceState) -> APIRouter:
     guarded = [Depends(authorized)] if keys.enabled else []
     router = APIRouter(dependencies=guarded if settings.auth_all_routes else [])
 
-    # the body is parsed from raw bytes by parse_request (one Rust pass), so it is declared here
+    # the body is parsed from raw bytes (jsonrows.parse_json: its rows of integers straight into numpy,
+    # the rest by the same pydantic fields), so it is declared here
     body_schema = {
         "application/json": {"schema": LogprobsRequest.model_json_schema()},
         MEDIA_TYPE: {"schema": {**BINARY, "description": FRAME_DOC}},
@@ -117,7 +118,7 @@ def build_router(state: ServiceState) -> APIRouter:
         started = time.perf_counter()
         raw = await read_body(http, settings.max_body_bytes)
         framed = _media_type(http.headers.get("content-type")) == MEDIA_TYPE
-        request = parse_frame(raw) if framed else parse_request(raw)
+        request = parse_frame(raw) if framed else parse_json(raw)
         serving = state.require_serving()
         plan = normalise(request, serving.limits)
         metrics.queue_requests.inc()

@@ -199,6 +199,16 @@ ScoringOptions: type[BaseModel] = create_model(
     "ScoringOptions", __config__=ConfigDict(extra="forbid"), **_OPTIONS
 )
 
+# the rows of integers of a JSON body, which jsonrows.py reads into numpy; the other members are
+# validated by JsonOptions: the same fields, types and bounds
+MATRIX_FIELDS = ("input_ids", "prompt_ids", "attention_mask", "action_mask")
+_JSON_OPTIONS: dict[str, Any] = {
+    name: (f.annotation, f) for name, f in LogprobsRequest.model_fields.items() if name not in MATRIX_FIELDS
+}
+JsonOptions: type[BaseModel] = create_model(
+    "JsonOptions", __config__=ConfigDict(extra="forbid"), **_JSON_OPTIONS
+)
+
 
 def parse_request(raw: bytes) -> LogprobsRequest:
     """Parse and validate a JSON body in one pass (pydantic's Rust parser, no intermediate dicts)."""

@@ -29,6 +29,7 @@ def test_grpo_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert {"device", "date", "versions", "matmul_tflops", "settings"} <= set(result)
     tiny = result["models"]["tiny"]
+    assert tiny["client"] == "frames"
     assert set(tiny["workloads"]) == {"grpo-short", "grpo-long", "multi-turn"}
     for w in tiny["workloads"].values():
         assert w["unique_tokens"] <= w["one_level_tokens"] <= w["tokens"]
@@ -54,6 +55,23 @@ def test_grpo_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
             assert computed is None or w["unique_tokens"] - 8 <= computed <= w["tokens"]
     multi = tiny["workloads"]["multi-turn"]
     assert multi["unique_tokens"] < multi["one_level_tokens"]  # the second level shares more
+
+
+@pytest.mark.slow
+def test_grpo_benchmark_runs_with_the_plain_json_client(tmp_path: Path) -> None:
+    out = tmp_path / "grpo.json"
+    argv = ["--models", "tiny", "--device", "cpu", "--dtype", "float32", "--scale", "0.05", "--reps", "1"]
+    assert main([*argv, "--share-min-tokens", "4", "--workloads", "grpo-short", "--client", "plain",
+                 "--output", str(out)]) == 0  # fmt: skip
+    tiny = json.loads(out.read_text())["models"]["tiny"]
+    assert tiny["client"] == "plain"
+    w = tiny["workloads"]["grpo-short"]
+    assert set(w["variants"]) == {"naive", "sharing_off", "sharing_on", "sharing_on_grouped"}
+    # the grouped variant sent JSON: its bytes are the JSON bodies'
+    assert w["variants"]["sharing_on_grouped"]["wire_bytes"] == w["wire_bytes"]["json_grouped"]
+    for served in (w["variants"]["sharing_off"], w["variants"]["sharing_on"]):
+        assert served["max_abs_diff_vs_float32"] < 1e-4
+        assert served["computed_tokens"] is None or served["computed_tokens"] <= w["tokens"]
 
 
 def test_grpo_workloads_follow_the_issue() -> None:
