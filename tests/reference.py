@@ -132,6 +132,13 @@ def max_diff(got: list[list[float]], want: list[list[float]]) -> float:
     return worst
 
 
+def assert_values_close(got: list[list[float]], want: list[list[float]], atol: float, rtol: float) -> None:
+    """Critic values row by row: |got - want| <= atol + rtol·|want| (ragged rows of equal lengths)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=atol, rtol=rtol)
+
+
 def check_reply(reply: Any, request: dict[str, Any], model: Any, tolerance: float | None = None) -> float:
     """A 200 reply whose scores equal the reference within `tolerance` (the suite's by default), with
     the action mask, exact zeros off it and scored_tokens; returns the largest |Δ| of log-probs and

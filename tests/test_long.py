@@ -26,8 +26,8 @@ import torch
 
 from service.engine.batch.kv_store import KVContext
 from tests import critics, models
-from tests.conftest import TOLERANCE, Reply, eager, settings_for
-from tests.reference import check_reply, expected, max_diff, row_tokens_and_window
+from tests.conftest import TOLERANCE, VALUE_RTOL, Reply, eager, settings_for
+from tests.reference import assert_values_close, check_reply, expected, max_diff, row_tokens_and_window
 from tests.requests import LAYOUTS, PAD, make
 from tests.serving import Served, serve
 
@@ -290,7 +290,7 @@ def check_ppo(reply: Reply, request: dict[str, Any], policy: Any, reference: Any
     else:
         assert body.get("ref_logprobs") is None
     if request.get("return_values"):
-        assert max_diff(body["values"], _values_want(critic_dir, request, mask)) <= TOLERANCE
+        assert_values_close(body["values"], _values_want(critic_dir, request, mask), TOLERANCE, VALUE_RTOL)
     else:
         assert body.get("values") is None
 

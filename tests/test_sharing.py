@@ -23,8 +23,8 @@ import pytest
 
 from service.prefixes import share
 from tests import critics, models
-from tests.conftest import TOLERANCE, Reply, eager, settings_for
-from tests.reference import check_reply, expected, max_diff, row_tokens_and_window
+from tests.conftest import TOLERANCE, VALUE_RTOL, Reply, eager, settings_for
+from tests.reference import assert_values_close, check_reply, expected, max_diff, row_tokens_and_window
 from tests.requests import LAYOUTS, lay_out
 from tests.serving import Served, serve
 
@@ -141,7 +141,7 @@ def test_values_and_ref_logprobs_with_shared_prefixes(  # noqa: PLR0917 (fixture
                     for p, m in zip(window, row_mask, strict=True)
                 ]
             )
-        assert max_diff(body["values"], values) <= TOLERANCE
+        assert_values_close(body["values"], values, TOLERANCE, VALUE_RTOL)
         assert len(s.forests()) == 1
 
 
