@@ -112,6 +112,20 @@ def _from_logits(  # noqa: PLR0917 (the chunk and what its rows need)
         inv_t = inv_temperature[asks.index] if inv_temperature is not None else None
         found = extras_radix.score(z, asks.index - start, targets[asks.index], transform.scale, inv_t, asks)
         return [found]
+    return from_float_copy(z, start, end, targets, inv_temperature, transform, extras)
+
+
+def from_float_copy(  # noqa: PLR0917
+    z: torch.Tensor,
+    start: int,
+    end: int,
+    targets: torch.Tensor,
+    inv_temperature: torch.Tensor | None,
+    transform: LogitTransform,
+    extras: Extras,
+) -> list[ExtraScores]:
+    """_from_logits over a float32 copy of the asking rows' tempered logits, PASS_ELEMENTS at a time
+    (any dtype, draws; benchmarks/head_extras.py times it against the radix path)."""
     vocab = z.shape[1]
     join = extra.Join(0, vocab)
     out = []

@@ -168,8 +168,8 @@ def _stats_kernel(  # noqa: PLR0917 (a Triton kernel takes its arguments positio
     i = tl.program_id(0)
     row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
     t = tl.load(temp_ptr + i) if HAS_TEMP else 1.0
-    bits = tl.load(row_ptr + tl.load(target_ptr + i)).to(tl.int16, bitcast=True).to(tl.int32)
-    target_key = tl.where(bits < 0, -bits, bits + 32768)  # order_keys, inlined in each kernel
+    target_bits = tl.load(row_ptr + tl.load(target_ptr + i)).to(tl.int16, bitcast=True).to(tl.int32)
+    target_key = tl.where(target_bits < 0, -target_bits, target_bits + 32768)  # order_keys, inlined
     k = tl.load(k_ptr + i)
     bins = tl.arange(0, BINS)
     m = float("-inf")
