@@ -7,7 +7,9 @@ per-row shift with log p = x - shift, in; ExtraScores of those rows out. Under t
 this rank's slice and `Join` holds the collectives: sums (rank, candidates, kept mass, the target's
 logit), maxima (row max, the draw) and a gather of each rank's top keys, merged by one more top-k.
 All of it is elementwise or a top-k over x; the only sort of a whole row is a top-p whose kept set
-outgrows every prefix searched (PREFIX, then 4x or more, up to the vocabulary).
+outgrows every prefix searched (PREFIX, then 4x or more, up to the vocabulary). The processed
+log-prob reads x through `Rows` (prefixes of keys, the row max, a kept mass), so that
+heads/extras_radix.py gives it from 16-bit logits without x.
 
 Order: a token's key is its float32 logit's bits mapped to an order-preserving int32, times 2^32,
 plus V - 1 - id: one int64 per token, unique, larger for a larger logit and, among equal logits,
