@@ -35,7 +35,7 @@ from service.engine.runtime import triton_jit
 # Not tuned on a GPU yet (benchmarks/head_extras.py measures it).
 BLOCK = 2048
 NUM_WARPS = 4
-BINS = 256  # a byte of the 16-bit key per histogram pass
+DIGIT = 8  # bits of the 16-bit key per histogram pass: 16 // DIGIT passes of 2^DIGIT bins
 SIXTEEN = (torch.bfloat16, torch.float16)
 
 tl: Any = None  # triton.language, bound on first use; the kernels find it among this module's globals
@@ -70,6 +70,7 @@ def select(  # noqa: PLR0917 (the rows, their multiplier and what to select)
     *,
     width: int | None = None,  # W of ids (default: the largest K; read from the device if per row)
     block: int = BLOCK,
+    digit: int = DIGIT,  # 2, 4 or 8
 ) -> Selection:
     """Each row's shift and rank and, where K > 0, its K largest ids (ties: the lower id first)."""
     triton_jit.runnable(z)
@@ -95,7 +96,7 @@ def select(  # noqa: PLR0917 (the rows, their multiplier and what to select)
                 z, z.stride(0), rows, targets.contiguous(), float(scale), temp, per_row,
                 shift, ranks, threshold, above, tied,
                 VOCAB=vocab, HAS_SCALE=scale != 1.0, HAS_TEMP=inv_t is not None, SELECT=wanted,
-                BLOCK=step, BINS=BINS, num_warps=NUM_WARPS,
+                BLOCK=step, DIGIT=digit, num_warps=NUM_WARPS,
             )  # fmt: skip
             if ids is not None:
                 triton_jit.jit(_write_kernel)[(r,)](
@@ -160,22 +161,24 @@ def _stats_kernel(  # noqa: PLR0917 (a Triton kernel takes its arguments positio
     HAS_TEMP: tl.constexpr,
     SELECT: tl.constexpr,
     BLOCK: tl.constexpr,
-    BINS: tl.constexpr,
+    DIGIT: tl.constexpr,
 ) -> None:
-    """Passes 1 and 2 of one row. The online log-sum-exp keeps the running max m and per-lane sums
-    d = Σ exp(x - m), rescaled when m grows; padding loads as -inf (exp gives 0) and is masked out
-    of the counts. A row with K = 0 writes threshold 0 (every key is above it) and no counts."""
+    """The selecting passes of one row: the first with the online log-sum-exp (the running max m and
+    per-lane sums d = Σ exp(x - m), rescaled when m grows) and the rank; each a histogram of the
+    next DIGIT bits of the keys whose higher bits are those of the K-th largest key found so far.
+    Padding loads as -inf (exp gives 0) and is masked out of the counts. A row with K = 0 writes
+    threshold 0 (every key is above it) and no counts."""
     i = tl.program_id(0)
     row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
     t = tl.load(temp_ptr + i) if HAS_TEMP else 1.0
     target_bits = tl.load(row_ptr + tl.load(target_ptr + i)).to(tl.int16, bitcast=True).to(tl.int32)
     target_key = tl.where(target_bits < 0, -target_bits, target_bits + 32768)  # order_keys, inlined
     k = tl.load(k_ptr + i)
-    bins = tl.arange(0, BINS)
+    bins = tl.arange(0, 1 << DIGIT)
     m = float("-inf")
     d = tl.zeros([BLOCK], tl.float32)
     rank = tl.zeros([BLOCK], tl.int32)
-    high = tl.zeros([BINS], tl.int32)
+    counts = tl.zeros([1 << DIGIT], tl.int32)
     for start in range(0, VOCAB, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         valid = cols < VOCAB
@@ -192,28 +195,34 @@ def _stats_kernel(  # noqa: PLR0917 (a Triton kernel takes its arguments positio
         m = m_new
         rank += (valid & (key >= target_key)).to(tl.int32)
         if SELECT:
-            high += tl.histogram(key >> 8, BINS, mask=valid)
+            counts += tl.histogram(key >> (16 - DIGIT), 1 << DIGIT, mask=valid)
     tl.store(shift_ptr + i, m + tl.log(tl.sum(d, axis=0)))
     tl.store(rank_ptr + i, tl.sum(rank, axis=0))
     if SELECT:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if k > 0:  # K = 0: threshold, above and tied stay 0
-            # the bin b of the K-th largest key: the highest bin with >= K keys at or above it
-            at_or_above = tl.cumsum(high, 0, reverse=True)
-            b = tl.max(tl.where(at_or_above >= k, bins, -1), axis=0)
-            over = tl.sum(tl.where(bins > b, high, 0), axis=0)  # keys in bins above b: < K
-            low = tl.zeros([BINS], tl.int32)
-            for start in range(0, VOCAB, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                valid = cols < VOCAB
-                bits = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
-                key = tl.where(bits < 0, -bits, bits + 32768)
-                low += tl.histogram(key & 255, BINS, mask=valid & ((key >> 8) == b))
-            low_at_or_above = tl.cumsum(low, 0, reverse=True)
-            lb = tl.max(tl.where(low_at_or_above >= k - over, bins, -1), axis=0)
-            over += tl.sum(tl.where(bins > lb, low, 0), axis=0)
-            tl.store(threshold_ptr + i, b * 256 + lb)
+            # the digit of the K-th largest key: the highest with >= K - over keys at or above it
+            at_or_above = tl.cumsum(counts, 0, reverse=True)
+            prefix = tl.max(tl.where(at_or_above >= k, bins, -1), axis=0)  # the key's high bits so far
+            over = tl.sum(tl.where(bins > prefix, counts, 0), axis=0)  # keys above the prefix: < K
+            for p in tl.static_range(1, 16 // DIGIT):
+                counts = tl.zeros([1 << DIGIT], tl.int32)
+                for start in range(0, VOCAB, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    valid = cols < VOCAB
+                    v = tl.load(row_ptr + cols, mask=valid, other=0.0)
+                    bits = v.to(tl.int16, bitcast=True).to(tl.int32)
+                    key = tl.where(bits < 0, -bits, bits + 32768)
+                    inside = valid & ((key >> (16 - p * DIGIT)) == prefix)
+                    counts += tl.histogram(
+                        (key >> (16 - (p + 1) * DIGIT)) & ((1 << DIGIT) - 1), 1 << DIGIT, mask=inside
+                    )
+                at_or_above = tl.cumsum(counts, 0, reverse=True)
+                digit = tl.max(tl.where(at_or_above >= k - over, bins, -1), axis=0)
+                over += tl.sum(tl.where(bins > digit, counts, 0), axis=0)
+                prefix = prefix * (1 << DIGIT) + digit
+            tl.store(threshold_ptr + i, prefix)
             tl.store(above_ptr + i, over)
-            tl.store(tied_ptr + i, tl.sum(tl.where(bins == lb, low, 0), axis=0))
+            tl.store(tied_ptr + i, tl.sum(tl.where(bins == digit, counts, 0), axis=0))
 
 
 def _write_kernel(  # noqa: PLR0917
