@@ -9,14 +9,18 @@ by 2^-24) as long as x stays a normal float32 or zero, so the order of (x desc, 
 (z desc, id asc) and ties in x are ties in z. Each element's order key is a 16-bit integer: its
 bits with the sign folded so that integers increase with z, -0 mapped onto +0 (`order_keys`).
 
-`select`: one program per row, three passes over its 16-bit values (a 2 B read per element each):
+`select`: one program per row, passes over its 16-bit values (a 2 B read per element each):
 1. the online log-sum-exp of x (as heads/fused_kernel.py), the count of keys >= the target's (vLLM's
-   rank: tokens at least as likely) and a 256-bin histogram of the keys' high bytes -> the bin of
-   the K-th largest key;
-2. a 256-bin histogram of the low bytes inside that bin -> the K-th largest key v, the count above
-   it and the number of ties at v it takes (the lowest ids);
+   rank: tokens at least as likely) and a histogram (tl.histogram) of the keys' top DIGIT bits ->
+   the digit of the K-th largest key;
+2. for each further DIGIT bits (one more pass at DIGIT = 8), a histogram of those bits among the keys
+   that share the digits found so far -> the K-th largest key v, the count above it and the
+   number of ties at v taken (the lowest ids);
 3. the ids of the keys > v and of the first ties == v, in id order (a running prefix count), into
    [r, W] int32 (W >= each row's K; unwritten slots keep -1).
+Not measured on a GPU yet. Compiled offline for sm_90 (triton 3.7.1, ptxas: 128 registers, no
+spills), the histograms dominate: about 1,000 instructions a thread per block of 2,048 in pass 2
+at DIGIT = 8; DIGIT = 4 takes two passes more, each about 2/3 as long.
 `mass`: one more pass, Σ exp(x - shift) over tokens with key >= a per-row key and
 exp(x - shift) >= a per-row floor (the kept mass of vLLM's min-p and top-k).
 
