@@ -62,8 +62,8 @@ class Radix:
 
     def prefix(self, n: int, pending: torch.Tensor | None) -> torch.Tensor:
         n = min(n, self.vocab)
-        if pending is None and n <= self.first.shape[1]:
-            return self.first[:, :n]
+        if n <= self.first.shape[1]:  # within the first selection (a top list may be longer)
+            return _take(self.first, pending)[:, :n]
         rows = _take(self.rows, pending)
         targets = torch.zeros_like(rows)  # the rank is not wanted here
         found = topk_kernel.select(self.z, rows, targets, self.scale, _maybe(self.inv_t, pending), n)
