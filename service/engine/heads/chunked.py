@@ -9,9 +9,10 @@ A chunk's logits are the head's largest tensors, so every pass over them costs m
   the kernel when there is nothing to apply first), a gather, and the entropy from its result.
 
 Rows that ask more (Extras: top K, candidates, processed log-probs, a draw) get it from the same
-chunk's logits in torch (heads/extras.py), one code path for both: on the torch path from its
-float32 log-softmax, on the fused path from a float32 copy of those rows' tempered logits (the
-kernel still writes their log-prob and entropy). A chunk whose rows ask nothing does no more work.
+chunk's logits (heads/extras.py): on the torch path from its float32 log-softmax; on the fused path
+from the 16-bit logits by a radix select (heads/extras_radix.py) or, for float32 logits and draws,
+from a float32 copy of those rows' tempered logits (the kernel still writes their log-prob and
+entropy). A chunk whose rows ask nothing does no more work.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from service.engine.heads import extras as extra
+from service.engine.heads import extras_radix
 from service.engine.heads import fused_kernel as fused_head
 from service.engine.heads.contract import ActionScores, Extras, ExtraScores, LogitTransform
 from service.engine.runtime import triton_jit
@@ -101,7 +103,29 @@ def _from_logits(  # noqa: PLR0917 (the chunk and what its rows need)
     transform: LogitTransform,
     extras: Extras,
 ) -> list[ExtraScores]:
-    """The asking rows of chunk [start, end) from its logits z [c, V] (the fused path's)."""
+    """The asking rows of chunk [start, end) from its logits z [c, V] (the fused path's): 16-bit
+    logits by the radix select (heads/extras_radix.py), all the chunk's asking rows at once;
+    others, and draws, from a float32 copy of the rows, a pass at a time."""
+    lo, hi = extras.span(start, end)
+    if lo < hi and transform.softcap is None and extras_radix.usable(z, extras):
+        asks = extras.part(lo, hi)
+        inv_t = inv_temperature[asks.index] if inv_temperature is not None else None
+        found = extras_radix.score(z, asks.index - start, targets[asks.index], transform.scale, inv_t, asks)
+        return [found]
+    return from_float_copy(z, start, end, targets, inv_temperature, transform, extras)
+
+
+def from_float_copy(  # noqa: PLR0917
+    z: torch.Tensor,
+    start: int,
+    end: int,
+    targets: torch.Tensor,
+    inv_temperature: torch.Tensor | None,
+    transform: LogitTransform,
+    extras: Extras,
+) -> list[ExtraScores]:
+    """_from_logits over a float32 copy of the asking rows' tempered logits, PASS_ELEMENTS at a time
+    (any dtype, draws; benchmarks/head_extras.py times it against the radix path)."""
     vocab = z.shape[1]
     join = extra.Join(0, vocab)
     out = []

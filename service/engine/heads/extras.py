@@ -7,7 +7,9 @@ per-row shift with log p = x - shift, in; ExtraScores of those rows out. Under t
 this rank's slice and `Join` holds the collectives: sums (rank, candidates, kept mass, the target's
 logit), maxima (row max, the draw) and a gather of each rank's top keys, merged by one more top-k.
 All of it is elementwise or a top-k over x; the only sort of a whole row is a top-p whose kept set
-outgrows every prefix searched (PREFIX, then 4x or more, up to the vocabulary).
+outgrows every prefix searched (PREFIX, then 4x or more, up to the vocabulary). The processed
+log-prob reads x through `Rows` (prefixes of keys, the row max, a kept mass), so that
+heads/extras_radix.py gives it from 16-bit logits without x.
 
 Order: a token's key is its float32 logit's bits mapped to an order-preserving int32, times 2^32,
 plus V - 1 - id: one int64 per token, unique, larger for a larger logit and, among equal logits,
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -55,6 +58,52 @@ class Join:
         if self.shard is None:
             return x
         return torch.cat(self.shard.all_gather(x), dim=1)
+
+
+class Rows(Protocol):
+    """The r asking rows' tempered logits x, as the processed log-prob reads them: Full over x itself,
+    or heads/extras_radix.py's search of the 16-bit logits."""
+
+    def prefix(self, n: int, pending: torch.Tensor | None) -> torch.Tensor:
+        """[p, min(n, V)] the largest keys of each row (pending: of those rows; None: all), largest first."""
+        ...
+
+    def row_max(self) -> torch.Tensor:
+        """[r] the largest x of each row."""
+        ...
+
+    def mass(
+        self, shift: torch.Tensor, floor: torch.Tensor, kth: torch.Tensor, kth_key: torch.Tensor
+    ) -> torch.Tensor:
+        """[r] Σ p = exp(x - shift) over each row's tokens with p >= floor and x >= kth, the logit of
+        the token of key kth_key (LOWEST, kth -inf: every token)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Full:
+    """Rows from x [r, w] and its keys k [r, w], the columns of `join`."""
+
+    x: torch.Tensor
+    k: torch.Tensor
+    join: Join
+
+    def prefix(self, n: int, pending: torch.Tensor | None) -> torch.Tensor:
+        return _prefix(_take(self.k, pending), n, self.join)
+
+    def row_max(self) -> torch.Tensor:
+        x_max = self.x.amax(dim=1)
+        self.join.max_(x_max)
+        return x_max
+
+    def mass(
+        self, shift: torch.Tensor, floor: torch.Tensor, kth: torch.Tensor, kth_key: torch.Tensor
+    ) -> torch.Tensor:
+        prob = torch.exp(self.x - shift[:, None])
+        mass = (prob * ((prob >= floor[:, None]) & (self.x >= kth[:, None]))).sum(dim=1)
+        del prob
+        self.join.sum_(mass)
+        return mass
 
 
 def passes(extras: Extras, start: int, end: int, vocab: int) -> Iterator[tuple[Extras, slice | torch.Tensor]]:
@@ -131,7 +180,7 @@ def score(
         join.sum_(found)
         candidate_logprobs = found - shift[:, None]
     if asks.top_p is not None:
-        processed = _processed(x, k, shift, x_target, targets, asks, join)
+        processed = processed_logprobs(Full(x, k, join), shift, x_target, targets, asks, join.vocab)
     if asks.seeds is not None:
         assert asks.positions is not None
         noisy = keys(x + _gumbel(asks.seeds, asks.positions, ids), ids, join.vocab).amax(dim=1)
@@ -151,46 +200,41 @@ def _prefix(k: torch.Tensor, n: int, join: Join) -> torch.Tensor:
     return torch.topk(join.cat(local), n, dim=1).values
 
 
-def _processed(  # noqa: PLR0917 (the rows' distribution and their sampler)
-    x: torch.Tensor,
-    k: torch.Tensor,
+def processed_logprobs(  # noqa: PLR0917 (the rows' distribution and their sampler)
+    rows: Rows,
     shift: torch.Tensor,
     x_target: torch.Tensor,
     targets: torch.Tensor,
     asks: Extras,
-    join: Join,
+    vocab: int,
 ) -> torch.Tensor:
     """[r] log-prob of each target under the row's sampler, -inf outside the kept set (vLLM v1:
     min-p on the tempered distribution, then top-k, then top-p on what is left, renormalised)."""
     assert asks.top_k is not None
     assert asks.top_p is not None
     assert asks.min_p is not None
-    vocab = join.vocab
     top_k = torch.where(asks.top_k >= vocab, 0, asks.top_k.clamp(min=0))  # k >= V keeps every token
     top_p, min_p = asks.top_p, asks.min_p
-    x_max = x.amax(dim=1)
-    join.max_(x_max)
+    x_max = rows.row_max()
     floor = min_p * torch.exp(x_max - shift)  # [r] min-p keeps p >= min_p · p_max (vLLM: p < it goes)
     kth = torch.full_like(shift, float("-inf"))  # [r] top-k keeps logits >= the k-th largest (ties kept)
+    kth_key = torch.full_like(top_k, LOWEST, dtype=torch.int64)  # [r] the key of the k-th largest
     # one top-k over the keys serves both the k-th largest and top-p's first prefix
     first = None
     if asks.most_top_k or asks.any_top_p:
-        first = _prefix(k, max(asks.most_top_k, PREFIX if asks.any_top_p else 0), join)
+        first = rows.prefix(max(asks.most_top_k, PREFIX if asks.any_top_p else 0), None)
     if asks.most_top_k:
         assert first is not None
-        _, largest = decode(first[:, : asks.most_top_k], vocab)
-        at = (top_k - 1).clamp(0, largest.shape[1] - 1)
-        kth = torch.where(top_k > 0, largest.gather(1, at[:, None])[:, 0], kth)
-    prob = torch.exp(x - shift[:, None])
-    mass = (prob * ((prob >= floor[:, None]) & (x >= kth[:, None]))).sum(dim=1)  # [r] after min-p, top-k
-    del prob
-    join.sum_(mass)
+        at = (top_k - 1).clamp(0, min(asks.most_top_k, first.shape[1]) - 1)
+        kth_key = torch.where(top_k > 0, first.gather(1, at[:, None])[:, 0], kth_key)
+        kth = torch.where(top_k > 0, decode(kth_key, vocab)[1], kth)
+    mass = rows.mass(shift, floor, kth, kth_key)  # [r] after min-p, top-k
     logp = x_target - shift
     kept = (torch.exp(logp) >= floor) & (x_target >= kth)
     total = mass
     if asks.any_top_p:
         assert first is not None
-        total, last = _top_p(k, first, shift, floor, kth, top_p * mass, top_p < 1.0, mass, join)
+        total, last = _top_p(rows, first, shift, floor, kth, top_p * mass, top_p < 1.0, mass, vocab)
         kept &= keys(x_target, targets, vocab) >= last
     out = torch.where(kept, logp - torch.log(total), float("-inf"))
     off = (top_k == 0) & (top_p >= 1.0) & (min_p <= 0.0)
@@ -198,7 +242,7 @@ def _processed(  # noqa: PLR0917 (the rows' distribution and their sampler)
 
 
 def _top_p(  # noqa: PLR0917
-    k: torch.Tensor,
+    rows: Rows,
     first: torch.Tensor,  # [r, n] each row's largest keys, largest first (n >= PREFIX, or V)
     shift: torch.Tensor,
     floor: torch.Tensor,
@@ -206,40 +250,52 @@ def _top_p(  # noqa: PLR0917
     goal: torch.Tensor,  # [r] top_p · the mass left by min-p and top-k
     wanted: torch.Tensor,  # [r] bool: top_p < 1
     mass: torch.Tensor,
-    join: Join,
+    vocab: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[r] the kept set's mass and the key of its last token (LOWEST: every survivor kept). A token
     is kept when the survivors before it hold less than `goal` (vLLM drops those whose ascending
     cumulative share is <= 1 - top_p). Searched over the first PREFIX keys of each row, then for
     the rows whose prefix holds less than `goal` a prefix 4x longer or, where the prefix held a small
-    share of the goal, twice the length its share suggests, up to the whole vocabulary."""
+    share of the goal, twice the length its share suggests, up to the whole vocabulary; a longer
+    prefix is searched PASS_ELEMENTS keys at a time."""
     total = mass.clone()
-    last = torch.full_like(k[:, 0], LOWEST)
-    rows = torch.arange(k.shape[0], device=k.device)
+    last = torch.full_like(shift, LOWEST, dtype=torch.int64)
+    every = torch.arange(shift.shape[0], device=shift.device)
     pending: torch.Tensor | None = None  # rows still searched (None: all)
     n = first.shape[1]
     while True:
-        top = first if pending is None else _prefix(_take(k, pending), n, join)  # [p, n]
-        _, values = decode(top, join.vocab)
-        prob = torch.exp(values - _take(shift, pending)[:, None])
-        survive = (prob >= _take(floor, pending)[:, None]) & (values >= _take(kth, pending)[:, None])
-        held = prob * survive
-        upto = torch.cumsum(held, dim=1)
-        goals = _take(goal, pending)
-        kept = survive & (upto - held < goals[:, None])
-        want, at = _take(wanted, pending), _take(rows, pending)
-        total[at] = torch.where(want, (held * kept).sum(dim=1), _take(mass, pending))
-        last[at] = torch.where(want, top.masked_fill(~kept, HIGHEST).amin(dim=1), LOWEST)
-        if n >= join.vocab:
+        short_rows, shares = [], []
+        for part in _groups(pending, max(1, PASS_ELEMENTS // n)):
+            top = first if part is None else rows.prefix(n, part)  # [p, n]
+            _, values = decode(top, vocab)
+            prob = torch.exp(values - _take(shift, part)[:, None])
+            survive = (prob >= _take(floor, part)[:, None]) & (values >= _take(kth, part)[:, None])
+            held = prob * survive
+            upto = torch.cumsum(held, dim=1)
+            goals = _take(goal, part)
+            kept = survive & (upto - held < goals[:, None])
+            want, at = _take(wanted, part), _take(every, part)
+            total[at] = torch.where(want, (held * kept).sum(dim=1), _take(mass, part))
+            last[at] = torch.where(want, top.masked_fill(~kept, HIGHEST).amin(dim=1), LOWEST)
+            short = want & (upto[:, -1] < goals)
+            short_rows.append(at[short])
+            shares.append(goals[short] / upto[short, -1].clamp(min=1e-30))
+        if n >= vocab:
             break
-        short = want & (upto[:, -1] < goals)
-        if not bool(short.any()):  # the same on every rank: the keys and sums are joined
+        pending = torch.cat(short_rows)
+        if not pending.numel():  # the same on every rank: the keys and sums are joined
             break
-        pending = at[short]
         # at least 4x; more where the prefix held a small share of the goal (a flat distribution)
-        need = float((goals[short] / upto[short, -1].clamp(min=1e-30)).max())
-        n = int(min(join.vocab, max(4 * n, 2 * n * min(need, float(join.vocab)))))
+        need = float(torch.cat(shares).max())
+        n = int(min(vocab, max(4 * n, 2 * n * min(need, float(vocab)))))
     return total, last
+
+
+def _groups(rows: torch.Tensor | None, size: int) -> list[torch.Tensor | None]:
+    """rows in consecutive groups of at most `size` (None: all rows, one group)."""
+    if rows is None:
+        return [None]
+    return [rows[i : i + size] for i in range(0, rows.shape[0], size)]
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,302 @@
+"""Radix select over 16-bit logits (Triton): each row's K largest token ids, its log-sum-exp, the
+target's rank and a thresholded probability mass, without a float32 or int64 copy of the row.
+
+For the extras of the fused head (heads/extras_radix.py). Boundary: z [c, V] bfloat16 / float16
+logits, the asking rows' indices into z, and the row multiplier x = (float(z)·scale)·inv_t (the
+torch path's operations, scale > 0, inv_t > 0) in; per-row tensors out. x is strictly increasing
+in z over finite values (two 16-bit values differ by >= 2^-11 relatively, a float32 product rounds
+by 2^-24) as long as x stays a normal float32 or zero, so the order of (x desc, id asc) is that of
+(z desc, id asc) and ties in x are ties in z. Each element's order key is a 16-bit integer: its
+bits with the sign folded so that integers increase with z, -0 mapped onto +0 (`order_keys`).
+
+`select`: one program per row, passes over its 16-bit values (a 2 B read per element each):
+1. the online log-sum-exp of x (as heads/fused_kernel.py), the count of keys >= the target's (vLLM's
+   rank: tokens at least as likely) and a histogram (tl.histogram) of the keys' top DIGIT bits ->
+   the digit of the K-th largest key;
+2. for each further DIGIT bits (one more pass at DIGIT = 8), a histogram of those bits among the keys
+   that share the digits found so far -> the K-th largest key v, the count above it and the
+   number of ties at v taken (the lowest ids);
+3. the ids of the keys > v and of the first ties == v, in id order (a running prefix count), into
+   [r, W] int32 (W >= each row's K; unwritten slots keep -1).
+Not measured on a GPU yet. Compiled offline for sm_90 (triton 3.7.1, ptxas: 128 registers, no
+spills), the histograms dominate: about 1,000 instructions a thread per block of 2,048 in pass 2
+at DIGIT = 8; DIGIT = 4 takes two passes more, each about 2/3 as long.
+`mass`: one more pass, Σ exp(x - shift) over tokens with key >= a per-row key and
+exp(x - shift) >= a per-row floor (the kept mass of vLLM's min-p and top-k).
+
+triton is imported on first use (runtime/triton_jit.py); on CPU tensors only under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from service.engine.runtime import triton_jit
+
+# Not tuned on a GPU yet (benchmarks/head_extras.py measures it).
+BLOCK = 2048
+NUM_WARPS = 4
+DIGIT = 8  # bits of the 16-bit key per histogram pass: 16 // DIGIT passes of 2^DIGIT bins
+SIXTEEN = (torch.bfloat16, torch.float16)
+
+tl: Any = None  # triton.language, bound on first use; the kernels find it among this module's globals
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Per row r of a `select` call."""
+
+    shift: torch.Tensor  # [r] float32 log Σ exp(x)
+    ranks: torch.Tensor  # [r] int64 count of tokens with z >= z[target]
+    ids: torch.Tensor | None  # [r, W] int32 the row's K largest (z desc, id asc) in id order; -1 pads
+    threshold: torch.Tensor | None  # [r] int32 the K-th largest order key
+    above: torch.Tensor | None  # [r] int32 tokens with a key > threshold
+    tied: torch.Tensor | None  # [r] int32 tokens with a key == threshold (all of them, taken or not)
+
+
+def order_keys(z: torch.Tensor) -> torch.Tensor:
+    """int32 keys in [1, 65535] of 16-bit logits z: increasing with z, -0 and +0 equal (as the kernels
+    compute them; for callers that compare with a threshold)."""
+    bits = z.view(torch.int16).to(torch.int32)
+    return torch.where(bits < 0, -bits, bits + 32768)
+
+
+def select(  # noqa: PLR0917 (the rows, their multiplier and what to select)
+    z: torch.Tensor,  # [c, V] bfloat16 / float16
+    rows: torch.Tensor,  # [r] int64 indices into z's rows
+    targets: torch.Tensor,  # [r] token ids
+    scale: float,  # the logit transform's positive scale
+    inv_t: torch.Tensor | None,  # [r] float32 1 / T (None: 1)
+    k: int | torch.Tensor,  # K of every row, or [r] per row; each clamped to [0, V] (0: no ids)
+    *,
+    width: int | None = None,  # W of ids (default: the largest K; read from the device if per row)
+    block: int = BLOCK,
+    digit: int = DIGIT,  # 2, 4 or 8
+) -> Selection:
+    """Each row's shift and rank and, where K > 0, its K largest ids (ties: the lower id first)."""
+    triton_jit.runnable(z)
+    if z.dtype not in SIXTEEN:
+        raise ValueError(f"the radix select reads 16-bit logits, not {z.dtype}")
+    if z.stride(1) != 1:
+        z = z.contiguous()
+    vocab, r, device = z.shape[1], rows.shape[0], z.device
+    per_row = torch.as_tensor(k, device=device).to(torch.int32).clamp(0, vocab).expand(r).contiguous()
+    if width is None:
+        width = min(int(k), vocab) if isinstance(k, int) else int(per_row.max()) if r else 0
+    shift = torch.empty(r, dtype=torch.float32, device=device)
+    ranks = torch.empty(r, dtype=torch.int32, device=device)
+    wanted = width > 0
+    threshold, above, tied = (torch.zeros(r, dtype=torch.int32, device=device) for _ in range(3))
+    ids = torch.full((r, width), -1, dtype=torch.int32, device=device) if wanted else None
+    if r:
+        rows = rows.to(torch.int64).contiguous()
+        temp = inv_t.to(torch.float32).contiguous() if inv_t is not None else shift  # unread when None
+        step = min(block, triton_jit.next_power_of_2(vocab))
+        with triton_jit.on_device(z):
+            triton_jit.jit(_stats_kernel)[(r,)](
+                z, z.stride(0), rows, targets.contiguous(), float(scale), temp, per_row,
+                shift, ranks, threshold, above, tied,
+                VOCAB=vocab, HAS_SCALE=scale != 1.0, HAS_TEMP=inv_t is not None, SELECT=wanted,
+                BLOCK=step, DIGIT=digit, num_warps=NUM_WARPS,
+            )  # fmt: skip
+            if ids is not None:
+                triton_jit.jit(_write_kernel)[(r,)](
+                    z, z.stride(0), rows, per_row, threshold, above, ids, width,
+                    VOCAB=vocab, BLOCK=step, num_warps=NUM_WARPS,
+                )  # fmt: skip
+    return Selection(
+        shift=shift,
+        ranks=ranks.long(),
+        ids=ids,
+        threshold=threshold if wanted else None,
+        above=above if wanted else None,
+        tied=tied if wanted else None,
+    )
+
+
+def mass(  # noqa: PLR0917
+    z: torch.Tensor,  # [c, V] bfloat16 / float16
+    rows: torch.Tensor,  # [r] int64 indices into z's rows
+    scale: float,
+    inv_t: torch.Tensor | None,  # [r] float32 1 / T (None: 1)
+    shift: torch.Tensor,  # [r] float32: p = exp(x - shift)
+    floor: torch.Tensor,  # [r] float32: only p >= floor counts
+    least: torch.Tensor,  # [r] int32: only order keys >= least count (0: every token)
+    *,
+    block: int = BLOCK,
+) -> torch.Tensor:
+    """[r] float32 Σ p over each row's tokens with an order key >= least and p >= floor."""
+    triton_jit.runnable(z)
+    if z.stride(1) != 1:
+        z = z.contiguous()
+    r, vocab = rows.shape[0], z.shape[1]
+    out = torch.empty(r, dtype=torch.float32, device=z.device)
+    if r:
+        temp = inv_t.to(torch.float32).contiguous() if inv_t is not None else out  # unread when None
+        with triton_jit.on_device(z):
+            triton_jit.jit(_mass_kernel)[(r,)](
+                z, z.stride(0), rows.to(torch.int64).contiguous(), float(scale), temp,
+                shift.to(torch.float32).contiguous(), floor.to(torch.float32).contiguous(),
+                least.to(torch.int32).contiguous(), out,
+                VOCAB=vocab, HAS_SCALE=scale != 1.0, HAS_TEMP=inv_t is not None,
+                BLOCK=min(block, triton_jit.next_power_of_2(vocab)), num_warps=NUM_WARPS,
+            )  # fmt: skip
+    return out
+
+
+def _stats_kernel(  # noqa: PLR0917 (a Triton kernel takes its arguments positionally)
+    z_ptr: tl.tensor,
+    row_stride: tl.tensor,
+    rows_ptr: tl.tensor,
+    target_ptr: tl.tensor,
+    scale: tl.tensor,
+    temp_ptr: tl.tensor,
+    k_ptr: tl.tensor,
+    shift_ptr: tl.tensor,
+    rank_ptr: tl.tensor,
+    threshold_ptr: tl.tensor,
+    above_ptr: tl.tensor,
+    tied_ptr: tl.tensor,
+    VOCAB: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    SELECT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DIGIT: tl.constexpr,
+) -> None:
+    """The selecting passes of one row: the first with the online log-sum-exp (the running max m and
+    per-lane sums d = Σ exp(x - m), rescaled when m grows) and the rank; each a histogram of the
+    next DIGIT bits of the keys whose higher bits are those of the K-th largest key found so far.
+    Padding loads as -inf (exp gives 0) and is masked out of the counts. A row with K = 0 writes
+    threshold 0 (every key is above it) and no counts."""
+    i = tl.program_id(0)
+    row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
+    t = tl.load(temp_ptr + i) if HAS_TEMP else 1.0
+    target_bits = tl.load(row_ptr + tl.load(target_ptr + i)).to(tl.int16, bitcast=True).to(tl.int32)
+    target_key = tl.where(target_bits < 0, -target_bits, target_bits + 32768)  # order_keys, inlined
+    k = tl.load(k_ptr + i)
+    bins = tl.arange(0, 1 << DIGIT)
+    m = float("-inf")
+    d = tl.zeros([BLOCK], tl.float32)
+    rank = tl.zeros([BLOCK], tl.int32)
+    counts = tl.zeros([1 << DIGIT], tl.int32)
+    for start in range(0, VOCAB, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        valid = cols < VOCAB
+        v = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
+        bits = v.to(tl.int16, bitcast=True).to(tl.int32)
+        key = tl.where(bits < 0, -bits, bits + 32768)
+        x = v.to(tl.float32)
+        if HAS_SCALE:
+            x = x * scale
+        if HAS_TEMP:
+            x = x * t
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        d = d * tl.exp(m - m_new) + tl.exp(x - m_new)
+        m = m_new
+        rank += (valid & (key >= target_key)).to(tl.int32)
+        if SELECT:
+            counts += tl.histogram(key >> (16 - DIGIT), 1 << DIGIT, mask=valid)
+    tl.store(shift_ptr + i, m + tl.log(tl.sum(d, axis=0)))
+    tl.store(rank_ptr + i, tl.sum(rank, axis=0))
+    if SELECT:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if k > 0:  # K = 0: threshold, above and tied stay 0
+            # the digit of the K-th largest key: the highest with >= K - over keys at or above it
+            at_or_above = tl.cumsum(counts, 0, reverse=True)
+            prefix = tl.max(tl.where(at_or_above >= k, bins, -1), axis=0)  # the key's high bits so far
+            over = tl.sum(tl.where(bins > prefix, counts, 0), axis=0)  # keys above the prefix: < K
+            for p in tl.static_range(1, 16 // DIGIT):
+                counts = tl.zeros([1 << DIGIT], tl.int32)
+                for start in range(0, VOCAB, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    valid = cols < VOCAB
+                    v = tl.load(row_ptr + cols, mask=valid, other=0.0)
+                    bits = v.to(tl.int16, bitcast=True).to(tl.int32)
+                    key = tl.where(bits < 0, -bits, bits + 32768)
+                    inside = valid & ((key >> (16 - p * DIGIT)) == prefix)
+                    counts += tl.histogram(
+                        (key >> (16 - (p + 1) * DIGIT)) & ((1 << DIGIT) - 1), 1 << DIGIT, mask=inside
+                    )
+                at_or_above = tl.cumsum(counts, 0, reverse=True)
+                digit = tl.max(tl.where(at_or_above >= k - over, bins, -1), axis=0)
+                over += tl.sum(tl.where(bins > digit, counts, 0), axis=0)
+                prefix = prefix * (1 << DIGIT) + digit
+            tl.store(threshold_ptr + i, prefix)
+            tl.store(above_ptr + i, over)
+            tl.store(tied_ptr + i, tl.sum(tl.where(bins == digit, counts, 0), axis=0))
+
+
+def _write_kernel(  # noqa: PLR0917
+    z_ptr: tl.tensor,
+    row_stride: tl.tensor,
+    rows_ptr: tl.tensor,
+    k_ptr: tl.tensor,
+    threshold_ptr: tl.tensor,
+    above_ptr: tl.tensor,
+    ids_ptr: tl.tensor,
+    width: tl.tensor,
+    VOCAB: tl.constexpr,
+    BLOCK: tl.constexpr,
+) -> None:
+    """Pass 3 of one row: the ids of keys > threshold and of the first K - above keys == threshold,
+    in id order, at consecutive slots of the row's output."""
+    i = tl.program_id(0)
+    k = tl.load(k_ptr + i)
+    if k > 0:
+        row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
+        out_ptr = ids_ptr + i.to(tl.int64) * width
+        v = tl.load(threshold_ptr + i)
+        ties = k - tl.load(above_ptr + i)  # ties at v to take, the lowest ids
+        written = tl.zeros([], tl.int32)
+        seen = tl.zeros([], tl.int32)  # ties at v before this block
+        for start in range(0, VOCAB, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            valid = cols < VOCAB
+            bits = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
+            key = tl.where(bits < 0, -bits, bits + 32768)
+            tie = (valid & (key == v)).to(tl.int32)
+            take = ((valid & (key > v)) | ((tie > 0) & (seen + tl.cumsum(tie, 0) <= ties))).to(tl.int32)
+            tl.store(out_ptr + written + tl.cumsum(take, 0) - take, cols, mask=take > 0)
+            written += tl.sum(take, axis=0)
+            seen += tl.sum(tie, axis=0)
+
+
+def _mass_kernel(  # noqa: PLR0917
+    z_ptr: tl.tensor,
+    row_stride: tl.tensor,
+    rows_ptr: tl.tensor,
+    scale: tl.tensor,
+    temp_ptr: tl.tensor,
+    shift_ptr: tl.tensor,
+    floor_ptr: tl.tensor,
+    least_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    VOCAB: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+) -> None:
+    """One pass of one row: Σ exp(x - shift) over keys >= least with exp(x - shift) >= floor."""
+    i = tl.program_id(0)
+    row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
+    t = tl.load(temp_ptr + i) if HAS_TEMP else 1.0
+    shift = tl.load(shift_ptr + i)
+    floor = tl.load(floor_ptr + i)
+    least = tl.load(least_ptr + i)
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, VOCAB, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        valid = cols < VOCAB
+        v = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
+        x = v.to(tl.float32)
+        if HAS_SCALE:
+            x = x * scale
+        if HAS_TEMP:
+            x = x * t
+        p = tl.exp(x - shift)
+        bits = v.to(tl.int16, bitcast=True).to(tl.int32)
+        total += tl.where(valid & (tl.where(bits < 0, -bits, bits + 32768) >= least) & (p >= floor), p, 0.0)
+    tl.store(out_ptr + i, tl.sum(total, axis=0))

@@ -1,0 +1,294 @@
+"""The radix select over 16-bit logits (heads/topk_kernel.py) and the fused path's extras built on it
+(heads/extras_radix.py) against the float32 torch path: extras.keys + torch.topk over the whole
+tempered row, and chunked.from_float_copy (extras.score over a float32 copy).
+
+Logits drawn from a few values (many ties, -0.0 beside +0.0), a flat row and random rows. On CPU the
+kernels run in Triton's interpreter (tests/engine/interpreter.py); the GPU cases compare the compiled
+kernels at Qwen2.5's vocabulary.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+from service.engine.heads import chunked, extras_radix, topk_kernel
+from service.engine.heads import extras as extra
+from service.engine.heads.chunked import score_actions
+from service.engine.heads.contract import Extras, ExtraScores, LogitTransform
+from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
+
+VALUES = [-7.0, -1.5, -0.0, 0.0, 0.5, 1.25, 2.0, 3.0]
+SCALE = 0.5
+# (top_k, top_p, min_p): off, each alone, combined, the edges; top_p < 1 with top_k 0 grows the prefix
+SAMPLERS = [
+    (0, 1.0, 0.0),
+    (50, 0.9, 0.05),
+    (0, 0.9, 0.0),
+    (0, 1.0, 0.1),
+    (7, 0.8, 0.02),
+    (1, 1.0, 0.0),
+    (10**6, 0.5, 0.0),
+    (3, 0.3, 0.3),
+    (0, 0.999, 0.0),
+    (0, 0.05, 0.0),
+]
+
+
+def logits(rows: int, vocab: int, dtype: torch.dtype, seed: int, device: str = "cpu") -> torch.Tensor:
+    """[rows, vocab]: even rows from VALUES (ties everywhere, both zeros), odd rows random, row 2 flat."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, vocab, generator=gen) * 3
+    z[::2] = torch.tensor(VALUES)[
+        torch.randint(0, len(VALUES), (len(range(0, rows, 2)), vocab), generator=gen)
+    ]
+    if rows > 2:
+        z[2] = 0.0
+    return z.to(dtype).to(device)
+
+
+def tempered(z: torch.Tensor, inv_t: torch.Tensor | None) -> torch.Tensor:
+    """x as the torch path makes it: (float(z)·scale)·(1 / T)."""
+    x = z.float().mul_(SCALE)
+    return x.mul_(inv_t[:, None]) if inv_t is not None else x
+
+
+def top_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """[r, k] the torch path's top k: extras.keys (x desc, id asc) and torch.topk."""
+    vocab = x.shape[1]
+    keys = extra.keys(x, torch.arange(vocab, device=x.device), vocab)
+    return extra.decode(torch.topk(keys, k, dim=1).values, vocab)[0]
+
+
+def ordered(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """ids [r, W] (-1: none) sorted as the torch path orders them; -1 last."""
+    at = ids.long().clamp(min=0)
+    keys = extra.keys(x.gather(1, at), at, x.shape[1]).masked_fill(ids < 0, extra.LOWEST)
+    return at.gather(1, torch.sort(keys, dim=1, descending=True).indices).masked_fill(
+        torch.sort(keys, dim=1, descending=True).values == extra.LOWEST, -1
+    )
+
+
+def check_select(
+    z: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor | None, ks: list[int], digit: int = 8
+) -> None:
+    x = tempered(z, inv_t)
+    rows = torch.arange(z.shape[0], device=z.device)
+    x_target = x.gather(1, targets[:, None])
+    for k in ks:
+        found = topk_kernel.select(
+            z, rows, targets, SCALE, inv_t, k, block=512 if z.shape[1] < 10**5 else 2048
+        )
+        assert found.ids is not None
+        assert found.above is not None
+        assert found.tied is not None
+        assert found.ids.shape == (z.shape[0], k)
+        assert torch.equal(ordered(x, found.ids), top_ids(x, k)), k
+        # the K-th value: how many lie above it and how many equal it
+        kth = torch.sort(x, dim=1, descending=True).values[:, k - 1 : k]
+        assert torch.equal(found.above.long(), (x > kth).sum(1))
+        assert torch.equal(found.tied.long(), (x == kth).sum(1))
+        assert torch.equal(found.ranks, (x >= x_target).sum(1))  # vLLM's rank: ties count
+        want = torch.logsumexp(x.double(), dim=1)
+        torch.testing.assert_close(found.shift.double(), want, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_order_keys_follow_the_logits_and_tie_the_zeros(dtype: torch.dtype) -> None:
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    z = bits.view(dtype)
+    z = z[~torch.isnan(z)]
+    keys = topk_kernel.order_keys(z)
+    by_value = torch.argsort(z.float(), stable=True)
+    assert bool((keys[by_value].diff() >= 0).all())
+    assert torch.equal(keys[by_value].diff() == 0, z.float()[by_value].diff() == 0)  # ties: both zeros only
+    zeros = topk_kernel.order_keys(torch.tensor([-0.0, 0.0], dtype=dtype))
+    assert int(zeros[0]) == int(zeros[1])
+
+
+def test_kernel_cases_in_a_fresh_process() -> None:
+    run_interpreter_cases(__file__)
+
+
+@only_interpreted
+@pytest.mark.parametrize(("dtype", "digit"), [(torch.bfloat16, 8), (torch.float16, 8), (torch.bfloat16, 4)])
+@pytest.mark.parametrize("temperature", [False, True])
+def test_interpreter_select_equals_torch_topk(dtype: torch.dtype, digit: int, temperature: bool) -> None:
+    """K = 1, 7, past the values above a tied threshold, and V; 3001 columns: a partial last block."""
+    rows, vocab = 6, 3001
+    z = logits(rows, vocab, dtype, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[0] = int((z[0] == 3.0).nonzero()[0, 0])  # a tied target at the top value
+    targets[2] = 5  # the flat row: every token ties with it
+    inv_t = 1.0 / (0.5 + torch.rand(rows, generator=gen)) if temperature else None
+    above_top_value = int((z[0] == 3.0).sum())
+    check_select(z, targets, inv_t, [1, 7, above_top_value + 3, vocab], digit)
+
+
+@only_interpreted
+def test_interpreter_select_per_row_k() -> None:
+    rows, vocab = 6, 1500
+    z = logits(rows, vocab, torch.bfloat16, seed=3)
+    targets = torch.zeros(rows, dtype=torch.long)
+    ks = torch.tensor([0, 1, 7, vocab - 1, vocab, 400])
+    found = topk_kernel.select(z, torch.arange(rows), targets, SCALE, None, ks, block=512)
+    assert found.ids is not None
+    assert found.ids.shape == (rows, vocab)
+    x = tempered(z, None)
+    for row, k in enumerate(ks.tolist()):
+        got = ordered(x[row : row + 1], found.ids[row : row + 1])[0]
+        assert int((got >= 0).sum()) == k
+        assert torch.equal(got[:k], top_ids(x[row : row + 1], k)[0]) if k else True
+
+
+@only_interpreted
+def test_interpreter_select_of_some_rows_of_a_strided_chunk() -> None:
+    z = logits(8, 2100, torch.bfloat16, seed=4)
+    wide = torch.zeros(8, 2200, dtype=torch.bfloat16)
+    wide[:, :2100] = z
+    view = wide[:, :2100]  # row stride 2200
+    rows = torch.tensor([5, 0, 3])
+    found = topk_kernel.select(view, rows, torch.tensor([1, 2, 3]), SCALE, None, 9, block=512)
+    assert found.ids is not None
+    assert torch.equal(ordered(tempered(z[rows], None), found.ids), top_ids(tempered(z[rows], None), 9))
+
+
+@only_interpreted
+def test_interpreter_mass_sums_the_kept_tokens() -> None:
+    rows, vocab = 5, 2500
+    z = logits(rows, vocab, torch.float16, seed=5)
+    inv_t = torch.tensor([1.0, 2.0, 0.5, 1.3, 0.9])
+    x = tempered(z, inv_t)
+    shift = torch.logsumexp(x, dim=1)
+    floor = torch.tensor([0.0, 1e-4, 1e-3, 0.0, 1e-5])
+    at = torch.tensor([0, 10, 20, 30, 40])
+    least = topk_kernel.order_keys(z[torch.arange(rows), at])
+    least[0] = 0  # every token
+    got = topk_kernel.mass(z, torch.arange(rows), SCALE, inv_t, shift, floor, least, block=512)
+    p = torch.exp(x.double() - shift[:, None].double())
+    kth = torch.where(least > 0, x[torch.arange(rows), at], float("-inf"))
+    want = (p * ((p >= floor[:, None].double()) & (x >= kth[:, None]))).sum(1)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def chunk_asks(rows: np.ndarray, vocab: int, top: int, device: str = "cpu") -> Extras:
+    sampler = [SAMPLERS[i % len(SAMPLERS)] for i in range(len(rows))]
+    gen = torch.Generator().manual_seed(len(rows))
+    return Extras(
+        rows=rows,
+        index=torch.from_numpy(rows).to(device),
+        top=top,
+        candidates=torch.randint(0, vocab, (len(rows), 5), generator=gen).to(device),
+        top_k=torch.tensor([s[0] for s in sampler], device=device),
+        top_p=torch.tensor([s[1] for s in sampler], dtype=torch.float32, device=device),
+        min_p=torch.tensor([s[2] for s in sampler], dtype=torch.float32, device=device),
+        most_top_k=max(s[0] for s in sampler),
+        any_top_p=True,
+    )
+
+
+def assert_same_extras(got: ExtraScores, want: ExtraScores) -> None:
+    """Ids, ranks and kept decisions exactly; log-probs up to the shift's rounding."""
+    assert got.top_ids is not None
+    assert want.top_ids is not None
+    assert torch.equal(got.top_ids, want.top_ids)
+    assert torch.equal(got.ranks, want.ranks)
+    for a, b in [(got.top_logprobs, want.top_logprobs), (got.candidate_logprobs, want.candidate_logprobs)]:
+        assert a is not None
+        assert b is not None
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-6)
+    assert got.processed is not None
+    assert want.processed is not None
+    assert torch.equal(torch.isinf(got.processed), torch.isinf(want.processed))
+    torch.testing.assert_close(got.processed, want.processed, atol=2e-5, rtol=1e-6)
+    assert got.drawn is None
+
+
+@only_interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("top", [1, 10, 2000])
+def test_interpreter_fast_extras_equal_the_float_copy_path(dtype: torch.dtype, top: int) -> None:
+    """Rows 2..11 of a chunk starting at action row 2 ask (the flat row's top-p prefix grows to V)."""
+    vocab = 2000
+    z = logits(12, vocab, dtype, seed=top)
+    gen = torch.Generator().manual_seed(7)
+    targets = torch.randint(0, vocab, (14,), generator=gen)
+    targets[2::3] = int((z[0] == 3.0).nonzero()[0, 0])  # tied targets
+    inv_t = 1.0 / (0.5 + torch.rand(14, generator=gen))
+    asking = np.arange(2, 14)
+    asks = chunk_asks(asking, vocab, top)
+    transform = LogitTransform(scale=SCALE)
+    args = (z, 2, 14, targets, inv_t, transform, asks)
+    (fast,) = chunked._from_logits(*args)
+    assert_same_extras(fast, extra.cat(chunked.from_float_copy(*args)))
+
+
+@only_interpreted
+def test_interpreter_score_actions_takes_the_radix_path_for_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    score = extras_radix.score
+
+    def counted(*args: object, **kwargs: object) -> ExtraScores:
+        calls.append(1)
+        return score(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(extras_radix, "score", counted)
+    gen = torch.Generator().manual_seed(8)
+    head = torch.nn.Linear(16, 700, bias=False).to(torch.bfloat16)
+    torch.nn.init.normal_(head.weight, std=0.5, generator=gen)
+    hidden = torch.randn(9, 16, generator=gen).to(torch.bfloat16)
+    targets = torch.randint(0, 700, (9,), generator=gen)
+    asks = chunk_asks(np.asarray([0, 3, 4, 8]), 700, 5)
+    run = partial(
+        score_actions, hidden=hidden, targets=targets, inv_temperature=torch.full((9,), 1 / 0.8),
+        lm_head=head, transform=LogitTransform(), chunk_rows=4, want_entropy=False, extras=asks,
+    )  # fmt: skip
+    with torch.no_grad():
+        fused = run(fused=True)
+        monkeypatch.setattr(extras_radix, "usable", lambda z, asks: False)
+        copied = run(fused=True)
+    assert len(calls) == 3  # chunks [0, 4), [4, 8), [8, 9) each hold asking rows
+    assert fused.extras is not None
+    assert copied.extras is not None
+    assert_same_extras(fused.extras, copied.extras)
+
+
+def test_float32_logits_and_draws_keep_the_float_copy_path() -> None:
+    z = torch.zeros(2, 10)
+    rows = np.arange(2)
+    asks = Extras(rows=rows, index=torch.from_numpy(rows), top=2)
+    assert not extras_radix.usable(z, asks)
+    drawing = Extras(rows=rows, index=torch.from_numpy(rows), seeds=torch.zeros(2, dtype=torch.long))
+    assert not extras_radix.usable(z.to(torch.bfloat16), drawing)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_select_equals_torch_topk_on_cuda(dtype: torch.dtype) -> None:
+    """Qwen2.5's vocabulary, 512 rows, K = 1, 100, 1000 and past a block of ties."""
+    rows, vocab = 512, 152064
+    z = logits(rows, vocab, dtype, seed=9, device="cuda")
+    gen = torch.Generator().manual_seed(10)
+    targets = torch.randint(0, vocab, (rows,), generator=gen).cuda()
+    inv_t = (1.0 / (0.5 + torch.rand(rows, generator=gen))).cuda()
+    check_select(z, targets, inv_t, [1, 100, 1000, int((z[0] == 3.0).sum()) + 5])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
+@pytest.mark.parametrize("top", [100, 1000])
+def test_compiled_fast_extras_equal_the_float_copy_path_on_cuda(top: int) -> None:
+    rows, vocab = 512, 152064
+    z = logits(rows, vocab, torch.bfloat16, seed=top, device="cuda")
+    gen = torch.Generator().manual_seed(11)
+    targets = torch.randint(0, vocab, (rows,), generator=gen).cuda()
+    inv_t = (1.0 / (0.5 + torch.rand(rows, generator=gen))).cuda()
+    asks = chunk_asks(np.arange(rows), vocab, top, device="cuda")
+    args = (z, 0, rows, targets, inv_t, LogitTransform(scale=SCALE), asks)
+    (fast,) = chunked._from_logits(*args)
+    assert_same_extras(fast, extra.cat(chunked.from_float_copy(*args)))
