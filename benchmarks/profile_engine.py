@@ -22,12 +22,15 @@ configuration differs, for `invariant`):
 - invariant: the same on an engine built with batch_invariant on (--batch-invariant);
 - record: every job asks its routes back (return_routed_experts; an MoE shape only);
 - replay: every job gives the routes a first, unprofiled record pass returned, from position 0 (what
-  benchmarks/replay.py sends back as routed_experts; an MoE shape only);
+  benchmarks/replay.py sends back as routed_experts; an MoE shape only); `route_exact_fraction` in
+  the output must be 1.0;
 - top100: every job asks top_logprobs 100 at each action (benchmarks/distribution.py's variant).
 
-Printed per variant: the wall ms of the profiled rounds, the total device time of the kernels (and
-memcpy/memset), the top --top kernels by total device time (calls, total ms, share of the variant's
-kernel time) and the device's idle gaps (the sum of gaps over 20 us between consecutive kernels,
+Printed per variant: the wall ms of the profiled rounds (and of as many rounds just before, without
+the profiler: recording every thread's CPU operators slows the host's launches, so gaps under the
+profiler are an upper bound; --no-cpu-ops records CUDA activity only), the total device time of
+the kernels (and memcpy/memset), the top --top kernels by total device time (calls, total ms, share
+of the variant's kernel time) and the device's idle gaps (the sum of gaps over 20 us between consecutive kernels,
 counted on the union of every stream's activity: host-bound launching shows there); then, from the
 first variant to each other one, the kernels whose total device time grew the most. On a CPU there
 are no kernels: the same tables list CPU operators by self time, and no gaps. Everything goes to
@@ -60,7 +63,7 @@ from service.batcher import Batcher
 from service.engine.loading.models import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import GivenRoutes, SequenceJob
+from service.jobs import GivenRoutes, RouteAgreement, SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings
 
@@ -163,10 +166,10 @@ class Session:
         self.loop.run_until_complete(asyncio.sleep(0))
         self.loop.call_soon(self.batcher.start)
 
-    def round(self, batch: list[SequenceJob]) -> list[Any]:
+    def round(self, batch: list[SequenceJob]) -> list[SequenceScores]:
         """One round: the 8 clients' requests at once; every job's scores, in order."""
 
-        async def go() -> list[Any]:
+        async def go() -> list[SequenceScores]:
             answers = await asyncio.gather(*(self.batcher.score(r) for r in requests(batch)))
             return [s for a in answers for s in a.scores]
 
@@ -195,24 +198,49 @@ def variant_jobs(variant: str, base: list[SequenceJob], session: Session) -> lis
     return out
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Profiled:
+    """One variant's rounds: the warm-up round's scores, the wall ms of `rounds` rounds without and
+    with the profiler, and the profile."""
+
+    scores: list[SequenceScores]
+    plain_ms: float
+    profiled_ms: float
+    prof: Any
+
+
 def profile_variant(
-    session: Session, batch: list[SequenceJob], device: torch.device, rounds: int, trace: Path | None
-) -> tuple[float, Any]:
-    """A warm-up round, then `rounds` rounds under the profiler: their wall ms and the profile."""
-    session.round(batch)
-    sync(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    # every thread: the batcher launches the engine's work from its own thread
-    config = _ExperimentalConfig(profile_all_threads=True)
-    with profile(activities=activities, experimental_config=config) as prof:
+    session: Session,
+    batch: list[SequenceJob],
+    device: torch.device,
+    rounds: int,
+    *,
+    cpu_ops: bool,
+    trace: Path | None,
+) -> Profiled:
+    """A warm-up round, `rounds` rounds timed without the profiler, then `rounds` rounds under it
+    (CPU operators of every thread unless `cpu_ops` is off on a device; CUDA activity on a device)."""
+
+    def timed() -> float:
+        sync(device)
         start = time.perf_counter()
         for _ in range(rounds):
             session.round(batch)
         sync(device)
-        wall = time.perf_counter() - start
+        return (time.perf_counter() - start) * 1e3
+
+    scores = session.round(batch)
+    plain_ms = timed()
+    on_device = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] if cpu_ops or not on_device else []
+    activities += [ProfilerActivity.CUDA] if on_device else []
+    # every thread: the batcher launches the engine's work from its own thread
+    config = _ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=activities, experimental_config=config) as prof:
+        profiled_ms = timed()
     if trace is not None:
         prof.export_chrome_trace(str(trace))
-    return wall * 1e3, prof
+    return Profiled(scores, plain_ms, profiled_ms, prof)
 
 
 def settings_for(args: argparse.Namespace, invariant: bool) -> Settings:
@@ -270,13 +298,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trace = args.trace / f"{variant}.json" if args.trace else None
         if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
-        wall_ms, prof = profile_variant(session, batch, device, args.rounds, trace)
-        table, intervals = kernel_table(prof, on_device)
+        profiled = profile_variant(session, batch, device, args.rounds, cpu_ops=args.cpu_ops, trace=trace)
+        table, intervals = kernel_table(profiled.prof, on_device)
         tables[variant] = table
         gap_us, gaps = idle_gaps(intervals)
         info = session.engine.info
         result["variants"][variant] = {
-            "wall_ms": wall_ms,
+            "wall_ms": profiled.profiled_ms,
+            "wall_ms_unprofiled": profiled.plain_ms,
             "rounds": args.rounds,
             "kernel_ms": sum(v["us"] for v in table.values()) / 1e3,
             "kernels": len(intervals) if on_device else None,
@@ -293,6 +322,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
             "top": top_rows(table, args.top),
         }
+        if variant == "replay":  # the given routes were used: the live router agrees everywhere
+            agreement = RouteAgreement.join([s.route_agreement for s in profiled.scores if s.route_agreement])
+            result["variants"][variant]["route_exact_fraction"] = agreement.exact / max(1, agreement.compared)
         print(variant_text(variant, result["variants"][variant], result["measure"]), flush=True)
     if session is not None:
         session.close()
@@ -305,7 +337,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def variant_text(variant: str, v: dict[str, Any], measure: str) -> str:
     lines = [
-        f"== {variant}: wall {v['wall_ms']:.1f} ms ({v['rounds']} round(s)), "
+        f"== {variant}: wall {v['wall_ms']:.1f} ms ({v['rounds']} round(s); "
+        f"{v['wall_ms_unprofiled']:.1f} ms unprofiled), "
         f"{measure} {v['kernel_ms']:.1f} ms"
         + (
             f", device span {v['device_span_ms']:.1f} ms, idle gaps > {GAP_US:g} us: "
@@ -349,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequences", type=int, default=64, help="the standard workload's")
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
     parser.add_argument("--rounds", type=int, default=1, help="profiled rounds per variant")
+    parser.add_argument(
+        "--cpu-ops",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a device, also record CPU operators (--no-cpu-ops: less host overhead, truer gaps)",
+    )
     parser.add_argument("--top", type=int, default=15, help="rows of each table")
     parser.add_argument("--trace", type=Path, default=None, help="write each variant's Chrome trace here")
     parser.add_argument(
