@@ -28,13 +28,13 @@ configuration differs, for `invariant`):
 
 Printed per variant: the wall ms of the profiled rounds (and of as many rounds just before, without
 the profiler: recording every thread's CPU operators slows the host's launches, so gaps under the
-profiler are an upper bound; --no-cpu-ops records CUDA activity only), the total device time of
-the kernels (and memcpy/memset), the top --top kernels by total device time (calls, total ms, share
-of the variant's kernel time) and the device's idle gaps (the sum of gaps over 20 us between consecutive kernels,
-counted on the union of every stream's activity: host-bound launching shows there); then, from the
-first variant to each other one, the kernels whose total device time grew the most. On a CPU there
-are no kernels: the same tables list CPU operators by self time, and no gaps. Everything goes to
---output (JSON); --trace DIR also writes each variant's Chrome trace there.
+profiler are an upper bound; --no-cpu-ops records CUDA activity only), the total device time of the
+kernels (and memcpy/memset), the top --top kernels by total device time (calls, total ms, share of
+the variant's kernel time) and the device's idle gaps (the sum of gaps over 20 us between
+consecutive kernels, counted on the union of every stream's activity: host-bound launching shows
+there); then, from the first variant to each other one, the kernels whose total device time grew the
+most. On a CPU there are no kernels: the same tables list CPU operators by self time, and no gaps.
+Everything goes to --output (JSON); --trace DIR also writes each variant's Chrome trace there.
 """
 
 from __future__ import annotations
