@@ -48,7 +48,16 @@ def _reference(jobs: list[SequenceJob], forest: Forest, chunk: Chunk | None, tok
     return given, covered
 
 
-def test_given_routes_land_on_their_rows_with_shared_prefixes_and_a_chunk() -> None:
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)  # cuda: packed in pinned memory, copied without a wait
+def test_given_routes_land_on_their_rows_with_shared_prefixes_and_a_chunk(device: str) -> None:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 100, 12)
     prompt_routes = _routes(rng, 12)
@@ -64,16 +73,18 @@ def test_given_routes_land_on_their_rows_with_shared_prefixes_and_a_chunk() -> N
     chunk = Chunk(long, 7, 16, 34)
     forest = share([j.tokens for j in jobs], 8, [j.routes for j in jobs])
     assert forest.shared  # a and b compute their prompt once
-    batch = pack(jobs, CPU, step=16, chunk=chunk, forest=forest, moe=SHAPE)
+    batch = pack(jobs, torch.device(device), step=16, chunk=chunk, forest=forest, moe=SHAPE)
     routes = batch.routes
     assert routes is not None
     assert routes.given is not None
     assert routes.covered is not None
     assert routes.given.dtype == torch.uint8
     given, covered = _reference(jobs, forest, chunk, batch.num_tokens)
-    assert routes.covered.numpy().tolist() == covered.tolist()
-    assert np.array_equal(routes.given.numpy()[covered], given[covered])
-    assert not routes.given.numpy()[~covered].any()  # the rows between segments are zeroed
+    assert routes.given.device.type == device
+    got = routes.given.cpu().numpy()  # waits for the copy
+    assert routes.covered.cpu().numpy().tolist() == covered.tolist()
+    assert np.array_equal(got[covered], given[covered])
+    assert not got[~covered].any()  # the rows between segments are zeroed
 
 
 def test_an_expert_id_out_of_range_is_refused_naming_the_sequence() -> None:
