@@ -8,7 +8,12 @@ experts, top-8), in one compact frame.
   build_body makes of arrays (routes.encode), and as numpy rows;
 - normalise: arrays.parse_frame + normalise, plain and with `routed_experts` (u1 in the frame);
 - answer: response.answer + arrays.to_frame / to_json with recorded routes (the engine's uint8 rows),
-  as a frame, JSON lists and base64 strings.
+  as a frame, JSON lists and base64 strings;
+- round_*: the batcher's and the engine's host work for the whole workload (64 sequences, 56,229
+  positions, cut into micro-batches of whole sequences of at most 16,384 tokens), plain and with
+  routes: `group` (prefixes.Grouper's cost and add of each sequence, as the batcher takes them),
+  `share` (the micro-batches' prefix forests) and `pack` (engine/batch/packing.pack with the routes
+  laid out, on the meta device: the host's work alone, device allocations and copies free).
 
 Each figure is the median of `reps` runs, in ms.
 """
@@ -23,15 +28,18 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+import torch
 
 from benchmarks.workload import workload
 from service.arrays import parse_frame
 from service.arrays import to_frame as answer_frame
 from service.client.routes import encode
 from service.client.wire import to_frame
+from service.engine.batch.packing import pack
 from service.engine.contract import EngineInfo, MoeShape
-from service.jobs import SequenceScores
+from service.jobs import GivenRoutes, SequenceJob, SequenceScores
 from service.normalise import ModelLimits, ScoringPlan, normalise
+from service.prefixes import Forest, Grouper, share
 from service.response import answer, to_json
 
 VOCAB = 151936
@@ -72,6 +80,63 @@ def rendered(plan: ScoringPlan, scores: list[SequenceScores], write: Callable[[A
     return write(answer(plan, scores, INFO, {"policy": "v"}))
 
 
+BUDGET = 16384  # max_batch_tokens' default
+SHARE_MIN = 64  # share_min_tokens' default
+
+
+def micro_batches(jobs: list[SequenceJob]) -> list[list[SequenceJob]]:
+    out: list[list[SequenceJob]] = [[]]
+    tokens = 0
+    for job in jobs:
+        if out[-1] and tokens + job.num_tokens > BUDGET:
+            out.append([])
+            tokens = 0
+        out[-1].append(job)
+        tokens += job.num_tokens
+    return out
+
+
+def grouped(batches: list[list[SequenceJob]]) -> None:
+    for batch in batches:
+        grouper = Grouper(SHARE_MIN)
+        for job in batch:
+            grouper.cost(job.tokens, job.routes)
+            grouper.add(job.tokens, job.routes)
+
+
+def shared(batches: list[list[SequenceJob]]) -> list[Forest]:
+    return [share([j.tokens for j in b], SHARE_MIN, [j.routes for j in b]) for b in batches]
+
+
+def packed(batches: list[list[SequenceJob]], forests: list[Forest]) -> None:
+    for batch, forest in zip(batches, forests, strict=True):
+        pack(batch, torch.device("meta"), forest=forest if forest.shared else None, moe=MOE)
+
+
+def round_figures(reps: int) -> dict[str, float]:
+    """The batcher's and the engine's host work over the standard workload, plain and with routes."""
+    samples = workload(VOCAB, sequences=64)
+    rng = np.random.default_rng(1)
+    figures = {}
+    for name, given in (("plain", False), ("routes", True)):
+        jobs = [
+            SequenceJob(
+                tokens=np.asarray(s.tokens, dtype=np.int64),
+                actions=np.arange(len(s.prompt), len(s.tokens), dtype=np.int64),
+                temperature=1.0,
+                return_entropy=False,
+                routes=GivenRoutes(0, routes(len(s.tokens), rng)) if given else None,
+            )
+            for s in samples
+        ]
+        batches = micro_batches(jobs)
+        figures[f"round_group_{name}"] = median_ms(partial(grouped, batches), reps)
+        forests = shared(batches)
+        figures[f"round_share_{name}"] = median_ms(partial(shared, batches), reps)
+        figures[f"round_pack_{name}"] = median_ms(partial(packed, batches, forests), reps)
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=5)
@@ -109,6 +174,7 @@ def main() -> None:
         if form == "lists":
             figures["answer_frame"] = median_ms(partial(rendered, plan, scores, answer_frame), args.reps)
         figures[f"answer_json_{form}"] = median_ms(partial(rendered, plan, scores, to_json), args.reps)
+    figures.update(round_figures(args.reps))
     for name, ms in figures.items():
         print(f"{name:22s} {ms:9.1f} ms")
 

@@ -23,6 +23,13 @@ from service.engine.moe.replay import BatchRoutes
 from service.jobs import Chunk, IntArray, RouteAgreement, SequenceJob, route_dtype
 from service.prefixes import Forest, routes_agree
 
+# jobs.route_dtype's dtypes as torch's
+TORCH_DTYPES = {
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int32): torch.int32,
+}
+
 
 @dataclass(frozen=True, slots=True)
 class RouteRows:
@@ -39,7 +46,9 @@ def wanted(jobs: Sequence[SequenceJob]) -> bool:
 
 
 def check(job: SequenceJob, shape: MoeShape | None, index: int) -> None:
-    """Raise ValueError naming sequence `index` where its routes do not fit the policy."""
+    """Raise ValueError naming sequence `index` where its routes do not fit the policy: their shape
+    and positions here; ids in range where not in normalise's narrow dtype (jobs.route_dtype), else by
+    `_guard`, over the micro-batch's packed ids at once."""
     if shape is None:
         raise ValueError(f"sequence {index}: routes given or asked for, but the policy has no MoE layers")
     routes = job.routes
@@ -55,8 +64,28 @@ def check(job: SequenceJob, shape: MoeShape | None, index: int) -> None:
         raise ValueError(
             f"sequence {index}: routes cover positions {routes.start}..{routes.end - 1} of {job.num_tokens}"
         )
-    if experts.size and (int(experts.min()) < 0 or int(experts.max()) >= shape.experts):
+    if experts.dtype != route_dtype(shape.experts) and not _in_range(experts, shape.experts):
+        # not normalise's dtype: checked before packing would cast (and wrap) its ids
         raise ValueError(f"sequence {index}: an expert id outside 0..{shape.experts - 1}")
+
+
+def _in_range(experts: np.ndarray, count: int) -> bool:
+    """Whether every id of `experts` is in 0 .. count - 1: one max (and, for a signed dtype, one min)."""
+    if not experts.size:
+        return True
+    return int(experts.max()) < count and (experts.dtype.kind == "u" or int(experts.min()) >= 0)
+
+
+def _guard(given: np.ndarray, every: Sequence[SequenceJob], shape: MoeShape) -> None:
+    """Raise ValueError naming the first sequence with an expert id outside 0 .. experts - 1 (normalise
+    checked them; the route kernel indexes by them): one pass over the packed ids [N, layers, k], the
+    sequences looked at only past a fault."""
+    if _in_range(given, shape.experts):
+        return
+    for i, job in enumerate(every):
+        if job.routes is not None and not _in_range(job.routes.experts, shape.experts):
+            raise ValueError(f"sequence {i}: an expert id outside 0..{shape.experts - 1}")
+    raise ValueError(f"an expert id outside 0..{shape.experts - 1}")
 
 
 def lay_out(  # noqa: PLR0917
@@ -70,7 +99,9 @@ def lay_out(  # noqa: PLR0917
     to: Callable[[np.ndarray], torch.Tensor],
 ) -> tuple[BatchRoutes, RouteRows] | None:
     """The routes of a row of `tokens` rows whose segments start at rows `starts` (forest's nodes,
-    then the chunk's), copied to `device` by `to`; None where no sequence gives or asks for any."""
+    then the chunk's), on `device`; None where no sequence gives or asks for any. The given ids are
+    packed on the host into one buffer [tokens, layers, k] of their narrow dtype (pinned on CUDA) and
+    copied over without a synchronisation; `to` copies the small arrays."""
     every = [*jobs, chunk.job] if chunk is not None else list(jobs)
     if not wanted(every):
         return None
@@ -78,26 +109,18 @@ def lay_out(  # noqa: PLR0917
         check(job, shape, i)
     assert shape is not None
     _check_shared(jobs, forest)
-    segments = [(jobs[n.owner], n.start, n.end) for n in forest.nodes]
-    if chunk is not None:
-        segments.append((chunk.job, chunk.start, chunk.end))
     used = torch.zeros((tokens, shape.layers, shape.top_k), dtype=torch.int32, device=device)
     routes = BatchRoutes(used)
     if any(job.routes is not None for job in every):
-        # the dtype normalise gives GivenRoutes in: laid out without a conversion
-        given = np.zeros((tokens, shape.layers, shape.top_k), dtype=route_dtype(shape.experts))
-        covered = np.zeros(tokens, dtype=np.bool_)
-        for (job, start, end), row in zip(segments, starts.tolist(), strict=False):
-            if job.routes is None:
-                continue
-            lo, hi = max(start, job.routes.start), min(end, job.routes.end)
-            if lo < hi:
-                given[row + lo - start : row + hi - start] = job.routes.experts[
-                    lo - job.routes.start : hi - job.routes.start
-                ]
-                covered[row + lo - start : row + hi - start] = True
+        segments = [(jobs[n.owner], n.start, n.end) for n in forest.nodes]
+        if chunk is not None:
+            segments.append((chunk.job, chunk.start, chunk.end))
+        given, covered = _packed(segments, starts, tokens, shape, device)
+        _guard(given.numpy(), every, shape)
+        if device.type != "cpu":
+            given = given.to(device, non_blocking=True)  # from pinned memory: queued, no wait
         matches = torch.zeros((tokens, shape.layers), dtype=torch.int8, device=device)
-        routes = BatchRoutes(used, to(given), to(covered), torch.zeros_like(used), matches)
+        routes = BatchRoutes(used, given, to(covered), torch.zeros_like(used), matches)
     lengths = np.asarray([n.length for n in forest.nodes], dtype=np.int64)
     rows = [_ranges(starts[list(path)], lengths[list(path)]) for path in forest.paths]
     first = [0] * len(rows)
@@ -106,6 +129,41 @@ def lay_out(  # noqa: PLR0917
         rows.append(np.arange(own, own + chunk.num_tokens, dtype=np.int64))
         first.append(chunk.start)
     return routes, RouteRows(rows, first)
+
+
+def _packed(
+    segments: Sequence[tuple[SequenceJob, int, int]],
+    starts: np.ndarray,
+    tokens: int,
+    shape: MoeShape,
+    device: torch.device,
+) -> tuple[torch.Tensor, np.ndarray]:
+    """The given ids of the row [tokens, layers, k] in the routes' narrow dtype (a host tensor, pinned
+    where `device` is CUDA: torch's pinned-block cache reuses it once its copy is done) and covered
+    [tokens] bool. Segment by segment, in row order: each one's covered rows copied from its owner's
+    routes (one numpy copy a segment), the rows between them zeroed."""
+    dtype = route_dtype(shape.experts)
+    host = torch.empty(
+        (tokens, shape.layers, shape.top_k),
+        dtype=TORCH_DTYPES[dtype],
+        pin_memory=device.type == "cuda",
+    )
+    given = host.numpy()
+    covered = np.zeros(tokens, dtype=np.bool_)
+    done = 0  # rows below it are written
+    for (job, start, end), row in zip(segments, starts.tolist(), strict=False):
+        if job.routes is None:
+            continue
+        lo, hi = max(start, job.routes.start), min(end, job.routes.end)
+        if lo >= hi:
+            continue
+        a, b = row + lo - start, row + hi - start
+        given[done:a] = 0
+        given[a:b] = job.routes.experts[lo - job.routes.start : hi - job.routes.start]
+        covered[a:b] = True
+        done = b
+    given[done:] = 0
+    return host, covered
 
 
 def _check_shared(jobs: Sequence[SequenceJob], forest: Forest) -> None:

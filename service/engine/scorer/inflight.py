@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from service.engine.batch.packing import PackedBatch
-from service.engine.batch.routes import RecordedRoutes
+from service.engine.batch.routes import TORCH_DTYPES, RecordedRoutes
 from service.engine.contract import MoeShape
 from service.engine.heads.contract import Extras, ExtraScores
 from service.jobs import FloatArray, IntArray, SequenceJob, SequenceScores, route_dtype
@@ -199,17 +199,10 @@ def host_routes(
     assert shape is not None
     used = None
     if any(job.return_routes for job in jobs):
-        used = host_counts(routes.used.to(_TORCH_DTYPES[route_dtype(shape.experts)]))
+        used = host_counts(routes.used.to(TORCH_DTYPES[route_dtype(shape.experts)]))
     agreement = routes.agreement()
     exact, matches = (None, None) if agreement is None else (host_counts(a) for a in agreement)
     return RecordedRoutes(rows, shape.top_k, used, exact, matches)
-
-
-_TORCH_DTYPES = {
-    np.dtype(np.uint8): torch.uint8,
-    np.dtype(np.int16): torch.int16,
-    np.dtype(np.int32): torch.int32,
-}
 
 
 def done_event(device: torch.device) -> torch.cuda.Event | None:
