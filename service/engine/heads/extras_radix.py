@@ -127,15 +127,26 @@ class Batch:
         )
 
 
-def score(batch: Batch, z: torch.Tensor, a: int, b: int) -> None:
+def score(batch: Batch, z: torch.Tensor, a: int, b: int) -> ExtraScores | None:
     """Rows [a, b) of the batch, all in chunk z [c, V]: its kernels (and a sampler's floor), launched
-    with nothing read back to the host."""
+    with nothing read back to the host. After the batch's last row (b = g): the batch's ExtraScores
+    (`finish`); before it, None."""
     inv_t = None if batch.inv_t is None else batch.inv_t[a:b]
     out = batch.out.rows(a, b)
     rows, k = batch.local[a:b], batch.k[a:b]
     topk_kernel.launch(z, rows, batch.targets[a:b], batch.scale, inv_t, k, out, picks=batch.picks[a:b])
-    if batch.least is None or batch.mass is None or batch.top_k is None:
-        return
+    if batch.least is not None and batch.mass is not None and batch.top_k is not None:
+        _sampler(batch, z, a, b)
+    return finish(batch) if b == len(batch.asks.rows) else None
+
+
+def _sampler(batch: Batch, z: torch.Tensor, a: int, b: int) -> None:
+    """The sampler's per-chunk part of rows [a, b): the kept mass under min-p and top-k (needs z)."""
+    assert batch.least is not None
+    assert batch.mass is not None
+    assert batch.top_k is not None
+    inv_t = None if batch.inv_t is None else batch.inv_t[a:b]
+    out = batch.out.rows(a, b)
     assert batch.asks.min_p is not None
     assert out.values is not None
     floor = batch.asks.min_p[a:b] * torch.exp(out.row_max - out.shift)  # [r] as processed_logprobs
@@ -143,7 +154,9 @@ def score(batch: Batch, z: torch.Tensor, a: int, b: int) -> None:
     least = batch.least.rows(a, b)
     every = batch.every[: b - a]
     topk_kernel.launch(out.values, every, batch.zeros[a:b], 1.0, None, batch.top_k[a:b], least)
-    topk_kernel.mass(z, rows, batch.scale, inv_t, out.shift, floor, least.threshold, out=batch.mass[a:b])
+    topk_kernel.mass(
+        z, batch.local[a:b], batch.scale, inv_t, out.shift, floor, least.threshold, out=batch.mass[a:b]
+    )
 
 
 def finish(batch: Batch) -> ExtraScores:
@@ -266,10 +279,10 @@ class Collector:
                     self.scale, z, self.logits_of,
                 )  # fmt: skip
             stop = min(hi, self.begin + len(self.batch.asks.rows))
-            score(self.batch, z, lo - self.begin, stop - self.begin)
+            finished = score(self.batch, z, lo - self.begin, stop - self.begin)
             lo = stop
-            if stop == self.begin + len(self.batch.asks.rows):
-                self.parts.append(finish(self.batch))
+            if finished is not None:
+                self.parts.append(finished)
                 self.batch = None
 
     def done(self) -> list[ExtraScores]:
