@@ -9,10 +9,11 @@ A chunk's logits are the head's largest tensors, so every pass over them costs m
   the kernel when there is nothing to apply first), a gather, and the entropy from its result.
 
 Rows that ask more (Extras: top K, candidates, processed log-probs, a draw) get it from the same
-chunk's logits (heads/extras.py): on the torch path from its float32 log-softmax; on the fused path
-from the 16-bit logits by a radix select (heads/extras_radix.py) or, for float32 logits and draws,
-from a float32 copy of those rows' tempered logits (the kernel still writes their log-prob and
-entropy). A chunk whose rows ask nothing does no more work.
+chunk's logits (heads/extras.py): on the torch path from its float32 log-softmax, per chunk; on the
+fused path from 16-bit logits by a radix select (heads/extras_radix.py: per chunk only its kernels,
+writing buffers of the call's asking rows; the torch work once for all of them after the chunks)
+or, for float32 logits and draws, per chunk from a float32 copy of those rows' tempered logits (the
+kernel still writes their log-prob and entropy). A chunk whose rows ask nothing does no more work.
 """
 
 from __future__ import annotations

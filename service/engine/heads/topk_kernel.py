@@ -21,6 +21,9 @@ bits with the sign folded so that integers increase with z, -0 mapped onto +0 (`
 Not measured on a GPU yet. Compiled offline for sm_90 (triton 3.7.1, ptxas: 128 registers, no
 spills), the histograms dominate: about 1,000 instructions a thread per block of 2,048 in pass 2
 at DIGIT = 8; DIGIT = 4 takes two passes more, each about 2/3 as long.
+`launch` runs them into given buffers (topk_kernel.Out, row slices of a micro-batch's) with no
+allocation and nothing read back; `select` allocates them. The stats kernel also keeps each row's
+largest x and copies z at given ids (target, candidates); the write kernel writes z beside each id.
 `mass`: one more pass, Σ exp(x - shift) over tokens with key >= a per-row key and
 exp(x - shift) >= a per-row floor (the kept mass of vLLM's min-p and top-k).
 
