@@ -8,7 +8,9 @@ by the float32-copy torch path and by the radix select (service/engine/heads/ext
 bf16 logits [rows, V] (random, scaled like a 7B head's) at T = 0.7 (s != 1), every row asking.
 Cases, each the median over --reps after --warmup, CUDA events on a GPU:
 - plain: the fused log-prob kernel (heads/fused_kernel.py) over the rows in chunks of --chunk;
-- top100 / top1000 {old, new}: plain plus top_logprobs K (with ranks) per chunk;
+- top100 / top1000 {old, new}: plain plus top_logprobs K (with ranks): old, extras.score per chunk
+  over a float32 copy; new, the radix kernels per chunk and the torch work once after the chunks
+  (rows > --chunk: several chunks, so the per-chunk launches show against the GPU time);
 - processed {old, new}: plain plus processed log-probs under top_k 50, top_p 0.9, min_p 0.05.
 Prints a table (ms, and the cost over plain in %) and writes the runs as JSON to --output. On CPU
 the kernels run in Triton's interpreter (TRITON_INTERPRET=1 before triton is imported): a smoke run.
@@ -26,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from service.engine.heads import chunked, fused_kernel
+from service.engine.heads import chunked, extras_radix, fused_kernel
 from service.engine.heads.contract import Extras, LogitTransform
 from service.engine.runtime import triton_jit
 
@@ -52,17 +54,28 @@ def asks(rows: int, device: torch.device, *, top: int = 0, sampler: bool = False
 def head(  # noqa: PLR0917 (the logits, their rows' targets and 1 / T, and what to time)
     z: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, chunk: int, extras: Extras | None, path: str
 ) -> Callable[[], None]:
-    """One call of the fused head's per-chunk work over z: the kernel, then the extras by `path`."""
+    """One score_actions call's fused-head work over z, past the lm_head: per chunk the kernel and the
+    extras' per-chunk work by `path` (new: the radix kernels; old: extras.score over a float32 copy),
+    then, on the new path, the extras' torch work over all the rows once (extras_radix.Collector)."""
     scale = inv_t.float()
-    extras_of = chunked._from_logits if path == "new" else chunked.from_float_copy
     transform = LogitTransform()
+    rows = z.shape[0]
 
     def run() -> None:
-        for start in range(0, z.shape[0], chunk):
-            end = min(start + chunk, z.shape[0])
-            if extras is not None:
-                extras_of(z[start:end], start, end, targets, inv_t, transform, extras)
+        radix = None
+        if extras is not None and path == "new":
+            radix = extras_radix.Collector(
+                extras, targets, inv_t, transform.scale, 0, chunk, lambda at: z[at : at + chunk]
+            )
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            if radix is not None:
+                radix.chunk_of(z[start:end], start, end)
+            elif extras is not None:
+                chunked.from_float_copy(z[start:end], start, end, targets, inv_t, transform, extras)
             fused_kernel.fused_logprobs(z[start:end], targets[start:end], scale[start:end], True)
+        if radix is not None:
+            radix.done()
 
     return run
 

@@ -9,10 +9,11 @@ A chunk's logits are the head's largest tensors, so every pass over them costs m
   the kernel when there is nothing to apply first), a gather, and the entropy from its result.
 
 Rows that ask more (Extras: top K, candidates, processed log-probs, a draw) get it from the same
-chunk's logits (heads/extras.py): on the torch path from its float32 log-softmax; on the fused path
-from the 16-bit logits by a radix select (heads/extras_radix.py) or, for float32 logits and draws,
-from a float32 copy of those rows' tempered logits (the kernel still writes their log-prob and
-entropy). A chunk whose rows ask nothing does no more work.
+chunk's logits (heads/extras.py): on the torch path from its float32 log-softmax, per chunk; on the
+fused path from 16-bit logits by a radix select (heads/extras_radix.py: per chunk only its kernels,
+writing buffers of the call's asking rows; the torch work once for all of them after the chunks)
+or, for float32 logits and draws, per chunk from a float32 copy of those rows' tempered logits (the
+kernel still writes their log-prob and entropy). A chunk whose rows ask nothing does no more work.
 """
 
 from __future__ import annotations
@@ -54,12 +55,23 @@ def score_actions(
     entropy = torch.empty_like(logprobs) if want_entropy else None
     multiplier = _row_multiplier(inv_temperature, transform.scale, rows, hidden.device) if fused else None
     parts: list[ExtraScores] = []
+    radix: extras_radix.Collector | None = None
+
+    def logits_of(at: int) -> torch.Tensor:  # a chunk's logits again (a top-p prefix past W keys)
+        return lm_head(hidden[at : min(at + chunk_rows, rows)])  # type: ignore[no-any-return]
+
     for start in range(0, rows, chunk_rows):
         end = min(start + chunk_rows, rows)
         z = lm_head(hidden[start:end])  # [c, V] in the model's dtype
         if fused:
-            if extras is not None:
-                parts += _from_logits(z, start, end, targets, inv_temperature, transform, extras)
+            if extras is not None and radix is None and _radix(z, transform, extras):
+                radix = extras_radix.Collector(
+                    extras, targets, inv_temperature, transform.scale, 0, chunk_rows, logits_of
+                )
+            if radix is not None:
+                radix.chunk_of(z, start, end)
+            elif extras is not None:
+                parts += from_float_copy(z, start, end, targets, inv_temperature, transform, extras)
             s = multiplier[start:end] if multiplier is not None else None
             chunk_logprobs, chunk_entropy = fused_head.fused_logprobs(z, targets[start:end], s, want_entropy)
             del z  # freed before the next chunk's logits are made
@@ -78,6 +90,8 @@ def score_actions(
                 parts += _from_logprobs(logp, start, end, targets, extras)
             if entropy is not None:
                 entropy[start:end] = torch.special.entr(logp.exp_()).sum(dim=-1)  # -Σ p·log p
+    if radix is not None:
+        parts = radix.done()
     return ActionScores(logprobs=logprobs, entropy=entropy, extras=extra.cat(parts) if parts else None)
 
 
@@ -94,6 +108,11 @@ def _from_logprobs(
     return out
 
 
+def _radix(z: torch.Tensor, transform: LogitTransform, extras: Extras) -> bool:
+    """True where the rows' extras come from z by the radix select (the same for every chunk)."""
+    return transform.softcap is None and extras_radix.usable(z, extras)
+
+
 def _from_logits(  # noqa: PLR0917 (the chunk and what its rows need)
     z: torch.Tensor,
     start: int,
@@ -103,15 +122,17 @@ def _from_logits(  # noqa: PLR0917 (the chunk and what its rows need)
     transform: LogitTransform,
     extras: Extras,
 ) -> list[ExtraScores]:
-    """The asking rows of chunk [start, end) from its logits z [c, V] (the fused path's): 16-bit
-    logits by the radix select (heads/extras_radix.py), all the chunk's asking rows at once;
-    others, and draws, from a float32 copy of the rows, a pass at a time."""
+    """The asking rows of one chunk [start, end) from its logits z [c, V], as score_actions' fused
+    path gives them: 16-bit logits by the radix select (heads/extras_radix.py); others, and draws,
+    from a float32 copy of the rows, a pass at a time."""
     lo, hi = extras.span(start, end)
-    if lo < hi and transform.softcap is None and extras_radix.usable(z, extras):
+    if lo < hi and _radix(z, transform, extras):
         asks = extras.part(lo, hi)
-        inv_t = inv_temperature[asks.index] if inv_temperature is not None else None
-        found = extras_radix.score(z, asks.index - start, targets[asks.index], transform.scale, inv_t, asks)
-        return [found]
+        radix = extras_radix.Collector(
+            asks, targets, inv_temperature, transform.scale, start, end - start, lambda at: z
+        )
+        radix.chunk_of(z, start, end)
+        return radix.done()
     return from_float_copy(z, start, end, targets, inv_temperature, transform, extras)
 
 

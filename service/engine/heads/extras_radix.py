@@ -1,14 +1,26 @@
-"""The extras of the fused head (heads/extras.py's ExtraScores) from a chunk's 16-bit logits, searched
-by heads/topk_kernel.py's radix select, with no [r, V] float32 or int64 tensor.
+"""The extras of the fused head (heads/extras.py's ExtraScores) from 16-bit logits, searched by
+heads/topk_kernel.py's radix select, with no [r, V] float32 or int64 tensor.
 
-Boundary: z [c, V] bfloat16 / float16 logits of a chunk, the asking rows' indices into it, the
-logit scale and the rows' 1 / T in; ExtraScores out. The kernels give each row's shift (log-sum-exp
-of x), its target's rank and the ids of its K largest logits; everything else runs in torch on
-[r, K] columns: z gathered at those ids and tempered with the torch path's own operations
-((float(z)·scale)·(1 / T)), so the logits, keys and order are bitwise those of extras.score over
-the whole x (the kernel's order is z's, which x keeps: topk_kernel.py). Ids and ranks equal that
-path's exactly; log-probs differ by the shift's rounding (a float32 online sum, not torch's); the
-processed log-prob's kept mass is the kernel's sum, so its values differ by rounding too.
+Boundary: per chunk, z [c, V] bfloat16 / float16 logits and the span of asking rows it holds; the
+asking rows' targets, 1 / T and asks once per score_actions call (a `Collector`); ExtraScores out.
+
+Per chunk (`score`), only kernels, writing rows of buffers made once for a group of asking rows (the
+micro-batch's, split where rows x W passes extras.PASS_ELEMENTS), with nothing read back to the host:
+- the stats kernel: each row's shift (log-sum-exp of x), rank, largest x, and z at its target and
+  candidates; the write kernel: the ids of its W largest logits and z at them ([g, W] int32 and
+  16-bit);
+- rows with a sampler also: floor = min_p · exp(x_max - shift) (three [r] torch operations, as
+  extras.processed_logprobs computes it), the stats kernel over their W values (the top_k-th largest
+  order key) and the mass kernel (Σ p kept by min-p and top-k, the one sum needing the whole row).
+Per group, after its last chunk (`finish`), every torch operation on [g, W]: x from the values with
+the torch path's operations ((float(z)·scale)·(1 / T)), keys, one sort, decode, the top list, the
+candidates' and targets' logits, and extras.processed_logprobs over the sorted keys. The logits,
+keys and order are bitwise those of extras.score over the whole x (the kernel's order is z's, which
+x keeps: topk_kernel.py). Ids and ranks equal that path's exactly; log-probs differ by the shift's
+rounding (a float32 online sum, not torch's); the kept mass is the kernel's sum, so the processed
+log-probs differ by rounding too. The one step needing z after its chunk is a top-p whose kept set
+outgrows the W keys found (a flat row, top_k 0): for those rows `finish` makes their chunk's logits
+again (`logits_of`: the same head on the same rows, so the same z) and selects a longer prefix.
 
 Not for: float32 logits, a seeded draw (it adds noise to every logit), a vocabulary split over ranks;
 `usable` says so and chunked.py keeps extras.score for them.
@@ -16,8 +28,10 @@ Not for: float32 logits, a seeded draw (it adds noise to every logit), a vocabul
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from service.engine.heads import extras as extra
@@ -37,92 +51,244 @@ def usable(z: torch.Tensor, asks: Extras) -> bool:
     )
 
 
+def width(asks: Extras, vocab: int) -> int:
+    """W: the keys selected per row, enough for the top list, top-k's k-th key and top-p's first prefix."""
+    sampler = asks.top_p is not None
+    wanted = max(asks.top, asks.most_top_k, extra.PREFIX if asks.any_top_p else 0, 1 if sampler else 0)
+    return min(wanted, vocab)
+
+
 @dataclass(frozen=True, slots=True)
-class Radix:
-    """extras.Rows over a chunk's 16-bit logits: rows [r] of z, their multiplier, the first prefix."""
+class Batch:
+    """Asking rows [g] of one group and the buffers their chunks write (topk_kernel.Out)."""
 
-    z: torch.Tensor  # [c, V]
-    rows: torch.Tensor  # [r] int64 indices into z's rows
+    asks: Extras
+    chunk: np.ndarray  # [g] host: the first action row of each row's chunk
+    local: torch.Tensor  # [g] int64 each row's index in its chunk
+    targets: torch.Tensor  # [g] int64
+    inv_t: torch.Tensor | None  # [g] float32
+    picks: torch.Tensor  # [g, 1 + C] int64 the target and the candidates
+    k: torch.Tensor  # [g] int32 W
     scale: float
-    inv_t: torch.Tensor | None  # [r] 1 / T (the kernels read it as float32)
-    first: torch.Tensor  # [r, n] each row's n largest keys, largest first (n >= 1)
+    vocab: int
+    out: topk_kernel.Out  # ids, values [g, W]; picked [g, 1 + C]
+    top_k: torch.Tensor | None  # [g] int32 the sampler's k (0: off; >= V: 0)
+    least: topk_kernel.Out | None  # threshold: the top_k-th largest order key of each row
+    mass: torch.Tensor | None  # [g] float32
+    logits_of: Callable[[int], torch.Tensor]  # a chunk's logits [c, V] again, by its first row
+    every: torch.Tensor  # [g] int64 0..g-1
+    zeros: torch.Tensor  # [g] int64
 
-    @property
-    def vocab(self) -> int:
-        return int(self.z.shape[1])
+    @classmethod
+    def make(  # noqa: PLR0917
+        cls,
+        asks: Extras,
+        chunk: np.ndarray,
+        targets: torch.Tensor,  # [A]
+        inv_temperature: torch.Tensor | None,  # [A]
+        scale: float,
+        z: torch.Tensor,  # a chunk's logits: their vocabulary, dtype and device
+        logits_of: Callable[[int], torch.Tensor],
+    ) -> Batch:
+        g, vocab, device = len(asks.rows), z.shape[1], z.device
+        w = width(asks, vocab)
+        own = targets[asks.index]
+        picks = own[:, None] if asks.candidates is None else torch.cat([own[:, None], asks.candidates], 1)
+        out = topk_kernel.Out.empty(g, device)
+        out = topk_kernel.Out(
+            *(out.shift, out.ranks, out.row_max, out.threshold, out.above, out.tied),
+            ids=torch.full((g, w), -1, dtype=torch.int32, device=device),
+            values=torch.empty(g, w, dtype=z.dtype, device=device),
+            picked=torch.empty(picks.shape, dtype=z.dtype, device=device),
+        )
+        top_k = least = mass = None
+        if asks.top_p is not None:
+            assert asks.top_k is not None
+            top_k = torch.where(asks.top_k >= vocab, 0, asks.top_k.clamp(min=0)).to(torch.int32)
+            least = topk_kernel.Out.empty(g, device)
+            mass = torch.empty(g, dtype=torch.float32, device=device)
+        return cls(
+            asks=asks,
+            chunk=chunk,
+            local=torch.from_numpy(asks.rows - chunk).to(device),
+            targets=own.contiguous(),
+            inv_t=None if inv_temperature is None else inv_temperature[asks.index].float(),
+            picks=picks.long().contiguous(),
+            k=torch.full((g,), w, dtype=torch.int32, device=device),
+            scale=scale,
+            vocab=vocab,
+            out=out,
+            top_k=top_k,
+            least=least,
+            mass=mass,
+            logits_of=logits_of,
+            every=torch.arange(g, device=device),
+            zeros=torch.zeros(g, dtype=torch.int64, device=device),
+        )
 
-    def logits(self, rows: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
-        """[p, m] float32 x at token ids [p, m] of rows (None: all): the torch path's operations."""
-        x = self.z[_take(self.rows, rows)[:, None], ids].to(torch.float32)
-        if self.scale != 1.0:
-            x.mul_(self.scale)  # LogitTransform's scale, as transform() applies it
-        if self.inv_t is not None:
-            x.mul_(_take(self.inv_t, rows)[:, None])
-        return x
+
+def score(batch: Batch, z: torch.Tensor, a: int, b: int) -> ExtraScores | None:
+    """Rows [a, b) of the batch, all in chunk z [c, V]: its kernels (and a sampler's floor), launched
+    with nothing read back to the host. After the batch's last row (b = g): the batch's ExtraScores
+    (`finish`); before it, None."""
+    inv_t = None if batch.inv_t is None else batch.inv_t[a:b]
+    out = batch.out.rows(a, b)
+    rows, k = batch.local[a:b], batch.k[a:b]
+    topk_kernel.launch(z, rows, batch.targets[a:b], batch.scale, inv_t, k, out, picks=batch.picks[a:b])
+    if batch.least is not None and batch.mass is not None and batch.top_k is not None:
+        _sampler(batch, z, a, b)
+    return finish(batch) if b == len(batch.asks.rows) else None
+
+
+def _sampler(batch: Batch, z: torch.Tensor, a: int, b: int) -> None:
+    """The sampler's per-chunk part of rows [a, b): the kept mass under min-p and top-k (needs z)."""
+    assert batch.least is not None
+    assert batch.mass is not None
+    assert batch.top_k is not None
+    inv_t = None if batch.inv_t is None else batch.inv_t[a:b]
+    out = batch.out.rows(a, b)
+    assert batch.asks.min_p is not None
+    assert out.values is not None
+    floor = batch.asks.min_p[a:b] * torch.exp(out.row_max - out.shift)  # [r] as processed_logprobs
+    # the top_k-th largest order key of a row is that of its W values (top_k <= most_top_k <= W)
+    least = batch.least.rows(a, b)
+    every = batch.every[: b - a]
+    topk_kernel.launch(out.values, every, batch.zeros[a:b], 1.0, None, batch.top_k[a:b], least)
+    topk_kernel.mass(
+        z, batch.local[a:b], batch.scale, inv_t, out.shift, floor, least.threshold, out=batch.mass[a:b]
+    )
+
+
+def finish(batch: Batch) -> ExtraScores:
+    """The batch's ExtraScores from its buffers: the torch work over all its rows at once."""
+    out, asks, vocab = batch.out, batch.asks, batch.vocab
+    assert out.ids is not None
+    assert out.values is not None
+    assert out.picked is not None
+    first = _sorted_keys(batch, out.ids, out.values, None)
+    x_picked = _tempered(batch, out.picked, None)  # [g, 1 + C]
+    x_target = x_picked[:, 0]
+    top_ids = top_logprobs = candidate_logprobs = processed = None
+    if asks.top:
+        top_ids, values = extra.decode(first[:, : asks.top], vocab)
+        top_logprobs = values - out.shift[:, None]
+    if asks.candidates is not None:
+        candidate_logprobs = x_picked[:, 1:] - out.shift[:, None]
+    if asks.top_p is not None:
+        rows = Found(batch, first)
+        processed = extra.processed_logprobs(rows, out.shift, x_target, batch.targets, asks, vocab)
+    return ExtraScores(top_ids, top_logprobs, out.ranks.long(), candidate_logprobs, processed, None)
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """extras.Rows over a finished batch: its W sorted keys; a longer prefix from its chunks' logits."""
+
+    batch: Batch
+    first: torch.Tensor  # [g, W] each row's W largest keys, largest first
 
     def prefix(self, n: int, pending: torch.Tensor | None) -> torch.Tensor:
-        n = min(n, self.vocab)
-        if n <= self.first.shape[1]:  # within the first selection (a top list may be longer)
+        n = min(n, self.batch.vocab)
+        if n <= self.first.shape[1]:
             return _take(self.first, pending)[:, :n]
-        rows = _take(self.rows, pending)
-        targets = torch.zeros_like(rows)  # the rank is not wanted here
-        found = topk_kernel.select(self.z, rows, targets, self.scale, _maybe(self.inv_t, pending), n)
-        assert found.ids is not None
-        return sorted_keys(self, pending, found.ids)
+        return _longer(self.batch, n, pending)
 
     def row_max(self) -> torch.Tensor:
-        return extra.decode(self.first[:, 0], self.vocab)[1]
+        return self.batch.out.row_max  # the kernel's max of x, which the floor of `mass` used
 
     def mass(
         self, shift: torch.Tensor, floor: torch.Tensor, kth: torch.Tensor, kth_key: torch.Tensor
     ) -> torch.Tensor:
-        # x >= kth <=> z's order key >= that of the k-th token (x keeps z's order); 0: every token
-        at = extra.decode(kth_key, self.vocab)[0].clamp(0, self.vocab - 1)
-        least = topk_kernel.order_keys(self.z[self.rows, at]).masked_fill(kth_key == extra.LOWEST, 0)
-        return topk_kernel.mass(self.z, self.rows, self.scale, self.inv_t, shift, floor, least)
+        # summed per chunk by `score` with this floor and the top_k-th key, while z existed
+        assert self.batch.mass is not None
+        return self.batch.mass
 
 
-def sorted_keys(source: Radix, rows: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
-    """[p, W] extras.keys of rows' tokens ids [p, W] (int32, -1: none), largest first (none: LOWEST)."""
+def _longer(batch: Batch, n: int, pending: torch.Tensor | None) -> torch.Tensor:
+    """[p, n] the n largest keys of pending rows (None: all), from their chunks' logits made again."""
+    device = batch.out.shift.device
+    at = np.arange(len(batch.asks.rows)) if pending is None else pending.cpu().numpy()
+    keys = torch.empty(len(at), n, dtype=torch.int64, device=device)
+    for start in np.unique(batch.chunk[at]):
+        mine = np.flatnonzero(batch.chunk[at] == start)
+        rows = torch.from_numpy(at[mine]).to(device)
+        z = batch.logits_of(int(start))
+        inv_t = None if batch.inv_t is None else batch.inv_t[rows]
+        local = batch.local[rows]
+        found = topk_kernel.select(z, local, torch.zeros_like(local), batch.scale, inv_t, n)
+        assert found.ids is not None
+        assert found.values is not None
+        keys[torch.from_numpy(mine).to(device)] = _sorted_keys(batch, found.ids, found.values, rows)
+    return keys
+
+
+def _tempered(batch: Batch, z: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """[p, m] float32 x of 16-bit logits z [p, m] of rows (None: all): the torch path's operations."""
+    x = z.to(torch.float32)
+    if batch.scale != 1.0:
+        x.mul_(batch.scale)  # LogitTransform's scale, as transform() applies it
+    if batch.inv_t is not None:
+        x.mul_(_take(batch.inv_t, rows)[:, None])
+    return x
+
+
+def _sorted_keys(
+    batch: Batch, ids: torch.Tensor, values: torch.Tensor, rows: torch.Tensor | None
+) -> torch.Tensor:
+    """[p, W] extras.keys of tokens ids [p, W] (int32, -1: none) with logits `values`, largest first
+    (none: LOWEST)."""
     real = ids >= 0
     at = ids.long().clamp(min=0)
-    k = extra.keys(source.logits(rows, at), at, source.vocab).masked_fill(~real, extra.LOWEST)
+    k = extra.keys(_tempered(batch, values, rows), at, batch.vocab).masked_fill(~real, extra.LOWEST)
     return torch.sort(k, dim=1, descending=True).values
 
 
-def score(  # noqa: PLR0917 (the chunk and what its rows need)
-    z: torch.Tensor,  # [c, V] bfloat16 / float16
-    rows: torch.Tensor,  # [r] int64 the asking rows' indices into z
-    targets: torch.Tensor,  # [r] token ids
-    scale: float,  # the logit transform's scale (> 0)
-    inv_t: torch.Tensor | None,  # [r] 1 / T; None: every T is 1
-    asks: Extras,
-) -> ExtraScores:
-    """The r rows' ExtraScores, as extras.score gives them from the whole x = (float(z)·scale)·(1 / T)."""
-    vocab = z.shape[1]
-    sampler = asks.top_p is not None
-    width = max(asks.top, asks.most_top_k, extra.PREFIX if asks.any_top_p else 0, 1 if sampler else 0)
-    found = topk_kernel.select(z, rows, targets, scale, inv_t, min(width, vocab))
-    shift = found.shift
-    empty = torch.empty(rows.shape[0], 0, dtype=torch.int64, device=z.device)
-    source = Radix(z, rows, scale, inv_t, empty)
-    if found.ids is not None:
-        source = Radix(z, rows, scale, inv_t, sorted_keys(source, None, found.ids))
-    x_target = source.logits(None, targets[:, None])[:, 0]
-    top_ids = top_logprobs = candidate_logprobs = processed = None
-    if asks.top:
-        top_ids, values = extra.decode(source.first[:, : asks.top], vocab)
-        top_logprobs = values - shift[:, None]
-    if asks.candidates is not None:
-        candidate_logprobs = source.logits(None, asks.candidates) - shift[:, None]
-    if sampler:
-        processed = extra.processed_logprobs(source, shift, x_target, targets, asks, vocab)
-    return ExtraScores(top_ids, top_logprobs, found.ranks, candidate_logprobs, processed, None)
+class Collector:
+    """One score_actions call's radix extras: `chunk` per chunk of logits, `done` after the last.
+
+    The asking rows go in groups of at most extras.PASS_ELEMENTS // W rows (the micro-batch's rows
+    in one group unless W is large); a group is finished when its last row has been written."""
+
+    def __init__(  # noqa: PLR0917
+        self,
+        extras: Extras,  # the asking rows of the call
+        targets: torch.Tensor,  # [A]
+        inv_temperature: torch.Tensor | None,  # [A]
+        scale: float,
+        first: int,  # the first action row of the first chunk
+        chunk_rows: int,
+        logits_of: Callable[[int], torch.Tensor],  # the logits of the chunk starting at an action row
+    ) -> None:
+        self.extras, self.targets, self.inv_t, self.scale = extras, targets, inv_temperature, scale
+        self.chunk = first + (extras.rows - first) // chunk_rows * chunk_rows  # [R] host
+        self.logits_of = logits_of
+        self.batch: Batch | None = None
+        self.begin = 0  # the current group's first asking row
+        self.parts: list[ExtraScores] = []
+
+    def chunk_of(self, z: torch.Tensor, start: int, end: int) -> None:
+        """The asking rows among action rows [start, end), whose logits z [end - start, V] are."""
+        lo, hi = self.extras.span(start, end)
+        size = max(1, extra.PASS_ELEMENTS // width(self.extras, z.shape[1]))
+        while lo < hi:
+            if self.batch is None:
+                self.begin = lo
+                last = min(lo + size, len(self.extras.rows))
+                self.batch = Batch.make(
+                    self.extras.part(lo, last), self.chunk[lo:last], self.targets, self.inv_t,
+                    self.scale, z, self.logits_of,
+                )  # fmt: skip
+            stop = min(hi, self.begin + len(self.batch.asks.rows))
+            finished = score(self.batch, z, lo - self.begin, stop - self.begin)
+            lo = stop
+            if finished is not None:
+                self.parts.append(finished)
+                self.batch = None
+
+    def done(self) -> list[ExtraScores]:
+        assert self.batch is None, "rows of the last group were never written"
+        return self.parts
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t[rows]
-
-
-def _maybe(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else _take(t, rows)

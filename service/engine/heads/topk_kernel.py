@@ -21,6 +21,9 @@ bits with the sign folded so that integers increase with z, -0 mapped onto +0 (`
 Not measured on a GPU yet. Compiled offline for sm_90 (triton 3.7.1, ptxas: 128 registers, no
 spills), the histograms dominate: about 1,000 instructions a thread per block of 2,048 in pass 2
 at DIGIT = 8; DIGIT = 4 takes two passes more, each about 2/3 as long.
+`launch` runs them into given buffers (topk_kernel.Out, row slices of a micro-batch's) with no
+allocation and nothing read back; `select` allocates them. The stats kernel also keeps each row's
+largest x and copies z at given ids (target, candidates); the write kernel writes z beside each id.
 `mass`: one more pass, Σ exp(x - shift) over tokens with key >= a per-row key and
 exp(x - shift) >= a per-row floor (the kept mass of vLLM's min-p and top-k).
 
@@ -29,7 +32,7 @@ triton is imported on first use (runtime/triton_jit.py); on CPU tensors only und
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -55,6 +58,41 @@ class Selection:
     threshold: torch.Tensor | None  # [r] int32 the K-th largest order key
     above: torch.Tensor | None  # [r] int32 tokens with a key > threshold
     tied: torch.Tensor | None  # [r] int32 tokens with a key == threshold (all of them, taken or not)
+    values: torch.Tensor | None = None  # [r, W] z at ids (z's dtype; unwritten slots undefined)
+    row_max: torch.Tensor | None = None  # [r] float32 the largest x
+
+
+@dataclass(frozen=True, slots=True)
+class Out:
+    """The buffers one `launch` writes, r rows each (row slices of wider buffers will do): per row
+    the shift, rank (int32), largest x and the K-th largest order key with its counts; the ids and z
+    values of the K largest (None: not written); z at `picks` token ids (None: none)."""
+
+    shift: torch.Tensor  # [r] float32
+    ranks: torch.Tensor  # [r] int32
+    row_max: torch.Tensor  # [r] float32
+    threshold: torch.Tensor  # [r] int32
+    above: torch.Tensor  # [r] int32
+    tied: torch.Tensor  # [r] int32
+    ids: torch.Tensor | None = None  # [r, W] int32, rows contiguous
+    values: torch.Tensor | None = None  # [r, W] z's dtype, rows contiguous
+    picked: torch.Tensor | None = None  # [r, P] z's dtype, rows contiguous
+
+    @classmethod
+    def empty(cls, r: int, device: torch.device) -> Out:
+        f32, i32 = torch.float32, torch.int32
+        return cls(*(torch.empty(r, dtype=d, device=device) for d in (f32, i32, f32, i32, i32, i32)))
+
+    def rows(self, a: int, b: int) -> Out:
+        """Rows [a, b) of these buffers (views)."""
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[a:b]
+
+        return Out(
+            self.shift[a:b], self.ranks[a:b], self.row_max[a:b], self.threshold[a:b], self.above[a:b],
+            self.tied[a:b], cut(self.ids), cut(self.values), cut(self.picked),
+        )  # fmt: skip
 
 
 def order_keys(z: torch.Tensor) -> torch.Tensor:
@@ -80,41 +118,72 @@ def select(  # noqa: PLR0917 (the rows, their multiplier and what to select)
     triton_jit.runnable(z)
     if z.dtype not in SIXTEEN:
         raise ValueError(f"the radix select reads 16-bit logits, not {z.dtype}")
-    if z.stride(1) != 1:
-        z = z.contiguous()
     vocab, r, device = z.shape[1], rows.shape[0], z.device
     per_row = torch.as_tensor(k, device=device).to(torch.int32).clamp(0, vocab).expand(r).contiguous()
     if width is None:
         width = min(int(k), vocab) if isinstance(k, int) else int(per_row.max()) if r else 0
-    shift = torch.empty(r, dtype=torch.float32, device=device)
-    ranks = torch.empty(r, dtype=torch.int32, device=device)
     wanted = width > 0
-    threshold, above, tied = (torch.zeros(r, dtype=torch.int32, device=device) for _ in range(3))
-    ids = torch.full((r, width), -1, dtype=torch.int32, device=device) if wanted else None
-    if r:
-        rows = rows.to(torch.int64).contiguous()
-        temp = inv_t.to(torch.float32).contiguous() if inv_t is not None else shift  # unread when None
-        step = min(block, triton_jit.next_power_of_2(vocab))
-        with triton_jit.on_device(z):
-            triton_jit.jit(_stats_kernel)[(r,)](
-                z, z.stride(0), rows, targets.contiguous(), float(scale), temp, per_row,
-                shift, ranks, threshold, above, tied,
-                VOCAB=vocab, HAS_SCALE=scale != 1.0, HAS_TEMP=inv_t is not None, SELECT=wanted,
-                BLOCK=step, DIGIT=digit, num_warps=NUM_WARPS,
-            )  # fmt: skip
-            if ids is not None:
-                triton_jit.jit(_write_kernel)[(r,)](
-                    z, z.stride(0), rows, per_row, threshold, above, ids, width,
-                    VOCAB=vocab, BLOCK=step, num_warps=NUM_WARPS,
-                )  # fmt: skip
+    out = Out.empty(r, device)
+    if wanted:
+        ids = torch.full((r, width), -1, dtype=torch.int32, device=device)
+        out = replace(out, ids=ids, values=torch.empty(r, width, dtype=z.dtype, device=device))
+    launch(z, rows, targets, scale, inv_t, per_row, out, select=wanted, block=block, digit=digit)
     return Selection(
-        shift=shift,
-        ranks=ranks.long(),
-        ids=ids,
-        threshold=threshold if wanted else None,
-        above=above if wanted else None,
-        tied=tied if wanted else None,
+        shift=out.shift,
+        ranks=out.ranks.long(),
+        ids=out.ids,
+        threshold=out.threshold if wanted else None,
+        above=out.above if wanted else None,
+        tied=out.tied if wanted else None,
+        values=out.values,
+        row_max=out.row_max,
     )
+
+
+def launch(  # noqa: PLR0917
+    z: torch.Tensor,  # [c, V] bfloat16 / float16
+    rows: torch.Tensor,  # [r] int64 indices into z's rows
+    targets: torch.Tensor,  # [r] int64 token ids
+    scale: float,
+    inv_t: torch.Tensor | None,  # [r] float32 1 / T (None: 1)
+    k: torch.Tensor,  # [r] int32 K of each row, in [0, V] and <= W where ids are written
+    out: Out,
+    *,
+    select: bool = True,  # find each row's K-th largest key (threshold, above, tied)
+    picks: torch.Tensor | None = None,  # [r, P] int64 token ids whose z goes to out.picked
+    block: int = BLOCK,
+    digit: int = DIGIT,
+) -> None:
+    """`select`'s kernels into given buffers: no allocation, no copy of the inputs when they are
+    already int64 / float32 and contiguous, and nothing read back to the host. The stats kernel
+    always runs; the write kernel where out.ids is given."""
+    triton_jit.runnable(z)
+    if z.stride(1) != 1:
+        z = z.contiguous()
+    r, vocab = rows.shape[0], z.shape[1]
+    if not r:
+        return
+    rows = rows.to(torch.int64).contiguous()
+    temp = inv_t.to(torch.float32).contiguous() if inv_t is not None else out.shift  # unread when None
+    count = 0 if picks is None else picks.shape[1]
+    if picks is not None:
+        assert out.picked is not None
+    step = min(block, triton_jit.next_power_of_2(vocab))
+    with triton_jit.on_device(z):
+        triton_jit.jit(_stats_kernel)[(r,)](
+            z, z.stride(0), rows, targets.contiguous(), float(scale), temp, k,
+            out.shift, out.ranks, out.row_max, out.threshold, out.above, out.tied,
+            picks if picks is not None else rows, out.picked if out.picked is not None else out.shift,
+            VOCAB=vocab, HAS_SCALE=scale != 1.0, HAS_TEMP=inv_t is not None, SELECT=select,
+            PICKS=count, PICKS_BLOCK=triton_jit.next_power_of_2(max(count, 1)),
+            BLOCK=step, DIGIT=digit, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        if out.ids is not None:
+            assert out.values is not None
+            triton_jit.jit(_write_kernel)[(r,)](
+                z, z.stride(0), rows, k, out.threshold, out.above, out.ids, out.values, out.ids.shape[1],
+                VOCAB=vocab, BLOCK=step, num_warps=NUM_WARPS,
+            )  # fmt: skip
 
 
 def mass(  # noqa: PLR0917
@@ -126,6 +195,7 @@ def mass(  # noqa: PLR0917
     floor: torch.Tensor,  # [r] float32: only p >= floor counts
     least: torch.Tensor,  # [r] int32: only order keys >= least count (0: every token)
     *,
+    out: torch.Tensor | None = None,  # [r] float32 to write (default: a new tensor)
     block: int = BLOCK,
 ) -> torch.Tensor:
     """[r] float32 Σ p over each row's tokens with an order key >= least and p >= floor."""
@@ -133,7 +203,8 @@ def mass(  # noqa: PLR0917
     if z.stride(1) != 1:
         z = z.contiguous()
     r, vocab = rows.shape[0], z.shape[1]
-    out = torch.empty(r, dtype=torch.float32, device=z.device)
+    if out is None:
+        out = torch.empty(r, dtype=torch.float32, device=z.device)
     if r:
         temp = inv_t.to(torch.float32).contiguous() if inv_t is not None else out  # unread when None
         with triton_jit.on_device(z):
@@ -147,7 +218,7 @@ def mass(  # noqa: PLR0917
     return out
 
 
-def _stats_kernel(  # noqa: PLR0917 (a Triton kernel takes its arguments positionally)
+def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its arguments positionally)
     z_ptr: tl.tensor,
     row_stride: tl.tensor,
     rows_ptr: tl.tensor,
@@ -157,13 +228,18 @@ def _stats_kernel(  # noqa: PLR0917 (a Triton kernel takes its arguments positio
     k_ptr: tl.tensor,
     shift_ptr: tl.tensor,
     rank_ptr: tl.tensor,
+    max_ptr: tl.tensor,
     threshold_ptr: tl.tensor,
     above_ptr: tl.tensor,
     tied_ptr: tl.tensor,
+    picks_ptr: tl.tensor,
+    picked_ptr: tl.tensor,
     VOCAB: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_TEMP: tl.constexpr,
     SELECT: tl.constexpr,
+    PICKS: tl.constexpr,
+    PICKS_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
     DIGIT: tl.constexpr,
 ) -> None:
@@ -171,13 +247,20 @@ def _stats_kernel(  # noqa: PLR0917 (a Triton kernel takes its arguments positio
     per-lane sums d = Σ exp(x - m), rescaled when m grows) and the rank; each a histogram of the
     next DIGIT bits of the keys whose higher bits are those of the K-th largest key found so far.
     Padding loads as -inf (exp gives 0) and is masked out of the counts. A row with K = 0 writes
-    threshold 0 (every key is above it) and no counts."""
+    threshold, above and tied 0 (every key is at or above threshold 0). Also stores the row's
+    largest x (the running max: x is the torch path's product, so the value is bitwise its max)
+    and copies z at PICKS token ids per row (the target's and candidates' logits)."""
     i = tl.program_id(0)
     row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
     t = tl.load(temp_ptr + i) if HAS_TEMP else 1.0
     target_bits = tl.load(row_ptr + tl.load(target_ptr + i)).to(tl.int16, bitcast=True).to(tl.int32)
     target_key = tl.where(target_bits < 0, -target_bits, target_bits + 32768)  # order_keys, inlined
     k = tl.load(k_ptr + i)
+    if PICKS > 0:
+        at = tl.arange(0, PICKS_BLOCK)
+        some = at < PICKS
+        picks = tl.load(picks_ptr + i.to(tl.int64) * PICKS + at, mask=some, other=0)
+        tl.store(picked_ptr + i.to(tl.int64) * PICKS + at, tl.load(row_ptr + picks, mask=some), mask=some)
     bins = tl.arange(0, 1 << DIGIT)
     m = float("-inf")
     d = tl.zeros([BLOCK], tl.float32)
@@ -202,8 +285,13 @@ def _stats_kernel(  # noqa: PLR0917 (a Triton kernel takes its arguments positio
             counts += tl.histogram(key >> (16 - DIGIT), 1 << DIGIT, mask=valid)
     tl.store(shift_ptr + i, m + tl.log(tl.sum(d, axis=0)))
     tl.store(rank_ptr + i, tl.sum(rank, axis=0))
-    if SELECT:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if k > 0:  # K = 0: threshold, above and tied stay 0
+    tl.store(max_ptr + i, m)
+    if SELECT:
+        if k <= 0:
+            tl.store(threshold_ptr + i, 0)
+            tl.store(above_ptr + i, 0)
+            tl.store(tied_ptr + i, 0)
+        else:
             # the digit of the K-th largest key: the highest with >= K - over keys at or above it
             at_or_above = tl.cumsum(counts, 0, reverse=True)
             prefix = tl.max(tl.where(at_or_above >= k, bins, -1), axis=0)  # the key's high bits so far
@@ -237,17 +325,19 @@ def _write_kernel(  # noqa: PLR0917
     threshold_ptr: tl.tensor,
     above_ptr: tl.tensor,
     ids_ptr: tl.tensor,
+    values_ptr: tl.tensor,
     width: tl.tensor,
     VOCAB: tl.constexpr,
     BLOCK: tl.constexpr,
 ) -> None:
     """Pass 3 of one row: the ids of keys > threshold and of the first K - above keys == threshold,
-    in id order, at consecutive slots of the row's output."""
+    in id order, at consecutive slots of the row's output, and z at those ids beside them."""
     i = tl.program_id(0)
     k = tl.load(k_ptr + i)
     if k > 0:
         row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
         out_ptr = ids_ptr + i.to(tl.int64) * width
+        values_out = values_ptr + i.to(tl.int64) * width
         v = tl.load(threshold_ptr + i)
         ties = k - tl.load(above_ptr + i)  # ties at v to take, the lowest ids
         written = tl.zeros([], tl.int32)
@@ -255,11 +345,14 @@ def _write_kernel(  # noqa: PLR0917
         for start in range(0, VOCAB, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             valid = cols < VOCAB
-            bits = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
+            z = tl.load(row_ptr + cols, mask=valid, other=0.0)
+            bits = z.to(tl.int16, bitcast=True).to(tl.int32)
             key = tl.where(bits < 0, -bits, bits + 32768)
             tie = (valid & (key == v)).to(tl.int32)
             take = ((valid & (key > v)) | ((tie > 0) & (seen + tl.cumsum(tie, 0) <= ties))).to(tl.int32)
-            tl.store(out_ptr + written + tl.cumsum(take, 0) - take, cols, mask=take > 0)
+            slot = written + tl.cumsum(take, 0) - take
+            tl.store(out_ptr + slot, cols, mask=take > 0)
+            tl.store(values_out + slot, z, mask=take > 0)
             written += tl.sum(take, axis=0)
             seen += tl.sum(tie, axis=0)
 

@@ -9,6 +9,7 @@ kernels at Qwen2.5's vocabulary.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -232,7 +233,7 @@ def test_interpreter_score_actions_takes_the_radix_path_for_bf16(monkeypatch: py
     calls: list[int] = []
     score = extras_radix.score
 
-    def counted(*args: object, **kwargs: object) -> ExtraScores:
+    def counted(*args: object, **kwargs: object) -> ExtraScores | None:
         calls.append(1)
         return score(*args, **kwargs)  # type: ignore[arg-type]
 
@@ -292,3 +293,123 @@ def test_compiled_fast_extras_equal_the_float_copy_path_on_cuda(top: int) -> Non
     args = (z, 0, rows, targets, inv_t, LogitTransform(scale=SCALE), asks)
     (fast,) = chunked._from_logits(*args)
     assert_same_extras(fast, extra.cat(chunked.from_float_copy(*args)))
+
+
+@only_interpreted
+def test_interpreter_select_writes_the_values_the_row_max_and_the_picks() -> None:
+    """z beside each id, the largest x bitwise the torch path's, z at picked ids; K = 0 rows: threshold 0."""
+    rows, vocab = 6, 1800
+    z = logits(rows, vocab, torch.bfloat16, seed=12)
+    inv_t = torch.tensor([1.0, 1.7, 0.6, 1.1, 2.0, 0.9])
+    at = torch.arange(rows)
+    found = topk_kernel.select(z, at, at, SCALE, inv_t, 20, block=512)
+    assert found.ids is not None
+    assert found.values is not None
+    assert found.row_max is not None
+    assert torch.equal(found.values.view(torch.int16), z[at[:, None], found.ids.long()].view(torch.int16))
+    assert torch.equal(found.row_max, tempered(z, inv_t).amax(dim=1))
+    picks = torch.randint(0, vocab, (rows, 3), generator=torch.Generator().manual_seed(13))
+    out = topk_kernel.Out.empty(rows, z.device)
+    out = topk_kernel.Out(
+        *(out.shift, out.ranks, out.row_max, out.threshold, out.above, out.tied),
+        picked=torch.empty(rows, 3, dtype=z.dtype),
+    )
+    k = torch.tensor([0, 5, 0, 1, 9, 0], dtype=torch.int32)
+    out.threshold.fill_(-7)
+    topk_kernel.launch(z, at, at, SCALE, inv_t, k, out, picks=picks, block=512)
+    assert out.picked is not None
+    assert torch.equal(out.picked.view(torch.int16), z.gather(1, picks).view(torch.int16))
+    keys = topk_kernel.order_keys(z)
+    kth = torch.sort(keys, dim=1, descending=True).values.gather(1, (k.long() - 1).clamp(min=0)[:, None])[
+        :, 0
+    ]
+    assert torch.equal(out.threshold, torch.where(k > 0, kth, 0).to(torch.int32))
+
+
+class Stored(torch.nn.Module):
+    """A head whose logits are given: row i of hidden holds i, and its logits are z[i]."""
+
+    def __init__(self, z: torch.Tensor) -> None:
+        super().__init__()
+        self.z = z
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.z[hidden[:, 0].long()]
+
+
+def chunked_reference(  # noqa: PLR0917
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    inv_t: torch.Tensor,
+    transform: LogitTransform,
+    asks: Extras,
+    chunk: int,
+) -> ExtraScores:
+    parts: list[ExtraScores] = []
+    for start in range(0, z.shape[0], chunk):
+        end = min(start + chunk, z.shape[0])
+        parts += chunked.from_float_copy(z[start:end], start, end, targets, inv_t, transform, asks)
+    return extra.cat(parts)
+
+
+@only_interpreted
+@pytest.mark.parametrize("pass_elements", [extra.PASS_ELEMENTS, 3 * 2000])
+def test_interpreter_score_actions_over_many_chunks_equals_the_float_copy_path(
+    monkeypatch: pytest.MonkeyPatch, pass_elements: int
+) -> None:
+    """25 rows in chunks of 4; asking rows spread over chunks, chunks [8, 12) and [16, 20) ask
+    nothing, the flat row 2 grows its top-p prefix to V (its chunk's logits made again). With
+    PASS_ELEMENTS at 3 rows of W, the rows go in groups of 3, finished inside chunks."""
+    monkeypatch.setattr(extra, "PASS_ELEMENTS", pass_elements)
+    rows, vocab = 25, 2000
+    z = logits(rows, vocab, torch.bfloat16, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[4::5] = int((z[0] == 3.0).nonzero()[0, 0])  # tied targets
+    inv_t = 1.0 / (0.5 + torch.rand(rows, generator=gen))
+    asking = np.asarray([0, 2, 3, 5, 6, 7, 13, 14, 20, 21, 22, 23, 24])
+    transform = LogitTransform(scale=SCALE)
+    made: list[int] = []
+    head = Stored(z)
+    hook = head.register_forward_hook(lambda module, args, out: made.append(int(args[0][0, 0])))
+    for top in (3, 100):
+        asks = chunk_asks(asking, vocab, top)
+        capped = (
+            asks.top_k.clamp(max=50) if asks.top_k is not None else None
+        )  # W = max(top, 64): the flat row grows
+        asks = replace(asks, top_k=capped, most_top_k=50)
+        with torch.no_grad():
+            got = score_actions(
+                hidden=torch.arange(rows, dtype=torch.float32)[:, None], targets=targets,
+                inv_temperature=inv_t, lm_head=head, transform=transform, chunk_rows=4,
+                want_entropy=True, fused=True, extras=asks,
+            )  # fmt: skip
+        assert got.extras is not None
+        assert_same_extras(got.extras, chunked_reference(z, targets, inv_t, transform, asks, 4))
+    hook.remove()
+    assert made.count(0) >= 4  # each call made chunk [0, 4) again: the flat row's prefix grew past W
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
+@pytest.mark.parametrize("top", [100, 1000])
+def test_compiled_score_actions_over_many_chunks_equals_the_float_copy_path_on_cuda(top: int) -> None:
+    rows, vocab, chunk = 1300, 152064, 512
+    z = logits(rows, vocab, torch.bfloat16, seed=top + 1, device="cuda")
+    gen = torch.Generator().manual_seed(23)
+    targets = torch.randint(0, vocab, (rows,), generator=gen).cuda()
+    inv_t = (1.0 / (0.5 + torch.rand(rows, generator=gen))).cuda()
+    asking = np.concatenate([np.arange(0, 300), np.arange(1100, 1300)])  # chunk [512, 1024) asks nothing
+    asks = chunk_asks(asking, vocab, top, device="cuda")
+    transform = LogitTransform(scale=SCALE)
+    with torch.no_grad():
+        got = score_actions(
+            hidden=torch.arange(rows, dtype=torch.float32, device="cuda")[:, None], targets=targets,
+            inv_temperature=inv_t, lm_head=Stored(z), transform=transform, chunk_rows=chunk,
+            want_entropy=True, fused=True, extras=asks,
+        )  # fmt: skip
+    assert got.extras is not None
+    assert_same_extras(got.extras, chunked_reference(z, targets, inv_t, transform, asks, chunk))
+    found = topk_kernel.select(z[:64], torch.arange(64, device="cuda"), targets[:64], SCALE, inv_t[:64], 10)
+    assert found.row_max is not None
+    assert torch.equal(found.row_max, tempered(z[:64], inv_t[:64]).amax(dim=1))  # the floor's x_max
