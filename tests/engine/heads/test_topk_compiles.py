@@ -1,0 +1,51 @@
+"""The radix select's Triton kernels compile for Hopper (sm_90) on a machine without a GPU: triton
+lowers them to PTX and its bundled ptxas assembles a cubin, so a kernel that the interpreter runs
+but the compiler rejects fails here rather than on the GPU host."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+
+from service.engine.heads import topk_kernel
+
+triton = pytest.importorskip("triton")
+compiler = pytest.importorskip("triton.compiler")
+backends = pytest.importorskip("triton.backends.compiler")
+
+VOCAB = 152064  # Qwen2.5's
+ROW = {"z_ptr": "*bf16", "row_stride": "i64", "rows_ptr": "*i64"}
+
+
+def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any]) -> bytes:
+    topk_kernel.tl = importlib.import_module("triton.language")
+    source = compiler.ASTSource(
+        triton.jit(fn), {**signature, **dict.fromkeys(constants, "constexpr")}, constexprs=constants
+    )
+    kernel = compiler.compile(source, target=backends.GPUTarget("cuda", 90, 64), options={"num_warps": 4})
+    return bytes(kernel.asm["cubin"])
+
+
+@pytest.mark.parametrize("picks", [0, 4])
+def test_stats_kernel_compiles_for_sm90(picks: int) -> None:
+    signature = {
+        **ROW,
+        **{"target_ptr": "*i64", "scale": "fp32", "temp_ptr": "*fp32", "k_ptr": "*i32", "shift_ptr": "*fp32"},
+        **{"rank_ptr": "*i32", "max_ptr": "*fp32", "threshold_ptr": "*i32", "above_ptr": "*i32"},
+        **{"tied_ptr": "*i32", "picks_ptr": "*i64", "picked_ptr": "*bf16"},
+    }
+    constants = {"VOCAB": VOCAB, "HAS_SCALE": True, "HAS_TEMP": True, "SELECT": True, "PICKS": picks}
+    constants |= {"PICKS_BLOCK": max(picks, 1), "BLOCK": topk_kernel.BLOCK, "DIGIT": topk_kernel.DIGIT}
+    assert _compile(topk_kernel._stats_kernel, signature, constants)
+
+
+def test_write_and_mass_kernels_compile_for_sm90() -> None:
+    write = {**ROW, "k_ptr": "*i32", "threshold_ptr": "*i32", "above_ptr": "*i32", "ids_ptr": "*i32"}
+    write |= {"values_ptr": "*bf16", "width": "i32"}
+    assert _compile(topk_kernel._write_kernel, write, {"VOCAB": VOCAB, "BLOCK": topk_kernel.BLOCK})
+    mass = {**ROW, "scale": "fp32", "temp_ptr": "*fp32", "shift_ptr": "*fp32", "floor_ptr": "*fp32"}
+    mass |= {"least_ptr": "*i32", "out_ptr": "*fp32"}
+    constants = {"VOCAB": VOCAB, "HAS_SCALE": True, "HAS_TEMP": True, "BLOCK": topk_kernel.BLOCK}
+    assert _compile(topk_kernel._mass_kernel, mass, constants)
