@@ -21,6 +21,8 @@ from service.engine.contract import MoeShape
 from service.engine.heads.contract import Extras, ExtraScores
 from service.jobs import FloatArray, IntArray, SequenceJob, SequenceScores, route_dtype
 
+HOST_ID_DTYPE = torch.int64  # the host copy's top ids (ExtraScores' are int64 on the device)
+
 
 @dataclass(frozen=True, slots=True)
 class HostExtras:
