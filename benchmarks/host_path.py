@@ -183,7 +183,7 @@ def bodies_of(samples: list[Sample], frames: bool, top_logprobs: int = 0) -> lis
     return [f for f in framed if f is not None]
 
 
-def _client_read(raw: bytes) -> Scores:
+def client_read(raw: bytes) -> Scores:
     """What logprobd's client does with a framed answer (_common.reply_body, then finish)."""
     return Scores.from_body(from_frame(raw))
 
@@ -228,7 +228,7 @@ def stages(
             figures["client_encode"] = _median_ms(lambda: [json.dumps(o) for o in objects], reps)
             figures["client_decode"] = _median_ms(lambda: [json.loads(w) for w in written], reps)  # noqa: B023
         else:
-            figures["client_decode"] = _median_ms(lambda: [_client_read(w) for w in written], reps)  # noqa: B023
+            figures["client_decode"] = _median_ms(lambda: [client_read(w) for w in written], reps)  # noqa: B023
         figures["answer_mb"] = sum(len(w) for w in written) / 1e6
         server = ("parse", "normalise", "share", "collect", "answer", "encode")
         figures["server_total"] = sum(figures.get(k, 0.0) for k in server)
