@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.host_path import VOCAB, InstantEngine, client_read, bodies_of
+from benchmarks.host_path import VOCAB, InstantEngine, bodies_of, client_read
 from benchmarks.workload import Sample
 from service.arrays import parse_frame, to_frame
 from service.normalise import ModelLimits, normalise
