@@ -45,7 +45,7 @@ import httpx
 import orjson
 
 from service.client.transport import StreamTransport
-from service.client.wire import from_frame
+from service.client.wire import Scores, from_frame
 from service.frame import MEDIA_TYPE
 
 JSON_HEADERS = {"content-type": "application/json"}
@@ -67,9 +67,10 @@ def read_bodies(path: Path) -> list[bytes]:
 
 
 def _parse(content: bytes, frames: bool) -> None:
-    """Read the answer as a trainer would: every number into a Python value."""
+    """Read the answer as a trainer would: a frame as logprobd's client reads it (its Scores: lists,
+    and numpy [window, K] blocks for top_ids / top_logprobs / candidate_logprobs), JSON with orjson."""
     if frames:
-        from_frame(content)
+        Scores.from_body(from_frame(content))
     else:
         orjson.loads(content)
 

@@ -1,6 +1,7 @@
 """The host side of POST /logprobs on the CPU, the engine's compute taken away: where a round goes.
 
     python -m benchmarks.host_path [--workloads grpo-short grpo-long standard] [--reps 5]
+    python -m benchmarks.host_path --workloads grpo-short --top-logprobs 100 1000 --forms frames
 
 A round is benchmarks.grpo's: the workload's 64 sequences in 8 requests of 8 (one GRPO group each),
 all sent at once. Per workload, in milliseconds summed over the round's 8 requests (median of
@@ -12,7 +13,13 @@ all sent at once. Per workload, in milliseconds summed over the round's 8 reques
 - share: the prefix forest of the 64 sequences (prefixes.share, share_min_tokens 64);
 - answer: response.answer of scores as long as the actions (random float32 log-probs);
 - encode: response.to_json of the answers (frames: arrays.to_frame);
-- client_decode: the client's json.loads of the answers (response.json()).
+- client_decode: the client's json.loads of the answers (response.json()); frames: logprobd's
+  client's read (wire.from_frame, then Scores.from_body: numpy [window, K] blocks, int64 ids).
+
+With `--top-logprobs K` every request asks `top_logprobs: K`, and InstantEngine answers as the
+engine does: one micro-batch per request, its [A, K] top ids and log-probs and [A] ranks host
+tensors in the dtypes the engine's host copy has (inflight.extra_host), split per job by the engine's
+own collect (InFlight.result), timed as the stage `collect`.
 
 Then the same round over HTTP, the real app under uvicorn on loopback serving `InstantEngine` (its
 scores are ready at once), from benchmarks/client.py in another process: `plain` (httpx defaults,
@@ -34,11 +41,15 @@ from typing import Any
 
 import numpy as np
 import orjson
+import torch
 
 from benchmarks.run import HttpServer, http_bodies, http_rounds
 from benchmarks.workload import Sample, grpo_long, grpo_short, workload
 from service.arrays import parse_frame, to_frame
+from service.client.wire import Scores, from_frame
+from service.client.wire import to_frame as client_frame
 from service.engine.contract import EngineInfo, ReloadOrder, StagedWeights, WeightsState
+from service.engine.scorer.inflight import HOST_ID_DTYPE, HostExtras, InFlight
 from service.jobs import Chunk, SequenceJob, SequenceScores
 from service.jsonrows import parse_json
 from service.normalise import ModelLimits, normalise
@@ -66,10 +77,12 @@ class _Ready:
 
 
 class InstantEngine:
-    """Scores at once: log-probs drawn once (float32, like a model's: -Exp(2)), sliced per job."""
+    """Scores at once: log-probs drawn once (float32, like a model's: -Exp(2)), sliced per job; with
+    top_logprobs, one micro-batch's host extras [A, K] (drawn once per K, sliced) split by InFlight."""
 
     def __init__(self) -> None:
         self._pool = -np.random.default_rng(0).exponential(2.0, size=1 << 20).astype(np.float32)
+        self._tops: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._weights = {"policy": WeightsState("policy", "initial", "instant", "initial", time.time())}
         self.info = EngineInfo(
             model="instant",
@@ -89,13 +102,49 @@ class InstantEngine:
         values = self._pool[:actions].copy()
         return SequenceScores(logprobs=values, entropy=values if job.return_entropy else None)
 
+    def _top(self, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, K] ids (the host copy's dtype) and float32 log-probs, views of a pool drawn once."""
+        ids, logprobs = self._tops.get(k, (torch.empty(0, k), torch.empty(0, k)))
+        if ids.shape[0] < rows:
+            rng = np.random.default_rng(k)
+            size = (max(rows, 4096), k)
+            ids = torch.from_numpy(rng.integers(0, VOCAB, size=size)).to(HOST_ID_DTYPE)
+            logprobs = torch.from_numpy(-np.sort(rng.exponential(2.0, size=size).astype(np.float32), axis=1))
+            self._tops[k] = ids, logprobs
+        return ids[:rows], logprobs[:rows]
+
     def launch(
         self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
-    ) -> _Ready:
-        scores = [self._scores(j, int(j.actions.shape[0])) for j in jobs]
+    ) -> _Ready | InFlight:
+        parts = [(j, int(j.actions.shape[0])) for j in jobs]
         if chunk is not None:
-            scores.append(self._scores(chunk.job, int(chunk.actions.shape[0])))
-        return _Ready(scores)
+            parts.append((chunk.job, int(chunk.actions.shape[0])))
+        k = max((j.top_logprobs for j, _ in parts), default=0)
+        if not k:
+            return _Ready([self._scores(j, n) for j, n in parts])
+        counts = [n for _, n in parts]
+        rows = sum(counts)
+        logprobs = torch.from_numpy(self._pool[:rows])
+        ids, top = self._top(rows, k)
+        extras = HostExtras(
+            rows=np.arange(rows),
+            top_ids=ids,
+            top_logprobs=top,
+            ranks=torch.ones(rows, dtype=torch.int64),
+            candidate_logprobs=None,
+            processed=None,
+            drawn=None,
+        )
+        return InFlight(
+            jobs=[j for j, _ in parts],
+            actions_per_sequence=counts,
+            logprobs=logprobs,
+            entropy=logprobs,
+            ref_logprobs=None,
+            values=None,
+            done=None,
+            extras=extras,
+        )
 
     def release(self, sequence: int) -> None:
         pass
@@ -123,20 +172,39 @@ def _median_ms(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(seconds) * 1e3
 
 
-def stages(samples: list[Sample], reps: int) -> dict[str, dict[str, float]]:
+def bodies_of(samples: list[Sample], frames: bool, top_logprobs: int = 0) -> list[bytes]:
+    """http_bodies, each asking `top_logprobs` K when K > 0."""
+    if not top_logprobs:
+        return http_bodies(samples, frames=frames)
+    objects = [json.loads(b) | {"top_logprobs": top_logprobs} for b in http_bodies(samples, frames=False)]
+    if not frames:
+        return [orjson.dumps(o) for o in objects]
+    framed = [client_frame(o) for o in objects]
+    return [f for f in framed if f is not None]
+
+
+def client_read(raw: bytes) -> Scores:
+    """What logprobd's client does with a framed answer (_common.reply_body, then finish)."""
+    return Scores.from_body(from_frame(raw))
+
+
+def stages(
+    samples: list[Sample], reps: int, top_logprobs: int = 0, forms: Sequence[str] = ("plain", "frames")
+) -> dict[str, dict[str, float]]:
     """Per client form (plain JSON, frames), each stage's milliseconds over the round's 8 requests."""
     engine = InstantEngine()
     limits = ModelLimits(vocab_size=VOCAB, max_sequence_tokens=32_768)
-    objects = [json.loads(b) for b in http_bodies(samples, frames=False)]
+    objects = [json.loads(b) for b in bodies_of(samples, False, top_logprobs)]
     out: dict[str, dict[str, float]] = {}
-    for form in ("plain", "frames"):
-        bodies = http_bodies(samples, frames=form == "frames")
+    for form in forms:
+        bodies = bodies_of(samples, form == "frames", top_logprobs)
         read = parse_frame if form == "frames" else parse_json
         write = to_frame if form == "frames" else to_json
         requests = [read(b) for b in bodies]
         plans = [normalise(r, limits) for r in requests]
         tokens = [j.tokens for p in plans for j in p.jobs]
-        scores = [engine.launch(p.jobs).result() for p in plans]
+        launched = [engine.launch(p.jobs) for p in plans]
+        scores = [f.result() for f in launched]
         answers = [
             answer(p, s, engine.info, {"policy": "initial"}) for p, s in zip(plans, scores, strict=True)
         ]
@@ -154,21 +222,34 @@ def stages(samples: list[Sample], reps: int) -> dict[str, dict[str, float]]:
             ),
             "encode": _median_ms(lambda: [write(a) for a in answers], reps),  # noqa: B023
         }
+        if top_logprobs:
+            figures["collect"] = _median_ms(lambda: [f.result() for f in launched], reps)  # noqa: B023
         if form == "plain":
             figures["client_encode"] = _median_ms(lambda: [json.dumps(o) for o in objects], reps)
             figures["client_decode"] = _median_ms(lambda: [json.loads(w) for w in written], reps)  # noqa: B023
-        figures["server_total"] = sum(figures[k] for k in ("parse", "normalise", "share", "answer", "encode"))
+        else:
+            figures["client_decode"] = _median_ms(lambda: [client_read(w) for w in written], reps)  # noqa: B023
+        figures["answer_mb"] = sum(len(w) for w in written) / 1e6
+        server = ("parse", "normalise", "share", "collect", "answer", "encode")
+        figures["server_total"] = sum(figures.get(k, 0.0) for k in server)
         out[form] = figures
     return out
 
 
-def rounds(samples: list[Sample], reps: int) -> dict[str, float]:
+def rounds(
+    samples: list[Sample], reps: int, top_logprobs: int = 0, forms: Sequence[str] = ("plain", "frames")
+) -> dict[str, float]:
     """Median wall ms of the round over HTTP against InstantEngine, per client."""
     settings = Settings(device="cpu", share_min_tokens=64)
+    out: dict[str, float] = {}
     with HttpServer(InstantEngine(), settings) as url:  # type: ignore[arg-type]
-        plain = statistics.median(http_rounds(url, http_bodies(samples, frames=False), reps, "plain", False))
-        frames = statistics.median(http_rounds(url, http_bodies(samples), reps, "asyncio", True))
-    return {"plain": plain * 1e3, "frames": frames * 1e3}
+        if "plain" in forms:
+            plain = bodies_of(samples, False, top_logprobs)
+            out["plain"] = statistics.median(http_rounds(url, plain, reps, "plain", False)) * 1e3
+        if "frames" in forms:
+            framed = bodies_of(samples, True, top_logprobs)
+            out["frames"] = statistics.median(http_rounds(url, framed, reps, "asyncio", True)) * 1e3
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,14 +259,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-http", action="store_true", help="the in-process stages only")
+    parser.add_argument(
+        "--top-logprobs", type=int, nargs="+", default=[0], help="K per run (0: plain scoring)"
+    )
+    parser.add_argument("--forms", nargs="+", choices=["plain", "frames"], default=["plain", "frames"])
     args = parser.parse_args(argv)
     results: dict[str, Any] = {}
     for name in args.workloads:
         samples = WORKLOADS[name]()
-        results[name] = {"stages_ms": stages(samples, args.reps)}
-        if not args.no_http:
-            results[name]["http_round_ms"] = rounds(samples, args.reps)
-        print(name, orjson.dumps(results[name], option=orjson.OPT_INDENT_2).decode(), flush=True)
+        for k in args.top_logprobs:
+            key = f"{name} top_logprobs {k}" if k else name
+            results[key] = {"stages_ms": stages(samples, args.reps, k, args.forms)}
+            if not args.no_http:
+                results[key]["http_round_ms"] = rounds(samples, args.reps, k, args.forms)
+            print(key, orjson.dumps(results[key], option=orjson.OPT_INDENT_2).decode(), flush=True)
     return 0
 
 

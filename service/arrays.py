@@ -23,7 +23,7 @@ import numpy as np
 import orjson
 
 from service.errors import InvalidRequest
-from service.frame import ArraySpec, FrameError, pack, unpack
+from service.frame import ArraySpec, Buffer, FrameError, pack, unpack
 from service.schemas import ARRAY_FIELDS, LogprobsRequest, ScoringOptions, parse_body
 
 _INTEGER = ("i4", "i8", "u1")
@@ -110,11 +110,12 @@ def _check_finite(rows: list[np.ndarray]) -> None:
 
 
 def to_frame(body: Mapping[str, Any]) -> bytes:
-    """An answer (response.py's body: rows as numpy arrays) as one frame."""
+    """An answer (response.py's body: rows as numpy arrays) as one frame: each row's bytes are
+    copied once, straight into the frame (converted first only where its dtype is not the wire's)."""
     fields = {
         k: v for k, v in body.items() if (k not in RESPONSE_ARRAYS and k not in WIDE_ARRAYS) or v is None
     }
-    arrays: list[tuple[ArraySpec, bytes | memoryview]] = []
+    arrays: list[tuple[ArraySpec, Buffer | list[memoryview]]] = []
     routes = body.get("routed_experts")
     if routes is not None:
         fields.pop("routed_experts", None)
@@ -123,9 +124,9 @@ def to_frame(body: Mapping[str, Any]) -> bytes:
         rows = body.get(name)
         if rows is None:
             continue
-        spec = ArraySpec(name, dtype, tuple(len(row) for row in rows))
-        flat = np.concatenate(rows) if rows else np.empty(0)
-        arrays.append((spec, flat.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes()))
+        wire = np.dtype(dtype).newbyteorder("<")
+        blocks = [np.ascontiguousarray(row, dtype=wire) for row in rows]
+        arrays.append((ArraySpec(name, dtype, tuple(b.size for b in blocks)), _bytes_of(blocks)))
     columns: dict[str, int] = {}
     for name, wide_dtype in WIDE_ARRAYS.items():
         rows = body.get(name)
@@ -138,34 +139,40 @@ def to_frame(body: Mapping[str, Any]) -> bytes:
     return pack(orjson.dumps(fields, option=orjson.OPT_SERIALIZE_NUMPY), arrays)
 
 
-def _wide_array(name: str, rows: list[Any], dtype: str | None) -> tuple[ArraySpec, memoryview, int]:
-    """[window, K] blocks (one K for every row) as one flat array, and K. dtype None: token ids, u2
-    when every id is below 65536, else i4."""
+def _bytes_of(blocks: list[np.ndarray]) -> list[memoryview]:
+    """C-contiguous arrays' bytes, no copy: the frame's pieces."""
+    return [b.reshape(-1).view(np.uint8).data for b in blocks if b.size]
+
+
+def _wide_array(name: str, rows: list[Any], dtype: str | None) -> tuple[ArraySpec, list[memoryview], int]:
+    """[window, K] blocks (one K for every row) as one array's pieces, and K. dtype None: token ids,
+    u2 when every id is below 65536, else i4 (the first row with a larger id ends the search). A
+    block already in the wire dtype and C-contiguous (the response's int32 ids and float32 log-probs)
+    goes into the frame as it is."""
     blocks = [np.asarray(row) for row in rows]
     widths = {int(b.shape[1]) for b in blocks if b.ndim == 2 and b.shape[0]}
     if len(widths) > 1:
         raise ValueError(f"{name}: rows of {sorted(widths)} columns; a frame carries one K per field")
     width = widths.pop() if widths else 0
     if dtype is None:
-        top = max((int(b.max()) for b in blocks if b.size), default=0)
-        dtype = "u2" if top < 65536 else "i4"
-    flat = np.empty(sum(int(b.size) for b in blocks), dtype=np.dtype(dtype).newbyteorder("<"))
-    start = 0
-    for b in blocks:
-        flat[start : start + b.size] = b.reshape(-1)
-        start += b.size
+        dtype = "i4" if any(int(b.max()) >= 65536 for b in blocks if b.size) else "u2"
+    wire = np.dtype(dtype).newbyteorder("<")
+    blocks = [np.ascontiguousarray(b, dtype=wire) for b in blocks]
     spec = ArraySpec(name, dtype, tuple(int(b.size) for b in blocks))
-    return spec, flat.view(np.uint8).data, width  # no copy: pack joins it into the frame
+    return spec, _bytes_of(blocks), width
 
 
-def _routes_array(rows: list[Any], experts: int) -> tuple[ArraySpec, bytes]:
-    """Recorded routes (arrays, or base64 int32 strings) as one flat array: u1 when every id fits a
-    byte (at most 256 experts), else u2, else i4. The engine's rows are narrow already: joined once,
-    converted only where their dtype is not the frame's."""
+def _routes_array(rows: list[Any], experts: int) -> tuple[ArraySpec, list[memoryview]]:
+    """Recorded routes (arrays, or base64 int32 strings) as one array's pieces: u1 when every id fits
+    a byte (at most 256 experts), else u2, else i4. The engine's rows are narrow already: converted
+    only where their dtype is not the frame's."""
     dtype = np.dtype("u1" if experts <= 256 else "u2" if experts <= 65536 else "i4").newbyteorder("<")
     flat = [
-        np.frombuffer(base64.b64decode(r), dtype="<i4") if isinstance(r, str) else np.ravel(r) for r in rows
+        np.ascontiguousarray(
+            np.frombuffer(base64.b64decode(r), dtype="<i4") if isinstance(r, str) else np.ravel(r),
+            dtype=dtype,
+        )
+        for r in rows
     ]
     spec = ArraySpec("routed_experts", dtype.str[1:], tuple(int(r.size) for r in flat))
-    joined = np.concatenate(flat) if flat else np.empty(0, dtype=dtype)
-    return spec, joined.astype(dtype, copy=False).tobytes()
+    return spec, _bytes_of(flat)

@@ -76,19 +76,25 @@ def _pad(size: int) -> int:
     return -size % ALIGN
 
 
-def pack(fields: bytes, arrays: Sequence[tuple[ArraySpec, bytes | memoryview]]) -> bytes:
-    """One frame from a JSON object's bytes and (spec, little-endian bytes) per array (a memoryview:
-    its length in bytes, as memoryview.cast("B") gives)."""
+Buffer = bytes | bytearray | memoryview
+
+
+def pack(fields: bytes, arrays: Sequence[tuple[ArraySpec, Buffer | Sequence[Buffer]]]) -> bytes:
+    """One frame from a JSON object's bytes and (spec, little-endian bytes) per array. An array's
+    bytes may come as one buffer or as its pieces in order (e.g. one per row, views of the arrays
+    that hold them): each is copied once, straight into the frame (one join, no joined array first)."""
     specs = json.dumps(
         [{"name": s.name, "dtype": s.dtype, "lengths": list(s.lengths)} for s, _ in arrays],
         separators=(",", ":"),
     ).encode()
-    parts: list[bytes | memoryview] = [_HEAD.pack(MAGIC, VERSION, len(fields), len(specs)), fields, specs]
+    parts: list[Buffer] = [_HEAD.pack(MAGIC, VERSION, len(fields), len(specs)), fields, specs]
     parts.append(bytes(_pad(_HEAD.size + len(fields) + len(specs))))
     for spec, data in arrays:
-        if len(data) != spec.nbytes:
-            raise ValueError(f"{spec.name}: {len(data)} bytes for {spec.count} values of {spec.dtype}")
-        parts += [data, bytes(_pad(len(data)))]
+        pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)
+        size = sum(memoryview(p).nbytes for p in pieces)
+        if size != spec.nbytes:
+            raise ValueError(f"{spec.name}: {size} bytes for {spec.count} values of {spec.dtype}")
+        parts += [*pieces, bytes(_pad(size))]
     return b"".join(parts)
 
 

@@ -14,6 +14,7 @@ import numpy.typing as npt
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float32]
 RouteArray = npt.NDArray[np.integer[Any]]  # expert ids in route_dtype (any integer dtype is read)
+IdArray = npt.NDArray[np.integer[Any]]  # token ids: the engine's int32 (any integer dtype is read)
 
 
 def route_dtype(experts: int) -> np.dtype[np.integer[Any]]:
@@ -157,7 +158,7 @@ class SequenceScores:
     ref_logprobs: FloatArray | None = None
     routes: RouteArray | None = None  # [L, moe_layers, top_k] the experts used at every position (narrow)
     route_agreement: RouteAgreement | None = None  # when the job gave routes
-    top_ids: IntArray | None = None  # [A, K] most likely first, ties by the lower id
+    top_ids: IdArray | None = None  # [A, K] int32 from the engine, most likely first, ties by the lower id
     top_logprobs: FloatArray | None = None  # [A, K]
     ranks: IntArray | None = None  # [A] the action token's rank, 1 = most likely (with top_logprobs)
     candidate_logprobs: FloatArray | None = None  # [A, C]

@@ -19,8 +19,19 @@ from service.diagnostics import kl
 from service.engine.contract import EngineInfo
 from service.errors import EngineFailure
 from service.jobs import RouteAgreement, RouteArray, SequenceScores
-from service.normalise import ScoringPlan
+from service.normalise import RowWindow, ScoringPlan
 from service.schemas import RolloutMismatch, RouteAgreementSummary
+
+
+def _row(window: RowWindow, values: np.ndarray | None, dtype: type, width: int | None) -> np.ndarray:
+    """A zero row as wide as the window with a job's per-action values scattered in: [A] into
+    [window], or with `width`, [A, <= width] into [window, width]."""
+    row: np.ndarray = np.zeros((window.width,) if width is None else (window.width, width), dtype=dtype)
+    if values is not None and width is None:
+        row[window.slots] = values
+    elif values is not None:
+        row[window.slots, : values.shape[1]] = values
+    return row
 
 
 def _rows(
@@ -29,33 +40,51 @@ def _rows(
     dtype: type = np.float32,
     width: int | None = None,
 ) -> list[np.ndarray]:
-    """Scatter each job's per-action values into a zero row as wide as its window: [A] into [window],
-    or with `width`, [A, <= width] into [window, width]."""
+    """Each job's per-action values scattered into its row's window (_row)."""
+    return [_row(w, values, dtype, width) for w, values in zip(plan.windows, per_job, strict=True)]
+
+
+def _fills(window: RowWindow) -> bool:
+    """The job's actions fill the row's window in order: action k is entry k."""
+    slots, n = window.slots, window.width
+    return slots.shape[0] == n and (n == 0 or (int(slots[0]) == 0 and bool(np.all(np.diff(slots) == 1))))
+
+
+def _blocks(
+    plan: ScoringPlan, per_job: Sequence[np.ndarray | None], dtype: type, width: int
+) -> list[np.ndarray]:
+    """[A, K] per job -> [window, width] per row, C-contiguous in `dtype`. Where a job's actions fill
+    its window and the engine's block is already that (the usual case: one K, every response token
+    an action), the block itself, no copy; else a zero row with the values scattered in (_row)."""
     rows = []
     for window, values in zip(plan.windows, per_job, strict=True):
-        row: np.ndarray = np.zeros((window.width,) if width is None else (window.width, width), dtype=dtype)
-        if values is not None and width is None:
-            row[window.slots] = values
-        elif values is not None:
-            row[window.slots, : values.shape[1]] = values
-        rows.append(row)
+        if (
+            values is not None
+            and values.dtype == dtype
+            and values.shape == (window.width, width)
+            and values.flags.c_contiguous
+            and _fills(window)
+        ):
+            rows.append(values)
+        else:
+            rows.append(_row(window, values, dtype, width))
     return rows
 
 
 def distribution(plan: ScoringPlan, scores: list[SequenceScores]) -> dict[str, Any]:
-    """The response's top_ids, top_logprobs, ranks, candidate_logprobs and processed_logprobs that
-    the request asked (docs/api.md, 'Beyond the log-prob'); window entries that are not actions: 0."""
+    """The response's top_ids (int32), top_logprobs, ranks, candidate_logprobs and processed_logprobs
+    that the request asked (docs/api.md, 'Beyond the log-prob'); window entries that are not actions: 0."""
     job = plan.jobs[0]
     out: dict[str, Any] = {}
     if job.top_logprobs:
         width = max((s.top_ids.shape[1] for s in scores if s.top_ids is not None), default=0)
-        out["top_ids"] = _rows(plan, [s.top_ids for s in scores], np.int64, width)
-        out["top_logprobs"] = _rows(plan, [s.top_logprobs for s in scores], np.float32, width)
+        out["top_ids"] = _blocks(plan, [s.top_ids for s in scores], np.int32, width)
+        out["top_logprobs"] = _blocks(plan, [s.top_logprobs for s in scores], np.float32, width)
         out["ranks"] = _rows(plan, [s.ranks for s in scores], np.int64)
     if any(j.candidate_ids is not None for j in plan.jobs):
         values = [s.candidate_logprobs for s in scores]
         width = max((v.shape[1] for v in values if v is not None), default=0)
-        out["candidate_logprobs"] = _rows(plan, values, np.float32, width)
+        out["candidate_logprobs"] = _blocks(plan, values, np.float32, width)
     if job.sampling is not None:
         out["processed_logprobs"] = _rows(plan, [s.processed_logprobs for s in scores])
     return out

@@ -21,6 +21,10 @@ from service.engine.contract import MoeShape
 from service.engine.heads.contract import Extras, ExtraScores
 from service.jobs import FloatArray, IntArray, SequenceJob, SequenceScores, route_dtype
 
+# the host copy's top ids: ExtraScores' int64 narrowed on the device (any vocabulary fits), so the
+# copy moves half the bytes and the answer's frame takes them as they are (its i4)
+HOST_ID_DTYPE = torch.int32
+
 
 @dataclass(frozen=True, slots=True)
 class HostExtras:
@@ -65,7 +69,7 @@ def no_extras(job: SequenceJob) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if job.top_logprobs:
         out |= {
-            "top_ids": np.zeros((0, job.top_logprobs), dtype=np.int64),
+            "top_ids": np.zeros((0, job.top_logprobs), dtype=np.int32),
             "top_logprobs": np.zeros((0, job.top_logprobs), dtype=np.float32),
             "ranks": np.zeros(0, dtype=np.int64),
         }
@@ -154,7 +158,8 @@ def host_copier(device: torch.device, rows: int) -> Callable[[torch.Tensor | Non
 
 
 def extra_host(device: torch.device, asked: Extras | None, scores: ExtraScores | None) -> HostExtras | None:
-    """Host copies of the asking rows' ExtraScores (pinned, queued on the stream on CUDA)."""
+    """Host copies of the asking rows' ExtraScores, one per field for the whole micro-batch (pinned,
+    queued on the stream on CUDA); top ids as HOST_ID_DTYPE."""
     if asked is None or scores is None:
         return None
 
@@ -169,7 +174,7 @@ def extra_host(device: torch.device, asked: Extras | None, scores: ExtraScores |
     assert ranks is not None
     return HostExtras(
         rows=asked.rows,
-        top_ids=copy(scores.top_ids),
+        top_ids=copy(None if scores.top_ids is None else scores.top_ids.to(HOST_ID_DTYPE)),
         top_logprobs=copy(scores.top_logprobs),
         ranks=ranks,
         candidate_logprobs=copy(scores.candidate_logprobs),

@@ -1,0 +1,137 @@
+"""response.distribution and the frame writer on [A, K] blocks: a block that fills its row's window
+goes into the answer (and the frame) as the engine handed it, no copy; any other row is zero where
+no action sits, and either way the frame reads back equal to a reference built entry by entry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from service.arrays import to_frame
+from service.client.wire import from_frame
+from service.frame import ArraySpec, pack, unpack
+from service.jobs import SequenceScores
+from service.normalise import ModelLimits, ScoringPlan, normalise
+from service.response import distribution
+from service.schemas import LogprobsRequest
+
+VOCAB = 151_936
+LIMITS = ModelLimits(vocab_size=VOCAB, max_sequence_tokens=64)
+EOS = 7
+
+
+def plan_of(body: dict[str, Any]) -> ScoringPlan:
+    return normalise(LogprobsRequest(**body), LIMITS)
+
+
+def engine_scores(plan: ScoringPlan, k: int, seed: int = 0) -> list[SequenceScores]:
+    """What the engine hands the response per job: int32 ids and float32 log-probs [A, K]."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for job in plan.jobs:
+        a = int(job.actions.shape[0])
+        out.append(
+            SequenceScores(
+                logprobs=np.zeros(a, np.float32),
+                entropy=None,
+                top_ids=rng.integers(0, VOCAB, size=(a, k)).astype(np.int32),
+                top_logprobs=-rng.exponential(2.0, size=(a, k)).astype(np.float32),
+                ranks=rng.integers(1, 100, size=a),
+            )
+        )
+    return out
+
+
+def reference(plan: ScoringPlan, per_job: list[np.ndarray], k: int) -> list[list[list[float]]]:
+    """Each row's [window][K] as lists: the job's values at its slots, 0 elsewhere."""
+    rows = []
+    for window, values in zip(plan.windows, per_job, strict=True):
+        row = [[0.0] * k for _ in range(window.width)]
+        for a, slot in enumerate(window.slots.tolist()):
+            row[slot] = [float(v) for v in values[a]]
+        rows.append(row)
+    return rows
+
+
+def test_blocks_that_fill_their_windows_are_the_engines_own() -> None:
+    plan = plan_of({"input_ids": [[1, 2, 3, 4, 5], [1, 2, 3]], "num_actions": [3, 2], "top_logprobs": 4})
+    scores = engine_scores(plan, 4)
+    got = distribution(plan, scores)
+    for row, s in zip(got["top_ids"], scores, strict=True):
+        assert row is s.top_ids  # no copy on the way to the frame
+    for row, s in zip(got["top_logprobs"], scores, strict=True):
+        assert row is s.top_logprobs
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_rows_with_gaps_are_zero_where_no_action_sits(k: int) -> None:
+    body = {
+        "input_ids": [[1, 2, 3, EOS, 5, 6], [1, 2, 3, 4], [1, 2, 3, 4, 5]],
+        "num_actions": [4, 3, 2],
+        "eos_token_id": EOS,  # row 0: the actions after its EOS are cut
+        "top_logprobs": k,
+    }
+    plan = plan_of(body)
+    assert len(plan.windows[0].slots) < plan.windows[0].width
+    scores = engine_scores(plan, k, seed=k)
+    got = distribution(plan, scores)
+    for name in ("top_ids", "top_logprobs"):
+        want = reference(plan, [getattr(s, name) for s in scores], k)
+        assert [r.tolist() for r in got[name]] == want
+        assert all(r.flags.c_contiguous for r in got[name])
+    assert got["top_ids"][0].dtype == np.int32
+    assert not np.shares_memory(got["top_ids"][0], scores[0].top_ids)  # scattered into its own row
+
+
+def test_ids_of_another_dtype_or_layout_are_converted() -> None:
+    """int64 ids (a fake engine's) and a block narrower in memory than its K (a job's K sliced from a
+    micro-batch's larger one) come out as C-contiguous int32 / float32 of the same values."""
+    plan = plan_of({"input_ids": [[1, 2, 3, 4]], "num_actions": 3, "top_logprobs": 2})
+    wide = np.arange(3 * 5, dtype=np.int64).reshape(3, 5) * 10_007
+    lps = -np.arange(15, dtype=np.float32).reshape(3, 5)
+    scores = [
+        SequenceScores(
+            logprobs=np.zeros(3, np.float32),
+            entropy=None,
+            top_ids=wide[:, :2],
+            top_logprobs=lps[:, :2],
+            ranks=np.ones(3, np.int64),
+        )
+    ]
+    got = distribution(plan, scores)
+    assert got["top_ids"][0].dtype == np.int32
+    assert got["top_ids"][0].tolist() == wide[:, :2].tolist()
+    assert got["top_logprobs"][0].flags.c_contiguous
+    assert got["top_logprobs"][0].tolist() == lps[:, :2].tolist()
+
+
+def test_the_frame_of_an_answer_reads_back_to_the_reference() -> None:
+    body = {
+        "input_ids": [[1, 2, 3, EOS, 5, 6], [1, 2, 3, 4, 5, 6, 8]],
+        "num_actions": [4, 5],
+        "eos_token_id": EOS,
+        "top_logprobs": 3,
+    }
+    plan = plan_of(body)
+    scores = engine_scores(plan, 3, seed=3)
+    answer = {"model": "m", "logprobs": [np.zeros(w.width, np.float32) for w in plan.windows]}
+    raw = to_frame(answer | distribution(plan, scores))
+    frame = unpack(raw)
+    assert frame.arrays["top_ids"][0].dtype == "i4"  # ids past 65536
+    got = from_frame(raw)
+    for name in ("top_ids", "top_logprobs"):
+        want = reference(plan, [getattr(s, name) for s in scores], 3)
+        assert [r.tolist() for r in got[name]] == want
+
+
+def test_pack_writes_pieces_as_one_array() -> None:
+    """An array given as its rows' buffers is the same frame, byte for byte, as the joined array."""
+    rows = [np.arange(5, dtype="<i4"), np.zeros(0, dtype="<i4"), np.arange(3, dtype="<i4") * -7]
+    spec = ArraySpec("x", "i4", (5, 0, 3))
+    joined = pack(b"{}", [(spec, np.concatenate(rows).tobytes())])
+    pieces = pack(b"{}", [(spec, [r.view(np.uint8).data for r in rows if r.size])])
+    assert pieces == joined
+    with pytest.raises(ValueError, match="28 bytes for 8 values"):
+        pack(b"{}", [(spec, [rows[0].view(np.uint8).data, rows[2][:2].view(np.uint8).data])])
