@@ -57,7 +57,9 @@ def reference_body(
         assert s.top_ids is not None
         assert s.top_logprobs is not None
         n = len(prompt) - 1
-        at = Positions(prompt[1:], s.logprobs[:n], s.ranks[:n], s.top_ids[:n], s.top_logprobs[:n])
+        at = Positions(
+            prompt[1:], s.logprobs[:n], s.ranks[:n], s.top_ids[:n].astype(np.int64), s.top_logprobs[:n]
+        )
         logprobs = None
         if plan.logprobs_k is not None:
             k = plan.logprobs_k
@@ -75,7 +77,7 @@ def reference_body(
                     np.array([d.token]),
                     np.array([d.logprob]),
                     np.array([d.rank]),
-                    s.top_ids[-1:],
+                    s.top_ids[-1:].astype(np.int64),
                     s.top_logprobs[-1:],
                 )
                 tops += openai_reference(last, k, table)
