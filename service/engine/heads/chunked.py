@@ -113,29 +113,6 @@ def _radix(z: torch.Tensor, transform: LogitTransform, extras: Extras) -> bool:
     return transform.softcap is None and extras_radix.usable(z, extras)
 
 
-def _from_logits(  # noqa: PLR0917 (the chunk and what its rows need)
-    z: torch.Tensor,
-    start: int,
-    end: int,
-    targets: torch.Tensor,
-    inv_temperature: torch.Tensor | None,
-    transform: LogitTransform,
-    extras: Extras,
-) -> list[ExtraScores]:
-    """The asking rows of one chunk [start, end) from its logits z [c, V], as score_actions' fused
-    path gives them: 16-bit logits by the radix select (heads/extras_radix.py); others, and draws,
-    from a float32 copy of the rows, a pass at a time."""
-    lo, hi = extras.span(start, end)
-    if lo < hi and _radix(z, transform, extras):
-        asks = extras.part(lo, hi)
-        radix = extras_radix.Collector(
-            asks, targets, inv_temperature, transform.scale, start, end - start, lambda at: z
-        )
-        radix.chunk_of(z, start, end)
-        return radix.done()
-    return from_float_copy(z, start, end, targets, inv_temperature, transform, extras)
-
-
 def from_float_copy(  # noqa: PLR0917
     z: torch.Tensor,
     start: int,
@@ -145,8 +122,9 @@ def from_float_copy(  # noqa: PLR0917
     transform: LogitTransform,
     extras: Extras,
 ) -> list[ExtraScores]:
-    """_from_logits over a float32 copy of the asking rows' tempered logits, PASS_ELEMENTS at a time
-    (any dtype, draws; benchmarks/head_extras.py times it against the radix path)."""
+    """The asking rows of chunk [start, end) from a float32 copy of their tempered logits (z [c, V],
+    any dtype; draws), PASS_ELEMENTS at a time: the fused path's extras where the radix select does
+    not serve (benchmarks/head_extras.py times it against that path)."""
     vocab = z.shape[1]
     join = extra.Join(0, vocab)
     out = []

@@ -133,14 +133,14 @@ def test_rows_that_ask_nothing_cost_nothing_and_the_rest_keep_their_rows() -> No
 
 
 def test_the_fused_paths_twin_gives_the_same_extras() -> None:
-    """The fused path computes extras from the chunk's logits (its CPU twin: _from_logits)."""
+    """The fused path computes extras from the chunk's logits (float32 logits: from_float_copy)."""
     rows = 17
     head, hidden, targets = _case(3, rows)
     extras = _extras(rows, 8)
     inv_t = torch.full((rows,), 1 / 0.8)
     with torch.no_grad():
         z = head(hidden)
-        parts = chunked._from_logits(z, 0, rows, targets, inv_t, LogitTransform(), extras)
+        parts = chunked.from_float_copy(z, 0, rows, targets, inv_t, LogitTransform(), extras)
     _check(extras, parts[0], z.double().numpy(), targets, np.full(rows, 0.8))
 
 

@@ -22,6 +22,26 @@ from service.engine.heads.chunked import score_actions
 from service.engine.heads.contract import Extras, ExtraScores, LogitTransform
 from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
 
+
+def radix_chunk(  # noqa: PLR0917 (a chunk and what its rows ask, as chunked.from_float_copy takes them)
+    z: torch.Tensor,
+    start: int,
+    end: int,
+    targets: torch.Tensor,
+    inv_t: torch.Tensor | None,
+    transform: LogitTransform,
+    extras: Extras,
+) -> list[ExtraScores]:
+    """The radix path's extras of one chunk of logits z (action rows [start, end)), as score_actions
+    collects them over a call of that one chunk."""
+    lo, hi = extras.span(start, end)
+    radix = extras_radix.Collector(
+        extras.part(lo, hi), targets, inv_t, transform.scale, start, end - start, lambda at: z
+    )
+    radix.chunk_of(z, start, end)
+    return radix.done()
+
+
 VALUES = [-7.0, -1.5, -0.0, 0.0, 0.5, 1.25, 2.0, 3.0]
 SCALE = 0.5
 # (top_k, top_p, min_p): off, each alone, combined, the edges; top_p < 1 with top_k 0 grows the prefix
@@ -224,7 +244,7 @@ def test_interpreter_fast_extras_equal_the_float_copy_path(dtype: torch.dtype, t
     asks = chunk_asks(asking, vocab, top)
     transform = LogitTransform(scale=SCALE)
     args = (z, 2, 14, targets, inv_t, transform, asks)
-    (fast,) = chunked._from_logits(*args)
+    (fast,) = radix_chunk(*args)
     assert_same_extras(fast, extra.cat(chunked.from_float_copy(*args)))
 
 
@@ -291,7 +311,7 @@ def test_compiled_fast_extras_equal_the_float_copy_path_on_cuda(top: int) -> Non
     inv_t = (1.0 / (0.5 + torch.rand(rows, generator=gen))).cuda()
     asks = chunk_asks(np.arange(rows), vocab, top, device="cuda")
     args = (z, 0, rows, targets, inv_t, LogitTransform(scale=SCALE), asks)
-    (fast,) = chunked._from_logits(*args)
+    (fast,) = radix_chunk(*args)
     assert_same_extras(fast, extra.cat(chunked.from_float_copy(*args)))
 
 
