@@ -89,7 +89,7 @@ class Full:
     join: Join
 
     def prefix(self, n: int, pending: torch.Tensor | None) -> torch.Tensor:
-        return _prefix(_take(self.k, pending), n, self.join)
+        return _prefix(take(self.k, pending), n, self.join)
 
     def row_max(self) -> torch.Tensor:
         x_max = self.x.amax(dim=1)
@@ -268,14 +268,14 @@ def _top_p(  # noqa: PLR0917
         for part in _groups(pending, max(1, PASS_ELEMENTS // n)):
             top = first if part is None else rows.prefix(n, part)  # [p, n]
             _, values = decode(top, vocab)
-            prob = torch.exp(values - _take(shift, part)[:, None])
-            survive = (prob >= _take(floor, part)[:, None]) & (values >= _take(kth, part)[:, None])
+            prob = torch.exp(values - take(shift, part)[:, None])
+            survive = (prob >= take(floor, part)[:, None]) & (values >= take(kth, part)[:, None])
             held = prob * survive
             upto = torch.cumsum(held, dim=1)
-            goals = _take(goal, part)
+            goals = take(goal, part)
             kept = survive & (upto - held < goals[:, None])
-            want, at = _take(wanted, part), _take(every, part)
-            total[at] = torch.where(want, (held * kept).sum(dim=1), _take(mass, part))
+            want, at = take(wanted, part), take(every, part)
+            total[at] = torch.where(want, (held * kept).sum(dim=1), take(mass, part))
             last[at] = torch.where(want, top.masked_fill(~kept, HIGHEST).amin(dim=1), LOWEST)
             short = want & (upto[:, -1] < goals)
             short_rows.append(at[short])
@@ -298,7 +298,8 @@ def _groups(rows: torch.Tensor | None, size: int) -> list[torch.Tensor | None]:
     return [rows[i : i + size] for i in range(0, rows.shape[0], size)]
 
 
-def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+def take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """t's rows `rows` (None: t itself)."""
     return t if rows is None else t[rows]
 
 

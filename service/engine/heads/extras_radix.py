@@ -190,7 +190,7 @@ class Found:
     def prefix(self, n: int, pending: torch.Tensor | None) -> torch.Tensor:
         n = min(n, self.batch.vocab)
         if n <= self.first.shape[1]:
-            return _take(self.first, pending)[:, :n]
+            return extra.take(self.first, pending)[:, :n]
         return _longer(self.batch, n, pending)
 
     def row_max(self) -> torch.Tensor:
@@ -228,7 +228,7 @@ def _tempered(batch: Batch, z: torch.Tensor, rows: torch.Tensor | None) -> torch
     if batch.scale != 1.0:
         x.mul_(batch.scale)  # LogitTransform's scale, as transform() applies it
     if batch.inv_t is not None:
-        x.mul_(_take(batch.inv_t, rows)[:, None])
+        x.mul_(extra.take(batch.inv_t, rows)[:, None])
     return x
 
 
@@ -288,7 +288,3 @@ class Collector:
     def done(self) -> list[ExtraScores]:
         assert self.batch is None, "rows of the last group were never written"
         return self.parts
-
-
-def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    return t if rows is None else t[rows]
