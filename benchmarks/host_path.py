@@ -44,11 +44,11 @@ import orjson
 import torch
 
 from benchmarks.run import HttpServer, http_bodies, http_rounds
-from benchmarks.workload import Sample, grpo_long, grpo_short, workload
+from benchmarks.workload import Sample, grpo_long, grpo_short, host_info, workload
 from service.arrays import parse_frame, to_frame
 from service.client.wire import Scores, from_frame
 from service.client.wire import to_frame as client_frame
-from service.engine.contract import EngineInfo, ReloadOrder, StagedWeights, WeightsState
+from service.engine.contract import ReloadOrder, StagedWeights, WeightsState
 from service.engine.scorer.inflight import HOST_ID_DTYPE, HostExtras, InFlight
 from service.jobs import Chunk, SequenceJob, SequenceScores
 from service.jsonrows import parse_json
@@ -84,19 +84,7 @@ class InstantEngine:
         self._pool = -np.random.default_rng(0).exponential(2.0, size=1 << 20).astype(np.float32)
         self._tops: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._weights = {"policy": WeightsState("policy", "initial", "instant", "initial", time.time())}
-        self.info = EngineInfo(
-            model="instant",
-            demo=False,
-            architecture="Instant",
-            dtype="bfloat16",
-            device="cpu",
-            attention_backend="none",
-            decoder="fused",
-            kernels="none",
-            vocab_size=VOCAB,
-            max_positions=32_768,
-            versions={},
-        )
+        self.info = host_info(VOCAB)
 
     def _scores(self, job: SequenceJob, actions: int) -> SequenceScores:
         values = self._pool[:actions].copy()

@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.workload import workload
+from benchmarks.workload import host_info, workload
 from service.arrays import parse_frame
 from service.arrays import to_frame as answer_frame
 from service.client.routes import encode
 from service.client.wire import to_frame
 from service.engine.batch.packing import pack
-from service.engine.contract import EngineInfo, MoeShape
+from service.engine.contract import MoeShape
 from service.jobs import GivenRoutes, SequenceJob, SequenceScores
 from service.normalise import ModelLimits, ScoringPlan, normalise
 from service.prefixes import Forest, Grouper, share
@@ -45,20 +45,7 @@ from service.response import answer, to_json
 VOCAB = 151936
 MOE = MoeShape(layers=48, experts=128, top_k=8)
 LIMITS = ModelLimits(vocab_size=VOCAB, max_sequence_tokens=32768, moe=MOE)
-INFO = EngineInfo(
-    model="bench",
-    demo=False,
-    architecture="Qwen3MoeForCausalLM",
-    dtype="bfloat16",
-    device="cpu",
-    attention_backend="none",
-    decoder="fused",
-    kernels="none",
-    vocab_size=VOCAB,
-    max_positions=32768,
-    versions={},
-    moe=MOE,
-)
+INFO = host_info(VOCAB, MOE)
 
 
 def routes(length: int, rng: np.random.Generator) -> np.ndarray:

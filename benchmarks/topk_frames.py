@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import orjson
 
+from benchmarks.workload import host_info
 from service.arrays import RESPONSE_ARRAYS, to_frame
 from service.client.wire import Scores, from_frame
-from service.engine.contract import EngineInfo
 from service.frame import ArraySpec, pack
 from service.jobs import SequenceScores
 from service.normalise import ModelLimits, ScoringPlan, normalise
@@ -74,22 +74,6 @@ def workload(
             )
         )
     return plan, scores
-
-
-def info(vocab: int) -> EngineInfo:
-    return EngineInfo(
-        model="bench",
-        demo=False,
-        architecture="qwen2",
-        dtype="bfloat16",
-        device="cpu",
-        attention_backend="sdpa",
-        decoder="fused",
-        kernels="torch",
-        vocab_size=vocab,
-        max_positions=32768,
-        versions={"policy": "v0"},
-    )
 
 
 def json_part_frame(body: dict[str, Any]) -> bytes:
@@ -147,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         candidates=args.candidates,
         vocab=args.vocab,
     )
-    engine = info(args.vocab)
+    engine = host_info(args.vocab)
     versions = {"policy": "v0"}
     print(f"{args.rows} rows x {args.actions} actions, K={args.k}, C={args.candidates}, vocab {args.vocab}")
 

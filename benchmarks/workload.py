@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.engine.contract import EngineInfo, MoeShape
 from service.jobs import SequenceJob
 
 # The real shapes (config.json of each checkpoint): weights are random, shapes are what cost time.
@@ -258,3 +259,22 @@ def unique_floor_flops(
     keys = sum((len(s) * (len(s) + 1) - lcp * (lcp + 1)) // 2 for s, lcp in zip(seqs, lcps, strict=True))
     actions = sum(len(s.response) for s in samples)
     return 2.0 * non_embedding_params * unique + 2.0 * vocab * hidden * actions + 4.0 * layers * hidden * keys
+
+
+def host_info(vocab: int, moe: MoeShape | None = None) -> EngineInfo:
+    """What the host-only benchmarks (no model) build answers and limits from: a bf16 policy of
+    `vocab` tokens and 32,768 positions, with `moe`'s sparse layers where given."""
+    return EngineInfo(
+        model="bench",
+        demo=False,
+        architecture="bench",
+        dtype="bfloat16",
+        device="cpu",
+        attention_backend="none",
+        decoder="fused",
+        kernels="none",
+        vocab_size=vocab,
+        max_positions=32768,
+        versions={},
+        moe=moe,
+    )
