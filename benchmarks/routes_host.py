@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.kernels import micro_batches
 from benchmarks.workload import host_info, workload
 from service.arrays import parse_frame
 from service.arrays import to_frame as answer_frame
@@ -71,18 +72,6 @@ BUDGET = 16384  # max_batch_tokens' default
 SHARE_MIN = 64  # share_min_tokens' default
 
 
-def micro_batches(jobs: list[SequenceJob]) -> list[list[SequenceJob]]:
-    out: list[list[SequenceJob]] = [[]]
-    tokens = 0
-    for job in jobs:
-        if out[-1] and tokens + job.num_tokens > BUDGET:
-            out.append([])
-            tokens = 0
-        out[-1].append(job)
-        tokens += job.num_tokens
-    return out
-
-
 def grouped(batches: list[list[SequenceJob]]) -> None:
     for batch in batches:
         grouper = Grouper(SHARE_MIN)
@@ -116,7 +105,7 @@ def round_figures(reps: int) -> dict[str, float]:
             )
             for s in samples
         ]
-        batches = micro_batches(jobs)
+        batches = micro_batches(jobs, BUDGET)
         figures[f"round_group_{name}"] = median_ms(partial(grouped, batches), reps)
         forests = shared(batches)
         figures[f"round_share_{name}"] = median_ms(partial(shared, batches), reps)
