@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.engine.interpreter import interpreted
 
 
 def test_head_extras_benchmark_runs_on_cpu(tmp_path: Path) -> None:
@@ -28,14 +28,7 @@ def test_head_extras_benchmark_runs_on_cpu(tmp_path: Path) -> None:
         "--warmup",
         "0",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.head_extras", *argv, "--output", str(out)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = interpreted(["-m", "benchmarks.head_extras", *argv, "--output", str(out)])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     runs = json.loads(out.read_text())["runs"]
     cases = {run["case"] for run in runs}

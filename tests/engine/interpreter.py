@@ -20,19 +20,25 @@ only_interpreted = pytest.mark.skipif(
 )
 
 
-def run_interpreter_cases(test_file: str) -> None:
-    """Run `test_file`'s test_interpreter_* cases under TRITON_INTERPRET=1; all must run and pass."""
-    pytest.importorskip("triton", reason="the CPU kernel tests run in Triton's interpreter")
-    if INTERPRETED:
-        pytest.skip("this is the interpreter process")
-    command = [sys.executable, "-m", "pytest", test_file, "--noconftest", "-p", "no:cacheprovider", "-q"]
-    result = subprocess.run(
-        [*command, "-k", "test_interpreter"],
+def interpreted(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """`python args...` in a fresh process with TRITON_INTERPRET=1 (its output captured)."""
+    return subprocess.run(
+        [sys.executable, *args],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
+    )
+
+
+def run_interpreter_cases(test_file: str) -> None:
+    """Run `test_file`'s test_interpreter_* cases under TRITON_INTERPRET=1; all must run and pass."""
+    pytest.importorskip("triton", reason="the CPU kernel tests run in Triton's interpreter")
+    if INTERPRETED:
+        pytest.skip("this is the interpreter process")
+    result = interpreted(
+        ["-m", "pytest", test_file, "--noconftest", "-p", "no:cacheprovider", "-q", "-k", "test_interpreter"]
     )
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
     assert " passed" in result.stdout
