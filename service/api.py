@@ -181,6 +181,7 @@ def build_router(state: ServiceState) -> APIRouter:
             max_sequence_limit=i.max_sequence_limit,
             max_batch_tokens=state.settings.max_batch_tokens,
             batch_invariant=i.batch_invariant,
+            gemm=i.gemm,
             share_prefixes=sharing(state.settings) is not None,
             share_min_tokens=state.settings.share_min_tokens,
             tensor_parallel_size=i.tensor_parallel_size,

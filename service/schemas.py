@@ -460,6 +460,12 @@ class Info(BaseModel):
     batch_invariant: bool = Field(
         description="Scores are bitwise independent of batching (--batch-invariant; GEMMs in fixed calls)."
     )
+    gemm: str = Field(
+        "one-call",
+        description="How GEMMs over tokens run: one-call; in batch-invariant mode fixed-tiles-quack (one "
+        "call of a kernel whose configuration does not depend on the rows) or fixed-rows-1024 (calls of "
+        "1024 rows). The bits of batch-invariant scores depend on it.",
+    )
     share_prefixes: bool = Field(
         description="Prefixes that queued sequences share are computed once (share_prefixes; off in "
         "batch-invariant mode)."

@@ -151,9 +151,11 @@ class Settings(BaseSettings):
         description="Batch-invariant scores: a sequence's log-probs, entropy, values and reference "
         "log-probs are bitwise the same however it is batched (alone, anywhere in any micro-batch, beside "
         "any other request, shared or not, in chunks or whole), across restarts on the same GPU and "
-        "software, whatever max_batch_tokens. Every GEMM runs in calls of 1024 rows and micro-batches are "
-        "padded to them; attention reduces each query over its keys in one order however the queries are "
-        "cut (docs/semantics.md). Costs throughput (BENCHMARKS.md).",
+        "software, whatever max_batch_tokens. Every GEMM over tokens runs as one call of a kernel whose "
+        "configuration does not depend on the rows (quack's, on Hopper GPUs in bf16/fp16), elsewhere in "
+        "calls of 1024 rows with micro-batches padded to them (/info gemm says which); attention reduces "
+        "each query over its keys in one order however the queries are cut (docs/semantics.md). Costs "
+        "throughput (BENCHMARKS.md).",
     )
     share_prefixes: bool = Field(
         True,

@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 from service.batcher import Batcher, Scored
 from service.engine.contract import ReloadOrder
+from service.engine.ops import fixed_tile
 from service.engine.ops.attention import blocked_kernel
+from service.engine.ops.gate_up import quack_available
 from service.engine.scorer import build
 from service.engine.scorer.engine import PackedScorer
 from service.engine.strategies.gemm import GEMM_ROWS, FixedRows
@@ -33,7 +35,8 @@ from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import Settings
 from tests import critics, models
-from tests.conftest import DEVICE, DTYPE
+from tests.conftest import DEVICE, DTYPE, running, settings_for
+from tests.engine.strategies.twin import BlockedTiles
 
 ON_CPU = DEVICE == "cpu"
 DTYPES = ("float32", "bfloat16") if ON_CPU else (DTYPE,)
@@ -98,6 +101,8 @@ def _engine(path: Path, dtype: str, **extra: Any) -> tuple[PackedScorer, Setting
     engine = PackedScorer.from_config(settings.engine_config())
     engine.warm_up()
     assert engine.info.batch_invariant
+    if not ON_CPU and dtype != "float32" and quack_available(torch.device(DEVICE)):
+        assert engine.info.gemm == "fixed-tiles-quack"  # one call per GEMM, no padding to 1024 rows
     return engine, settings
 
 
@@ -327,3 +332,28 @@ def test_replicas_with_other_budgets_give_the_same_bits(dirs: dict[str, Path], n
         engine.warm_up()
         answers.append([s for a in _scored(engine, settings, [group, [long]]) for s in a.scores])
     assert [_bits(s) for s in answers[0]] == [_bits(s) for s in answers[1]]
+
+
+@pytest.mark.skipif(not ON_CPU, reason="on a GPU the cases above run quack's fixed tiles themselves")
+@pytest.mark.parametrize(("served", "dtype"), [("qwen2", "float32"), ("qwen3_moe", "bfloat16")])
+def test_fixed_tile_gemms_keep_every_case(
+    dirs: dict[str, Path], served: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mode as it runs where quack does (strategies/gemm.py FixedTiles: one call per GEMM, tokens
+    padded to the shape step only), its kernel the CPU twin: the cases above keep their bits."""
+    monkeypatch.setattr(fixed_tile, "choose", lambda device, dtype: BlockedTiles())
+    engine, _ = _engine(dirs[served], dtype)
+    assert engine.info.gemm == "fixed-tiles-blocked-twin"
+    test_a_sequence_scores_the_same_bits_however_it_is_batched(dirs, served, dtype)
+    test_shared_prefixes_and_chunks_give_each_sequence_its_bits_alone(dirs, served, dtype)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the strategy a CPU resolves")
+def test_info_says_how_the_gemms_run(dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    with running(settings_for(dirs["qwen2"], batch_invariant=True, dtype="float32")) as client:
+        assert client.get("/info").json()["gemm"] == "fixed-rows-1024"
+    with running(settings_for(dirs["qwen2"], dtype="float32")) as client:
+        assert client.get("/info").json()["gemm"] == "one-call"
+    monkeypatch.setattr(fixed_tile, "choose", lambda device, dtype: BlockedTiles())
+    with running(settings_for(dirs["qwen2"], batch_invariant=True, dtype="float32")) as client:
+        assert client.get("/info").json()["gemm"] == "fixed-tiles-blocked-twin"

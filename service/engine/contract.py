@@ -61,6 +61,7 @@ class EngineInfo:
     max_sequence_tokens: int = 0  # the longest sequence scored (0: max_positions)
     max_sequence_limit: str = "positions"  # what sets it: positions | memory | setting
     batch_invariant: bool = False  # scores bitwise independent of the batch (strategies/gemm.py)
+    gemm: str = "one-call"  # how GEMMs over tokens run: one-call | fixed-rows-1024 | fixed-tiles-quack
     moe_kernel: str = "none"  # the fused decoder's experts: grouped_mm | loop; none: no sparse layer fused
     tensor_parallel_size: int = 1  # ranks (GPUs) each model is sharded over
     moe: MoeShape | None = None  # the policy's sparse layers; None: a dense policy

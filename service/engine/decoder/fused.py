@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +52,10 @@ from service.engine.moe.replay import BatchRoutes, LayerRoutes
 from service.engine.ops.attention import Kernel, Segments
 from service.engine.ops.elementwise import HeadNorms, Ops
 from service.engine.ops.gate_up import GatedProjection, split
-from service.engine.strategies.gemm import ONE_CALL, TokenGemms
+from service.engine.strategies.gemm import ONE_CALL, FixedTiles, TokenGemms
 from service.engine.strategies.sums import LOCAL, AllReduce, PartialSums
+
+log = logging.getLogger(__name__)
 
 # model_type -> the sliding window a layer's attention applies (transformers' own rule per model)
 _WINDOW: dict[str, Callable[[Any], int | None]] = {
@@ -173,6 +176,15 @@ class FusedDecoder:
         model_type = str(config.model_type)
         window = _WINDOW[model_type]
         self.moe_kernel = moe.blocked(moe_kernel) if gemm.rows is not None else moe_kernel
+        if isinstance(gemm, FixedTiles) and not self.moe_kernel.row_invariant and sparse(decoder):
+            # one call over a micro-batch's tokens, of any count: only a row-invariant kernel keeps bits
+            log.warning(
+                "batch_invariant: the experts' %s GEMMs are not row-invariant; they run one expert at a "
+                "time in calls of %d rows",
+                self.moe_kernel.name,
+                moe.EXPERT_ROWS,
+            )
+            self.moe_kernel = moe.blocked(moe.LOOP)
         self._concats: list[_Concat] = []  # every concatenation, for refresh
         self.layers = [
             _Layer(
@@ -411,7 +423,8 @@ class FusedDecoder:
     def _mlp_in(self, mlp: _Dense, h: torch.Tensor) -> torch.Tensor:
         """silu(h·Wgateᵀ) · (h·Wupᵀ): [rows, I]."""
         weight, bias = mlp.gate_up.weight, mlp.gate_up.bias
-        return self.gemm.by_rows(lambda part: self.gated.project(part, weight, bias), h)
+        project, fixed_tile = self.gated.project, self.gated.name == "quack"
+        return self.gemm.by_rows(lambda part: project(part, weight, bias), h, fixed_tile=fixed_tile)
 
 
 def unsupported(decoder: Any) -> str | None:

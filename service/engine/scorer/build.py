@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from service.engine.heads import vocab_parallel
 from service.engine.loading.critic import Critic
 from service.engine.loading.models import LoadedModel, text_part
 from service.engine.moe import layer as moe
+from service.engine.ops import fixed_tile
 from service.engine.ops import gate_up as gated
 from service.engine.ops.attention import AttentionBackend
 from service.engine.ops.elementwise import Ops
@@ -39,7 +41,7 @@ from service.engine.parallel.sharding import Sharded
 from service.engine.scorer.memory import longest, max_positions
 from service.engine.scorer.models import CausalLM, Served
 from service.engine.strategies import gemm as gemms
-from service.engine.strategies.gemm import FixedRows, TokenGemms
+from service.engine.strategies.gemm import FixedRows, FixedTiles, TokenGemms
 from service.engine.strategies.sums import LOCAL, AllReduce, PartialSums
 
 
@@ -95,6 +97,23 @@ def prepare(  # noqa: PLR0917
     if isinstance(gemm, FixedRows):
         moe.block_sparse(base, gemm.rows)
     return forward, kernels
+
+
+def token_gemms(config: EngineConfig, device: torch.device, bases: Sequence[Any]) -> TokenGemms:
+    """How every GEMM over tokens runs (strategies/gemm.py): one call; in batch-invariant mode FixedTiles
+    where quack's fixed-tile GEMMs pass their probe and every model (`bases`: the decoders) runs the
+    fused decoder, whose every GEMM over tokens goes through the strategy, and the experts do not run
+    grouped_mm (not row-invariant); else FixedRows."""
+    if not config.batch_invariant:
+        return gemms.ONE_CALL
+    fused = (
+        config.decoder != "transformers"
+        and config.kernels != "liger"
+        and config.moe_kernel != "grouped_mm"
+        and all(decoder.unsupported(base) is None for base in bases)
+    )
+    dtype = next(bases[0].parameters()).dtype
+    return gemms.choose(True, fixed_tile.choose(device, dtype) if fused else None)
 
 
 def fused_of(forward: Decoder) -> decoder.FusedDecoder | None:
@@ -161,7 +180,7 @@ def serve(  # noqa: PLR0917
     """Each model's forward, built per the configuration, and the kernels the policy's runs."""
     ops = Ops.for_device(device, allow_triton=config.kernels != "none")
     chunk_rows = config.logits_chunk_rows
-    if gemm.rows is not None and gemm.rows % chunk_rows:  # whole chunks of padded actions
+    if isinstance(gemm, FixedRows) and gemm.rows % chunk_rows:  # whole chunks of padded actions
         chunk_rows = gemm.rows
     cuda_graphs = config.cuda_graphs if sharded is None else "off"  # a graph of collectives: not yet
     recorder = None
@@ -186,6 +205,10 @@ def serve(  # noqa: PLR0917
         return wrapped, f"{kernels}+graphs" if wrapped is not built else kernels
 
     policy_forward, kernels = forward(loaded.model, loaded.model.base_model)
+    if isinstance(gemm, FixedTiles):  # the heads' GEMMs too: one call per chunk of any rows
+        for model in (loaded.model, reference.model if reference is not None else None):
+            if model is not None:
+                gemm.patch(model.get_output_embeddings())
     served = Served(CausalLM(loaded.model, policy_forward, chunk_rows))
     if reference is not None:
         served.reference = CausalLM(

@@ -57,7 +57,6 @@ from service.engine.scorer.inflight import (
     host_routes,
 )
 from service.engine.scorer.models import Served, critic_values
-from service.engine.strategies import gemm as gemms
 from service.jobs import Chunk, SequenceJob, SequenceScores
 from service.prefixes import Forest
 
@@ -79,8 +78,12 @@ class PackedScorer:
         """Prepare each model's forward per config.decoder and config.kernels, and describe them.
         `sharded`: the models are this rank's shards (tensor parallel; loading/shards.py): fused
         decoders whose row-parallel projections all-reduce, no CUDA graphs."""
-        # batch invariance (strategies/gemm.py): GEMMs of fixed rows, tokens and actions padded to them
-        self._gemm = gemms.choose(config.batch_invariant)
+        # batch invariance (strategies/gemm.py): fixed-tile GEMMs, or GEMMs of fixed rows with tokens and
+        # actions padded to them
+        bases = [loaded.model.base_model]
+        bases += [reference.model.base_model] if reference is not None else []
+        bases += [critic.decoder] if critic is not None else []
+        self._gemm = build.token_gemms(config, device, bases)
         if config.batch_invariant:  # attention that reduces each row alike however queries are cut
             backend = invariant(backend)
         self._step = self._gemm.step
@@ -91,8 +94,9 @@ class PackedScorer:
         self._served, kernels = build.serve(
             loaded, device, backend, config, self._gemm, reference, critic, sharded
         )
-        self._info = build.describe(
-            loaded, device, backend, config, self._served, kernels, reference, sharded
+        self._info = dataclasses.replace(
+            build.describe(loaded, device, backend, config, self._served, kernels, reference, sharded),
+            gemm=self._gemm.name,
         )
         self._weights = build.initial_weights(config, loaded.name, self._info)
 

@@ -1,0 +1,102 @@
+"""quack's GEMMs at one configuration: the TileKernel of batch-invariant mode's FixedTiles
+(strategies/gemm.py), where quack runs (CUDA compute capability 9.0+, bf16/fp16).
+
+A quack GEMM given its configuration runs one tile shape, one cluster shape and one K loop per output
+tile for any row count, and never splits K: an output row's bits depend on its own input row and the
+weight alone, so one call over every token of a micro-batch gives each row the bits it has alone.
+quack's own choice of configuration (its heuristic for a plain GEMM, the autotuner) depends on the
+shape, so every call here names quack's default configuration for the device.
+
+    linear      x [N, K], weight [out, K], bias [out] | None -> [N, out]
+    accumulate  x [N, out] += a [N, K] @ weightᵀ, in place (quack's add-to-output epilogue)
+
+`choose` builds it and probes it once on the device (against F.linear within rounding, and row for
+row against itself on cut inputs, bitwise); where quack is absent, cannot run, or the probe fails, it
+returns None (batch-invariant mode then runs FixedRows) with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from service.engine.ops.gate_up import quack_available
+from service.engine.runtime.packages import FAST_DTYPES
+from service.engine.strategies.gemm import TileKernel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class QuackTiles:
+    """quack's plain and add-to-output GEMMs, both at `config` (one per device)."""
+
+    config: Any  # quack.gemm_config.GemmConfig
+    name: str = "quack"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from quack.gemm_interface import gemm_tuned
+
+        out = x.new_empty((x.shape[0], weight.shape[0]))
+        if x.shape[0]:
+            gemm_tuned.fn(x, weight.t(), out, bias=bias, config=self.config)
+        return out
+
+    def accumulate(self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
+        from quack.gemm_interface import gemm_tuned
+
+        if x.shape[0]:
+            gemm_tuned.fn(a, weight.t(), x, add_to_output=True, config=self.config)
+
+
+def quack_tiles(device: torch.device) -> QuackTiles:
+    from quack.gemm_config import default_config
+
+    return QuackTiles(default_config(device))
+
+
+def choose(device: torch.device, dtype: torch.dtype) -> QuackTiles | None:
+    """QuackTiles where quack runs on `device` in `dtype` and keeps its promise in the probe; else None."""
+    if dtype not in FAST_DTYPES or not quack_available(device):
+        return None
+    try:
+        tiles = quack_tiles(device)
+        probe(tiles, device, dtype)
+    except Exception as exc:  # an import, compile or launch failure of a third-party kernel, or bits
+        log.warning(
+            "batch_invariant: quack's fixed-tile GEMMs cannot serve here (%s: %s); GEMMs run in calls of "
+            "1024 rows instead",
+            type(exc).__name__,
+            exc,
+        )
+        return None
+    return tiles
+
+
+def probe(tiles: TileKernel, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise unless `tiles` computes F.linear within rounding and gives rows cut from a larger call
+    the bits they had in it (linear and accumulate, with a bias and without)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1000, 256, device=device, dtype=dtype, generator=gen)
+    weight = torch.randn(384, 256, device=device, dtype=dtype, generator=gen) / 16
+    bias = torch.randn(384, device=device, dtype=dtype, generator=gen)
+    for b in (None, bias):
+        whole = tiles.linear(x, weight, b)
+        want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        torch.testing.assert_close(whole.float(), want, rtol=2e-2, atol=2e-2)
+        for start, end in ((0, 1), (3, 130), (517, 1000)):
+            if not torch.equal(tiles.linear(x[start:end], weight, b), whole[start:end]):
+                raise ValueError(f"rows {start}:{end} of a linear call differ from the same rows alone")
+    base = torch.randn(1000, 384, device=device, dtype=dtype, generator=gen)
+    whole = base.clone()
+    tiles.accumulate(whole, x, weight)
+    want = base.float() + x.float() @ weight.float().t()
+    torch.testing.assert_close(whole.float(), want, rtol=2e-2, atol=2e-2)
+    part = base[3:130].clone()
+    tiles.accumulate(part, x[3:130], weight)
+    if not torch.equal(part, whole[3:130]):
+        raise ValueError("rows 3:130 of an accumulating call differ from the same rows alone")
