@@ -165,6 +165,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
             "decoder": engine.info.decoder,
             "kernels": engine.info.kernels,
             "moe_kernel": engine.info.moe_kernel,
+            "gemm": engine.info.gemm,
         }
         with HttpServer(engine, settings) as url:
             for w, samples in workloads.items():
