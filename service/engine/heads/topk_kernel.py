@@ -11,16 +11,16 @@ bits with the sign folded so that integers increase with z, -0 mapped onto +0 (`
 
 `select`: one program per row, passes over its 16-bit values (a 2 B read per element each):
 1. the online log-sum-exp of x (as heads/fused_kernel.py), the count of keys >= the target's (vLLM's
-   rank: tokens at least as likely) and a histogram (tl.histogram) of the keys' top DIGIT bits ->
-   the digit of the K-th largest key;
-2. for each further DIGIT bits (one more pass at DIGIT = 8), a histogram of those bits among the keys
-   that share the digits found so far -> the K-th largest key v, the count above it and the
-   number of ties at v taken (the lowest ids);
-3. the ids of the keys > v and of the first ties == v, in id order (a running prefix count), into
-   [r, W] int32 (W >= each row's K; unwritten slots keep -1).
-Not measured on a GPU yet. Compiled offline for sm_90 (triton 3.7.1, ptxas: 128 registers, no
-spills), the histograms dominate: about 1,000 instructions a thread per block of 2,048 in pass 2
-at DIGIT = 8; DIGIT = 4 takes two passes more, each about 2/3 as long.
+   rank: tokens at least as likely) and the row's largest key;
+2. a histogram of the 2^DIGIT keys at and below the largest, one bin each: where they hold K keys
+   (the usual case: a row's K most likely lie within 256 bf16 steps of its largest, two binades) it
+   gives the K-th largest key v, the count above it and the ties at v at once;
+   else the radix passes: a histogram of the keys' top DIGIT bits, then for each further DIGIT bits
+   a histogram of those bits among the keys that share the digits found so far;
+3. the ids of the keys > v and of the first ties == v, in id order (a running prefix count, run only
+   in the blocks that hold one), into [r, W] int32 (W >= each row's K; unwritten slots keep -1).
+Compiled offline for sm_90 (tests/engine/heads/test_topk_compiles.py); launch parameters measured by
+benchmarks/topk_sweep.py.
 `launch` runs them into given buffers (topk_kernel.Out, row slices of a micro-batch's) with no
 allocation and nothing read back; `select` allocates them. The stats kernel also keeps each row's
 largest x and copies z at given ids (target, candidates); the write kernel writes z beside each id.
@@ -265,7 +265,7 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
     m = float("-inf")
     d = tl.zeros([BLOCK], tl.float32)
     rank = tl.zeros([BLOCK], tl.int32)
-    counts = tl.zeros([1 << DIGIT], tl.int32)
+    top = tl.zeros([BLOCK], tl.int32)  # per lane, the largest order key
     for start in range(0, VOCAB, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         valid = cols < VOCAB
@@ -282,7 +282,7 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
         m = m_new
         rank += (valid & (key >= target_key)).to(tl.int32)
         if SELECT:
-            counts += tl.histogram(key >> (16 - DIGIT), 1 << DIGIT, mask=valid)
+            top = tl.maximum(top, tl.where(valid, key, 0))
     tl.store(shift_ptr + i, m + tl.log(tl.sum(d, axis=0)))
     tl.store(rank_ptr + i, tl.sum(rank, axis=0))
     tl.store(max_ptr + i, m)
@@ -292,29 +292,53 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
             tl.store(above_ptr + i, 0)
             tl.store(tied_ptr + i, 0)
         else:
-            # the digit of the K-th largest key: the highest with >= K - over keys at or above it
-            at_or_above = tl.cumsum(counts, 0, reverse=True)
-            prefix = tl.max(tl.where(at_or_above >= k, bins, -1), axis=0)  # the key's high bits so far
-            over = tl.sum(tl.where(bins > prefix, counts, 0), axis=0)  # keys above the prefix: < K
-            for p in tl.static_range(1, 16 // DIGIT):
-                counts = tl.zeros([1 << DIGIT], tl.int32)
-                for start in range(0, VOCAB, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    valid = cols < VOCAB
-                    v = tl.load(row_ptr + cols, mask=valid, other=0.0)
-                    bits = v.to(tl.int16, bitcast=True).to(tl.int32)
-                    key = tl.where(bits < 0, -bits, bits + 32768)
-                    inside = valid & ((key >> (16 - p * DIGIT)) == prefix)
-                    counts += tl.histogram(
-                        (key >> (16 - (p + 1) * DIGIT)) & ((1 << DIGIT) - 1), 1 << DIGIT, mask=inside
-                    )
-                at_or_above = tl.cumsum(counts, 0, reverse=True)
-                digit = tl.max(tl.where(at_or_above >= k - over, bins, -1), axis=0)
-                over += tl.sum(tl.where(bins > digit, counts, 0), axis=0)
-                prefix = prefix * (1 << DIGIT) + digit
-            tl.store(threshold_ptr + i, prefix)
+            # the window: the 2^DIGIT order keys at and below the row's largest, a bin each (bin g:
+            # key = largest - g), which holds the K-th largest key in one pass when it holds >= K keys
+            largest = tl.max(top, axis=0)
+            counts = tl.zeros([1 << DIGIT], tl.int32)
+            for start in range(0, VOCAB, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                valid = cols < VOCAB
+                v = tl.load(row_ptr + cols, mask=valid, other=0.0)
+                bits = v.to(tl.int16, bitcast=True).to(tl.int32)
+                gap = largest - tl.where(bits < 0, -bits, bits + 32768)
+                near = valid & (gap < (1 << DIGIT))
+                counts += tl.histogram(tl.where(near, gap, 0), 1 << DIGIT, mask=near)
+            if tl.sum(counts, axis=0) >= k:
+                at_or_above = tl.cumsum(counts, 0)  # keys >= largest - g
+                g = tl.min(tl.where(at_or_above >= k, bins, 1 << DIGIT), axis=0)
+                threshold = largest - g
+                over = tl.sum(tl.where(bins < g, counts, 0), axis=0)
+                tied = tl.sum(tl.where(bins == g, counts, 0), axis=0)
+            else:
+                # the radix select: DIGIT bits a pass, from the top, over the keys whose higher bits
+                # are those of the K-th largest key found so far
+                prefix = tl.zeros([], tl.int32)
+                over = tl.zeros([], tl.int32)
+                tied = tl.zeros([], tl.int32)
+                for p in tl.static_range(0, 16 // DIGIT):
+                    counts = tl.zeros([1 << DIGIT], tl.int32)
+                    for start in range(0, VOCAB, BLOCK):
+                        cols = start + tl.arange(0, BLOCK)
+                        valid = cols < VOCAB
+                        v = tl.load(row_ptr + cols, mask=valid, other=0.0)
+                        bits = v.to(tl.int16, bitcast=True).to(tl.int32)
+                        key = tl.where(bits < 0, -bits, bits + 32768)
+                        inside = valid
+                        if p > 0:
+                            inside = valid & ((key >> (16 - p * DIGIT)) == prefix)
+                        counts += tl.histogram(
+                            (key >> (16 - (p + 1) * DIGIT)) & ((1 << DIGIT) - 1), 1 << DIGIT, mask=inside
+                        )
+                    at_or_above = tl.cumsum(counts, 0, reverse=True)
+                    digit = tl.max(tl.where(at_or_above >= k - over, bins, -1), axis=0)
+                    over += tl.sum(tl.where(bins > digit, counts, 0), axis=0)
+                    tied = tl.sum(tl.where(bins == digit, counts, 0), axis=0)
+                    prefix = prefix * (1 << DIGIT) + digit
+                threshold = prefix
+            tl.store(threshold_ptr + i, threshold)
             tl.store(above_ptr + i, over)
-            tl.store(tied_ptr + i, tl.sum(tl.where(bins == digit, counts, 0), axis=0))
+            tl.store(tied_ptr + i, tied)
 
 
 def _write_kernel(  # noqa: PLR0917
@@ -349,12 +373,16 @@ def _write_kernel(  # noqa: PLR0917
             bits = z.to(tl.int16, bitcast=True).to(tl.int32)
             key = tl.where(bits < 0, -bits, bits + 32768)
             tie = (valid & (key == v)).to(tl.int32)
-            take = ((valid & (key > v)) | ((tie > 0) & (seen + tl.cumsum(tie, 0) <= ties))).to(tl.int32)
-            slot = written + tl.cumsum(take, 0) - take
-            tl.store(out_ptr + slot, cols, mask=take > 0)
-            tl.store(values_out + slot, z, mask=take > 0)
-            written += tl.sum(take, axis=0)
-            seen += tl.sum(tie, axis=0)
+            high = (valid & (key > v)).to(tl.int32)
+            ties_here = tl.sum(tie, axis=0)
+            # most blocks hold none of the K: the scans run only where one is taken
+            if tl.sum(high, axis=0) + tl.where(seen < ties, ties_here, 0) > 0:
+                take = ((high > 0) | ((tie > 0) & (seen + tl.cumsum(tie, 0) <= ties))).to(tl.int32)
+                slot = written + tl.cumsum(take, 0) - take
+                tl.store(out_ptr + slot, cols, mask=take > 0)
+                tl.store(values_out + slot, z, mask=take > 0)
+                written += tl.sum(take, axis=0)
+            seen += ties_here
 
 
 def _mass_kernel(  # noqa: PLR0917

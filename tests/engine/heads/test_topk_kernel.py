@@ -101,7 +101,7 @@ def check_select(
     x_target = x.gather(1, targets[:, None])
     for k in ks:
         found = topk_kernel.select(
-            z, rows, targets, SCALE, inv_t, k, block=512 if z.shape[1] < 10**5 else 2048
+            z, rows, targets, SCALE, inv_t, k, block=512 if z.shape[1] < 10**5 else 2048, digit=digit
         )
         assert found.ids is not None
         assert found.above is not None
@@ -148,6 +148,26 @@ def test_interpreter_select_equals_torch_topk(dtype: torch.dtype, digit: int, te
     inv_t = 1.0 / (0.5 + torch.rand(rows, generator=gen)) if temperature else None
     above_top_value = int((z[0] == 3.0).sum())
     check_select(z, targets, inv_t, [1, 7, above_top_value + 3, vocab], digit)
+
+
+@only_interpreted
+@pytest.mark.parametrize("digit", [8, 4])
+def test_interpreter_select_inside_and_past_the_window_below_the_largest_key(digit: int) -> None:
+    """The select finds the K-th largest in one histogram of the 2^DIGIT order keys at and below the
+    row's largest when they hold K keys; else by the radix passes. Row 0: every logit within 2^4 keys
+    of the largest (window); row 1: 40 logits at 100, the rest far below (K > 40: past it); row 2:
+    near zero, where order keys crowd (-0 and +0 tie)."""
+    vocab = 2500
+    gen = torch.Generator().manual_seed(9)
+    near = torch.tensor([1.0, 1.0078125, 1.015625, 1.0234375], dtype=torch.bfloat16)  # 4 adjacent keys
+    z = torch.empty(3, vocab, dtype=torch.bfloat16)
+    z[0] = near[torch.randint(0, 4, (vocab,), generator=gen)]
+    z[1] = (-torch.rand(vocab, generator=gen) * 100 - 1).to(torch.bfloat16)
+    z[1, torch.randperm(vocab, generator=gen)[:40]] = 100.0
+    z[2] = (torch.randn(vocab, generator=gen) * 1e-3).to(torch.bfloat16)
+    z[2, :7] = torch.tensor([0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0], dtype=torch.bfloat16)
+    targets = torch.tensor([3, int((z[1] == 100.0).nonzero()[0, 0]), 0])
+    check_select(z, targets, None, [1, 39, 40, 41, 300, vocab], digit)
 
 
 @only_interpreted
