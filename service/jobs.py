@@ -100,7 +100,9 @@ class SequenceJob:
     top_logprobs: int = 0  # K > 0: the K most likely tokens at each action, and the action's rank
     candidate_ids: IntArray | None = None  # [C] for every action, or [A, C] one list per action
     sampling: Sampling | None = None  # processed log-probs under this sampler (with temperature)
-    draw_seed: int | None = None  # draw a token at each action from softmax(g(z) / T), noise per (seed, t)
+    draw_seed: int | None = (
+        None  # draw a token at the last action from softmax(g(z) / T), noise per (seed, t)
+    )
 
     @property
     def wants_extras(self) -> bool:
@@ -163,7 +165,9 @@ class SequenceScores:
     ranks: IntArray | None = None  # [A] the action token's rank, 1 = most likely (with top_logprobs)
     candidate_logprobs: FloatArray | None = None  # [A, C]
     processed_logprobs: FloatArray | None = None  # [A] under job.sampling; -inf outside its kept set
-    drawn: IntArray | None = None  # [A] the token drawn at each action (job.draw_seed)
+    drawn: IntArray | None = (
+        None  # [A] the token drawn at the last action (job.draw_seed); the others unspecified
+    )
 
     @classmethod
     def join(cls, parts: list[SequenceScores]) -> SequenceScores:

@@ -2,7 +2,8 @@
 
 Boundary: each scored part (a whole job, or a chunk's actions of one) with its first action row in
 the packed batch in; one Extras over the asking rows out (None when no part asks). A job's
-candidate lists, sampler and draw seed are laid on its rows; a chunk takes the rows of its actions.
+candidate lists, sampler and draw seed are laid on its rows (the draw's rows `drawing`: its last
+action's, in the part that holds it); a chunk takes the rows of its actions.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ def extras(parts: Sequence[Part], to: Callable[[np.ndarray], torch.Tensor]) -> E
     if any(job.draw_seed is not None for job in jobs):
         fields["seeds"] = per_row([job.draw_seed or 0 for job in jobs], np.int64)
         fields["positions"] = to(np.concatenate([p.job.actions[p.lo : p.hi] for p in asking]))
+        # a job draws at its last action only: the part that holds it, at its last row
+        ends = np.cumsum(counts) - 1
+        last = [p.job.draw_seed is not None and p.hi == p.job.actions.shape[0] for p in asking]
+        fields["drawing"] = ends[np.asarray(last, dtype=bool)]
     return dataclasses.replace(out, **fields)
 
 

@@ -12,12 +12,17 @@ Rows that ask more (Extras: top K, candidates, processed log-probs, a draw) get 
 chunk's logits (heads/extras.py): on the torch path from its float32 log-softmax, per chunk; on the
 fused path from 16-bit logits by a radix select (heads/extras_radix.py: per chunk only its kernels,
 writing buffers of the call's asking rows; the torch work once for all of them after the chunks)
-or, for float32 logits and draws, per chunk from a float32 copy of those rows' tempered logits (the
-kernel still writes their log-prob and entropy). A chunk whose rows ask nothing does no more work.
+or, for float32 logits, per chunk from a float32 copy of those rows' tempered logits (the kernel
+still writes their log-prob and entropy). A draw (a token sampled at a row) comes from a float32
+copy of the drawing rows alone; on the radix path every other ask of theirs from the select. A chunk
+whose rows ask nothing does no more work.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import torch
 
 from service.engine.heads import extras as extra
@@ -56,6 +61,7 @@ def score_actions(
     multiplier = _row_multiplier(inv_temperature, transform.scale, rows, hidden.device) if fused else None
     parts: list[ExtraScores] = []
     radix: extras_radix.Collector | None = None
+    draws: _Draws | None = None
 
     def logits_of(at: int) -> torch.Tensor:  # a chunk's logits again (a top-p prefix past W keys)
         return lm_head(hidden[at : min(at + chunk_rows, rows)])  # type: ignore[no-any-return]
@@ -64,12 +70,17 @@ def score_actions(
         end = min(start + chunk_rows, rows)
         z = lm_head(hidden[start:end])  # [c, V] in the model's dtype
         if fused:
-            if extras is not None and radix is None and _radix(z, transform, extras):
+            bare = None if extras is None else _without_draws(extras)
+            if bare is not None and radix is None and _radix(z, transform, bare):
                 radix = extras_radix.Collector(
-                    extras, targets, inv_temperature, transform.scale, 0, chunk_rows, logits_of
+                    bare, targets, inv_temperature, transform.scale, 0, chunk_rows, logits_of
                 )
+                if extras is not None and bare is not extras:
+                    draws = _Draws(extras, inv_temperature, transform)
             if radix is not None:
                 radix.chunk_of(z, start, end)
+                if draws is not None:
+                    draws.chunk_of(z, start, end)
             elif extras is not None:
                 parts += from_float_copy(z, start, end, targets, inv_temperature, transform, extras)
             s = multiplier[start:end] if multiplier is not None else None
@@ -92,6 +103,8 @@ def score_actions(
                 entropy[start:end] = torch.special.entr(logp.exp_()).sum(dim=-1)  # -Σ p·log p
     if radix is not None:
         parts = radix.done()
+        if draws is not None:
+            parts = [dataclasses.replace(extra.cat(parts), drawn=draws.drawn)]
     return ActionScores(logprobs=logprobs, entropy=entropy, extras=extra.cat(parts) if parts else None)
 
 
@@ -106,6 +119,46 @@ def _from_logprobs(
         x = logp[rows]
         out.append(extra.score(x, x.new_zeros(x.shape[0]), targets[asks.index], asks, join))
     return out
+
+
+def _without_draws(extras: Extras) -> Extras:
+    """`extras` but the draw (the radix select's asks; _Draws draws apart), itself where none draws."""
+    if extras.seeds is None:
+        return extras
+    return dataclasses.replace(extras, seeds=None, positions=None, drawing=None)
+
+
+class _Draws:
+    """The draws of the rows that draw, chunk by chunk, from a float32 copy of those rows' tempered
+    logits alone (the radix select serves every asking row the rest): [R] int64, -1 at the others."""
+
+    def __init__(
+        self, extras: Extras, inv_temperature: torch.Tensor | None, transform: LogitTransform
+    ) -> None:
+        assert extras.seeds is not None
+        assert extras.positions is not None
+        self.extras, self.inv_temperature, self.transform = extras, inv_temperature, transform
+        rows = extras.rows.shape[0]
+        self.drawing = extras.drawing if extras.drawing is not None else np.arange(rows)
+        self.drawn = torch.full((rows,), -1, dtype=torch.int64, device=extras.index.device)
+
+    def chunk_of(self, z: torch.Tensor, start: int, end: int) -> None:
+        """The draws among action rows [start, end), whose logits z [c, V] holds."""
+        lo, hi = self.extras.span(start, end)
+        at = self.drawing[(self.drawing >= lo) & (self.drawing < hi)]  # [d] host, into the R rows
+        if not at.size:
+            return
+        asks = self.extras
+        index = torch.from_numpy(at).to(asks.index.device)
+        local = torch.from_numpy(asks.rows[at] - start).to(z.device)
+        x = self.transform(z[local].to(torch.float32, copy=True))  # [d, V], as from_float_copy makes it
+        if self.inv_temperature is not None:
+            x.mul_(self.inv_temperature[asks.index[index], None])
+        assert asks.seeds is not None
+        assert asks.positions is not None
+        vocab = z.shape[1]
+        ids = torch.arange(vocab, device=z.device)
+        self.drawn[index] = extra.draw(x, asks.seeds[index], asks.positions[index], ids, extra.Join(0, vocab))
 
 
 def _radix(z: torch.Tensor, transform: LogitTransform, extras: Extras) -> bool:

@@ -65,6 +65,8 @@ class Extras:
     candidates:  [R, C] token ids (a job's shorter lists padded with 0); None: none asked
     top_k, top_p, min_p: [R] the sampler of each row (0 / 1 / 0: off); None: no processed log-probs
     seeds, positions: [R] int64 seed and position in the sequence of each draw; None: no draw
+    drawing:     host int64 indices into the R rows of those whose job draws (the others' seeds are
+                 the union's filler); None: every row with a seed draws
     """
 
     rows: np.ndarray
@@ -76,6 +78,7 @@ class Extras:
     min_p: torch.Tensor | None = None
     seeds: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    drawing: np.ndarray | None = None
     most_top_k: int = 0  # host: the largest top_k of the rows (0: no row truncates by rank)
     any_top_p: bool = False  # host: some row's top_p is below 1
 
@@ -95,6 +98,9 @@ class Extras:
             min_p=cut(self.min_p),
             seeds=cut(self.seeds),
             positions=cut(self.positions),
+            drawing=None
+            if self.drawing is None
+            else self.drawing[(self.drawing >= lo) & (self.drawing < hi)] - lo,
             most_top_k=self.most_top_k,
             any_top_p=self.any_top_p,
         )

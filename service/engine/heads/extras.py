@@ -183,10 +183,18 @@ def score(
         processed = processed_logprobs(Full(x, k, join), shift, x_target, targets, asks, join.vocab)
     if asks.seeds is not None:
         assert asks.positions is not None
-        noisy = keys(x + _gumbel(asks.seeds, asks.positions, ids), ids, join.vocab).amax(dim=1)
-        join.max_(noisy)
-        drawn = decode(noisy, join.vocab)[0]
+        drawn = draw(x, asks.seeds, asks.positions, ids, join)
     return ExtraScores(top_ids, top_logprobs, ranks, candidate_logprobs, processed, drawn)
+
+
+def draw(
+    x: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor, join: Join
+) -> torch.Tensor:
+    """[r] int64 argmax_i (x_i + G_i) of tempered logits x [r, w] (columns `ids`), ties by the lower
+    id; Gumbel noise G per (seed, position, id) (docs/semantics.md, Draw)."""
+    noisy = keys(x + _gumbel(seeds, positions, ids), ids, join.vocab).amax(dim=1)
+    join.max_(noisy)
+    return decode(noisy, join.vocab)[0]
 
 
 def _prefix(k: torch.Tensor, n: int, join: Join) -> torch.Tensor:

@@ -250,6 +250,51 @@ def assert_same_extras(got: ExtraScores, want: ExtraScores) -> None:
 
 
 @only_interpreted
+def test_interpreter_draws_beside_the_radix_select_equal_the_float_copy_path() -> None:
+    """A prompt's scored positions (top 5 at every row) and one row that also draws, as a completions
+    call with max_tokens 1 asks: the other rows stay on the radix select, the drawing rows' draws
+    come from their own float32 copy and equal the float copy path's, which serves every row."""
+    rows, vocab = 13, 2000
+    z = logits(rows, vocab, torch.bfloat16, seed=31)
+    gen = torch.Generator().manual_seed(32)
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    inv_t = 1.0 / (0.5 + torch.rand(rows, generator=gen))
+    asking = np.arange(1, rows)
+    drawing = np.asarray([3, 11])  # into the asking rows: action rows 4 and 12, in two chunks
+    seeds = torch.zeros(len(asking), dtype=torch.long)
+    seeds[drawing] = torch.tensor([77, 78])
+    asks = replace(
+        chunk_asks(asking, vocab, 5),
+        seeds=seeds,
+        positions=torch.arange(len(asking)) + 40,
+        drawing=drawing,
+    )
+    transform = LogitTransform(scale=SCALE)
+    calls: list[int] = []
+    real = extras_radix.Collector.chunk_of
+
+    def counted(self: extras_radix.Collector, z: torch.Tensor, start: int, end: int) -> None:
+        calls.append(start)
+        real(self, z, start, end)
+
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(extras_radix.Collector, "chunk_of", counted)
+        got = score_actions(
+            hidden=torch.arange(rows, dtype=torch.float32)[:, None], targets=targets,
+            inv_temperature=inv_t, lm_head=Stored(z), transform=transform, chunk_rows=4,
+            want_entropy=False, fused=True, extras=asks,
+        )  # fmt: skip
+    assert calls == [0, 4, 8, 12]  # the radix select served every chunk
+    want = chunked_reference(z, targets, inv_t, transform, asks, 4)
+    assert got.extras is not None
+    assert got.extras.drawn is not None
+    assert want.drawn is not None
+    assert torch.equal(got.extras.drawn[drawing], want.drawn[drawing])
+    assert bool((np.delete(got.extras.drawn.numpy(), drawing) == -1).all())
+    assert_same_extras(replace(got.extras, drawn=None), replace(want, drawn=None))
+
+
+@only_interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("top", [1, 10, 2000])
 def test_interpreter_fast_extras_equal_the_float_copy_path(dtype: torch.dtype, top: int) -> None:
