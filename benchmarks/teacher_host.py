@@ -22,7 +22,8 @@ Then over HTTP: the real app under uvicorn on loopback (benchmarks.run.HttpServe
 InstantEngine, the call made exactly as teacher_call makes it (a fresh httpx.Client, `client.post(...,
 json=body)`, `reply.content`), after one warm-up call, from `subprocess` (a client process, as a
 trainer is) and `in_process` (the main thread of the server's process, as benchmarks.distribution
-makes it): `ms` to the last byte and `headers_ms` to the status line (an httpx response hook).
+makes it): `ms` to the last byte (median; `min_ms` the best, less disturbed by other work on a
+shared machine) and `headers_ms` to the status line (an httpx response hook).
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ def calls(url: str, body: dict[str, Any], reps: int) -> dict[str, Any]:
     made = [teacher_call(url, body) for _ in range(reps + 1)][1:]
     return {
         "ms": statistics.median(c["ms"] for c in made),
+        "min_ms": min(c["ms"] for c in made),
         "headers_ms": statistics.median(c["headers_ms"] for c in made),
         "calls_ms": [round(c["ms"], 1) for c in made],
         "bytes": made[0]["bytes"],
