@@ -6,7 +6,8 @@
 The call is benchmarks.distribution's `teacher_call`, as TRL's VLLMClient.get_sequence_logprobs
 makes it (trl/generation/vllm_client.py): one POST /v1/completions with 8 token-id prompts of 4,096
 tokens, `max_tokens: 1`, `temperature: 1.0`, `prompt_logprobs: 100`, vocabulary 151,936 (Qwen2.5's),
-no tokenizer (every decoded_token null, as benchmarks.distribution serves a random-weight model).
+no tokenizer (every decoded_token null, as benchmarks.distribution serves a random-weight model: no
+answer shows the drawn token, so none is drawn, plan.py).
 
 In this process, each server-side stage alone (median of --reps, ms):
 
@@ -14,7 +15,6 @@ In this process, each server-side stage alone (median of --reps, ms):
 - parse: the route's parse_body into a CompletionRequest; plan: plan_completion;
 - collect: InFlight.result of the call's micro-batch, the engine's split of its host copies per job
   (benchmarks.host_path.InstantEngine: PackedScorer's host tensors, ready at once);
-- draw: the route's reading of the token after each prompt (last_position, Drawn);
 - render: response.completion_chunks, the answer's bytes (render_1thread: on one thread);
 - client_parse: the client's json.loads of the answer (TRL's own, outside teacher_call's time).
 
@@ -48,7 +48,7 @@ from benchmarks.run import HttpServer
 from service.completions import response
 from service.completions.pieces import TokenPieces
 from service.completions.plan import plan_completion
-from service.completions.response import Drawn, completion_chunks, last_position
+from service.completions.response import Drawn, completion_chunks
 from service.completions.schemas import CompletionRequest
 from service.normalise import ModelLimits
 from service.schemas import parse_body
@@ -84,21 +84,11 @@ def stages(body: dict[str, Any], reps: int) -> dict[str, float]:
     limits = ModelLimits(vocab_size=VOCAB, max_sequence_tokens=32_768, max_top_logprobs=MAX_K)
     raw = orjson.dumps(body)
     request = parse_body(CompletionRequest, raw)
-    plan = plan_completion(request, limits, engine.info.model, MAX_K)
+    plan = plan_completion(request, limits, engine.info.model, MAX_K, shows_text=False)
     launched = engine.launch(plan.jobs)
     scores = launched.result()
     pieces = TokenPieces.build(None, VOCAB)
-
-    def draw() -> list[Drawn]:
-        out = []
-        for s in scores:
-            assert s.drawn is not None
-            last, token = last_position(s), int(s.drawn[-1])
-            j = last.top_ids.index(token)
-            out.append(Drawn(token, last.top_logprobs[j], j + 1))
-        return out
-
-    drawn: list[Drawn | None] = list(draw())
+    drawn: list[Drawn | None] = [None] * len(scores)  # shown by no answer here: not drawn
 
     def render() -> list[bytes]:
         return completion_chunks(
@@ -120,9 +110,10 @@ def stages(body: dict[str, Any], reps: int) -> dict[str, float]:
             reps,
         ),
         "parse": _median_ms(lambda: parse_body(CompletionRequest, raw), reps),
-        "plan": _median_ms(lambda: plan_completion(request, limits, engine.info.model, MAX_K), reps),
+        "plan": _median_ms(
+            lambda: plan_completion(request, limits, engine.info.model, MAX_K, shows_text=False), reps
+        ),
         "collect": _median_ms(launched.result, reps),
-        "draw": _median_ms(draw, reps),
         "render": _median_ms(render, reps),
     }
     threads = response.RENDER_THREADS

@@ -73,7 +73,13 @@ def build_completions_router(
         began = time.perf_counter()
         request = parse_body(CompletionRequest, await read_body(http, settings.max_body_bytes))
         serving = state.require_serving()
-        plan = plan_completion(request, serving.limits, serving.info.model, serving.limits.max_top_logprobs)
+        plan = plan_completion(
+            request,
+            serving.limits,
+            serving.info.model,
+            serving.limits.max_top_logprobs,
+            shows_text=serving.token_text is not None,
+        )
         metrics.queue_requests.inc()
         try:
             scores, drawn = await answer_or_give_up(http, _score(serving, plan), settings.request_timeout_s)
@@ -159,10 +165,10 @@ async def _sent(
 
 
 async def _score(serving: Serving, plan: CompletionPlan) -> tuple[list[SequenceScores], list[Drawn | None]]:
-    """The plan's scores, and the token drawn after each prompt (max_tokens 1)."""
+    """The plan's scores, and the token drawn after each prompt (max_tokens 1, where it is shown)."""
     scored = await serving.batcher.submit(plan.jobs)
     scores = scored.scores
-    if not plan.draw:
+    if not plan.scores_draw:
         return scores, [None] * len(scores)
     drawn: list[Drawn | None] = []
     missing: list[int] = []

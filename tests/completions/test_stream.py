@@ -54,10 +54,17 @@ def with_top(job: SequenceJob, scores: SequenceScores, vocab: int) -> SequenceSc
 
 
 class TopEngine(FakeEngine):
+    """FakeEngine with the head's extras (with_top); `seeds` the draw seeds of every job launched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seeds: list[int | None] = []
+
     def launch(
         self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
     ) -> FakeLaunched:
         assert chunk is None
+        self.seeds += [job.draw_seed for job in jobs]
         launched = super().launch(jobs, chunk, forest)
         launched.scores = [
             with_top(job, s, self.info.vocab_size) for job, s in zip(jobs, launched.scores, strict=True)
@@ -116,13 +123,15 @@ def expected(reply: bytes, rows: list[list[int]], engine: TopEngine) -> bytes:
 def test_the_streamed_answer_is_the_written_one(
     served: tuple[str, TopEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Sent a piece at a time (every piece its own chunk), the bytes are completion_chunks'."""
+    """Sent a piece at a time (every piece its own chunk), the bytes are completion_chunks' with the
+    token drawn: without a tokenizer no answer shows it, so the server draws none."""
     url, engine = served
     monkeypatch.setattr(response, "CHUNK_BYTES", 1)
     rows = prompts()
     reply = httpx.post(f"{url}/v1/completions", json=body(rows), timeout=60)
     assert reply.status_code == 200, reply.text
     assert reply.headers["transfer-encoding"] == "chunked"
+    assert engine.seeds == [None] * 3
     assert reply.content == expected(reply.content, rows, engine)
     choices = reply.json()["choices"]
     assert [len(c["prompt_logprobs"]) for c in choices] == [LENGTH] * 3
