@@ -6,6 +6,7 @@ as a shorter document that parses."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -191,3 +192,26 @@ def test_a_failure_after_the_first_byte_is_an_error_to_requests(served: tuple[st
     url, _ = served
     with pytest.raises(requests.exceptions.ChunkedEncodingError):
         requests.post(f"{url}/v1/completions", json=body(prompts()), timeout=60)
+
+
+def test_an_id_outside_the_vocabulary_is_an_error_before_the_first_byte(
+    served: tuple[str, TopEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scores the writer has no piece for (an engine's bug) are refused whole, with a 500, before any
+    of the answer is sent."""
+    url, engine = served
+    vocab = engine.info.vocab_size
+    top = with_top
+
+    def past_the_vocabulary(job: SequenceJob, scores: SequenceScores, _: int) -> SequenceScores:
+        s = top(job, scores, vocab)
+        assert s.top_ids is not None
+        s.top_ids[-1, -1] = vocab  # the last position's K-th id
+        return s
+
+    monkeypatch.setattr(sys.modules[__name__], "with_top", past_the_vocabulary)
+    reply = httpx.post(f"{url}/v1/completions", json=body(prompts()), timeout=60)
+    assert reply.status_code == 500
+    error = reply.json()["error"]
+    assert error["type"] == "engine_failure"
+    assert "prompt 0 hold a top id outside" in error["message"]
