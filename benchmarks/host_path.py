@@ -78,51 +78,89 @@ class _Ready:
 
 class InstantEngine:
     """Scores at once: log-probs drawn once (float32, like a model's: -Exp(2)), sliced per job; with
-    top_logprobs, one micro-batch's host extras [A, K] (drawn once per K, sliced) split by InFlight."""
+    top_logprobs (or a draw), one micro-batch's host extras as PackedScorer's host copy holds them
+    (inflight.extra_host: [A, K] HOST_ID_DTYPE ids and float32 log-probs, [A] int64 ranks and draws),
+    split per job by the engine's own collect (InFlight.result). The K ids of a row are distinct, the
+    log-probs sorted, and the action's token is among them six times in ten with the rank and log-prob
+    of its slot (else a rank past K and a log-prob below the K-th): what the completions writer reads."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = VOCAB) -> None:
+        self.vocab = vocab
         self._pool = -np.random.default_rng(0).exponential(2.0, size=1 << 20).astype(np.float32)
-        self._tops: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tops: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._extras: dict[tuple[bytes, int], HostExtras] = {}  # by a micro-batch's tokens: built once
         self._weights = {"policy": WeightsState("policy", "initial", "instant", "initial", time.time())}
-        self.info = host_info(VOCAB)
+        self.info = host_info(vocab)
 
     def _scores(self, job: SequenceJob, actions: int) -> SequenceScores:
         values = self._pool[:actions].copy()
         return SequenceScores(logprobs=values, entropy=values if job.return_entropy else None)
 
-    def _top(self, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[rows, K] ids (the host copy's dtype) and float32 log-probs, views of a pool drawn once."""
-        ids, logprobs = self._tops.get(k, (torch.empty(0, k), torch.empty(0, k)))
-        if ids.shape[0] < rows:
+    def _top(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """[rows, K] int64 first ids (each row's K distinct) and sorted float32 log-probs, drawn once."""
+        base, logprobs = self._tops.get(k, (np.empty(0), np.empty((0, k))))
+        if base.shape[0] < rows:
             rng = np.random.default_rng(k)
-            size = (max(rows, 4096), k)
-            ids = torch.from_numpy(rng.integers(0, VOCAB, size=size)).to(HOST_ID_DTYPE)
-            logprobs = torch.from_numpy(-np.sort(rng.exponential(2.0, size=size).astype(np.float32), axis=1))
-            self._tops[k] = ids, logprobs
-        return ids[:rows], logprobs[:rows]
+            size = max(rows, 4096)
+            base = rng.integers(0, self.vocab, size=size)
+            logprobs = -np.cumsum(rng.exponential(0.15, size=(size, k)), axis=1).astype(np.float32)
+            self._tops[k] = base, logprobs
+        stride = 7919  # a prime that divides no vocabulary here: K < vocab ids a row, all distinct
+        ids = (base[:rows, None] + np.arange(k) * stride) % self.vocab
+        return ids, logprobs[:rows]
+
+    def _host_extras(self, tokens: np.ndarray, k: int, draw: bool) -> HostExtras:
+        """Extras of rows whose action tokens are `tokens` [A]."""
+        key = (tokens.tobytes(), k)
+        if key not in self._extras:
+            rows = tokens.shape[0]
+            ids, top = self._top(rows, k)
+            rng = np.random.default_rng(rows)
+            hit = ids == tokens[:, None]
+            has = hit.any(axis=1)
+            place = ~has & (rng.random(rows) < 0.6)
+            slot = rng.integers(0, k, size=(rows,))
+            ids[place, slot[place]] = tokens[place]
+            rank = np.where(
+                has, hit.argmax(axis=1) + 1, np.where(place, slot + 1, rng.integers(k + 1, self.vocab, rows))
+            )
+            if len(self._extras) >= 64:  # the benchmarks repeat a few rounds' micro-batches
+                del self._extras[next(iter(self._extras))]
+            self._extras[key] = HostExtras(
+                rows=np.arange(rows),
+                top_ids=torch.from_numpy(ids.astype(np.int32)).to(HOST_ID_DTYPE),
+                top_logprobs=torch.from_numpy(np.ascontiguousarray(top)),
+                ranks=torch.from_numpy(rank.astype(np.int64)),
+                candidate_logprobs=None,
+                processed=None,
+                drawn=torch.from_numpy(ids[:, 0].astype(np.int64)) if draw else None,
+            )
+        return self._extras[key]
+
+    def _logprobs(self, extras: HostExtras, k: int) -> torch.Tensor:
+        """[A] the actions' log-probs: their slot's where among the K, else below the K-th."""
+        assert extras.top_logprobs is not None
+        rank = extras.ranks.numpy()
+        top = extras.top_logprobs.numpy()
+        rows = np.arange(rank.shape[0])
+        return torch.from_numpy(
+            np.where(rank <= k, top[rows, np.minimum(rank, k) - 1], top[:, -1] - 1.0).astype(np.float32)
+        )
 
     def launch(
         self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
     ) -> _Ready | InFlight:
-        parts = [(j, int(j.actions.shape[0])) for j in jobs]
+        parts = [(j, j.actions) for j in jobs]
         if chunk is not None:
-            parts.append((chunk.job, int(chunk.actions.shape[0])))
+            parts.append((chunk.job, chunk.actions))
         k = max((j.top_logprobs for j, _ in parts), default=0)
-        if not k:
-            return _Ready([self._scores(j, n) for j, n in parts])
-        counts = [n for _, n in parts]
-        rows = sum(counts)
-        logprobs = torch.from_numpy(self._pool[:rows])
-        ids, top = self._top(rows, k)
-        extras = HostExtras(
-            rows=np.arange(rows),
-            top_ids=ids,
-            top_logprobs=top,
-            ranks=torch.ones(rows, dtype=torch.int64),
-            candidate_logprobs=None,
-            processed=None,
-            drawn=None,
-        )
+        draw = any(j.draw_seed is not None for j, _ in parts)
+        if not k and not draw:
+            return _Ready([self._scores(j, int(a.shape[0])) for j, a in parts])
+        counts = [int(a.shape[0]) for _, a in parts]
+        tokens = np.concatenate([j.tokens[a] for j, a in parts]).astype(np.int64)
+        extras = self._host_extras(tokens, max(k, 1), draw)
+        logprobs = self._logprobs(extras, max(k, 1))
         return InFlight(
             jobs=[j for j, _ in parts],
             actions_per_sequence=counts,

@@ -48,10 +48,12 @@ class Pool:
 
     @classmethod
     def of(cls, strings: Sequence[bytes], head: int = 0) -> Pool:
-        """The strings; with `head` > 0 also their first `head` bytes as a table, copied faster."""
+        """The strings; with `head` > 0 also their first `head` bytes as a table, copied faster (as
+        many as the longest string has, if fewer: "null}" copies 5 bytes, not 32)."""
         length = np.fromiter(map(len, strings), dtype=np.int64, count=len(strings))
         start = np.cumsum(length) - length
         data = np.frombuffer(b"".join(strings) + bytes(SLACK), dtype=np.uint8)
+        head = min(head, int(length.max(initial=1)))
         heads = np.ascontiguousarray(windows(data, head)[start]) if head else None
         return cls(data=data, start=start, length=length, head=heads)
 
@@ -79,11 +81,14 @@ def room(total: int, *pools: Pool) -> Bytes:
 
 def copy_over(buf: Bytes, at: Ints, pool: Pool, which: Ints, width: int) -> None:
     """buf[at[i]:] = pool string which[i], written `width` bytes at a time (strings longer than width
-    in several): each copy spills up to width - 1 bytes past its string, for a later copy to cover."""
+    in several): each copy spills up to width - 1 bytes past its string, for a later copy to cover.
+    A pool with a table of heads is copied at the table's width (`width` at most)."""
     assert width <= SLACK
+    if pool.head is not None:
+        assert pool.head.dtype.itemsize <= width
+        width = pool.head.dtype.itemsize
     dst, src = windows(buf, width), windows(pool.data, width)
     if pool.head is not None:
-        assert pool.head.dtype.itemsize == width
         dst[at] = np.take(pool.head, which)
     else:
         dst[at] = src[pool.start[which]]

@@ -6,6 +6,12 @@ distribution after the last token is scored by appending a placeholder token x_L
 at position L: the head reads logits at L-1, and only that position's top-K and draw are used, never
 the placeholder's own log-prob. Every job asks the head for K = max(the K shown, 1) most likely tokens
 per action, so ranks and the greedy token come with them; never a [tokens, vocab] tensor.
+
+The drawn token shows in the answer only as its text (with a tokenizer) or in OpenAI's `logprobs`.
+Where neither shows it and the prompt is scored (vLLM's prompt_logprobs without a tokenizer: TRL's
+teacher call to a checkpoint without one), no token is drawn and no placeholder appended: the bytes
+are the same, and a job that draws takes every row of its micro-batch off the head's radix select
+(engine/heads/extras_radix.py `usable`) onto its float32 path, with noise on every logit of every row.
 """
 
 from __future__ import annotations
@@ -49,8 +55,14 @@ class CompletionPlan:
     prompt_k: int | None
     logprobs_k: int | None
     echo: bool
-    draw: bool  # max_tokens 1: one token after each prompt, at action position L
+    draw: bool  # max_tokens 1: one token after each prompt (in `usage`)
     greedy: bool  # temperature 0: the most likely token (ties: the lower id)
+    drawn_shown: bool = True  # the drawn token appears in the answer (its text, OpenAI logprobs)
+
+    @property
+    def scores_draw(self) -> bool:
+        """The jobs score the distribution after each prompt (its placeholder action, L) and draw."""
+        return self.draw and (self.drawn_shown or not self.scores_prompt)
 
     @property
     def scores_prompt(self) -> bool:
@@ -66,10 +78,11 @@ class CompletionPlan:
 
 
 def plan_completion(
-    request: CompletionRequest, limits: ModelLimits, model: str, max_k: int
+    request: CompletionRequest, limits: ModelLimits, model: str, max_k: int, *, shows_text: bool = True
 ) -> CompletionPlan:
     """The jobs of `request` for the served `model`; `max_k` is the most tokens per position the
-    server returns. Raises InvalidRequest (422) or PayloadTooLarge / SequenceTooLarge (413)."""
+    server returns; `shows_text`: the server has a tokenizer (choices[i].text shows the drawn token).
+    Raises InvalidRequest (422) or PayloadTooLarge / SequenceTooLarge (413)."""
     _check_served(request, model)
     prompts = _prompts(request)
     check_request_size(
@@ -82,16 +95,18 @@ def plan_completion(
     logprobs_k = _k("logprobs", request.logprobs, limits.vocab_size, max_k)
     temperature = 1.0 if request.temperature is None else request.temperature
     greedy = temperature == 0.0
+    drawn_shown = shows_text or logprobs_k is not None
     scores_prompt = prompt_k is not None or (request.echo and logprobs_k is not None)
-    top = max(prompt_k or 0, logprobs_k or 0, 1) if scores_prompt or draw else 0
+    scores_draw = draw and (drawn_shown or not scores_prompt)  # as CompletionPlan.scores_draw
+    top = max(prompt_k or 0, logprobs_k or 0, 1) if scores_prompt or scores_draw else 0
     jobs = [
         SequenceJob(
-            tokens=np.append(prompt, PLACEHOLDER) if draw else prompt,
-            actions=_actions(int(prompt.shape[0]), scores_prompt, draw),
+            tokens=np.append(prompt, PLACEHOLDER) if scores_draw else prompt,
+            actions=_actions(int(prompt.shape[0]), scores_prompt, scores_draw),
             temperature=temperature if temperature > 0 else 1.0,
             return_entropy=False,
             top_logprobs=top,
-            draw_seed=_seed(request.seed) if draw and not greedy else None,
+            draw_seed=_seed(request.seed) if scores_draw and not greedy else None,
         )
         for prompt in prompts
     ]
@@ -103,6 +118,7 @@ def plan_completion(
         echo=request.echo,
         draw=draw,
         greedy=greedy,
+        drawn_shown=drawn_shown,
     )
 
 

@@ -17,15 +17,18 @@ Token text is the checkpoint tokenizer's `decode([id])`; without a tokenizer, de
 and a token's text is vLLM's id placeholder "token_id:<id>" (--return-tokens-as-token-ids).
 
 The answer is written as JSON bytes, the bytes orjson.dumps writes for it as dicts: the big arrays
-by jsonwriter.py, a block of positions at a time, the rest by orjson here. It comes as a list of
-chunks of about a block each (the document once, no joined copy) for the route to send in turn.
+by jsonwriter.py, a block of positions at a time, the rest by orjson here. `completion_stream` gives
+its chunks (about a block each, the document once, no joined copy) in order as the blocks come off
+a pool, all submitted at once, so the route sends the first while later ones are written. Whatever
+can fail on the scores' content (an id or rank outside the vocabulary's pieces) is checked before it
+returns; the blocks left are numpy copies over checked arrays.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +39,7 @@ from service.completions.jsonwriter import Map, Positions
 from service.completions.pieces import TokenPieces
 from service.completions.plan import CompletionPlan
 from service.engine.contract import TokenText
+from service.errors import EngineFailure
 from service.jobs import SequenceScores
 
 CHUNK_BYTES = 1 << 20  # small pieces of the answer are sent together, up to this many bytes
@@ -108,21 +112,23 @@ class Chunks:
     def add(self, *parts: bytes | Iterator[bytes]) -> None:
         self._parts.extend(parts)
 
-    def done(self) -> list[bytes]:
-        chunks: list[bytes] = []
+    def stream(self) -> Iterator[bytes]:
+        """The chunks in order, each as soon as its pieces are in."""
         small: list[bytes] = []
         size = 0
         for part in self._parts:
             for piece in [part] if isinstance(part, bytes) else part:
                 if len(piece) >= CHUNK_BYTES or size + len(piece) >= CHUNK_BYTES:
-                    chunks.append(b"".join([*small, piece]) if small else piece)
+                    yield b"".join([*small, piece]) if small else piece
                     small, size = [], 0
                 else:
                     small.append(piece)
                     size += len(piece)
         if small:
-            chunks.append(b"".join(small))
-        return chunks
+            yield b"".join(small)
+
+    def done(self) -> list[bytes]:
+        return list(self.stream())
 
 
 def _openai_logprobs(
@@ -171,8 +177,44 @@ def completion_chunks(
     """A CompletionResponse as JSON bytes: one choice per prompt, in order; the big arrays' blocks
     rendered on RENDER_THREADS threads (numpy lets go of the GIL while it copies), all submitted
     before the first is read."""
-    with ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="completions-json") as pool:
-        return _choices(plan, scores, drawn, Shared(model, token_text, pieces, request_id, created), pool.map)
+    with render_pool() as pool:
+        shared = Shared(model, token_text, pieces, request_id, created)
+        return list(completion_stream(plan, scores, drawn, shared, pool))
+
+
+def render_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="completions-json")
+
+
+def completion_stream(
+    plan: CompletionPlan, scores: list[SequenceScores], drawn: list[Drawn | None], h: Shared, pool: Executor
+) -> Iterator[bytes]:
+    """completion_chunks' chunks, each given as soon as it is written: the scores checked and
+    everything but the big arrays' blocks written before this returns, the blocks submitted to
+    `pool` at once (the iterator holds what is written and not yet read). Raises EngineFailure
+    where the scores hold an id or rank the vocabulary has no piece for."""
+    _check_scores(plan, scores, drawn, h.pieces.vocab_size)
+    return _choices(plan, scores, drawn, h, pool.map).stream()
+
+
+def _check_scores(
+    plan: CompletionPlan, scores: list[SequenceScores], drawn: list[Drawn | None], vocab: int
+) -> None:
+    """Top ids in [0, V) and ranks in [0, V] (the pieces' tables), drawn tokens in [0, V)."""
+    if plan.prompt_k is None and plan.logprobs_k is None:
+        return
+    for i, (s, d) in enumerate(zip(scores, drawn, strict=True)):
+        bad = []
+        if s.top_ids is not None and s.top_ids.size and not 0 <= s.top_ids.min() <= s.top_ids.max() < vocab:
+            bad.append("a top id")
+        if s.ranks is not None and s.ranks.size and not 0 <= s.ranks.min() <= s.ranks.max() <= vocab:
+            bad.append("a rank")
+        if d is not None and not (0 <= d.token < vocab and 0 <= d.rank <= vocab):
+            bad.append("the drawn token")
+        if bad:
+            raise EngineFailure(
+                f"the engine's scores of prompt {i} hold {' and '.join(bad)} outside [0, {vocab})"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +230,7 @@ class Shared:
 
 def _choices(
     plan: CompletionPlan, scores: list[SequenceScores], drawn: list[Drawn | None], h: Shared, run: Map
-) -> list[bytes]:
+) -> Chunks:
     out = Chunks()
     dumps = orjson.dumps
     out.add(b'{"id":', dumps(h.request_id), b',"object":"text_completion","created":', dumps(h.created))
@@ -231,4 +273,4 @@ def _choices(
         "total_tokens": prompt_tokens + completion_tokens,
     }
     out.add(b'],"usage":', dumps(usage), b"}")
-    return out.done()
+    return out

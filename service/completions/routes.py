@@ -5,18 +5,27 @@ A completion goes the way a /logprobs request does: body limit, parse, the plan'
 batcher (its micro-batches, prefix sharing, queue limits and deadline), the same outcome metrics.
 With max_tokens 1 the token after each prompt is the head's most likely one (temperature 0) or its
 seeded draw; where the answer shows that token's log-prob and the draw fell outside the top K
-scored, one more job scores it (prompt + the drawn token, one action). The answer (up to hundreds
-of MB for a distillation teacher's prompt_logprobs) is written on a worker thread, whole before its
-first byte is sent, then sent chunk by chunk with its Content-Length, each chunk let go once sent.
+scored, one more job scores it (prompt + the drawn token, one action).
+
+The answer (up to hundreds of MB for a distillation teacher's prompt_logprobs) is sent while it is
+written: every prompt's scores, the checks of their content and the answer's small parts come
+before the first byte, so any failure of the request, the engine or the deadline is a plain error
+response; then its blocks, written on a pool, are sent in order as each is done (chunked transfer:
+its length is known only at the end), each let go once sent. An answer of one chunk (under
+response.CHUNK_BYTES) is sent whole with its Content-Length. A failure after the first byte (a bug,
+memory) cuts the connection before the chunked body's end, which HTTP clients report as an
+incomplete body, never as a shorter valid document; it is logged and counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
@@ -25,12 +34,15 @@ from fastapi.responses import Response, StreamingResponse
 
 from service.completions.pieces import PiecesCache
 from service.completions.plan import CompletionPlan, plan_completion
-from service.completions.response import Drawn, completion_chunks, last_position
+from service.completions.response import Drawn, Shared, completion_stream, last_position, render_pool
 from service.completions.schemas import CompletionRequest, CompletionResponse, ModelList
 from service.http_io import answer_or_give_up, read_body
 from service.jobs import SequenceJob, SequenceScores
+from service.metrics import Metrics
 from service.schemas import ErrorBody, parse_body
 from service.state import ServiceState, Serving
+
+log = logging.getLogger(__name__)
 
 OWNER = "logprobd"
 
@@ -61,34 +73,47 @@ def build_completions_router(
         began = time.perf_counter()
         request = parse_body(CompletionRequest, await read_body(http, settings.max_body_bytes))
         serving = state.require_serving()
-        plan = plan_completion(request, serving.limits, serving.info.model, serving.limits.max_top_logprobs)
+        plan = plan_completion(
+            request,
+            serving.limits,
+            serving.info.model,
+            serving.limits.max_top_logprobs,
+            shows_text=serving.token_text is not None,
+        )
         metrics.queue_requests.inc()
         try:
             scores, drawn = await answer_or_give_up(http, _score(serving, plan), settings.request_timeout_s)
         finally:
             metrics.queue_requests.dec()
 
-        def render() -> list[bytes]:
-            return completion_chunks(
-                plan,
-                scores,
-                drawn,
+        pool = render_pool()
+
+        def start() -> Iterator[bytes]:
+            shared = Shared(
                 model=serving.info.model,
                 token_text=serving.token_text,
                 pieces=vocabulary.get(serving.token_text, serving.info.vocab_size),
                 request_id=f"cmpl-{uuid.uuid4().hex}",
                 created=int(time.time()),
             )
+            return completion_stream(plan, scores, drawn, shared, pool)
 
-        chunks = await asyncio.to_thread(render)
-        metrics.requests.labels("ok").inc()
+        try:
+            chunks = await asyncio.to_thread(start)
+            first = await asyncio.to_thread(next, chunks, b"")
+            second = await asyncio.to_thread(next, chunks, None)
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
         metrics.input_tokens.inc(plan.input_tokens)
         metrics.scored_tokens.inc(plan.scored_tokens)
-        metrics.request_seconds.observe(time.perf_counter() - began)
-        size = sum(map(len, chunks))
-        return StreamingResponse(
-            _sent(deque(chunks)), media_type="application/json", headers={"content-length": str(size)}
-        )
+        if second is None:  # one chunk (under CHUNK_BYTES): the whole answer, with its length
+            pool.shutdown(wait=False)
+            metrics.requests.labels("ok").inc()
+            metrics.request_seconds.observe(time.perf_counter() - began)
+            return Response(first, media_type="application/json")
+        sent = _sent(itertools.chain((first, second), chunks), pool, metrics, began)
+        return StreamingResponse(sent, media_type="application/json")
 
     @router.get("/v1/models", response_model=ModelList, responses={503: {"model": ErrorBody}})
     async def models() -> ModelList:
@@ -115,17 +140,35 @@ def build_completions_router(
     return router
 
 
-async def _sent(chunks: deque[bytes]) -> AsyncIterator[bytes]:
-    """The chunks in order, each let go once handed to the server."""
-    while chunks:
-        yield chunks.popleft()
+async def _sent(
+    chunks: Iterator[bytes], pool: Executor, metrics: Metrics, began: float
+) -> AsyncIterator[bytes]:
+    """The chunks in order, each as soon as it is written and let go once handed to the server; the
+    outcome counted at the end. A failure is raised on (the server then cuts the connection); a
+    client gone (the stream cancelled or closed) stops the writing."""
+    outcome = "internal_error"
+    try:
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            yield chunk
+            del chunk
+        outcome = "ok"
+        metrics.request_seconds.observe(time.perf_counter() - began)
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "client_disconnected"
+        raise
+    except Exception:
+        log.exception("completions: the answer failed after its first byte; the connection is cut")
+        raise
+    finally:
+        metrics.requests.labels(outcome).inc()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def _score(serving: Serving, plan: CompletionPlan) -> tuple[list[SequenceScores], list[Drawn | None]]:
-    """The plan's scores, and the token drawn after each prompt (max_tokens 1)."""
+    """The plan's scores, and the token drawn after each prompt (max_tokens 1, where it is shown)."""
     scored = await serving.batcher.submit(plan.jobs)
     scores = scored.scores
-    if not plan.draw:
+    if not plan.scores_draw:
         return scores, [None] * len(scores)
     drawn: list[Drawn | None] = []
     missing: list[int] = []

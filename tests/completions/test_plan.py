@@ -32,6 +32,28 @@ def test_trl_request_scores_every_prompt_position_and_the_position_after() -> No
     assert (p.input_tokens, p.scored_tokens) == (7, 7)
 
 
+def test_a_draw_no_answer_shows_is_not_made() -> None:
+    """Without a tokenizer, TRL's call shows no drawn token (text "", no logprobs): no placeholder, no
+    seed, only the prompt's positions (the head's radix select stays usable); still one completion token
+    in usage. Where the draw shows (OpenAI logprobs) or is all the job scores, it is made."""
+    body = {"prompt": [[5, 6, 7], [5, 6, 8, 9]], "max_tokens": 1, "temperature": 0.7, "prompt_logprobs": 5}
+    p = plan_completion(CompletionRequest.model_validate(body), LIMITS, "teacher", MAX_K, shows_text=False)
+    assert [j.tokens.tolist() for j in p.jobs] == [[5, 6, 7], [5, 6, 8, 9]]
+    assert [j.actions.tolist() for j in p.jobs] == [[1, 2], [1, 2, 3]]
+    assert all(j.draw_seed is None and j.top_logprobs == 5 for j in p.jobs)
+    assert (p.draw, p.scores_draw) == (True, False)
+    shown = plan_completion(
+        CompletionRequest.model_validate(body | {"logprobs": 2}), LIMITS, "teacher", MAX_K, shows_text=False
+    )
+    assert shown.scores_draw
+    assert all(j.draw_seed is not None and j.actions[-1] == j.tokens.shape[0] - 1 for j in shown.jobs)
+    alone = plan_completion(
+        CompletionRequest(prompt=[5, 6], max_tokens=1), LIMITS, "teacher", MAX_K, shows_text=False
+    )
+    assert alone.jobs[0].actions.tolist() == [2]
+    assert alone.jobs[0].draw_seed is not None
+
+
 def test_lm_eval_request_is_greedy_at_temperature_zero_scored_at_one() -> None:
     p = plan(prompt=[[5, 6, 7]], max_tokens=1, temperature=0, logprobs=1, echo=True, seed=1234)
     job = p.jobs[0]

@@ -30,7 +30,7 @@ def test_prompt_logprobs_as_vllm_returns_them(served: str, reference: Reference)
         {"model": "teacher", "prompt": PROMPTS, "max_tokens": 1, "temperature": t, "prompt_logprobs": k},
     )
     assert reply.status_code == 200, reply.text
-    assert int(reply.headers["content-length"]) == len(reply.content)  # sent whole, in chunks
+    assert int(reply.headers["content-length"]) == len(reply.content)  # under a chunk: sent whole
     assert reply.headers["content-type"] == "application/json"
     body = reply.json()
     assert body["object"] == "text_completion"
@@ -123,11 +123,13 @@ def test_bad_input_is_a_422_naming_the_field(
 
 
 def test_a_large_answer_arrives_whole(served: str) -> None:
-    """Twelve prompts of 250 tokens, K = 64: blocks rendered on the pool, sent in several chunks."""
+    """Twelve prompts of 250 tokens, K = 64: blocks rendered on the pool, each sent as it is done
+    (chunked transfer: the length is known only at the end), all of them, in order."""
     prompts = [[1, *((np.arange(249) * (7 + i)) % 90 + 3).tolist()] for i in range(12)]
     reply = post(served, {"prompt": prompts, "max_tokens": 0, "prompt_logprobs": MAX_TOP})
     assert reply.status_code == 200, reply.text
-    assert int(reply.headers["content-length"]) == len(reply.content) > 8 << 20
+    assert reply.headers["transfer-encoding"] == "chunked"
+    assert len(reply.content) > 8 << 20
     choices = reply.json()["choices"]
     assert [c["index"] for c in choices] == list(range(12))
     for prompt, choice in zip(prompts, choices, strict=True):
