@@ -12,10 +12,13 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
   round's ms after a warm-up round and its cost over plain.
 - `teacher`: one TRL-style distillation call, `POST /v1/completions` with 8 token-id prompts of
   --teacher-tokens tokens, `max_tokens: 1`, `prompt_logprobs: 100` (every position's top 100, vLLM's
-  form), timed from the request sent to the answer's last byte received (the client's JSON parse,
-  TRL's own cost, is not counted; it is reported apart). Its floor counts the head over every
-  position (2 · vocab · hidden per position) besides the layers and attention; `peak_gib_over_weights`
-  is the device's peak allocation during the call less the weights.
+  form), from a client process as a trainer makes it (benchmarks/teacher_host.py --client), timed
+  from the request sent to the answer's last byte received (the client's JSON parse, TRL's own cost,
+  is not counted; it is reported apart, from one more call in this process). Its floor counts the
+  head over every position (2 · vocab · hidden per position) besides the layers and attention;
+  `peak_gib_over_weights` is the device's peak allocation during the calls less the weights.
+  `teacher.drawing`: the same call with `logprobs: 1`, whose answer shows the drawn token, so a token
+  is drawn after each prompt (as wherever the checkpoint has a tokenizer: its `text`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, get_args
@@ -72,33 +77,43 @@ def teacher_prompts(vocab: int, tokens: int, count: int = 8, seed: int = 13) -> 
     return [rng.integers(0, vocab, tokens).tolist() for _ in range(count)]
 
 
-def teacher_call(url: str, model: str, prompts: list[list[int]], device: torch.device) -> dict[str, Any]:
-    """One /v1/completions call as TRL's get_sequence_logprobs makes it: seconds to the last byte, the
-    answer's size, the client-side parse time, and the device's peak allocation during it."""
-    body = {
+def teacher_body(model: str, prompts: list[list[int]]) -> dict[str, Any]:
+    """The body of TRL's get_sequence_logprobs call."""
+    return {
         "model": model,
         "prompt": prompts,
         "max_tokens": 1,
         "temperature": 1.0,
         "prompt_logprobs": TEACHER_K,
     }
+
+
+def teacher_calls(url: str, body: dict[str, Any], reps: int, device: torch.device) -> dict[str, Any]:
+    """The call from a client process, as a TRL trainer makes it (benchmarks/teacher_host.py --client:
+    a fresh httpx.Client per call, `client.post`, `reply.content`), a warm-up and `reps` timed calls;
+    the device's peak allocation over them; then one call from this process for the answer's size,
+    its entries and the client-side parse time."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "body.json"
+        path.write_text(json.dumps(body))
+        cmd = [sys.executable, "-m", "benchmarks.teacher_host", "--client", url, str(path), str(reps)]
+        timed = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     with httpx.Client(base_url=url, timeout=600) as client:
-        started = time.perf_counter()
         reply = client.post("/v1/completions", json=body)
-        content = reply.content
-        seconds = time.perf_counter() - started
     reply.raise_for_status()
     parsing = time.perf_counter()
-    answer = json.loads(content)
+    answer = json.loads(reply.content)
     parse_s = time.perf_counter() - parsing
     entries = sum(len(p) for c in answer["choices"] for p in c["prompt_logprobs"] if p is not None)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return {
-        "seconds": seconds,
-        "bytes": len(content),
+        "ms": timed["ms"],
+        "calls_ms": timed["calls_ms"],
+        "headers_ms": timed["headers_ms"],
+        "bytes": len(reply.content),
         "entries": entries,
         "client_parse_s": parse_s,
         "peak_gib": peak,
@@ -143,24 +158,32 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         plain = out["grpo-short"]["variants"]["plain"]["ms"]
         for v in out["grpo-short"]["variants"].values():
             v["cost_over_plain"] = v["ms"] / plain - 1
-        calls = [teacher_call(url, name, prompts, device) for _ in range(args.reps + 1)][
-            1:
-        ]  # after a warm-up
-        best = sorted(calls, key=lambda c: c["seconds"])[len(calls) // 2]
+        body = teacher_body(name, prompts)
+        call = teacher_calls(url, body, args.reps, device)
+        drawing = teacher_calls(url, {**body, "logprobs": 1}, args.reps, device)
         out["teacher"] = {
             "prompts": len(prompts),
             "tokens_per_prompt": args.teacher_tokens,
             "k": TEACHER_K,
             "floor_ms": teacher_floor_s * 1e3,
-            "ms": best["seconds"] * 1e3,
-            "calls_ms": [round(c["seconds"] * 1e3, 1) for c in calls],
-            "floor_fraction": teacher_floor_s / best["seconds"],
-            "answer_bytes": best["bytes"],
-            "entries": best["entries"],
-            "client_parse_ms": best["client_parse_s"] * 1e3,
+            "ms": call["ms"],
+            "calls_ms": call["calls_ms"],
+            "headers_ms": call["headers_ms"],
+            "floor_fraction": teacher_floor_s * 1e3 / call["ms"],
+            "answer_bytes": call["bytes"],
+            "entries": call["entries"],
+            "client_parse_ms": call["client_parse_s"] * 1e3,
             "weights_gib": weights_gib,
-            "peak_gib": max(c["peak_gib"] for c in calls),
-            "peak_gib_over_weights": max(c["peak_gib"] for c in calls) - weights_gib,
+            "peak_gib": call["peak_gib"],
+            "peak_gib_over_weights": call["peak_gib"] - weights_gib,
+            # the same call with OpenAI's logprobs: 1, whose answer shows the drawn token, so each
+            # prompt's job draws one (as it does wherever the checkpoint has a tokenizer)
+            "drawing": {
+                "ms": drawing["ms"],
+                "calls_ms": drawing["calls_ms"],
+                "floor_fraction": teacher_floor_s * 1e3 / drawing["ms"],
+                "peak_gib_over_weights": drawing["peak_gib"] - weights_gib,
+            },
         }
         print(f"  {name} teacher: {out['teacher']}", flush=True)
     return {"attention": engine.info.attention_backend, "decoder": engine.info.decoder, **out}
