@@ -25,18 +25,26 @@ Then the same round over HTTP, the real app under uvicorn on loopback serving `I
 scores are ready at once), from benchmarks/client.py in another process: `plain` (httpx defaults,
 `json=`, `response.json()`) and `frames` (compact frames, logprobd's transport). Its wall time is
 the host's alone: on a GPU the engine's time comes on top, and host work that holds the GIL delays
-the engine thread's launches.
+the engine thread's launches. `<form>_server_cpu_ms` is the server's CPU time per round, steadier
+than the wall time on a shared machine (the client's CPU competes there); `--server-profile PREFIX`
+writes py-spy's collapsed stacks of the server per form.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -263,19 +271,49 @@ def stages(
 
 
 def rounds(
-    samples: list[Sample], reps: int, top_logprobs: int = 0, forms: Sequence[str] = ("plain", "frames")
+    samples: list[Sample],
+    reps: int,
+    top_logprobs: int = 0,
+    forms: Sequence[str] = ("plain", "frames"),
+    profile: str | None = None,
 ) -> dict[str, float]:
-    """Median wall ms of the round over HTTP against InstantEngine, per client."""
+    """Per client form: the median wall ms of the round over HTTP against InstantEngine, and as
+    `<form>_server_cpu_ms` the CPU time of this process (the server's threads: uvicorn's loop, the
+    batcher's executor) per round, warm-up included; the client runs in another process. With
+    `profile`, py-spy samples this process during each form's rounds (`<profile>-<form>.txt`:
+    collapsed stacks, one line per stack and its sample count)."""
     settings = Settings(device="cpu", share_min_tokens=64)
     out: dict[str, float] = {}
     with HttpServer(InstantEngine(), settings) as url:  # type: ignore[arg-type]
-        if "plain" in forms:
-            plain = bodies_of(samples, False, top_logprobs)
-            out["plain"] = statistics.median(http_rounds(url, plain, reps, "plain", False)) * 1e3
-        if "frames" in forms:
-            framed = bodies_of(samples, True, top_logprobs)
-            out["frames"] = statistics.median(http_rounds(url, framed, reps, "asyncio", True)) * 1e3
+        for form in ("plain", "frames"):
+            if form not in forms:
+                continue
+            bodies = bodies_of(samples, form == "frames", top_logprobs)
+            mode = "plain" if form == "plain" else "asyncio"
+            with _sampled(f"{profile}-{form}.txt" if profile else None):
+                cpu = time.process_time()
+                seconds = http_rounds(url, bodies, reps, mode, form == "frames")
+                cpu = time.process_time() - cpu
+            out[form] = statistics.median(seconds) * 1e3
+            out[f"{form}_server_cpu_ms"] = cpu / (reps + 1) * 1e3
     return out
+
+
+@contextmanager
+def _sampled(path: str | None) -> Iterator[None]:
+    """py-spy (the dev install's) recording this process into `path` while the block runs."""
+    if path is None:
+        yield
+        return
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    cmd = [spy, "record", "--pid", str(os.getpid()), "--format", "raw", "--rate", "1000", "--nonblocking"]
+    recorder = subprocess.Popen([*cmd, "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached before the round starts
+    try:
+        yield
+    finally:
+        recorder.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        recorder.wait(timeout=60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         "--top-logprobs", type=int, nargs="+", default=[0], help="K per run (0: plain scoring)"
     )
     parser.add_argument("--forms", nargs="+", choices=["plain", "frames"], default=["plain", "frames"])
+    parser.add_argument(
+        "--server-profile",
+        metavar="PREFIX",
+        help="py-spy the server during the HTTP rounds: PREFIX-<workload>-<form>.txt (collapsed stacks)",
+    )
     args = parser.parse_args(argv)
     results: dict[str, Any] = {}
     for name in args.workloads:
@@ -297,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             key = f"{name} top_logprobs {k}" if k else name
             results[key] = {"stages_ms": stages(samples, args.reps, k, args.forms)}
             if not args.no_http:
-                results[key]["http_round_ms"] = rounds(samples, args.reps, k, args.forms)
+                profile = f"{args.server_profile}-{key.replace(' ', '-')}" if args.server_profile else None
+                results[key]["http_round_ms"] = rounds(samples, args.reps, k, args.forms, profile)
             print(key, orjson.dumps(results[key], option=orjson.OPT_INDENT_2).decode(), flush=True)
     return 0
 
