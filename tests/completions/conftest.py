@@ -74,7 +74,8 @@ def served(teacher_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     log = tmp_path_factory.mktemp("served") / "server.log"
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        # the checkout first, then whatever the environment adds (a GPU host's packages on PYTHONPATH)
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
         "LOGPROBD_DRAIN_SECONDS": "0",
         "LOGPROBD_DEVICE": "cpu",
         "LOGPROBD_DTYPE": "float32",

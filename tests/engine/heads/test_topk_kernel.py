@@ -233,7 +233,9 @@ def chunk_asks(rows: np.ndarray, vocab: int, top: int, device: str = "cpu") -> E
 
 
 def assert_same_extras(got: ExtraScores, want: ExtraScores) -> None:
-    """Ids, ranks and kept decisions exactly; log-probs up to the shift's rounding."""
+    """Ids, ranks and kept decisions exactly; log-probs up to the shift's rounding; processed
+    log-probs also up to the kept mass's (a float32 sum of up to V terms in the kernel's order
+    against torch's: on a GPU at 152,064 tokens, 6.6e-5 on one row of 500)."""
     assert got.top_ids is not None
     assert want.top_ids is not None
     assert torch.equal(got.top_ids, want.top_ids)
@@ -245,7 +247,7 @@ def assert_same_extras(got: ExtraScores, want: ExtraScores) -> None:
     assert got.processed is not None
     assert want.processed is not None
     assert torch.equal(torch.isinf(got.processed), torch.isinf(want.processed))
-    torch.testing.assert_close(got.processed, want.processed, atol=2e-5, rtol=1e-6)
+    torch.testing.assert_close(got.processed, want.processed, atol=1e-4, rtol=1e-6)
     assert got.drawn is None
 
 
@@ -309,7 +311,7 @@ def test_interpreter_fast_extras_equal_the_float_copy_path(dtype: torch.dtype, t
     asks = chunk_asks(asking, vocab, top)
     transform = LogitTransform(scale=SCALE)
     args = (z, 2, 14, targets, inv_t, transform, asks)
-    (fast,) = radix_chunk(*args)
+    fast = extra.cat(radix_chunk(*args))  # one ExtraScores per group of asking rows
     assert_same_extras(fast, extra.cat(chunked.from_float_copy(*args)))
 
 
