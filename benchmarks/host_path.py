@@ -197,7 +197,8 @@ class InstantEngine:
         raise NotImplementedError("no weights to reload")
 
 
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median milliseconds of `reps` calls of fn."""
     seconds = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -244,25 +245,25 @@ def stages(
         ]
         written = [write(a) for a in answers]
         figures = {
-            "parse": _median_ms(lambda: [read(b) for b in bodies], reps),  # noqa: B023 (called at once)
-            "normalise": _median_ms(lambda: [normalise(r, limits) for r in requests], reps),  # noqa: B023
-            "share": _median_ms(lambda: share(tokens, 64), reps),  # noqa: B023
-            "answer": _median_ms(
+            "parse": median_ms(lambda: [read(b) for b in bodies], reps),  # noqa: B023 (called at once)
+            "normalise": median_ms(lambda: [normalise(r, limits) for r in requests], reps),  # noqa: B023
+            "share": median_ms(lambda: share(tokens, 64), reps),  # noqa: B023
+            "answer": median_ms(
                 lambda: [
                     answer(p, s, engine.info, {"policy": "initial"})
                     for p, s in zip(plans, scores, strict=True)  # noqa: B023
                 ],
                 reps,
             ),
-            "encode": _median_ms(lambda: [write(a) for a in answers], reps),  # noqa: B023
+            "encode": median_ms(lambda: [write(a) for a in answers], reps),  # noqa: B023
         }
         if top_logprobs:
-            figures["collect"] = _median_ms(lambda: [f.result() for f in launched], reps)  # noqa: B023
+            figures["collect"] = median_ms(lambda: [f.result() for f in launched], reps)  # noqa: B023
         if form == "plain":
-            figures["client_encode"] = _median_ms(lambda: [json.dumps(o) for o in objects], reps)
-            figures["client_decode"] = _median_ms(lambda: [json.loads(w) for w in written], reps)  # noqa: B023
+            figures["client_encode"] = median_ms(lambda: [json.dumps(o) for o in objects], reps)
+            figures["client_decode"] = median_ms(lambda: [json.loads(w) for w in written], reps)  # noqa: B023
         else:
-            figures["client_decode"] = _median_ms(lambda: [client_read(w) for w in written], reps)  # noqa: B023
+            figures["client_decode"] = median_ms(lambda: [client_read(w) for w in written], reps)  # noqa: B023
         figures["answer_mb"] = sum(len(w) for w in written) / 1e6
         server = ("parse", "normalise", "share", "collect", "answer", "encode")
         figures["server_total"] = sum(figures.get(k, 0.0) for k in server)

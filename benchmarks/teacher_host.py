@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ import httpx
 import numpy as np
 import orjson
 
-from benchmarks.host_path import VOCAB, InstantEngine
+from benchmarks.host_path import VOCAB, InstantEngine, median_ms
 from benchmarks.run import HttpServer
 from service.completions import response
 from service.completions.pieces import TokenPieces
@@ -67,15 +66,6 @@ def teacher_body(prompts: int, tokens: int, k: int, model: str, seed: int = 13) 
         "temperature": 1.0,
         "prompt_logprobs": k,
     }
-
-
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
-    seconds = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds) * 1e3
 
 
 def stages(body: dict[str, Any], reps: int) -> dict[str, float]:
@@ -105,24 +95,24 @@ def stages(body: dict[str, Any], reps: int) -> dict[str, float]:
     chunks = render()
     answer = b"".join(chunks)
     figures = {
-        "client_encode": _median_ms(
+        "client_encode": median_ms(
             lambda: json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(),
             reps,
         ),
-        "parse": _median_ms(lambda: parse_body(CompletionRequest, raw), reps),
-        "plan": _median_ms(
+        "parse": median_ms(lambda: parse_body(CompletionRequest, raw), reps),
+        "plan": median_ms(
             lambda: plan_completion(request, limits, engine.info.model, MAX_K, shows_text=False), reps
         ),
-        "collect": _median_ms(launched.result, reps),
-        "render": _median_ms(render, reps),
+        "collect": median_ms(launched.result, reps),
+        "render": median_ms(render, reps),
     }
     threads = response.RENDER_THREADS
     response.RENDER_THREADS = 1
     try:
-        figures["render_1thread"] = _median_ms(render, reps)
+        figures["render_1thread"] = median_ms(render, reps)
     finally:
         response.RENDER_THREADS = threads
-    figures["client_parse"] = _median_ms(lambda: json.loads(answer), 1)
+    figures["client_parse"] = median_ms(lambda: json.loads(answer), 1)
     figures["answer_mb"] = len(answer) / 1e6
     figures["chunks"] = len(chunks)
     return figures
