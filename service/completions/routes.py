@@ -210,7 +210,7 @@ async def _streamed(
             metrics.scored_tokens.inc(plan.scored_tokens)
             metrics.request_seconds.observe(time.perf_counter() - began)
 
-    return StreamingResponse(answer.rest(first, deadline, done), media_type="application/json")
+    return StreamingResponse(answer.rest(http, first, deadline, done), media_type="application/json")
 
 
 async def _drawn_after(

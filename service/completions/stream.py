@@ -26,10 +26,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
+from fastapi import Request
+
 from service.completions import response
 from service.completions.plan import CompletionPlan
 from service.completions.response import Drawn, Shared, answer_head, answer_tail, choice_stream, render_pool
-from service.errors import DeadlineExceeded, ServiceError
+from service.errors import ClientDisconnected, DeadlineExceeded, ServiceError
+from service.http_io import answer_or_give_up
 from service.jobs import SequenceScores
 
 log = logging.getLogger(__name__)
@@ -82,10 +85,11 @@ class StreamedAnswer:
         )
 
     async def rest(
-        self, first: Iterator[bytes], deadline: float, on_done: Callable[[str], None]
+        self, http: Request, first: Iterator[bytes], deadline: float, on_done: Callable[[str], None]
     ) -> AsyncIterator[bytes]:
         """The answer's bytes, choice 0's chunks given; each later choice awaited until `deadline`
-        (time.perf_counter()). `on_done(outcome)` once sent ("ok") or given up (the error's kind)."""
+        (time.perf_counter()) or the client's disconnect. `on_done(outcome)` once sent ("ok") or
+        given up (the error's kind)."""
         assert self._shared is not None
         outcome = "internal_error"
         try:
@@ -93,7 +97,7 @@ class StreamedAnswer:
             chunks = first
             for i in range(len(self._choices)):
                 if i:
-                    chunks = await self._next(i, deadline)
+                    chunks = await self._next(http, i, deadline)
                 while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
                     yield chunk
                     del chunk
@@ -101,6 +105,10 @@ class StreamedAnswer:
             yield answer_tail(self._plan)
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "ok" if outcome == "ok" else "client_disconnected"
+            raise
+        except ClientDisconnected:
+            outcome = "client_disconnected"
+            log.info("completions: the client left after the first byte; its queued work was dropped")
             raise
         except ServiceError as exc:
             outcome = exc.kind
@@ -113,13 +121,14 @@ class StreamedAnswer:
             on_done(outcome)
             self.drop()
 
-    async def _next(self, i: int, deadline: float) -> Iterator[bytes]:
-        """Choice i's chunks once written; DeadlineExceeded past `deadline`."""
+    async def _next(self, http: Request, i: int, deadline: float) -> Iterator[bytes]:
+        """Choice i's chunks once written; DeadlineExceeded past `deadline`, ClientDisconnected as
+        soon as the client goes (not at the next write)."""
         task = self._choices[i]
         if not task.done():
             try:
-                await asyncio.wait_for(asyncio.shield(task), max(deadline - time.perf_counter(), 0.0))
-            except TimeoutError:
+                await answer_or_give_up(http, asyncio.shield(task), max(deadline - time.perf_counter(), 0.0))
+            except DeadlineExceeded:
                 raise DeadlineExceeded(
                     f"choice {i} was not scored within the deadline; its unscored work was dropped"
                 ) from None
