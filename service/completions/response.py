@@ -21,7 +21,8 @@ by jsonwriter.py, a block of positions at a time, the rest by orjson here. `comp
 its chunks (about a block each, the document once, no joined copy) in order as the blocks come off
 a pool, all submitted at once, so the route sends the first while later ones are written. Whatever
 can fail on the scores' content (an id or rank outside the vocabulary's pieces) is checked before it
-returns; the blocks left are numpy copies over checked arrays.
+returns; the blocks left are numpy copies over checked arrays. The same bytes a choice at a time:
+answer_head, choice_stream of each choice (checked as it is written), answer_tail.
 """
 
 from __future__ import annotations

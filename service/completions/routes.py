@@ -8,12 +8,14 @@ seeded draw; where the answer shows that token's log-prob and the draw fell outs
 scored, one more job scores it (prompt + the drawn token, one action).
 
 The answer (up to hundreds of MB for a distillation teacher's prompt_logprobs) is sent while it is
-written: every prompt's scores, the checks of their content and the answer's small parts come
-before the first byte, so any failure of the request, the engine or the deadline is a plain error
-response; then its blocks, written on a pool, are sent in order as each is done (chunked transfer:
-its length is known only at the end), each let go once sent. An answer of one chunk (under
-response.CHUNK_BYTES) is sent whole with its Content-Length. A failure after the first byte (a bug,
-memory) cuts the connection before the chunked body's end, which HTTP clients report as an
+written. A large answer of several prompts (stream.streams) goes a choice at a time as each prompt's
+micro-batch is collected, its status settled by choice 0 (stream.py says what a later failure
+does). Any other: every prompt's scores, the checks of their content and the answer's small parts
+come before the first byte, so any failure of the request, the engine or the deadline is a plain
+error response; then its blocks, written on a pool, are sent in order as each is done (chunked
+transfer: its length is known only at the end), each let go once sent. An answer of one chunk
+(under response.CHUNK_BYTES) is sent whole with its Content-Length. A failure after the first byte
+(a bug, memory) cuts the connection before the chunked body's end, which HTTP clients report as an
 incomplete body, never as a shorter valid document; it is logged and counted.
 """
 
