@@ -46,6 +46,24 @@ class DrawsOutside(TopEngine):
         return launched
 
 
+class BadTopFor(TopEngine):
+    """TopEngine whose scores of `prompt` hold a top id past the vocabulary (an engine's bug)."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        super().__init__()
+        self.prompt = prompt
+
+    def launch(
+        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+    ) -> FakeLaunched:
+        launched = super().launch(jobs, chunk, forest)
+        for job, s in zip(jobs, launched.scores, strict=True):
+            if job.tokens[: len(self.prompt)].tolist() == self.prompt:
+                assert s.top_ids is not None
+                s.top_ids[-1, -1] = self.info.vocab_size
+        return launched
+
+
 @contextmanager
 def served(
     engine: TopEngine | None = None, *, delay: float = 0.0, timeout_s: float = 600.0
@@ -148,6 +166,31 @@ def test_the_engine_failing_for_choice_0_is_an_error_status() -> None:
         assert reply.status_code == 500, reply.text
         assert reply.json()["error"]["type"] == "engine_failure"
         assert outcomes(url)["engine_failure"] == 1
+
+
+@pytest.mark.usefixtures("per_choice")
+def test_bad_scores_for_choice_0_are_an_error_status_and_for_choice_2_cut_the_body() -> None:
+    with served(BadTopFor(prompts()[0])) as (url, _):
+        reply = httpx.post(f"{url}/v1/completions", json=body(prompts()), timeout=60)
+        assert reply.status_code == 500, reply.text
+        assert "prompt 0 hold a top id outside" in reply.json()["error"]["message"]
+    with served(BadTopFor(prompts()[2])) as (url, _):
+        received = cut(url, body(prompts()))
+        assert b'"index":1' in received
+        assert b'"index":2' not in received
+        assert outcomes(url)["engine_failure"] == 1
+
+
+@pytest.mark.usefixtures("per_choice")
+def test_the_deadline_before_choice_0_is_an_error_status() -> None:
+    """A deadline of 0.2 s, 0.4 s a micro-batch: a 504, and the prompts not launched (all but the
+    first two) are dropped: kept, the fourth would launch at 0.8 s."""
+    with served(delay=0.4, timeout_s=0.2) as (url, engine):
+        reply = httpx.post(f"{url}/v1/completions", json=body(eight_prompts()), timeout=60)
+        assert reply.status_code == 504, reply.text
+        assert reply.json()["error"]["type"] == "deadline_exceeded"
+        time.sleep(1.2)
+        assert len(engine.batches) <= 2
 
 
 @pytest.mark.usefixtures("per_choice")
