@@ -84,16 +84,35 @@ class _Ready:
         return None
 
 
-class InstantEngine:
-    """Scores at once: log-probs drawn once (float32, like a model's: -Exp(2)), sliced per job; with
-    top_logprobs (or a draw), one micro-batch's host extras as PackedScorer's host copy holds them
-    (inflight.extra_host: [A, K] HOST_ID_DTYPE ids and float32 log-probs, [A] int64 ranks and draws),
-    split per job by the engine's own collect (InFlight.result). The K ids of a row are distinct, the
-    log-probs sorted, and the action's token is among them six times in ten with the rank and log-prob
-    of its slot (else a rank past K and a log-prob below the K-th): what the completions writer reads."""
+@dataclass(frozen=True, slots=True)
+class _Timed:
+    """A micro-batch whose scores are ready at `ready_at` (time.perf_counter()), not before."""
 
-    def __init__(self, vocab: int = VOCAB) -> None:
+    launched: _Ready | InFlight
+    ready_at: float
+
+    def result(self) -> list[SequenceScores]:
+        time.sleep(max(self.ready_at - time.perf_counter(), 0.0))
+        return self.launched.result()
+
+    def expert_load(self) -> None:
+        return None
+
+
+class InstantEngine:
+    """Scores at once (with `device_ms`: each micro-batch's that many ms after the device, which
+    runs one at a time, is free): log-probs drawn once (float32, like a model's: -Exp(2)), sliced
+    per job; with top_logprobs (or a draw), one micro-batch's host extras as PackedScorer's host
+    copy holds them (inflight.extra_host: [A, K] HOST_ID_DTYPE ids and float32 log-probs, [A] int64
+    ranks and draws), split per job by the engine's own collect (InFlight.result). The K ids of a
+    row are distinct, the log-probs sorted, and the action's token is among them six times in ten
+    with the rank and log-prob of its slot (else a rank past K and a log-prob below the K-th): what
+    the completions writer reads."""
+
+    def __init__(self, vocab: int = VOCAB, device_ms: float = 0.0) -> None:
         self.vocab = vocab
+        self.device_s = device_ms / 1e3
+        self._device_free = 0.0  # time.perf_counter() at which the simulated device is idle
         self._pool = -np.random.default_rng(0).exponential(2.0, size=1 << 20).astype(np.float32)
         self._tops: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._extras: dict[tuple[bytes, int], HostExtras] = {}  # by a micro-batch's tokens: built once
@@ -157,7 +176,14 @@ class InstantEngine:
 
     def launch(
         self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
-    ) -> _Ready | InFlight:
+    ) -> _Ready | InFlight | _Timed:
+        launched = self._launch(jobs, chunk)
+        if not self.device_s:
+            return launched
+        self._device_free = max(time.perf_counter(), self._device_free) + self.device_s
+        return _Timed(launched, self._device_free)
+
+    def _launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None) -> _Ready | InFlight:
         parts = [(j, j.actions) for j in jobs]
         if chunk is not None:
             parts.append((chunk.job, chunk.actions))

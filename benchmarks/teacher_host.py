@@ -2,6 +2,7 @@
 
     python -m benchmarks.teacher_host [--prompts 8] [--tokens 4096] [--k 100] [--reps 3]
                                       [--clients subprocess in_process] [--no-stages] [--no-http]
+                                      [--device-ms 0] [--whole]
 
 The call is benchmarks.distribution's `teacher_call`, as TRL's VLLMClient.get_sequence_logprobs
 makes it (trl/generation/vllm_client.py): one POST /v1/completions with 8 token-id prompts of 4,096
@@ -24,6 +25,13 @@ json=body)`, `reply.content`), after one warm-up call, from `subprocess` (a clie
 trainer is) and `in_process` (the main thread of the server's process, as benchmarks.distribution
 makes it): `ms` to the last byte (median; `min_ms` the best, less disturbed by other work on a
 shared machine) and `headers_ms` to the status line (an httpx response hook).
+
+With `--device-ms MS` each micro-batch's scores are ready MS after the simulated device, which runs
+one micro-batch at a time, is free (the call's 32,768 tokens are 2 micro-batches of the default
+16,384-token budget, as on the GPU), so the call's time shows how much of the answer's writing and
+transfer overlaps the compute: the answer goes a choice at a time (completions/stream.py) as each
+micro-batch is collected. `--whole` sends it whole after every prompt's scores, the way it went
+before (the baseline).
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import orjson
 
 from benchmarks.host_path import VOCAB, InstantEngine, median_ms
 from benchmarks.run import HttpServer
-from service.completions import response
+from service.completions import response, stream
 from service.completions.pieces import TokenPieces
 from service.completions.plan import plan_completion
 from service.completions.response import Drawn, completion_chunks
@@ -143,11 +151,12 @@ def calls(url: str, body: dict[str, Any], reps: int) -> dict[str, Any]:
     }
 
 
-def http(body: dict[str, Any], reps: int, clients: list[str]) -> dict[str, Any]:
+def http(body: dict[str, Any], reps: int, clients: list[str], device_ms: float = 0.0) -> dict[str, Any]:
     """The call over HTTP from each client, against the app serving InstantEngine."""
     settings = Settings(device="cpu", max_top_logprobs=MAX_K)
     out: dict[str, Any] = {}
-    with HttpServer(InstantEngine(), settings) as url, tempfile.TemporaryDirectory() as tmp:  # type: ignore[arg-type]
+    engine = InstantEngine(device_ms=device_ms)
+    with HttpServer(engine, settings) as url, tempfile.TemporaryDirectory() as tmp:  # type: ignore[arg-type]
         path = Path(tmp) / "body.json"
         path.write_bytes(orjson.dumps(body))
         for client in clients:
@@ -178,19 +187,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--render-threads", type=int, default=response.RENDER_THREADS, help="the writer's pool (the server's)"
     )
+    parser.add_argument(
+        "--device-ms", type=float, default=0.0, help="the simulated device's ms per micro-batch (HTTP)"
+    )
+    parser.add_argument(
+        "--whole", action="store_true", help="every answer sent whole, after all its scores (the baseline)"
+    )
     parser.add_argument("--no-stages", action="store_true", help="over HTTP only")
     parser.add_argument("--no-http", action="store_true", help="the in-process stages only")
     args = parser.parse_args(args_in)
     response.RENDER_THREADS = args.render_threads
+    if args.whole:
+        stream.STREAM_CHUNKS = sys.maxsize
     body = teacher_body(args.prompts, args.tokens, args.k, InstantEngine().info.model)
     results: dict[str, Any] = {
         "shape": f"{args.prompts} x {args.tokens} tokens, K={args.k}, vocab {VOCAB}",
         "render_threads": args.render_threads,
+        "device_ms_per_micro_batch": args.device_ms,
+        "answer": "whole" if args.whole else "per choice where large (stream.streams)",
     }
     if not args.no_stages:
         results["stages_ms"] = stages(body, args.reps)
     if not args.no_http:
-        results["http"] = http(body, args.reps, args.clients)
+        results["http"] = http(body, args.reps, args.clients, args.device_ms)
     print(orjson.dumps(results, option=orjson.OPT_INDENT_2).decode(), flush=True)
     return 0
 

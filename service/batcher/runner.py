@@ -158,6 +158,16 @@ class Batcher:
         and return the coroutine that waits for their scores. Raises Overloaded (nothing queued)
         past `max_queued_tokens`, VersionMismatch when `pins` (model -> version) are not what runs;
         cancelling the coroutine drops its sequences that have not reached the engine."""
+        return self._answer(self._queue(jobs, pins))
+
+    def submit_each(self, jobs: Sequence[SequenceJob], pins: Mapping[str, str] | None = None) -> list[Future]:
+        """Queue `jobs` as `submit` does and return each one's future, in order, set as soon as its
+        micro-batch is collected: the first can be answered while later ones compute. Cancelling a
+        future drops its sequence if it has not reached the engine; the caller retrieves every
+        failure (or cancels). All come from one set of weights, as `submit`'s do."""
+        return self._queue(jobs, pins).futures
+
+    def _queue(self, jobs: Sequence[SequenceJob], pins: Mapping[str, str] | None) -> Request[Future]:
         request: Request[Future] = Request(pins or {})
         self._policy.admit(request.pins, sum(job.num_tokens for job in jobs), self._tokens_per_s)
         loop = asyncio.get_running_loop()
@@ -166,7 +176,7 @@ class Batcher:
         self._gauge()
         self._hand_over_a_full_budget()
         self._wake.set()
-        return self._answer(request)
+        return request
 
     @staticmethod
     async def _answer(request: Request[Future]) -> Scored:

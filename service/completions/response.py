@@ -21,7 +21,8 @@ by jsonwriter.py, a block of positions at a time, the rest by orjson here. `comp
 its chunks (about a block each, the document once, no joined copy) in order as the blocks come off
 a pool, all submitted at once, so the route sends the first while later ones are written. Whatever
 can fail on the scores' content (an id or rank outside the vocabulary's pieces) is checked before it
-returns; the blocks left are numpy copies over checked arrays.
+returns; the blocks left are numpy copies over checked arrays. The same bytes a choice at a time:
+answer_head, choice_stream of each choice (checked as it is written), answer_tail.
 """
 
 from __future__ import annotations
@@ -194,27 +195,76 @@ def completion_stream(
     `pool` at once (the iterator holds what is written and not yet read). Raises EngineFailure
     where the scores hold an id or rank the vocabulary has no piece for."""
     _check_scores(plan, scores, drawn, h.pieces.vocab_size)
-    return _choices(plan, scores, drawn, h, pool.map).stream()
+    out = Chunks()
+    out.add(answer_head(h))
+    for i, (s, d) in enumerate(zip(scores, drawn, strict=True)):
+        _choice(out, plan, i, s, d, h=h, run=pool.map)
+    out.add(answer_tail(plan))
+    return out.stream()
+
+
+def choice_stream(
+    plan: CompletionPlan, i: int, scores: SequenceScores, drawn: Drawn | None, *, h: Shared, pool: Executor
+) -> Iterator[bytes]:
+    """Choice i's chunks (its leading comma with it): answer_head, then choices 0 .. n-1, then
+    answer_tail are completion_stream's bytes. Checked, and its blocks submitted to `pool`, before
+    this returns; raises EngineFailure as completion_stream does, naming prompt i."""
+    _check_choice(plan, i, scores, drawn, h.pieces.vocab_size)
+    out = Chunks()
+    _choice(out, plan, i, scores, drawn, h=h, run=pool.map)
+    return out.stream()
+
+
+def answer_head(h: Shared) -> bytes:
+    """The answer's bytes before its first choice."""
+    dumps = orjson.dumps
+    return b"".join(
+        [
+            b'{"id":',
+            dumps(h.request_id),
+            b',"object":"text_completion","created":',
+            dumps(h.created),
+            b',"model":',
+            dumps(h.model),
+            b',"choices":[',
+        ]
+    )
+
+
+def answer_tail(plan: CompletionPlan) -> bytes:
+    """The answer's bytes after its last choice: OpenAI's usage."""
+    prompt_tokens = plan.input_tokens
+    completion_tokens = len(plan.prompts) if plan.draw else 0
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    return b'],"usage":' + orjson.dumps(usage) + b"}"
 
 
 def _check_scores(
     plan: CompletionPlan, scores: list[SequenceScores], drawn: list[Drawn | None], vocab: int
 ) -> None:
-    """Top ids in [0, V) and ranks in [0, V] (the pieces' tables), drawn tokens in [0, V)."""
+    for i, (s, d) in enumerate(zip(scores, drawn, strict=True)):
+        _check_choice(plan, i, s, d, vocab)
+
+
+def _check_choice(plan: CompletionPlan, i: int, s: SequenceScores, d: Drawn | None, vocab: int) -> None:
+    """Top ids in [0, V) and ranks in [0, V] (the pieces' tables), the drawn token in [0, V)."""
     if plan.prompt_k is None and plan.logprobs_k is None:
         return
-    for i, (s, d) in enumerate(zip(scores, drawn, strict=True)):
-        bad = []
-        if s.top_ids is not None and s.top_ids.size and not 0 <= s.top_ids.min() <= s.top_ids.max() < vocab:
-            bad.append("a top id")
-        if s.ranks is not None and s.ranks.size and not 0 <= s.ranks.min() <= s.ranks.max() <= vocab:
-            bad.append("a rank")
-        if d is not None and not (0 <= d.token < vocab and 0 <= d.rank <= vocab):
-            bad.append("the drawn token")
-        if bad:
-            raise EngineFailure(
-                f"the engine's scores of prompt {i} hold {' and '.join(bad)} outside [0, {vocab})"
-            )
+    bad = []
+    if s.top_ids is not None and s.top_ids.size and not 0 <= s.top_ids.min() <= s.top_ids.max() < vocab:
+        bad.append("a top id")
+    if s.ranks is not None and s.ranks.size and not 0 <= s.ranks.min() <= s.ranks.max() <= vocab:
+        bad.append("a rank")
+    if d is not None and not (0 <= d.token < vocab and 0 <= d.rank <= vocab):
+        bad.append("the drawn token")
+    if bad:
+        raise EngineFailure(
+            f"the engine's scores of prompt {i} hold {' and '.join(bad)} outside [0, {vocab})"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,49 +278,41 @@ class Shared:
     created: int
 
 
-def _choices(
-    plan: CompletionPlan, scores: list[SequenceScores], drawn: list[Drawn | None], h: Shared, run: Map
-) -> Chunks:
-    out = Chunks()
+def _choice(
+    out: Chunks,
+    plan: CompletionPlan,
+    i: int,
+    s: SequenceScores,
+    d: Drawn | None,
+    *,
+    h: Shared,
+    run: Map,
+) -> None:
+    """choices[i], its leading comma with it."""
+    prompt = plan.prompts[i]
+    positions = prompt_positions(prompt, s) if plan.scores_prompt else None
+    drawn_at = drawn_position(d, s) if d is not None else None
     dumps = orjson.dumps
-    out.add(b'{"id":', dumps(h.request_id), b',"object":"text_completion","created":', dumps(h.created))
-    out.add(b',"model":', dumps(h.model), b',"choices":[')
-    for i, (prompt, s, d) in enumerate(zip(plan.prompts, scores, drawn, strict=True)):
-        positions = prompt_positions(prompt, s) if plan.scores_prompt else None
-        drawn_at = drawn_position(d, s) if d is not None else None
-        out.add(
-            b"," if i else b"",
-            b'{"index":',
-            dumps(i),
-            b',"text":',
-            dumps(_text(plan, prompt, d, h.token_text)),
+    out.add(
+        b"," if i else b"", b'{"index":', dumps(i), b',"text":', dumps(_text(plan, prompt, d, h.token_text))
+    )
+    out.add(b',"logprobs":')
+    if plan.logprobs_k is None:
+        out.add(b"null")
+    else:
+        _openai_logprobs(
+            out,
+            h.pieces,
+            plan.logprobs_k,
+            prompt,
+            positions=positions,
+            drawn=drawn_at,
+            echo=plan.echo,
+            run=run,
         )
-        out.add(b',"logprobs":')
-        if plan.logprobs_k is None:
-            out.add(b"null")
-        else:
-            _openai_logprobs(
-                out,
-                h.pieces,
-                plan.logprobs_k,
-                prompt,
-                positions=positions,
-                drawn=drawn_at,
-                echo=plan.echo,
-                run=run,
-            )
-        out.add(b',"finish_reason":"length","stop_reason":null,"prompt_logprobs":')
-        if plan.prompt_k is None or positions is None:
-            out.add(b"null")
-        else:
-            out.add(jsonwriter.prompt_logprobs(h.pieces, positions, plan.prompt_k, run=run))
-        out.add(b"}")
-    prompt_tokens = plan.input_tokens
-    completion_tokens = len(plan.prompts) if plan.draw else 0
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    out.add(b'],"usage":', dumps(usage), b"}")
-    return out
+    out.add(b',"finish_reason":"length","stop_reason":null,"prompt_logprobs":')
+    if plan.prompt_k is None or positions is None:
+        out.add(b"null")
+    else:
+        out.add(jsonwriter.prompt_logprobs(h.pieces, positions, plan.prompt_k, run=run))
+    out.add(b"}")

@@ -8,12 +8,14 @@ seeded draw; where the answer shows that token's log-prob and the draw fell outs
 scored, one more job scores it (prompt + the drawn token, one action).
 
 The answer (up to hundreds of MB for a distillation teacher's prompt_logprobs) is sent while it is
-written: every prompt's scores, the checks of their content and the answer's small parts come
-before the first byte, so any failure of the request, the engine or the deadline is a plain error
-response; then its blocks, written on a pool, are sent in order as each is done (chunked transfer:
-its length is known only at the end), each let go once sent. An answer of one chunk (under
-response.CHUNK_BYTES) is sent whole with its Content-Length. A failure after the first byte (a bug,
-memory) cuts the connection before the chunked body's end, which HTTP clients report as an
+written. A large answer of several prompts (stream.streams) goes a choice at a time as each prompt's
+micro-batch is collected, its status settled by choice 0 (stream.py says what a later failure
+does). Any other: every prompt's scores, the checks of their content and the answer's small parts
+come before the first byte, so any failure of the request, the engine or the deadline is a plain
+error response; then its blocks, written on a pool, are sent in order as each is done (chunked
+transfer: its length is known only at the end), each let go once sent. An answer of one chunk
+(under response.CHUNK_BYTES) is sent whole with its Content-Length. A failure after the first byte
+(a bug, memory) cuts the connection before the chunked body's end, which HTTP clients report as an
 incomplete body, never as a shorter valid document; it is logged and counted.
 """
 
@@ -24,8 +26,9 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -36,6 +39,7 @@ from service.completions.pieces import PiecesCache
 from service.completions.plan import CompletionPlan, plan_completion
 from service.completions.response import Drawn, Shared, completion_stream, last_position, render_pool
 from service.completions.schemas import CompletionRequest, CompletionResponse, ModelList
+from service.completions.stream import StreamedAnswer, streams
 from service.http_io import answer_or_give_up, read_body
 from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
@@ -80,6 +84,26 @@ def build_completions_router(
             serving.limits.max_top_logprobs,
             shows_text=serving.token_text is not None,
         )
+
+        def shared() -> Shared:
+            return Shared(
+                model=serving.info.model,
+                token_text=serving.token_text,
+                pieces=vocabulary.get(serving.token_text, serving.info.vocab_size),
+                request_id=f"cmpl-{uuid.uuid4().hex}",
+                created=int(time.time()),
+            )
+
+        if streams(plan):
+            return await _streamed(
+                http,
+                serving,
+                plan,
+                shared=shared,
+                metrics=metrics,
+                began=began,
+                timeout_s=settings.request_timeout_s,
+            )
         metrics.queue_requests.inc()
         try:
             scores, drawn = await answer_or_give_up(http, _score(serving, plan), settings.request_timeout_s)
@@ -89,14 +113,7 @@ def build_completions_router(
         pool = render_pool()
 
         def start() -> Iterator[bytes]:
-            shared = Shared(
-                model=serving.info.model,
-                token_text=serving.token_text,
-                pieces=vocabulary.get(serving.token_text, serving.info.vocab_size),
-                request_id=f"cmpl-{uuid.uuid4().hex}",
-                created=int(time.time()),
-            )
-            return completion_stream(plan, scores, drawn, shared, pool)
+            return completion_stream(plan, scores, drawn, shared(), pool)
 
         try:
             chunks = await asyncio.to_thread(start)
@@ -164,23 +181,74 @@ async def _sent(
         pool.shutdown(wait=False, cancel_futures=True)
 
 
+async def _streamed(
+    http: Request,
+    serving: Serving,
+    plan: CompletionPlan,
+    *,
+    shared: Callable[[], Shared],
+    metrics: Metrics,
+    began: float,
+    timeout_s: float,
+) -> StreamingResponse:
+    """The answer a choice at a time (stream.py): the status once choice 0 is written, then the rest."""
+    answer = StreamedAnswer(
+        plan, serving.batcher.submit_each(plan.jobs), partial(_drawn_after, serving, plan)
+    )
+    deadline = time.perf_counter() + timeout_s
+    metrics.queue_requests.inc()
+    try:
+        first = await answer_or_give_up(http, answer.first(shared), timeout_s)
+    except BaseException:
+        answer.drop()
+        metrics.queue_requests.dec()
+        raise
+
+    def done(outcome: str) -> None:
+        metrics.queue_requests.dec()
+        metrics.requests.labels(outcome).inc()
+        if outcome == "ok":
+            metrics.input_tokens.inc(plan.input_tokens)
+            metrics.scored_tokens.inc(plan.scored_tokens)
+            metrics.request_seconds.observe(time.perf_counter() - began)
+
+    return StreamingResponse(answer.rest(http, first, deadline, done), media_type="application/json")
+
+
+async def _drawn_after(
+    serving: Serving, plan: CompletionPlan, i: int, scores: SequenceScores
+) -> Drawn | None:
+    """The token drawn after prompt i where the answer shows it (max_tokens 1), as `_score` draws
+    it: one more job scores it where the answer shows its log-prob and it fell outside the top K."""
+    if not plan.scores_draw:
+        return None
+    drawn = _drawn_from(plan, scores)
+    if drawn.rank or plan.logprobs_k is None:
+        return drawn
+    again = await serving.batcher.submit([_rescore(plan.jobs[i], drawn)])
+    s = again.scores[0]
+    assert s.ranks is not None
+    return Drawn(drawn.token, float(s.logprobs[0]), int(s.ranks[0]))
+
+
+def _drawn_from(plan: CompletionPlan, scores: SequenceScores) -> Drawn:
+    """The drawn token with its log-prob and rank where among the top K scored, else rank 0, NaN."""
+    last = last_position(scores)
+    token = last.token if plan.greedy else _drawn(scores)
+    if token in last.top_ids:
+        j = last.top_ids.index(token)
+        return Drawn(token, last.top_logprobs[j], j + 1)
+    return Drawn(token, float("nan"), 0)
+
+
 async def _score(serving: Serving, plan: CompletionPlan) -> tuple[list[SequenceScores], list[Drawn | None]]:
     """The plan's scores, and the token drawn after each prompt (max_tokens 1, where it is shown)."""
     scored = await serving.batcher.submit(plan.jobs)
     scores = scored.scores
     if not plan.scores_draw:
         return scores, [None] * len(scores)
-    drawn: list[Drawn | None] = []
-    missing: list[int] = []
-    for i, s in enumerate(scores):
-        last = last_position(s)
-        token = last.token if plan.greedy else _drawn(s)
-        if token in last.top_ids:
-            j = last.top_ids.index(token)
-            drawn.append(Drawn(token, last.top_logprobs[j], j + 1))
-        else:
-            drawn.append(Drawn(token, float("nan"), 0))
-            missing.append(i)
+    drawn: list[Drawn | None] = [_drawn_from(plan, s) for s in scores]
+    missing = [i for i, d in enumerate(drawn) if d is not None and not d.rank]
     if missing and plan.logprobs_k is not None:  # the answer shows the drawn token's log-prob
         jobs = [_rescore(plan.jobs[i], drawn[i]) for i in missing]
         again = await serving.batcher.submit(jobs)

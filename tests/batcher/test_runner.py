@@ -89,6 +89,67 @@ def test_request_larger_than_budget_is_split_and_answered_whole(loop: asyncio.Ab
     assert len(engine.batches) >= 3
 
 
+def test_submit_each_sets_the_first_future_while_a_later_micro_batch_computes(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Four jobs of 10 tokens, a budget of 16: four micro-batches, each 50 ms on the device. Job 0's
+    scores come while micro-batch 2 is launched and not yet collected; every job's are its own."""
+    engine = FakeEngine(delay=0.05)
+    jobs = [job(10, first=i) for i in range(4)]
+
+    async def body(batcher: Batcher) -> tuple[list[SequenceScores], list[bool], list[tuple[str, int]]]:
+        futures = batcher.submit_each(jobs)
+        first = await futures[0]
+        done_then, events_then = [f.done() for f in futures], list(engine.events)
+        return [first, *[await f for f in futures[1:]]], done_then, events_then
+
+    results, done_then, events_then = run(loop, engine, 16, body)
+    for got, j in zip(results, jobs, strict=True):
+        np.testing.assert_array_equal(got.logprobs, expected_scores(j).logprobs)
+    assert done_then == [True, False, False, False]
+    assert ("launch", 2) in events_then
+    assert ("collected", 2) not in events_then
+    assert engine.batches == [[10]] * 4
+
+
+def test_submit_each_cancelled_futures_never_reach_the_engine(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancelled after job 0's scores (jobs 0 and 1 launched by then): jobs 2 and 3 never launch."""
+    engine = FakeEngine(delay=0.05)
+    jobs = [job(10, first=i) for i in range(4)]
+
+    async def body(batcher: Batcher) -> SequenceScores:
+        futures = batcher.submit_each(jobs)
+        await futures[0]
+        for f in futures[2:]:
+            f.cancel()
+        second = await futures[1]
+        await scores(batcher, [job(5, first=100)])  # queued after them: launched only once they are gone
+        return second
+
+    second = run(loop, engine, 16, body)
+    np.testing.assert_array_equal(second.logprobs, expected_scores(jobs[1]).logprobs)
+    assert engine.batches == [[10], [10], [5]]
+
+
+def test_submit_each_failures_are_each_jobs_own(loop: asyncio.AbstractEventLoop) -> None:
+    """Job 1's micro-batch fails on the device: its future holds the failure, the others' scores."""
+    engine = FakeEngine(delay=0.01)
+    engine.fail_late_on_token = 500
+    jobs = [job(10), job(10, first=495), job(10, first=20)]
+
+    async def body(batcher: Batcher) -> list[SequenceScores | BaseException]:
+        futures = batcher.submit_each(jobs)
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    got = run(loop, engine, 16, body)
+    assert isinstance(got[1], EngineFailure)
+    assert "injected device error" in str(got[1])
+    for i in (0, 2):
+        result = got[i]
+        assert isinstance(result, SequenceScores)
+        np.testing.assert_array_equal(result.logprobs, expected_scores(jobs[i]).logprobs)
+
+
 def test_concurrent_requests_are_merged_and_each_gets_its_own_answers(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
