@@ -4,11 +4,14 @@ at every action of every row."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from benchmarks.host_path import VOCAB, InstantEngine, bodies_of, client_read
+from benchmarks.host_path import VOCAB, InstantEngine, _Timed, bodies_of, client_read
 from benchmarks.workload import Sample
 from service.arrays import parse_frame, to_frame
+from service.jobs import SequenceJob
 from service.normalise import ModelLimits, normalise
 from service.response import answer
 
@@ -34,3 +37,20 @@ def test_a_framed_round_with_top_logprobs_reads_back_the_engines_blocks() -> Non
         for block, s in zip(got.top_logprobs, scores, strict=True):
             assert s.top_logprobs is not None
             np.testing.assert_array_equal(block, s.top_logprobs)
+
+
+def test_a_simulated_device_runs_one_micro_batch_at_a_time() -> None:
+    """device_ms: each micro-batch's scores ready that long after the previous one's (the device is
+    busy until then), so the second of two launched at once is ready one device time after the first,
+    and its scores are not given before."""
+    engine = InstantEngine(device_ms=60)
+    job = SequenceJob(np.arange(8, dtype=np.int64), np.arange(4, 8, dtype=np.int64), 1.0, False)
+    began = time.perf_counter()
+    first, second = engine.launch([job]), engine.launch([job])
+    assert isinstance(first, _Timed)
+    assert isinstance(second, _Timed)
+    assert abs(second.ready_at - first.ready_at - 0.060) < 1e-9
+    assert first.ready_at - began >= 0.060
+    (scores,) = second.result()
+    assert time.perf_counter() >= second.ready_at
+    assert scores.logprobs.shape == (4,)
