@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 
 from service.engine.heads import extras as extra
@@ -62,6 +61,7 @@ def score_actions(
     parts: list[ExtraScores] = []
     radix: extras_radix.Collector | None = None
     draws: _Draws | None = None
+    bare = None if extras is None else _without_draws(extras)  # the radix select's asks
 
     def logits_of(at: int) -> torch.Tensor:  # a chunk's logits again (a top-p prefix past W keys)
         return lm_head(hidden[at : min(at + chunk_rows, rows)])  # type: ignore[no-any-return]
@@ -70,7 +70,6 @@ def score_actions(
         end = min(start + chunk_rows, rows)
         z = lm_head(hidden[start:end])  # [c, V] in the model's dtype
         if fused:
-            bare = None if extras is None else _without_draws(extras)
             if bare is not None and radix is None and _radix(z, transform, bare):
                 radix = extras_radix.Collector(
                     bare, targets, inv_temperature, transform.scale, 0, chunk_rows, logits_of
@@ -139,13 +138,11 @@ class _Draws:
         assert extras.positions is not None
         self.extras, self.inv_temperature, self.transform = extras, inv_temperature, transform
         rows = extras.rows.shape[0]
-        self.drawing = extras.drawing if extras.drawing is not None else np.arange(rows)
         self.drawn = torch.full((rows,), -1, dtype=torch.int64, device=extras.index.device)
 
     def chunk_of(self, z: torch.Tensor, start: int, end: int) -> None:
         """The draws among action rows [start, end), whose logits z [c, V] holds."""
-        lo, hi = self.extras.span(start, end)
-        at = self.drawing[(self.drawing >= lo) & (self.drawing < hi)]  # [d] host, into the R rows
+        at = self.extras.drawn_rows(*self.extras.span(start, end))  # [d] host, into the R rows
         if not at.size:
             return
         asks = self.extras

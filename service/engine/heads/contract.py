@@ -98,12 +98,17 @@ class Extras:
             min_p=cut(self.min_p),
             seeds=cut(self.seeds),
             positions=cut(self.positions),
-            drawing=None
-            if self.drawing is None
-            else self.drawing[(self.drawing >= lo) & (self.drawing < hi)] - lo,
+            drawing=None if self.drawing is None else self.drawn_rows(lo, hi) - lo,
             most_top_k=self.most_top_k,
             any_top_p=self.any_top_p,
         )
+
+    def drawn_rows(self, lo: int, hi: int) -> np.ndarray:
+        """The rows among [lo, hi) of the R that draw (host int64, into the R): `drawing`'s, or every
+        row where only `seeds` is given; none without a draw."""
+        if self.drawing is not None:
+            return self.drawing[(self.drawing >= lo) & (self.drawing < hi)]
+        return np.arange(lo, hi) if self.seeds is not None else np.zeros(0, dtype=np.int64)
 
     def span(self, start: int, end: int) -> tuple[int, int]:
         """[lo, hi): the asking rows among action rows [start, end), as indices into the R rows."""
