@@ -18,6 +18,7 @@ returns None (batch-invariant mode then runs FixedRows) with a warning.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,30 +34,29 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class QuackTiles:
-    """quack's plain and add-to-output GEMMs, both at `config` (one per device)."""
+    """quack's plain and add-to-output GEMMs (`gemm`: quack's untuned GEMM, which takes a
+    configuration), both at `config` (one per device)."""
 
+    gemm: Callable[..., Any]  # quack.gemm_interface.gemm_tuned.fn
     config: Any  # quack.gemm_config.GemmConfig
     name: str = "quack"
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from quack.gemm_interface import gemm_tuned
-
         out = x.new_empty((x.shape[0], weight.shape[0]))
         if x.shape[0]:
-            gemm_tuned.fn(x, weight.t(), out, bias=bias, config=self.config)
+            self.gemm(x, weight.t(), out, bias=bias, config=self.config)
         return out
 
     def accumulate(self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
-        from quack.gemm_interface import gemm_tuned
-
         if x.shape[0]:
-            gemm_tuned.fn(a, weight.t(), x, add_to_output=True, config=self.config)
+            self.gemm(a, weight.t(), x, add_to_output=True, config=self.config)
 
 
 def quack_tiles(device: torch.device) -> QuackTiles:
     from quack.gemm_config import default_config
+    from quack.gemm_interface import gemm_tuned
 
-    return QuackTiles(default_config(device))
+    return QuackTiles(gemm_tuned.fn, default_config(device))
 
 
 def choose(device: torch.device, dtype: torch.dtype) -> QuackTiles | None:
