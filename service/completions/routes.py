@@ -226,9 +226,7 @@ async def _drawn_after(
     if drawn.rank or plan.logprobs_k is None:
         return drawn
     again = await serving.batcher.submit([_rescore(plan.jobs[i], drawn)])
-    s = again.scores[0]
-    assert s.ranks is not None
-    return Drawn(drawn.token, float(s.logprobs[0]), int(s.ranks[0]))
+    return _rescored(drawn, again.scores[0])
 
 
 def _drawn_from(plan: CompletionPlan, scores: SequenceScores) -> Drawn:
@@ -255,9 +253,14 @@ async def _score(serving: Serving, plan: CompletionPlan) -> tuple[list[SequenceS
         for i, s in zip(missing, again.scores, strict=True):
             d = drawn[i]
             assert d is not None
-            assert s.ranks is not None
-            drawn[i] = Drawn(d.token, float(s.logprobs[0]), int(s.ranks[0]))
+            drawn[i] = _rescored(d, s)
     return scores, drawn
+
+
+def _rescored(drawn: Drawn, scores: SequenceScores) -> Drawn:
+    """The drawn token with the log-prob and rank its rescoring job (`_rescore`) found."""
+    assert scores.ranks is not None
+    return Drawn(drawn.token, float(scores.logprobs[0]), int(scores.ranks[0]))
 
 
 def _drawn(scores: SequenceScores) -> int:
