@@ -146,8 +146,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         "teacher": {},
     }
     with HttpServer(engine, settings) as url:
-        for variant, extra in EXTRAS.items():
-            rounds = http_rounds(url, group_bodies(samples, extra), args.reps)
+        for variant in args.variants:
+            rounds = http_rounds(url, group_bodies(samples, EXTRAS[variant]), args.reps)
             ms = statistics.median(rounds) * 1e3
             out["grpo-short"]["variants"][variant] = {
                 "ms": ms,
@@ -155,36 +155,50 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
                 "unique_floor_fraction": unique_floor_s * 1e3 / ms,
             }
             print(f"  {name} grpo-short {variant:>18}: {ms:9.1f} ms", flush=True)
-        plain = out["grpo-short"]["variants"]["plain"]["ms"]
+        plain = out["grpo-short"]["variants"].get("plain", {}).get("ms")
         for v in out["grpo-short"]["variants"].values():
-            v["cost_over_plain"] = v["ms"] / plain - 1
-        body = teacher_body(name, prompts)
-        call = teacher_calls(url, body, args.reps, device)
-        drawing = teacher_calls(url, {**body, "logprobs": 1}, args.reps, device)
+            v["cost_over_plain"] = v["ms"] / plain - 1 if plain else float("nan")
+    if not args.teacher_budgets:
+        return {"attention": engine.info.attention_backend, "decoder": engine.info.decoder, **out}
+    body = teacher_body(name, prompts)
+    for i, budget in enumerate(args.teacher_budgets):
+        with HttpServer(engine, settings.model_copy(update={"max_batch_tokens": budget})) as url:
+            call = teacher_calls(url, body, args.reps, device)
+            drawing = teacher_calls(url, {**body, "logprobs": 1}, args.reps, device) if args.drawing else None
+        at = {
+            "max_batch_tokens": budget,
+            "ms": call["ms"],
+            "calls_ms": call["calls_ms"],
+            "headers_ms": call["headers_ms"],
+            "floor_fraction": teacher_floor_s * 1e3 / call["ms"],
+            "peak_gib_over_weights": call["peak_gib"] - weights_gib,
+        }
+        print(f"  {name} teacher at max_batch_tokens {budget}: {at}", flush=True)
+        if i:
+            out["teacher"]["budgets"].append(at)
+            continue
         out["teacher"] = {
             "prompts": len(prompts),
             "tokens_per_prompt": args.teacher_tokens,
             "k": TEACHER_K,
             "floor_ms": teacher_floor_s * 1e3,
-            "ms": call["ms"],
-            "calls_ms": call["calls_ms"],
-            "headers_ms": call["headers_ms"],
-            "floor_fraction": teacher_floor_s * 1e3 / call["ms"],
+            **at,
             "answer_bytes": call["bytes"],
             "entries": call["entries"],
             "client_parse_ms": call["client_parse_s"] * 1e3,
             "weights_gib": weights_gib,
             "peak_gib": call["peak_gib"],
-            "peak_gib_over_weights": call["peak_gib"] - weights_gib,
+            "budgets": [at],
+        }
+        if drawing is not None:
             # the same call with OpenAI's logprobs: 1, whose answer shows the drawn token, so each
             # prompt's job draws one (as it does wherever the checkpoint has a tokenizer)
-            "drawing": {
+            out["teacher"]["drawing"] = {
                 "ms": drawing["ms"],
                 "calls_ms": drawing["calls_ms"],
                 "floor_fraction": teacher_floor_s * 1e3 / drawing["ms"],
                 "peak_gib_over_weights": drawing["peak_gib"] - weights_gib,
-            },
-        }
+            }
         print(f"  {name} teacher: {out['teacher']}", flush=True)
     return {"attention": engine.info.attention_backend, "decoder": engine.info.decoder, **out}
 
@@ -208,6 +222,8 @@ def table(results: dict[str, Any]) -> str:
     ]
     for name, m in results["models"].items():
         t = m["teacher"]
+        if not t:
+            continue
         lines.append(
             f"| {name} | {t['prompts']} x {t['tokens_per_prompt']}, K {t['k']} | {t['ms']:.1f} | "
             f"{t['floor_ms']:.1f} | "
@@ -229,6 +245,17 @@ def main(argv: list[str] | None = None) -> int:
         "--scale", type=float, default=1.0, help="every GRPO length x this (a CPU smoke test)"
     )
     parser.add_argument("--teacher-tokens", type=int, default=4096)
+    parser.add_argument("--variants", nargs="*", default=list(EXTRAS), choices=list(EXTRAS))
+    parser.add_argument(
+        "--teacher-budgets",
+        nargs="*",
+        type=int,
+        default=[Settings().max_batch_tokens],
+        help="the teacher call once per server max_batch_tokens (none: no teacher call)",
+    )
+    parser.add_argument(
+        "--drawing", action=argparse.BooleanOptionalAction, default=True, help="the logprobs: 1 call too"
+    )
     parser.add_argument(
         "--output", type=Path, default=Path(__file__).parent / "results" / "distribution-latest.json"
     )

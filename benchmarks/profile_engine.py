@@ -63,11 +63,11 @@ from service.batcher import Batcher
 from service.engine.loading.models import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import GivenRoutes, RouteAgreement, SequenceJob, SequenceScores
+from service.jobs import GivenRoutes, RouteAgreement, Sampling, SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings
 
-VARIANTS = ("plain", "invariant", "record", "replay", "top100")
+VARIANTS = ("plain", "invariant", "record", "replay", "top100", "processed")
 MOE_ONLY = {"record", "replay"}
 TOP_K = 100
 GAP_US = 20.0  # a device gap longer than this between consecutive kernels counts as idle
@@ -188,6 +188,8 @@ def variant_jobs(variant: str, base: list[SequenceJob], session: Session) -> lis
         return [dataclasses.replace(j, return_routes=True) for j in base]
     if variant == "top100":
         return [dataclasses.replace(j, top_logprobs=TOP_K) for j in base]
+    if variant == "processed":  # benchmarks.distribution's sampler
+        return [dataclasses.replace(j, sampling=Sampling(top_k=50, top_p=0.9, min_p=0.05)) for j in base]
     assert variant == "replay"
     recorded = session.round([dataclasses.replace(j, return_routes=True) for j in base])
     out = []

@@ -1,5 +1,5 @@
 """CPU smoke test of the distribution benchmark: the tiny model, the GRPO variants and both teacher
-calls (from a client process), each answered in full."""
+calls (from a client process), each answered in full, and the call under a second budget."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from benchmarks import distribution
 def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "distribution.json"
     argv = ["--models", "tiny", "--device", "cpu", "--dtype", "float32", "--scale", "0.05"]
-    assert distribution.main([*argv, "--teacher-tokens", "64", "--reps", "1", "--output", str(out)]) == 0
+    argv += ["--teacher-tokens", "64", "--reps", "1", "--output", str(out)]
+    argv += ["--teacher-budgets", "16384", "256"]
+    assert distribution.main(argv) == 0
     model = json.loads(out.read_text())["models"]["tiny"]
     assert set(model["grpo-short"]["variants"]) == {
         "plain",
@@ -26,3 +28,6 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     )  # every scored position's top 100 (and the token, where not among them)
     assert teacher["ms"] > 0
     assert teacher["drawing"]["ms"] > 0
+    # the call again under a budget of 256 tokens: 8 prompts of 64 in two micro-batches
+    assert [b["max_batch_tokens"] for b in teacher["budgets"]] == [16384, 256]
+    assert all(b["ms"] > 0 for b in teacher["budgets"])
