@@ -201,6 +201,13 @@ class Settings(BaseSettings):
     )
     max_body_bytes: int = Field(64 << 20, ge=1024, description="Largest request body accepted (413 past it).")
     max_request_sequences: int = Field(4096, ge=1, description="Most rows in one request (413 past it).")
+    stream_batch_tokens: int = Field(
+        4096,
+        ge=16,
+        description="Most tokens a micro-batch computes while it holds a prompt of a /v1/completions answer "
+        "sent a choice at a time (a large answer of several prompts): the first choices go out while later "
+        "prompts compute. At most max_batch_tokens counts.",
+    )
     max_top_logprobs: int = Field(
         1024,
         ge=1,

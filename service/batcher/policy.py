@@ -11,6 +11,8 @@ micro-batch. Synchronous and clock-free; `runner.py` calls it and moves what it 
 - A request starts, on the weights then served, when its first sequence is taken; pinned to others,
   it is refused. While a swap waits only started requests are taken; the barrier is reached when
   none of them has anything queued or in chunks (`open`).
+- A request may cap the micro-batches holding its sequences (`Request.batch_tokens`, below the
+  budget): a streamed answer's first choices are sent while later ones compute.
 - A micro-batch that runs out of memory is split (`split`): its chunk apart, then halves.
 """
 
@@ -118,6 +120,7 @@ class Policy(Generic[F]):
         tokens = 0  # computed
         shared = self.budget - self.budget // 2  # whole sequences' part beside a chunk
         room = self.budget if self.chunked is None else shared
+        cap = self.budget  # the least Request.batch_tokens of the sequences taken
         grouper = Grouper(self.share_min) if self.share_min is not None else None
         looked: int | None = None  # behind the first that did not fit: how many looked at
         while self._queue:
@@ -130,7 +133,7 @@ class Policy(Generic[F]):
                     break
                 looked += 1
                 cost = grouper.cost(p.job.tokens, p.job.routes)
-                if cost == p.job.num_tokens or tokens + cost > room or p.gone:
+                if cost == p.job.num_tokens or tokens + cost > min(room, cap, _cap(p)) or p.gone:
                     skipped.append(p)  # shares nothing with the micro-batch, or does not fit
                     continue
             if not p.gone and p.request.versions is None and not only_started:
@@ -150,7 +153,7 @@ class Policy(Generic[F]):
                 continue
             if cost is None:
                 cost = grouper.cost(p.job.tokens, p.job.routes) if grouper is not None else p.job.num_tokens
-            if batch and tokens + cost > room:
+            if batch and tokens + cost > min(room, cap, _cap(p)):
                 if grouper is None:
                     self._queue.appendleft(p)
                     break
@@ -160,10 +163,11 @@ class Policy(Generic[F]):
             self.queued_tokens -= p.job.num_tokens
             batch.append(p)
             tokens += cost
+            cap = min(cap, _cap(p))
             if grouper is not None:
                 grouper.add(p.job.tokens, p.job.routes)
         self._queue.extendleft(reversed(skipped))
-        taken.batch = self._with_chunk(batch, tokens)
+        taken.batch = self._with_chunk(batch, tokens, cap)
         return taken
 
     def split(self, batch: Batch[F]) -> list[Batch[F]]:
@@ -196,15 +200,17 @@ class Policy(Generic[F]):
         self.queued_tokens -= chunked.pending.job.num_tokens - chunked.next_start
         return chunked.sequence
 
-    def _with_chunk(self, batch: list[Pending[F]], tokens: int) -> Batch[F]:
-        """`batch`, ended by the next chunk of the chunked sequence, in the budget left."""
+    def _with_chunk(self, batch: list[Pending[F]], tokens: int, cap: int) -> Batch[F]:
+        """`batch`, ended by the next chunk of the chunked sequence, in the budget left (`cap`: the
+        least batch_tokens of batch's requests)."""
         chunked = self.chunked
         least = min(SHAPE_STEP, max(1, self.budget // 8))
-        if chunked is None or (batch and self.budget - tokens < least):  # no room: the next one
+        budget = min(self.budget, cap)
+        if chunked is None or (batch and budget - tokens < least):  # no room: the next one
             return Batch.of(batch, self.share_min)
         job = chunked.pending.job
         start = chunked.next_start
-        end = min(job.num_tokens, start + self.budget - tokens)
+        end = min(job.num_tokens, start + budget - tokens)
         chunked.next_start = end
         self.queued_tokens -= end - start
         if end == job.num_tokens:
@@ -219,6 +225,11 @@ class Policy(Generic[F]):
             refused.append(request)
             return
         request.versions = self.versions
+
+
+def _cap(p: Pending[F]) -> int:
+    """The most tokens a micro-batch holding p may compute, by its request (no cap: any)."""
+    return p.request.batch_tokens or 1 << 62
 
 
 def check_pins(pins: Mapping[str, str], versions: Mapping[str, str]) -> None:

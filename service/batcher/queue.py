@@ -33,6 +33,7 @@ class Request(Generic[F]):
     versions: Mapping[str, str] | None = None  # set when its first sequence is taken
     refused: VersionMismatch | None = None  # its pins named weights no longer served when it started
     computed: float = 0.0  # tokens computed for its sequences scored so far (Forest.shares)
+    batch_tokens: int | None = None  # the most a micro-batch holding its sequences computes (None: any)
 
 
 @dataclass(slots=True, eq=False)

@@ -160,15 +160,24 @@ class Batcher:
         cancelling the coroutine drops its sequences that have not reached the engine."""
         return self._answer(self._queue(jobs, pins))
 
-    def submit_each(self, jobs: Sequence[SequenceJob], pins: Mapping[str, str] | None = None) -> list[Future]:
+    def submit_each(
+        self,
+        jobs: Sequence[SequenceJob],
+        pins: Mapping[str, str] | None = None,
+        *,
+        batch_tokens: int | None = None,
+    ) -> list[Future]:
         """Queue `jobs` as `submit` does and return each one's future, in order, set as soon as its
         micro-batch is collected: the first can be answered while later ones compute. Cancelling a
         future drops its sequence if it has not reached the engine; the caller retrieves every
-        failure (or cancels). All come from one set of weights, as `submit`'s do."""
-        return self._queue(jobs, pins).futures
+        failure (or cancels). All come from one set of weights, as `submit`'s do. `batch_tokens`
+        caps the micro-batches holding them below the budget, so that the first come back sooner."""
+        return self._queue(jobs, pins, batch_tokens).futures
 
-    def _queue(self, jobs: Sequence[SequenceJob], pins: Mapping[str, str] | None) -> Request[Future]:
-        request: Request[Future] = Request(pins or {})
+    def _queue(
+        self, jobs: Sequence[SequenceJob], pins: Mapping[str, str] | None, batch_tokens: int | None = None
+    ) -> Request[Future]:
+        request: Request[Future] = Request(pins or {}, batch_tokens=batch_tokens)
         self._policy.admit(request.pins, sum(job.num_tokens for job in jobs), self._tokens_per_s)
         loop = asyncio.get_running_loop()
         request.futures = [loop.create_future() for _ in jobs]

@@ -103,6 +103,7 @@ def build_completions_router(
                 metrics=metrics,
                 began=began,
                 timeout_s=settings.request_timeout_s,
+                batch_tokens=settings.stream_batch_tokens,
             )
         metrics.queue_requests.inc()
         try:
@@ -190,11 +191,12 @@ async def _streamed(
     metrics: Metrics,
     began: float,
     timeout_s: float,
+    batch_tokens: int,
 ) -> StreamingResponse:
-    """The answer a choice at a time (stream.py): the status once choice 0 is written, then the rest."""
-    answer = StreamedAnswer(
-        plan, serving.batcher.submit_each(plan.jobs), partial(_drawn_after, serving, plan)
-    )
+    """The answer a choice at a time (stream.py): the status once choice 0 is written, then the rest;
+    the prompts in micro-batches of at most `batch_tokens`, so that choice 0 comes back early."""
+    futures = serving.batcher.submit_each(plan.jobs, batch_tokens=batch_tokens)
+    answer = StreamedAnswer(plan, futures, partial(_drawn_after, serving, plan))
     deadline = time.perf_counter() + timeout_s
     metrics.queue_requests.inc()
     try:

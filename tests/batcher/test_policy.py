@@ -31,9 +31,12 @@ def grouped(response: int, first: int, prompt: int = 100) -> SequenceJob:
 
 
 def submit(
-    policy: Policy[Answer], jobs: list[SequenceJob], pins: Mapping[str, str] | None = None
+    policy: Policy[Answer],
+    jobs: list[SequenceJob],
+    pins: Mapping[str, str] | None = None,
+    batch_tokens: int | None = None,
 ) -> Request[Answer]:
-    request: Request[Answer] = Request(pins or {})
+    request: Request[Answer] = Request(pins or {}, batch_tokens=batch_tokens)
     request.futures = [Future() for _ in jobs]
     policy.enqueue(request, jobs)
     return request
@@ -78,6 +81,37 @@ def test_a_first_sequence_is_taken_alone_however_big_it_is_up_to_the_budget() ->
     submit(policy, [job(16), job(1, first=50)])
     assert firsts(take(policy)) == [0]
     assert firsts(take(policy)) == [50]
+
+
+def test_a_capped_request_keeps_the_micro_batches_holding_its_sequences_under_its_cap() -> None:
+    """Budget 100; a request capped at 40 (a streamed completions answer): none of its micro-batches
+    computes more than 40, whoever else they hold; uncapped sequences fill the budget as before."""
+    policy: Policy[Answer] = Policy(100, SERVING)
+    submit(policy, [job(50, first=1000)])
+    submit(policy, [job(30, first=100 * i) for i in range(3)], batch_tokens=40)
+    submit(policy, [job(20, first=2000), job(25, first=3000), job(50, first=4000)])
+    batches = [take(policy) for _ in range(5)]
+    assert [firsts(b) for b in batches] == [[1000], [0], [100], [200], [2000, 3000, 4000]]
+    assert [b.tokens for b in batches] == [50, 30, 30, 30, 95]
+    assert policy.idle
+
+
+def test_a_capped_request_fits_by_the_tokens_its_group_computes() -> None:
+    """8 x (100 + 20) sent, 260 computed under a cap of 200: 100 + 5 x 20 in the first micro-batch."""
+    policy: Policy[Answer] = Policy(1000, SERVING, share_min_tokens=16)
+    submit(policy, [grouped(20, 1000 + 100 * i) for i in range(8)], batch_tokens=200)
+    first, second = take(policy), take(policy)
+    assert (len(first.pending), first.tokens) == (5, 200)
+    assert (len(second.pending), second.tokens) == (3, 160)
+
+
+def test_a_chunk_beside_a_capped_sequence_takes_what_the_cap_leaves() -> None:
+    policy: Policy[Answer] = Policy(64, SERVING)
+    submit(policy, [job(10, first=100)], batch_tokens=32)
+    submit(policy, [job(200)])
+    batch = take(policy)
+    assert (firsts(batch), span(batch), batch.tokens) == ([100], (0, 22), 32)
+    assert span(take(policy)) == (22, 86)  # uncapped: the whole budget
 
 
 def test_long_sequences_are_chunked_one_at_a_time_beside_short_ones() -> None:

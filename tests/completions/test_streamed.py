@@ -281,3 +281,24 @@ def test_which_answers_go_a_choice_at_a_time() -> None:
     assert not stream.streams(plan_of(prompts(), 8))
     assert stream.streams(plan_of([[1] * 512] * 8, 100))
     assert not stream.streams(plan_of([[1] * 512] * 8, 20))  # 1.7 MB
+
+
+@pytest.mark.usefixtures("per_choice")
+@pytest.mark.parametrize(("stream_batch_tokens", "batches"), [(48, [[LENGTH]] * 3), (4096, [[LENGTH] * 3])])
+def test_a_streamed_answers_prompts_go_in_micro_batches_of_stream_batch_tokens(
+    stream_batch_tokens: int, batches: list[list[int]]
+) -> None:
+    """Under a budget of 4,096 tokens a streamed answer's three prompts of 40 go one a micro-batch
+    at stream_batch_tokens 48 (choice 0 is sent while prompts 1 and 2 compute), all in one at 4,096;
+    the answer is the same."""
+    engine = TopEngine()
+    settings = Settings(
+        device="cpu", max_top_logprobs=K, max_batch_tokens=4096, stream_batch_tokens=stream_batch_tokens
+    )
+    rows = prompts()
+    with loopback(create_app(settings, engine_factory=lambda _: engine)) as url:
+        reply = httpx.post(f"{url}/v1/completions", json=body(rows), timeout=60)
+    assert reply.status_code == 200
+    assert reply.headers["transfer-encoding"] == "chunked"
+    assert engine.batches[-len(batches) :] == batches
+    assert reply.content == expected(reply.content, rows, engine)
