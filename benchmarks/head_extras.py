@@ -47,6 +47,7 @@ def asks(rows: int, device: torch.device, *, top: int = 0, sampler: bool = False
         top_p=torch.full((rows,), top_p, device=device) if sampler else None,
         min_p=torch.full((rows,), min_p, device=device) if sampler else None,
         most_top_k=top_k if sampler else 0,
+        least_top_k=top_k if sampler else 0,
         any_top_p=sampler,
     )
 

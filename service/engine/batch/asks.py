@@ -55,6 +55,7 @@ def extras(parts: Sequence[Part], to: Callable[[np.ndarray], torch.Tensor]) -> E
             "top_p": per_row(top_p, np.float32),
             "min_p": per_row([s.min_p if s is not None else 0.0 for s in samplers], np.float32),
             "most_top_k": max(top_k),
+            "least_top_k": min(top_k),
             "any_top_p": min(top_p) < 1.0,
         }
     if any(job.draw_seed is not None for job in jobs):

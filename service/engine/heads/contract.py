@@ -80,6 +80,7 @@ class Extras:
     positions: torch.Tensor | None = None
     drawing: np.ndarray | None = None
     most_top_k: int = 0  # host: the largest top_k of the rows (0: no row truncates by rank)
+    least_top_k: int = 0  # host: the smallest top_k of the rows (0: some row does not truncate by rank)
     any_top_p: bool = False  # host: some row's top_p is below 1
 
     def part(self, lo: int, hi: int) -> Extras:
@@ -100,6 +101,7 @@ class Extras:
             positions=cut(self.positions),
             drawing=None if self.drawing is None else self.drawn_rows(lo, hi) - lo,
             most_top_k=self.most_top_k,
+            least_top_k=self.least_top_k,
             any_top_p=self.any_top_p,
         )
 

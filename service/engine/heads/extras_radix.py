@@ -9,12 +9,16 @@ micro-batch's, split where rows x W passes extras.PASS_ELEMENTS), with nothing r
 - the stats kernel: each row's shift (log-sum-exp of x), rank, largest x, and z at its target and
   candidates; the write kernel: the ids of its W largest logits and z at them ([g, W] int32 and
   16-bit);
-- rows with a sampler also: floor = min_p · exp(x_max - shift) (three [r] torch operations, as
-  extras.processed_logprobs computes it), the stats kernel over their W values (the top_k-th largest
-  order key) and the mass kernel (Σ p kept by min-p and top-k, the one sum needing the whole row).
+- rows with a sampler, where some row does not truncate by rank (top_k 0 or >= V), also: floor =
+  min_p · exp(x_max - shift) (three [r] torch operations, as extras.processed_logprobs computes it),
+  the stats kernel over their W values (the top_k-th largest order key) and the mass kernel (Σ p
+  kept by min-p and top-k, the one sum needing the whole row). Where every row truncates by rank
+  (`bounded`), none of these: the survivors are among the W found but for ties of the top_k-th
+  logit past them, which the stats kernel counts (`_bounded_processed`).
 Per group, after its last chunk (`finish`), every torch operation on [g, W]: x from the values with
 the torch path's operations ((float(z)·scale)·(1 / T)), keys, one sort, decode, the top list, the
-candidates' and targets' logits, and extras.processed_logprobs over the sorted keys. The logits,
+candidates' and targets' logits, and extras.processed_logprobs over the sorted keys (bounded: its
+closed form over them, with nothing read back to the host). The logits,
 keys and order are bitwise those of extras.score over the whole x (the kernel's order is z's, which
 x keeps: topk_kernel.py). Ids and ranks equal that path's exactly; log-probs differ by the shift's
 rounding (a float32 online sum, not torch's); the kept mass is the kernel's sum, so the processed
@@ -28,6 +32,7 @@ Not for: float32 logits, a seeded draw (it adds noise to every logit), a vocabul
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +54,12 @@ def usable(z: torch.Tensor, asks: Extras) -> bool:
         and (z.is_cuda or triton_jit.interpreting())
         and triton_jit.triton() is not None
     )
+
+
+def bounded(asks: Extras, vocab: int) -> bool:
+    """Every row truncates by rank (0 < top_k < V): the sampler's survivors are among the W found,
+    but for ties of the top_k-th logit past them (`_bounded_processed`)."""
+    return asks.top_p is not None and asks.least_top_k > 0 and asks.most_top_k < vocab
 
 
 def width(asks: Extras, vocab: int) -> int:
@@ -94,9 +105,8 @@ class Batch:
         w = width(asks, vocab)
         own = targets[asks.index]
         picks = own[:, None] if asks.candidates is None else torch.cat([own[:, None], asks.candidates], 1)
-        out = topk_kernel.Out.empty(g, device)
-        out = topk_kernel.Out(
-            *(out.shift, out.ranks, out.row_max, out.threshold, out.above, out.tied),
+        out = dataclasses.replace(
+            topk_kernel.Out.empty(g, device),
             ids=torch.full((g, w), -1, dtype=torch.int32, device=device),
             values=torch.empty(g, w, dtype=z.dtype, device=device),
             picked=torch.empty(picks.shape, dtype=z.dtype, device=device),
@@ -105,8 +115,9 @@ class Batch:
         if asks.top_p is not None:
             assert asks.top_k is not None
             top_k = torch.where(asks.top_k >= vocab, 0, asks.top_k.clamp(min=0)).to(torch.int32)
-            least = topk_kernel.Out.empty(g, device)
-            mass = torch.empty(g, dtype=torch.float32, device=device)
+            if not bounded(asks, vocab):  # the kept mass needs a pass over each row (`mass`)
+                least = topk_kernel.Out.empty(g, device)
+                mass = torch.empty(g, dtype=torch.float32, device=device)
         return cls(
             asks=asks,
             chunk=chunk,
@@ -174,10 +185,57 @@ def finish(batch: Batch) -> ExtraScores:
         top_logprobs = values - out.shift[:, None]
     if asks.candidates is not None:
         candidate_logprobs = x_picked[:, 1:] - out.shift[:, None]
-    if asks.top_p is not None:
+    if asks.top_p is not None and batch.mass is None:
+        processed = _bounded_processed(batch, first, x_target)
+    elif asks.top_p is not None:
         rows = Found(batch, first)
         processed = extra.processed_logprobs(rows, out.shift, x_target, batch.targets, asks, vocab)
     return ExtraScores(top_ids, top_logprobs, out.ranks.long(), candidate_logprobs, processed, None)
+
+
+def _bounded_processed(batch: Batch, first: torch.Tensor, x_target: torch.Tensor) -> torch.Tensor:
+    """[g] extras.processed_logprobs where every row truncates by rank (`bounded`), from the W keys
+    found, with nothing read back to the host: min-p, top-k and top-p over them, renormalised.
+
+    Past the W found, the only survivors are ties of the top_k-th logit v, where it ties the W-th
+    (the ties past them: `tied - (W - above)`, all of p_v = exp(v - shift), after every token found
+    in the order). They count in the kept mass; top-p keeps the first `more` of them, where the
+    survivors found hold less than its goal (the j-th is kept where reach + j·p_v < goal), and the
+    target is one of them by its place among its ties (`before`, past the W - above ties found)."""
+    out, asks, vocab = batch.out, batch.asks, batch.vocab
+    assert batch.top_k is not None
+    assert asks.top_p is not None
+    assert asks.min_p is not None
+    shift, w = out.shift, first.shape[1]
+    floor = asks.min_p * torch.exp(out.row_max - shift)  # as extras.processed_logprobs
+    kth_key = first.gather(1, (batch.top_k.long() - 1).clamp(0, w - 1)[:, None])[:, 0]
+    kth = extra.decode(kth_key, vocab)[1]
+    real = first != extra.LOWEST
+    values = extra.decode(first, vocab)[1]
+    prob = torch.exp(values - shift[:, None])
+    survive = real & (prob >= floor[:, None]) & (values >= kth[:, None])
+    held = prob * survive
+    upto = torch.cumsum(held, dim=1)
+    reach = upto[:, -1]
+    p_v = torch.exp(kth - shift)
+    ties_past = (out.tied - (w - out.above)).long().clamp(min=0)
+    past = torch.where((values[:, -1] == kth) & real[:, -1] & (p_v >= floor), ties_past, 0)
+    mass = reach + past * p_v
+    goal = asks.top_p * mass
+    wanted = asks.top_p < 1.0
+    in_prefix = survive & (upto - held < goal[:, None])
+    total = torch.where(wanted, (held * in_prefix).sum(dim=1), mass)
+    last = torch.where(wanted, first.masked_fill(~in_prefix, extra.HIGHEST).amin(dim=1), extra.LOWEST)
+    short = wanted & (reach < goal) & (past > 0)
+    more = torch.where(short, torch.minimum(torch.ceil((goal - reach) / p_v), past.float()), 0.0)
+    total = total + more * p_v
+    place = (out.before - (w - out.above)).long()  # among the ties past the W, if the target is one
+    one_past = (x_target == kth) & (past > 0) & (place >= 0)
+    in_order = extra.keys(x_target, batch.targets, vocab) >= last
+    in_order |= one_past & (place < more)
+    logp = x_target - shift
+    kept = (torch.exp(logp) >= floor) & (x_target >= kth) & in_order
+    return torch.where(kept, logp - torch.log(total), float("-inf"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,8 +65,9 @@ class Selection:
 @dataclass(frozen=True, slots=True)
 class Out:
     """The buffers one `launch` writes, r rows each (row slices of wider buffers will do): per row
-    the shift, rank (int32), largest x and the K-th largest order key with its counts; the ids and z
-    values of the K largest (None: not written); z at `picks` token ids (None: none)."""
+    the shift, rank (int32), the target's place among its ties, largest x and the K-th largest order
+    key with its counts; the ids and z values of the K largest (None: not written); z at `picks`
+    token ids (None: none)."""
 
     shift: torch.Tensor  # [r] float32
     ranks: torch.Tensor  # [r] int32
@@ -74,6 +75,7 @@ class Out:
     threshold: torch.Tensor  # [r] int32
     above: torch.Tensor  # [r] int32
     tied: torch.Tensor  # [r] int32
+    before: torch.Tensor  # [r] int32 tokens with z == z[target] and a lower id (its place among its ties)
     ids: torch.Tensor | None = None  # [r, W] int32, rows contiguous
     values: torch.Tensor | None = None  # [r, W] z's dtype, rows contiguous
     picked: torch.Tensor | None = None  # [r, P] z's dtype, rows contiguous
@@ -81,7 +83,7 @@ class Out:
     @classmethod
     def empty(cls, r: int, device: torch.device) -> Out:
         f32, i32 = torch.float32, torch.int32
-        return cls(*(torch.empty(r, dtype=d, device=device) for d in (f32, i32, f32, i32, i32, i32)))
+        return cls(*(torch.empty(r, dtype=d, device=device) for d in (f32, i32, f32, i32, i32, i32, i32)))
 
     def rows(self, a: int, b: int) -> Out:
         """Rows [a, b) of these buffers (views)."""
@@ -91,7 +93,7 @@ class Out:
 
         return Out(
             self.shift[a:b], self.ranks[a:b], self.row_max[a:b], self.threshold[a:b], self.above[a:b],
-            self.tied[a:b], cut(self.ids), cut(self.values), cut(self.picked),
+            self.tied[a:b], self.before[a:b], cut(self.ids), cut(self.values), cut(self.picked),
         )  # fmt: skip
 
 
@@ -172,7 +174,7 @@ def launch(  # noqa: PLR0917
     with triton_jit.on_device(z):
         triton_jit.jit(_stats_kernel)[(r,)](
             z, z.stride(0), rows, targets.contiguous(), float(scale), temp, k,
-            out.shift, out.ranks, out.row_max, out.threshold, out.above, out.tied,
+            out.shift, out.ranks, out.row_max, out.threshold, out.above, out.tied, out.before,
             picks if picks is not None else rows, out.picked if out.picked is not None else out.shift,
             VOCAB=vocab, HAS_SCALE=scale != 1.0, HAS_TEMP=inv_t is not None, SELECT=select,
             PICKS=count, PICKS_BLOCK=triton_jit.next_power_of_2(max(count, 1)),
@@ -232,6 +234,7 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
     threshold_ptr: tl.tensor,
     above_ptr: tl.tensor,
     tied_ptr: tl.tensor,
+    before_ptr: tl.tensor,
     picks_ptr: tl.tensor,
     picked_ptr: tl.tensor,
     VOCAB: tl.constexpr,
@@ -253,7 +256,8 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
     i = tl.program_id(0)
     row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
     t = tl.load(temp_ptr + i) if HAS_TEMP else 1.0
-    target_bits = tl.load(row_ptr + tl.load(target_ptr + i)).to(tl.int16, bitcast=True).to(tl.int32)
+    target = tl.load(target_ptr + i)
+    target_bits = tl.load(row_ptr + target).to(tl.int16, bitcast=True).to(tl.int32)
     target_key = tl.where(target_bits < 0, -target_bits, target_bits + 32768)  # order_keys, inlined
     k = tl.load(k_ptr + i)
     if PICKS > 0:
@@ -265,6 +269,7 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
     m = float("-inf")
     d = tl.zeros([BLOCK], tl.float32)
     rank = tl.zeros([BLOCK], tl.int32)
+    before = tl.zeros([BLOCK], tl.int32)
     top = tl.zeros([BLOCK], tl.int32)  # per lane, the largest order key
     for start in range(0, VOCAB, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -281,10 +286,12 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
         d = d * tl.exp(m - m_new) + tl.exp(x - m_new)
         m = m_new
         rank += (valid & (key >= target_key)).to(tl.int32)
+        before += (valid & (key == target_key) & (cols < target)).to(tl.int32)
         if SELECT:
             top = tl.maximum(top, tl.where(valid, key, 0))
     tl.store(shift_ptr + i, m + tl.log(tl.sum(d, axis=0)))
     tl.store(rank_ptr + i, tl.sum(rank, axis=0))
+    tl.store(before_ptr + i, tl.sum(before, axis=0))
     tl.store(max_ptr + i, m)
     if SELECT:
         if k <= 0:

@@ -60,6 +60,7 @@ def _extras(rows: int, top: int, asking: np.ndarray | None = None) -> Extras:
         seeds=torch.full((len(picked),), 1234),
         positions=torch.from_numpy(picked + 100),
         most_top_k=max(s[0] for s in sampler),
+        least_top_k=min(s[0] for s in sampler),
         any_top_p=True,
     )
 

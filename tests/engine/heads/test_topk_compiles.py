@@ -34,7 +34,7 @@ def test_stats_kernel_compiles_for_sm90(picks: int) -> None:
         **ROW,
         **{"target_ptr": "*i64", "scale": "fp32", "temp_ptr": "*fp32", "k_ptr": "*i32", "shift_ptr": "*fp32"},
         **{"rank_ptr": "*i32", "max_ptr": "*fp32", "threshold_ptr": "*i32", "above_ptr": "*i32"},
-        **{"tied_ptr": "*i32", "picks_ptr": "*i64", "picked_ptr": "*bf16"},
+        **{"tied_ptr": "*i32", "before_ptr": "*i32", "picks_ptr": "*i64", "picked_ptr": "*bf16"},
     }
     constants = {"VOCAB": VOCAB, "HAS_SCALE": True, "HAS_TEMP": True, "SELECT": True, "PICKS": picks}
     constants |= {"PICKS_BLOCK": max(picks, 1), "BLOCK": topk_kernel.BLOCK, "DIGIT": topk_kernel.DIGIT}

@@ -45,7 +45,8 @@ def radix_chunk(  # noqa: PLR0917 (a chunk and what its rows ask, as chunked.fro
 VALUES = [-7.0, -1.5, -0.0, 0.0, 0.5, 1.25, 2.0, 3.0]
 SCALE = 0.5
 # (top_k, top_p, min_p): off, each alone, combined, the edges; top_p < 1 with top_k 0 grows the prefix
-SAMPLERS = [
+Sampler = tuple[int, float, float]
+SAMPLERS: list[Sampler] = [
     (0, 1.0, 0.0),
     (50, 0.9, 0.05),
     (0, 0.9, 0.0),
@@ -56,6 +57,18 @@ SAMPLERS = [
     (3, 0.3, 0.3),
     (0, 0.999, 0.0),
     (0, 0.05, 0.0),
+]
+# every row truncates by rank (0 < top_k < V): the survivors are the W found but for ties past them;
+# top_p off the exact boundaries of a run of ties (top_p · ties an integer)
+BOUNDED: list[Sampler] = [
+    (50, 0.8537, 0.0),
+    (7, 0.8, 0.02),
+    (1, 1.0, 0.0),
+    (3, 0.3, 0.3),
+    (64, 0.97, 0.0),
+    (30, 0.6231, 0.0),
+    (50, 1.0, 0.05),
+    (120, 0.4113, 0.001),
 ]
 
 
@@ -216,8 +229,10 @@ def test_interpreter_mass_sums_the_kept_tokens() -> None:
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def chunk_asks(rows: np.ndarray, vocab: int, top: int, device: str = "cpu") -> Extras:
-    sampler = [SAMPLERS[i % len(SAMPLERS)] for i in range(len(rows))]
+def chunk_asks(
+    rows: np.ndarray, vocab: int, top: int, device: str = "cpu", samplers: list[Sampler] = SAMPLERS
+) -> Extras:
+    sampler = [samplers[i % len(samplers)] for i in range(len(rows))]
     gen = torch.Generator().manual_seed(len(rows))
     return Extras(
         rows=rows,
@@ -228,6 +243,7 @@ def chunk_asks(rows: np.ndarray, vocab: int, top: int, device: str = "cpu") -> E
         top_p=torch.tensor([s[1] for s in sampler], dtype=torch.float32, device=device),
         min_p=torch.tensor([s[2] for s in sampler], dtype=torch.float32, device=device),
         most_top_k=max(s[0] for s in sampler),
+        least_top_k=min(s[0] for s in sampler),
         any_top_p=True,
     )
 
@@ -316,6 +332,63 @@ def test_interpreter_fast_extras_equal_the_float_copy_path(dtype: torch.dtype, t
 
 
 @only_interpreted
+def test_interpreter_the_target_s_place_among_its_ties() -> None:
+    """`before`: the tokens with the target's logit and a lower id (-0 ties +0), every row."""
+    rows, vocab = 6, 1800
+    z = logits(rows, vocab, torch.bfloat16, seed=40)
+    gen = torch.Generator().manual_seed(41)
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[0] = vocab - 1
+    out = topk_kernel.Out.empty(rows, z.device)
+    topk_kernel.launch(z, torch.arange(rows), targets, SCALE, None, torch.zeros(rows, dtype=torch.int32), out)
+    keys = topk_kernel.order_keys(z)
+    same = keys == keys.gather(1, targets[:, None])
+    want = (same & (torch.arange(vocab)[None, :] < targets[:, None])).sum(1)
+    assert torch.equal(out.before.long(), want)
+    assert int(want[0]) > 100  # a tied row's last id: most of its ties before it
+
+
+@only_interpreted
+@pytest.mark.parametrize("top", [5, 100])
+def test_interpreter_bounded_processed_equals_the_float_copy_path(
+    monkeypatch: pytest.MonkeyPatch, top: int
+) -> None:
+    """Every row truncating by rank: the processed log-probs come from the W found, with no pass for
+    the kept mass (the mass kernel never runs) and nothing read back; rows of ties hold survivors
+    past the W (row 2 flat: all of them), targets among those ties kept or not by their place."""
+
+    def no_pass(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the kept mass needs no pass over the row")
+
+    monkeypatch.setattr(topk_kernel, "mass", no_pass)
+    vocab = 2000
+    z = logits(12, vocab, torch.bfloat16, seed=50 + top)
+    gen = torch.Generator().manual_seed(51)
+    targets = torch.randint(0, vocab, (14,), generator=gen)
+    asking = np.arange(2, 14)
+    asks = chunk_asks(asking, vocab, top, samplers=BOUNDED)
+    assert extras_radix.bounded(asks, vocab)
+    w = extras_radix.width(asks, vocab)  # 120 found; a tied row has ~250 ties of its largest logit
+    assert w == 120
+    # targets among the ties of the row's largest logit (asking row: index among them), past the W
+    # found but in row 8
+    places = {0: w + 50, 2: w + 1500, 4: -1, 6: w + 100, 8: 5}
+    for at, place in places.items():
+        ties = (z[at] == z[at].max()).nonzero()[:, 0]
+        targets[2 + at] = ties[place]
+    inv_t = 1.0 / (0.5 + torch.rand(14, generator=gen))
+    args = (z, 2, 14, targets, inv_t, LogitTransform(scale=SCALE), asks)
+    fast = extra.cat(radix_chunk(*args))
+    want = extra.cat(chunked.from_float_copy(*args))
+    assert_same_extras(fast, want)
+    assert fast.processed is not None
+    kept = torch.isfinite(fast.processed)[[0, 2, 4, 6, 8]].tolist()
+    # of the ~134 ties past the W, top_p 0.8537 keeps ~97 (row 0's is the 50th), 0.97 ~127 (row 4's is
+    # the last); top_p 1 keeps all (row 2: a flat row, row 6)
+    assert kept == [True, True, False, True, True]
+
+
+@only_interpreted
 def test_interpreter_score_actions_takes_the_radix_path_for_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     score = extras_radix.score
@@ -397,10 +470,7 @@ def test_interpreter_select_writes_the_values_the_row_max_and_the_picks() -> Non
     assert torch.equal(found.row_max, tempered(z, inv_t).amax(dim=1))
     picks = torch.randint(0, vocab, (rows, 3), generator=torch.Generator().manual_seed(13))
     out = topk_kernel.Out.empty(rows, z.device)
-    out = topk_kernel.Out(
-        *(out.shift, out.ranks, out.row_max, out.threshold, out.above, out.tied),
-        picked=torch.empty(rows, 3, dtype=z.dtype),
-    )
+    out = replace(out, picked=torch.empty(rows, 3, dtype=z.dtype))
     k = torch.tensor([0, 5, 0, 1, 9, 0], dtype=torch.int32)
     out.threshold.fill_(-7)
     topk_kernel.launch(z, at, at, SCALE, inv_t, k, out, picks=picks, block=512)
