@@ -443,13 +443,16 @@ def test_compiled_select_equals_torch_topk_on_cuda(dtype: torch.dtype) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
 @pytest.mark.parametrize("top", [100, 1000])
-def test_compiled_fast_extras_equal_the_float_copy_path_on_cuda(top: int) -> None:
+@pytest.mark.parametrize("samplers", [SAMPLERS, BOUNDED], ids=["samplers", "bounded"])
+def test_compiled_fast_extras_equal_the_float_copy_path_on_cuda(top: int, samplers: list[Sampler]) -> None:
+    """Bounded: every row truncates by rank, the tied rows' ~19,000 ties of a value past the W found."""
     rows, vocab = 512, 152064
     z = logits(rows, vocab, torch.bfloat16, seed=top, device="cuda")
     gen = torch.Generator().manual_seed(11)
     targets = torch.randint(0, vocab, (rows,), generator=gen).cuda()
     inv_t = (1.0 / (0.5 + torch.rand(rows, generator=gen))).cuda()
-    asks = chunk_asks(np.arange(rows), vocab, top, device="cuda")
+    asks = chunk_asks(np.arange(rows), vocab, top, device="cuda", samplers=samplers)
+    assert extras_radix.bounded(asks, vocab) == (samplers is BOUNDED)
     args = (z, 0, rows, targets, inv_t, LogitTransform(scale=SCALE), asks)
     fast = extra.cat(radix_chunk(*args))  # one ExtraScores per group of asking rows
     assert_same_extras(fast, extra.cat(chunked.from_float_copy(*args)))
