@@ -63,9 +63,11 @@ def bounded(asks: Extras, vocab: int) -> bool:
 
 
 def width(asks: Extras, vocab: int) -> int:
-    """W: the keys selected per row, enough for the top list, top-k's k-th key and top-p's first prefix."""
+    """W: the keys selected per row, enough for the top list, top-k's k-th key and top-p's first prefix
+    (none where every row truncates by rank: its survivors are the top_k and their ties)."""
     sampler = asks.top_p is not None
-    wanted = max(asks.top, asks.most_top_k, extra.PREFIX if asks.any_top_p else 0, 1 if sampler else 0)
+    prefix = extra.PREFIX if asks.any_top_p and not bounded(asks, vocab) else 0
+    wanted = max(asks.top, asks.most_top_k, prefix, 1 if sampler else 0)
     return min(wanted, vocab)
 
 

@@ -368,7 +368,7 @@ def test_interpreter_bounded_processed_equals_the_float_copy_path(
     asking = np.arange(2, 14)
     asks = chunk_asks(asking, vocab, top, samplers=BOUNDED)
     assert extras_radix.bounded(asks, vocab)
-    w = extras_radix.width(asks, vocab)  # 120 found; a tied row has ~250 ties of its largest logit
+    w = extras_radix.width(asks, vocab)  # 120 found (the largest top_k); ~250 ties of a tied row's largest
     assert w == 120
     # targets among the ties of the row's largest logit (asking row: index among them), past the W
     # found but in row 8
