@@ -9,7 +9,8 @@ by 2^-24) as long as x stays a normal float32 or zero, so the order of (x desc, 
 (z desc, id asc) and ties in x are ties in z. Each element's order key is a 16-bit integer: its
 bits with the sign folded so that integers increase with z, -0 mapped onto +0 (`order_keys`).
 
-`select`: one program per row, passes over its 16-bit values (a 2 B read per element each):
+`select`: one program per row, passes over its 16-bit values (a 2 B read per element each; each
+pass loads its next block while it works on one, as heads/fused_kernel.py does):
 1. the online log-sum-exp of x (as heads/fused_kernel.py), the count of keys >= the target's (vLLM's
    rank: tokens at least as likely) and the row's largest key;
 2. a histogram of the 2^DIGIT keys at and below the largest, one bin each: where they hold K keys
@@ -171,6 +172,7 @@ def launch(  # noqa: PLR0917
     if picks is not None:
         assert out.picked is not None
     step = min(block, triton_jit.next_power_of_2(vocab))
+    assert step < 1 << 16, "the write kernel counts a block's keys in 16 bits"
     with triton_jit.on_device(z):
         triton_jit.jit(_stats_kernel)[(r,)](
             z, z.stride(0), rows, targets.contiguous(), float(scale), temp, k,
@@ -271,10 +273,12 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
     rank = tl.zeros([BLOCK], tl.int32)
     before = tl.zeros([BLOCK], tl.int32)
     top = tl.zeros([BLOCK], tl.int32)  # per lane, the largest order key
+    ahead = tl.load(row_ptr + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < VOCAB, other=float("-inf"))
     for start in range(0, VOCAB, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         valid = cols < VOCAB
-        v = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
+        v = ahead
+        ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < VOCAB, other=float("-inf"))  # in flight
         bits = v.to(tl.int16, bitcast=True).to(tl.int32)
         key = tl.where(bits < 0, -bits, bits + 32768)
         x = v.to(tl.float32)
@@ -303,10 +307,12 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
             # key = largest - g), which holds the K-th largest key in one pass when it holds >= K keys
             largest = tl.max(top, axis=0)
             counts = tl.zeros([1 << DIGIT], tl.int32)
+            ahead = tl.load(row_ptr + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < VOCAB, other=0.0)
             for start in range(0, VOCAB, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 valid = cols < VOCAB
-                v = tl.load(row_ptr + cols, mask=valid, other=0.0)
+                v = ahead
+                ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < VOCAB, other=0.0)
                 bits = v.to(tl.int16, bitcast=True).to(tl.int32)
                 gap = largest - tl.where(bits < 0, -bits, bits + 32768)
                 near = valid & (gap < (1 << DIGIT))
@@ -373,17 +379,20 @@ def _write_kernel(  # noqa: PLR0917
         ties = k - tl.load(above_ptr + i)  # ties at v to take, the lowest ids
         written = tl.zeros([], tl.int32)
         seen = tl.zeros([], tl.int32)  # ties at v before this block
+        ahead = tl.load(row_ptr + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < VOCAB, other=0.0)
         for start in range(0, VOCAB, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             valid = cols < VOCAB
-            z = tl.load(row_ptr + cols, mask=valid, other=0.0)
+            z = ahead
+            ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < VOCAB, other=0.0)  # in flight
             bits = z.to(tl.int16, bitcast=True).to(tl.int32)
             key = tl.where(bits < 0, -bits, bits + 32768)
             tie = (valid & (key == v)).to(tl.int32)
             high = (valid & (key > v)).to(tl.int32)
-            ties_here = tl.sum(tie, axis=0)
+            both = tl.sum(high * 65536 + tie, axis=0)  # one reduction: BLOCK < 2^16 of each
+            ties_here = both & 65535
             # most blocks hold none of the K: the scans run only where one is taken
-            if tl.sum(high, axis=0) + tl.where(seen < ties, ties_here, 0) > 0:
+            if (both >> 16) + tl.where(seen < ties, ties_here, 0) > 0:
                 take = ((high > 0) | ((tie > 0) & (seen + tl.cumsum(tie, 0) <= ties))).to(tl.int32)
                 slot = written + tl.cumsum(take, 0) - take
                 tl.store(out_ptr + slot, cols, mask=take > 0)
@@ -415,10 +424,12 @@ def _mass_kernel(  # noqa: PLR0917
     floor = tl.load(floor_ptr + i)
     least = tl.load(least_ptr + i)
     total = tl.zeros([BLOCK], tl.float32)
+    ahead = tl.load(row_ptr + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < VOCAB, other=float("-inf"))
     for start in range(0, VOCAB, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         valid = cols < VOCAB
-        v = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
+        v = ahead
+        ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < VOCAB, other=float("-inf"))  # in flight
         x = v.to(tl.float32)
         if HAS_SCALE:
             x = x * scale
