@@ -84,7 +84,8 @@ class Batch:
     k: torch.Tensor  # [g] int32 W
     scale: float
     vocab: int
-    out: topk_kernel.Out  # ids, values [g, W]; picked [g, 1 + C]
+    out: topk_kernel.Out  # ids, values [g, W] (with `found`: of the rows it overflowed); picked [g, 1 + C]
+    found: topk_kernel.Candidates | None  # [g, F] keys at or above a bound (None: the exact select)
     top_k: torch.Tensor | None  # [g] int32 the sampler's k (0: off; >= V: 0)
     least: topk_kernel.Out | None  # threshold: the top_k-th largest order key of each row
     mass: torch.Tensor | None  # [g] float32
@@ -120,6 +121,9 @@ class Batch:
             if not bounded(asks, vocab):  # the kept mass needs a pass over each row (`mass`)
                 least = topk_kernel.Out.empty(g, device)
                 mass = torch.empty(g, dtype=torch.float32, device=device)
+        found = None
+        if least is None and w > 0:  # no kept mass to sum over the row: the gather serves
+            found = topk_kernel.Candidates.empty(g, min(vocab, w + max(w // 2, 64)), z.dtype, device)
         return cls(
             asks=asks,
             chunk=chunk,
@@ -131,6 +135,7 @@ class Batch:
             scale=scale,
             vocab=vocab,
             out=out,
+            found=found,
             top_k=top_k,
             least=least,
             mass=mass,
@@ -147,7 +152,10 @@ def score(batch: Batch, z: torch.Tensor, a: int, b: int) -> ExtraScores | None:
     inv_t = None if batch.inv_t is None else batch.inv_t[a:b]
     out = batch.out.rows(a, b)
     rows, k = batch.local[a:b], batch.k[a:b]
-    topk_kernel.launch(z, rows, batch.targets[a:b], batch.scale, inv_t, k, out, picks=batch.picks[a:b])
+    found = None if batch.found is None else batch.found.rows(a, b)
+    topk_kernel.launch(
+        z, rows, batch.targets[a:b], batch.scale, inv_t, k, out, picks=batch.picks[a:b], found=found
+    )
     if batch.least is not None and batch.mass is not None and batch.top_k is not None:
         _sampler(batch, z, a, b)
     return finish(batch) if b == len(batch.asks.rows) else None
@@ -178,7 +186,7 @@ def finish(batch: Batch) -> ExtraScores:
     assert out.ids is not None
     assert out.values is not None
     assert out.picked is not None
-    first = _sorted_keys(batch, out.ids, out.values, None)
+    first, above, tied = _first(batch)
     x_picked = _tempered(batch, out.picked, None)  # [g, 1 + C]
     x_target = x_picked[:, 0]
     top_ids = top_logprobs = candidate_logprobs = processed = None
@@ -188,14 +196,37 @@ def finish(batch: Batch) -> ExtraScores:
     if asks.candidates is not None:
         candidate_logprobs = x_picked[:, 1:] - out.shift[:, None]
     if asks.top_p is not None and batch.mass is None:
-        processed = _bounded_processed(batch, first, x_target)
+        processed = _bounded_processed(batch, first, x_target, above, tied)
     elif asks.top_p is not None:
         rows = Found(batch, first)
         processed = extra.processed_logprobs(rows, out.shift, x_target, batch.targets, asks, vocab)
     return ExtraScores(top_ids, top_logprobs, out.ranks.long(), candidate_logprobs, processed, None)
 
 
-def _bounded_processed(batch: Batch, first: torch.Tensor, x_target: torch.Tensor) -> torch.Tensor:
+def _first(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[g, W] each row's W largest keys, largest first, and the counts of keys above the W-th's
+    logit and tied with it ([g] each, the whole row's): from the candidates where they fit (every
+    tie of the W-th is among them then), else from the exact selection."""
+    out = batch.out
+    assert out.ids is not None
+    assert out.values is not None
+    exact = _sorted_keys(batch, out.ids, out.values, None)
+    if batch.found is None:
+        return exact, out.above, out.tied
+    found, w = batch.found, exact.shape[1]
+    keys = _sorted_keys(batch, found.ids, found.values, None)  # [g, F]
+    over = found.count > keys.shape[1]
+    first = torch.where(over[:, None], exact, keys[:, :w])
+    values, real = extra.decode(keys, batch.vocab)[1], keys != extra.LOWEST
+    last = extra.decode(first[:, w - 1], batch.vocab)[1][:, None]
+    above = torch.where(over, out.above, (real & (values > last)).sum(dim=1, dtype=torch.int32))
+    tied = torch.where(over, out.tied, (real & (values == last)).sum(dim=1, dtype=torch.int32))
+    return first, above, tied
+
+
+def _bounded_processed(
+    batch: Batch, first: torch.Tensor, x_target: torch.Tensor, above: torch.Tensor, tied: torch.Tensor
+) -> torch.Tensor:
     """[g] extras.processed_logprobs where every row truncates by rank (`bounded`), from the W keys
     found, with nothing read back to the host: min-p, top-k and top-p over them, renormalised.
 
@@ -220,7 +251,7 @@ def _bounded_processed(batch: Batch, first: torch.Tensor, x_target: torch.Tensor
     upto = torch.cumsum(held, dim=1)
     reach = upto[:, -1]
     p_v = torch.exp(kth - shift)
-    ties_past = (out.tied - (w - out.above)).long().clamp(min=0)
+    ties_past = (tied - (w - above)).long().clamp(min=0)
     past = torch.where((values[:, -1] == kth) & real[:, -1] & (p_v >= floor), ties_past, 0)
     mass = reach + past * p_v
     goal = asks.top_p * mass
@@ -231,7 +262,7 @@ def _bounded_processed(batch: Batch, first: torch.Tensor, x_target: torch.Tensor
     short = wanted & (reach < goal) & (past > 0)
     more = torch.where(short, torch.minimum(torch.ceil((goal - reach) / p_v), past.float()), 0.0)
     total = total + more * p_v
-    place = (out.before - (w - out.above)).long()  # among the ties past the W, if the target is one
+    place = (out.before - (w - above)).long()  # among the ties past the W, if the target is one
     one_past = (x_target == kth) & (past > 0) & (place >= 0)
     in_order = extra.keys(x_target, batch.targets, vocab) >= last
     in_order |= one_past & (place < more)

@@ -23,7 +23,12 @@ pass loads its next block while it works on one, as heads/fused_kernel.py does):
 Compiled offline for sm_90 (tests/engine/heads/test_topk_compiles.py); launch parameters measured by
 benchmarks/topk_sweep.py.
 `launch` runs them into given buffers (topk_kernel.Out, row slices of a micro-batch's) with no
-allocation and nothing read back; `select` allocates them. The stats kernel also keeps each row's
+allocation and nothing read back; `select` allocates them. Given `Candidates`, `launch` skips 2 and
+3 for most rows: pass 1 also bounds the K-th largest key from below by the K-th largest of its
+lanes' largest keys (each lane is one column of every block, so K lanes hold a key at least that
+large), and a gather pass writes every key at or above the bound, in slots taken by atomics; only
+rows where more than the candidates' width reach the bound (ties, flat rows) run 2 and 3, the
+others' programs returning at once. The stats kernel also keeps each row's
 largest x and copies z at given ids (target, candidates); the write kernel writes z beside each id.
 `mass`: one more pass, Σ exp(x - shift) over tokens with key >= a per-row key and
 exp(x - shift) >= a per-row floor (the kept mass of vLLM's min-p and top-k).
@@ -98,6 +103,30 @@ class Out:
         )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """Each row's keys at or above a lower bound of its K-th largest (the K-th largest of its lanes'
+    largest keys: K lanes hold one each), in slots taken by atomics (any order), and how many there
+    are. Where they fit (count <= C) they hold the K largest and every tie of the K-th; else the exact
+    selection ran for the row (`launch`) and its ids are in Out.ids."""
+
+    ids: torch.Tensor  # [r, C] int32, rows contiguous; slots past count unwritten
+    values: torch.Tensor  # [r, C] z's dtype, rows contiguous
+    count: torch.Tensor  # [r] int32 keys at or above the bound (written: min(count, C))
+
+    @classmethod
+    def empty(cls, r: int, width: int, dtype: torch.dtype, device: torch.device) -> Candidates:
+        """Ids -1 and values -inf, so unwritten slots sort last."""
+        return cls(
+            ids=torch.full((r, width), -1, dtype=torch.int32, device=device),
+            values=torch.full((r, width), float("-inf"), dtype=dtype, device=device),
+            count=torch.zeros(r, dtype=torch.int32, device=device),
+        )
+
+    def rows(self, a: int, b: int) -> Candidates:
+        return Candidates(self.ids[a:b], self.values[a:b], self.count[a:b])
+
+
 def order_keys(z: torch.Tensor) -> torch.Tensor:
     """int32 keys in [1, 65535] of 16-bit logits z: increasing with z, -0 and +0 equal (as the kernels
     compute them; for callers that compare with a threshold)."""
@@ -154,12 +183,16 @@ def launch(  # noqa: PLR0917
     *,
     select: bool = True,  # find each row's K-th largest key (threshold, above, tied)
     picks: torch.Tensor | None = None,  # [r, P] int64 token ids whose z goes to out.picked
+    found: Candidates | None = None,  # gather each row's candidates first (`Candidates`)
     block: int = BLOCK,
     digit: int = DIGIT,
 ) -> None:
     """`select`'s kernels into given buffers: no allocation, no copy of the inputs when they are
     already int64 / float32 and contiguous, and nothing read back to the host. The stats kernel
-    always runs; the write kernel where out.ids is given."""
+    always runs; the write kernel where out.ids is given. With `found`, the stats kernel bounds the
+    K-th largest key from below and the gather kernel writes every key at or above the bound into
+    `found`; the exact selection and write then run only for the rows whose candidates overflowed
+    (the others return at once)."""
     triton_jit.runnable(z)
     if z.stride(1) != 1:
         z = z.contiguous()
@@ -173,20 +206,35 @@ def launch(  # noqa: PLR0917
         assert out.picked is not None
     step = min(block, triton_jit.next_power_of_2(vocab))
     assert step < 1 << 16, "the write kernel counts a block's keys in 16 bits"
+    targets = targets.contiguous()
+    picked = out.picked if out.picked is not None else out.shift
+    gated = found is not None and select
+    counts, cap = (found.count, found.ids.shape[1]) if found is not None else (out.ranks, 0)
     with triton_jit.on_device(z):
-        triton_jit.jit(_stats_kernel)[(r,)](
-            z, z.stride(0), rows, targets.contiguous(), float(scale), temp, k,
-            out.shift, out.ranks, out.row_max, out.threshold, out.above, out.tied, out.before,
-            picks if picks is not None else rows, out.picked if out.picked is not None else out.shift,
-            VOCAB=vocab, HAS_SCALE=scale != 1.0, HAS_TEMP=inv_t is not None, SELECT=select,
-            PICKS=count, PICKS_BLOCK=triton_jit.next_power_of_2(max(count, 1)),
-            BLOCK=step, DIGIT=digit, num_warps=NUM_WARPS,
-        )  # fmt: skip
+
+        def stats(bound: bool, gate: bool) -> None:
+            triton_jit.jit(_stats_kernel)[(r,)](
+                z, z.stride(0), rows, targets, float(scale), temp, k,
+                out.shift, out.ranks, out.row_max, out.threshold, out.above, out.tied, out.before,
+                picks if picks is not None else rows, picked, counts, cap,
+                VOCAB=vocab, HAS_SCALE=scale != 1.0, HAS_TEMP=inv_t is not None, SELECT=select,
+                PICKS=count, PICKS_BLOCK=triton_jit.next_power_of_2(max(count, 1)),
+                BOUND=bound, GATED=gate, BLOCK=step, DIGIT=digit, num_warps=NUM_WARPS,
+            )  # fmt: skip
+
+        stats(gated, False)
+        if gated:
+            assert found is not None
+            triton_jit.jit(_gather_kernel)[(r,)](
+                z, z.stride(0), rows, out.threshold, found.count, found.ids, found.values, cap,
+                VOCAB=vocab, BLOCK=step, num_warps=NUM_WARPS,
+            )  # fmt: skip
+            stats(False, True)
         if out.ids is not None:
             assert out.values is not None
             triton_jit.jit(_write_kernel)[(r,)](
                 z, z.stride(0), rows, k, out.threshold, out.above, out.ids, out.values, out.ids.shape[1],
-                VOCAB=vocab, BLOCK=step, num_warps=NUM_WARPS,
+                counts, cap, VOCAB=vocab, BLOCK=step, GATED=gated, num_warps=NUM_WARPS,
             )  # fmt: skip
 
 
@@ -239,12 +287,16 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
     before_ptr: tl.tensor,
     picks_ptr: tl.tensor,
     picked_ptr: tl.tensor,
+    count_ptr: tl.tensor,
+    cap: tl.tensor,
     VOCAB: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_TEMP: tl.constexpr,
     SELECT: tl.constexpr,
     PICKS: tl.constexpr,
     PICKS_BLOCK: tl.constexpr,
+    BOUND: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK: tl.constexpr,
     DIGIT: tl.constexpr,
 ) -> None:
@@ -254,8 +306,14 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
     Padding loads as -inf (exp gives 0) and is masked out of the counts. A row with K = 0 writes
     threshold, above and tied 0 (every key is at or above threshold 0). Also stores the row's
     largest x (the running max: x is the torch path's product, so the value is bitwise its max)
-    and copies z at PICKS token ids per row (the target's and candidates' logits)."""
+    and copies z at PICKS token ids per row (the target's and candidates' logits).
+    BOUND: after the first pass, instead of the selection, threshold is a lower bound of the K-th
+    largest key (the K-th largest of the lanes' largest; 0 where K > BLOCK) and count is zeroed for
+    the gather kernel. GATED: only rows whose count passed cap run (the others return at once)."""
     i = tl.program_id(0)
+    if GATED:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if tl.load(count_ptr + i) <= cap:
+            return
     row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
     t = tl.load(temp_ptr + i) if HAS_TEMP else 1.0
     target = tl.load(target_ptr + i)
@@ -297,7 +355,19 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
     tl.store(rank_ptr + i, tl.sum(rank, axis=0))
     tl.store(before_ptr + i, tl.sum(before, axis=0))
     tl.store(max_ptr + i, m)
-    if SELECT:
+    if BOUND:
+        # the K-th largest of the lanes' largest keys, by bisection of the 16-bit key space: the
+        # largest b with K lanes at or above it (0 where fewer than K lanes hold a key)
+        lo = tl.zeros([], tl.int32)
+        hi = tl.full([], 1 << 16, tl.int32)
+        for _ in tl.static_range(16):
+            mid = (lo + hi) // 2
+            enough = tl.sum((top >= mid).to(tl.int32), axis=0) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
+        tl.store(threshold_ptr + i, lo)
+        tl.store(count_ptr + i, 0)
+    elif SELECT:
         if k <= 0:
             tl.store(threshold_ptr + i, 0)
             tl.store(above_ptr + i, 0)
@@ -364,13 +434,19 @@ def _write_kernel(  # noqa: PLR0917
     ids_ptr: tl.tensor,
     values_ptr: tl.tensor,
     width: tl.tensor,
+    count_ptr: tl.tensor,
+    cap: tl.tensor,
     VOCAB: tl.constexpr,
     BLOCK: tl.constexpr,
+    GATED: tl.constexpr,
 ) -> None:
     """Pass 3 of one row: the ids of keys > threshold and of the first K - above keys == threshold,
-    in id order, at consecutive slots of the row's output, and z at those ids beside them."""
+    in id order, at consecutive slots of the row's output, and z at those ids beside them (GATED:
+    only rows whose candidates overflowed)."""
     i = tl.program_id(0)
     k = tl.load(k_ptr + i)
+    if GATED:
+        k = tl.where(tl.load(count_ptr + i) > cap, k, 0)
     if k > 0:
         row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
         out_ptr = ids_ptr + i.to(tl.int64) * width
@@ -399,6 +475,38 @@ def _write_kernel(  # noqa: PLR0917
                 tl.store(values_out + slot, z, mask=take > 0)
                 written += tl.sum(take, axis=0)
             seen += ties_here
+
+
+def _gather_kernel(  # noqa: PLR0917
+    z_ptr: tl.tensor,
+    row_stride: tl.tensor,
+    rows_ptr: tl.tensor,
+    bound_ptr: tl.tensor,
+    count_ptr: tl.tensor,
+    ids_ptr: tl.tensor,
+    values_ptr: tl.tensor,
+    width: tl.tensor,
+    VOCAB: tl.constexpr,
+    BLOCK: tl.constexpr,
+) -> None:
+    """One pass of one row: every key >= the row's bound into a slot taken by an atomic increment
+    of its count (slots past width are counted, not written), with z beside its id."""
+    i = tl.program_id(0)
+    row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
+    bound = tl.load(bound_ptr + i)
+    out_ptr = ids_ptr + i.to(tl.int64) * width
+    values_out = values_ptr + i.to(tl.int64) * width
+    ahead = tl.load(row_ptr + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < VOCAB, other=0.0)
+    for start in range(0, VOCAB, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        z = ahead
+        ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < VOCAB, other=0.0)  # in flight
+        bits = z.to(tl.int16, bitcast=True).to(tl.int32)
+        take = (cols < VOCAB) & (tl.where(bits < 0, -bits, bits + 32768) >= bound)
+        slot = tl.atomic_add(count_ptr + i + cols * 0, 1, mask=take)
+        kept = take & (slot < width)
+        tl.store(out_ptr + slot, cols, mask=kept)
+        tl.store(values_out + slot, z, mask=kept)
 
 
 def _mass_kernel(  # noqa: PLR0917

@@ -28,23 +28,35 @@ def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any]) -> b
     return bytes(kernel.asm["cubin"])
 
 
-@pytest.mark.parametrize("picks", [0, 4])
-def test_stats_kernel_compiles_for_sm90(picks: int) -> None:
+@pytest.mark.parametrize(
+    ("picks", "bound", "gated"), [(0, False, False), (4, False, False), (4, True, False), (4, False, True)]
+)
+def test_stats_kernel_compiles_for_sm90(picks: int, bound: bool, gated: bool) -> None:
     signature = {
         **ROW,
         **{"target_ptr": "*i64", "scale": "fp32", "temp_ptr": "*fp32", "k_ptr": "*i32", "shift_ptr": "*fp32"},
         **{"rank_ptr": "*i32", "max_ptr": "*fp32", "threshold_ptr": "*i32", "above_ptr": "*i32"},
         **{"tied_ptr": "*i32", "before_ptr": "*i32", "picks_ptr": "*i64", "picked_ptr": "*bf16"},
+        **{"count_ptr": "*i32", "cap": "i32"},
     }
     constants = {"VOCAB": VOCAB, "HAS_SCALE": True, "HAS_TEMP": True, "SELECT": True, "PICKS": picks}
     constants |= {"PICKS_BLOCK": max(picks, 1), "BLOCK": topk_kernel.BLOCK, "DIGIT": topk_kernel.DIGIT}
+    constants |= {"BOUND": bound, "GATED": gated}
     assert _compile(topk_kernel._stats_kernel, signature, constants)
 
 
-def test_write_and_mass_kernels_compile_for_sm90() -> None:
+@pytest.mark.parametrize("gated", [False, True])
+def test_write_and_gather_kernels_compile_for_sm90(gated: bool) -> None:
     write = {**ROW, "k_ptr": "*i32", "threshold_ptr": "*i32", "above_ptr": "*i32", "ids_ptr": "*i32"}
-    write |= {"values_ptr": "*bf16", "width": "i32"}
-    assert _compile(topk_kernel._write_kernel, write, {"VOCAB": VOCAB, "BLOCK": topk_kernel.BLOCK})
+    write |= {"values_ptr": "*bf16", "width": "i32", "count_ptr": "*i32", "cap": "i32"}
+    constants = {"VOCAB": VOCAB, "BLOCK": topk_kernel.BLOCK, "GATED": gated}
+    assert _compile(topk_kernel._write_kernel, write, constants)
+    gather = {**ROW, "bound_ptr": "*i32", "count_ptr": "*i32", "ids_ptr": "*i32", "values_ptr": "*bf16"}
+    gather |= {"width": "i32"}
+    assert _compile(topk_kernel._gather_kernel, gather, {"VOCAB": VOCAB, "BLOCK": topk_kernel.BLOCK})
+
+
+def test_mass_kernel_compiles_for_sm90() -> None:
     mass = {**ROW, "scale": "fp32", "temp_ptr": "*fp32", "shift_ptr": "*fp32", "floor_ptr": "*fp32"}
     mass |= {"least_ptr": "*i32", "out_ptr": "*fp32"}
     constants = {"VOCAB": VOCAB, "HAS_SCALE": True, "HAS_TEMP": True, "BLOCK": topk_kernel.BLOCK}

@@ -389,6 +389,47 @@ def test_interpreter_bounded_processed_equals_the_float_copy_path(
 
 
 @only_interpreted
+@pytest.mark.parametrize("top", [1, 100, 700])
+def test_interpreter_gathered_top_lists_equal_the_float_copy_path(top: int) -> None:
+    """Top lists without a sampler come from the keys gathered at or above each row's bound where
+    they fit (random rows) and from the exact selection where they overflow (tied rows, the flat
+    row); both equal the float copy path's."""
+    vocab = 2000
+    z = logits(12, vocab, torch.bfloat16, seed=60 + top)
+    gen = torch.Generator().manual_seed(61)
+    targets = torch.randint(0, vocab, (14,), generator=gen)
+    inv_t = 1.0 / (0.5 + torch.rand(14, generator=gen))
+    asks = replace(
+        chunk_asks(np.arange(2, 14), vocab, top),
+        top_k=None, top_p=None, min_p=None, most_top_k=0, least_top_k=0, any_top_p=False,
+    )  # fmt: skip
+    args = (z, 2, 14, targets, inv_t, LogitTransform(scale=SCALE), asks)
+    counts: list[torch.Tensor] = []
+    real = extras_radix._first
+
+    def seen(batch: extras_radix.Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert batch.found is not None
+        counts.append(batch.found.count > batch.found.ids.shape[1])
+        return real(batch)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(extras_radix, "_first", seen)
+        fast = extra.cat(radix_chunk(*args))
+    want = extra.cat(chunked.from_float_copy(*args))
+    over = torch.cat(counts).tolist()
+    assert over[1::2] == [False] * 6  # random rows: their candidates fit
+    assert all(over[0::2]) or top == 700  # tied rows overflow (at 700, two values' ties may fit)
+    assert fast.top_ids is not None
+    assert want.top_ids is not None
+    assert torch.equal(fast.top_ids, want.top_ids)
+    assert torch.equal(fast.ranks, want.ranks)
+    for a, b in [(fast.top_logprobs, want.top_logprobs), (fast.candidate_logprobs, want.candidate_logprobs)]:
+        assert a is not None
+        assert b is not None
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-6)
+
+
+@only_interpreted
 def test_interpreter_score_actions_takes_the_radix_path_for_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     score = extras_radix.score
