@@ -52,6 +52,7 @@ from benchmarks import peers
 from benchmarks.run import (
     ACCURACY_SAMPLE,
     HttpServer,
+    batch_counts,
     build_model,
     http_bodies,
     http_rounds,
@@ -160,6 +161,21 @@ def accuracy(url: str, samples: list[Sample], want: list[np.ndarray]) -> float:
     return max_abs_diff(got, want)
 
 
+def counted_rounds(
+    url: str, bodies: list[bytes], reps: int, mode: str, frames: bool
+) -> tuple[list[float], dict[str, float]]:
+    """http_rounds, and the server's micro-batches per round and their mean computed tokens (over
+    the rounds and the warm-up round)."""
+    before = batch_counts(url)
+    rounds = http_rounds(url, bodies, reps, mode, frames)
+    after = batch_counts(url)
+    count = after[0] - before[0]
+    return rounds, {
+        "micro_batches_per_round": count / (reps + 1),
+        "micro_batch_tokens": (after[1] - before[1]) / max(1.0, count),
+    }
+
+
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     settings = Settings(
@@ -225,7 +241,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             for w, samples in workloads.items():
                 bodies = http_bodies(samples, frames=frames)
                 diff = accuracy(url, samples, want[w])
-                rounds = http_rounds(url, bodies, args.reps, mode, frames)
+                rounds, batching = counted_rounds(url, bodies, args.reps, mode, frames)
                 answers = asyncio.run(_answers(url, samples))
                 peak = peak_memory(functools.partial(http_rounds, url, bodies, 1, mode, frames), device)
                 record(
@@ -236,6 +252,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
                     rounds_ms=[round(r * 1e3, 1) for r in rounds],
                     computed_tokens=computed_tokens(answers),
                     max_abs_diff_vs_float32=diff,
+                    **batching,
                 )
                 if share:  # the same groups sent grouped: each prompt once on the wire
                     grouped = http_bodies(samples, frames=frames, grouped=True)

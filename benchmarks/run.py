@@ -185,6 +185,17 @@ def http_seconds(
     return statistics.median(http_rounds(url, bodies, reps, mode, frames))
 
 
+def batch_counts(url: str) -> tuple[float, float]:
+    """(micro-batches, their computed tokens) the server has collected so far, from its /metrics."""
+    count = total = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("logprobd_batch_tokens_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("logprobd_batch_tokens_sum"):
+            total = float(line.split()[-1])
+    return count, total
+
+
 def http_rounds(
     url: str, bodies: list[bytes], reps: int, mode: str = "asyncio", frames: bool = True
 ) -> list[float]:

@@ -53,6 +53,9 @@ def test_grpo_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
             computed = served["computed_tokens"]
             # each request's part is rounded to a whole token
             assert computed is None or w["unique_tokens"] - 8 <= computed <= w["tokens"]
+            # the server's micro-batches per round (the warm-up round too) and their tokens
+            assert served["micro_batches_per_round"] >= 1
+            assert 0 < served["micro_batch_tokens"] <= w["tokens"]
     multi = tiny["workloads"]["multi-turn"]
     assert multi["unique_tokens"] < multi["one_level_tokens"]  # the second level shares more
 
