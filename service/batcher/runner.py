@@ -6,9 +6,7 @@ engine thread and the requests' futures, and waits. No scheduling decision is ma
   yet collected and the accelerator does not idle while the host packs and answers.
 - A request that queues a full budget on an idle accelerator launches it from its own call, and a
   launch on an idle accelerator holds the event loop (GIL released) for at most `hold_s`.
-- With the engine idle and less than a budget queued, the worker collates for at most `wait_s`;
-  behind a micro-batch in flight, until shortly before the accelerator is expected to be free (its
-  tokens at the measured speed), so that a burst still arriving joins one micro-batch.
+- With the engine idle and less than a budget queued, the worker collates for at most `wait_s`.
 - Staged weights are applied on the engine thread at the barrier `Policy.open` defines, after every
   launched micro-batch is collected.
 """
@@ -37,7 +35,6 @@ log = logging.getLogger(__name__)
 
 IN_FLIGHT = 2  # one micro-batch on the accelerator, the next queued behind it
 LAUNCH_HOLD_S = 0.025  # the longest the event loop waits for a launch on an idle accelerator
-LAUNCH_AHEAD_S = 0.005  # a micro-batch collated behind a busy accelerator goes this long before it is free
 
 Future = asyncio.Future[SequenceScores]
 
@@ -376,17 +373,12 @@ class Batcher:
     async def _collate(self) -> None:
         """Let requests sent together share a micro-batch: wait, at most `wait_s` after the oldest
         queued sequence arrived, until the queue holds a full budget. While a micro-batch is in
-        flight the wait costs nothing (the next one would queue behind it), so it lasts until
-        LAUNCH_AHEAD_S before the accelerator is expected to be free, if that is later; once none
-        is in flight, work that was waiting when the last one finished goes at once."""
+        flight the wait costs nothing (the next one would queue behind it); once none is, work that
+        was waiting when the last one finished goes at once."""
         oldest = self._policy.collating_since()
         if oldest is None:
             return
         deadline = oldest + self._wait_s
-        if self._flights and self._tokens_per_s:
-            start = max(self._flights[0].launched, self._last_batch_done)
-            free = start + sum(f.tokens for f in self._flights) / self._tokens_per_s
-            deadline = max(deadline, free - LAUNCH_AHEAD_S)
         while not self._policy.full and self._handed is None:
             if not self._flights and oldest < self._last_batch_done:
                 return

@@ -696,29 +696,3 @@ def test_without_sharing_nothing_is_shared(loop: asyncio.AbstractEventLoop) -> N
     assert engine.batches == [[120, 120], [120]]
     assert engine.forests == [None, None]
     assert result.computed_tokens == 360
-
-
-@pytest.mark.parametrize("wait_s", [0.0, 0.005])
-def test_requests_arriving_behind_a_busy_device_join_one_micro_batch(
-    loop: asyncio.AbstractEventLoop, wait_s: float
-) -> None:
-    """A micro-batch on the device for 0.3 s (its speed known from the one before): three requests
-    arriving 20, 40 and 60 ms into it wait together until shortly before it ends, then go as one
-    micro-batch, not the first alone and the other two behind it."""
-    engine = FakeEngine(delay=0.3)
-
-    async def body(batcher: Batcher) -> float:
-        await scores(batcher, [job(20)])  # the engine's speed: 20 tokens in 0.3 s
-        busy = asyncio.create_task(scores(batcher, [job(20, first=1)]))
-        await launched(engine, 2)
-        later = []
-        for i, n in enumerate([5, 6, 7]):
-            await asyncio.sleep(0.02)  # the scenario: requests arriving while it computes
-            later.append(asyncio.create_task(scores(batcher, [job(n, first=10 + i)])))
-        start = time.perf_counter()
-        await asyncio.gather(busy, *later)
-        return time.perf_counter() - start
-
-    elapsed = run_with_wait(loop, engine, 64, wait_s, body)
-    assert engine.batches == [[20], [20], [5, 6, 7]]
-    assert elapsed < 0.3 + 0.3 + 0.2  # the last micro-batch launched about when the device came free
