@@ -18,7 +18,9 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
   head over every position (2 · vocab · hidden per position) besides the layers and attention;
   `peak_gib_over_weights` is the device's peak allocation during the calls less the weights.
   `teacher.drawing`: the same call with `logprobs: 1`, whose answer shows the drawn token, so a token
-  is drawn after each prompt (as wherever the checkpoint has a tokenizer: its `text`).
+  is drawn after each prompt and its log-prob shown. `teacher.tokenizer`: TRL's call to a server
+  whose checkpoint has a tokenizer (a word-level one, `t<id>` for each id, like a BPE piece's
+  length): a token drawn after each prompt for `text`, every entry's `decoded_token` a string.
 """
 
 from __future__ import annotations
@@ -86,6 +88,17 @@ def teacher_body(model: str, prompts: list[list[int]]) -> dict[str, Any]:
         "temperature": 1.0,
         "prompt_logprobs": TEACHER_K,
     }
+
+
+def word_tokenizer(vocab: int, directory: Path) -> Path:
+    """A tokenizer of `vocab` words `t<id>` saved in `directory` (transformers' fast tokenizer files),
+    so that a server reading it from there shows text: every id decodes to its word."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(directory)
+    return directory
 
 
 def teacher_calls(url: str, body: dict[str, Any], reps: int, device: torch.device) -> dict[str, Any]:
@@ -200,6 +213,20 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
                 "peak_gib_over_weights": drawing["peak_gib"] - weights_gib,
             }
         print(f"  {name} teacher: {out['teacher']}", flush=True)
+    if args.tokenizer:  # TRL's body to a checkpoint with a tokenizer: a token drawn, every entry's text
+        with tempfile.TemporaryDirectory() as tmp:
+            served = settings.model_copy(update={"model": word_tokenizer(vocab, Path(tmp))})
+            with HttpServer(engine, served) as url:
+                call = teacher_calls(url, body, args.reps, device)
+        out["teacher"]["tokenizer"] = {
+            "ms": call["ms"],
+            "calls_ms": call["calls_ms"],
+            "headers_ms": call["headers_ms"],
+            "floor_fraction": teacher_floor_s * 1e3 / call["ms"],
+            "answer_bytes": call["bytes"],
+            "peak_gib_over_weights": call["peak_gib"] - weights_gib,
+        }
+        print(f"  {name} teacher with a tokenizer: {out['teacher']['tokenizer']}", flush=True)
     return {"attention": engine.info.attention_backend, "decoder": engine.info.decoder, **out}
 
 
@@ -255,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--drawing", action=argparse.BooleanOptionalAction, default=True, help="the logprobs: 1 call too"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the call again to a server with a tokenizer (words t<id>): it draws, every entry has text",
     )
     parser.add_argument(
         "--output", type=Path, default=Path(__file__).parent / "results" / "distribution-latest.json"

@@ -1,5 +1,6 @@
 """CPU smoke test of the distribution benchmark: the tiny model, the GRPO variants and both teacher
-calls (from a client process), each answered in full, and the call under a second budget."""
+calls (from a client process), each answered in full, the call under a second budget and to a
+server with a tokenizer."""
 
 from __future__ import annotations
 
@@ -31,3 +32,7 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     # the call again under a budget of 256 tokens: 8 prompts of 64 in two micro-batches
     assert [b["max_batch_tokens"] for b in teacher["budgets"]] == [16384, 256]
     assert all(b["ms"] > 0 for b in teacher["budgets"])
+    # TRL's call again with a tokenizer beside the checkpoint: every entry's decoded_token a word
+    assert teacher["tokenizer"]["ms"] > 0
+    # "t<id>" rather than null: a byte more an entry at least
+    assert teacher["tokenizer"]["answer_bytes"] >= teacher["answer_bytes"] + teacher["entries"]
