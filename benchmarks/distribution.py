@@ -42,9 +42,12 @@ import torch
 from benchmarks.run import HttpServer, build_model, http_rounds, non_embedding_params, run_models
 from benchmarks.workload import SHAPES, Sample, floor_flops, grpo_short, unique_floor_flops
 from service.client.wire import to_frame
+from service.completions.plan import plan_completion
+from service.completions.schemas import CompletionRequest
 from service.engine.loading.models import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
+from service.normalise import ModelLimits
 from service.settings import CudaGraphs, Settings
 
 EXTRAS: dict[str, dict[str, Any]] = {
@@ -97,8 +100,33 @@ def word_tokenizer(vocab: int, directory: Path) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(directory)  # type: ignore[no-untyped-call]
     return directory
+
+
+def forward_seconds(url: str) -> tuple[float, float]:
+    """(micro-batches, their summed forward seconds) the server has collected, from its /metrics."""
+    count = total = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("logprobd_forward_duration_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("logprobd_forward_duration_seconds_sum"):
+            total = float(line.split()[-1])
+    return count, total
+
+
+def in_process_ms(engine: PackedScorer, body: dict[str, Any], name: str, vocab: int, reps: int) -> float:
+    """The teacher call's jobs scored in this process one prompt at a time (as the server's
+    micro-batches of stream_batch_tokens hold them), no HTTP and no answer: median ms of `reps`."""
+    limits = ModelLimits(vocab_size=vocab, max_sequence_tokens=1 << 20, max_top_logprobs=TEACHER_K)
+    plan = plan_completion(CompletionRequest.model_validate(body), limits, name, TEACHER_K)
+    times = []
+    for _ in range(reps + 1):
+        began = time.perf_counter()
+        for job in plan.jobs:
+            engine.score([job])
+        times.append(time.perf_counter() - began)
+    return statistics.median(times[1:]) * 1e3
 
 
 def teacher_calls(url: str, body: dict[str, Any], reps: int, device: torch.device) -> dict[str, Any]:
@@ -109,11 +137,13 @@ def teacher_calls(url: str, body: dict[str, Any], reps: int, device: torch.devic
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    before = forward_seconds(url)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "body.json"
         path.write_text(json.dumps(body))
         cmd = [sys.executable, "-m", "benchmarks.teacher_host", "--client", url, str(path), str(reps)]
         timed = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    after = forward_seconds(url)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     with httpx.Client(base_url=url, timeout=600) as client:
         reply = client.post("/v1/completions", json=body)
@@ -130,6 +160,10 @@ def teacher_calls(url: str, body: dict[str, Any], reps: int, device: torch.devic
         "entries": entries,
         "client_parse_s": parse_s,
         "peak_gib": peak,
+        # the batcher's micro-batches over the warm-up and timed calls: how many a call, and the
+        # forward's mean ms each (launch to collection)
+        "micro_batches_per_call": (after[0] - before[0]) / (reps + 1),
+        "forward_ms_per_micro_batch": (after[1] - before[1]) / max(1.0, after[0] - before[0]) * 1e3,
     }
 
 
@@ -180,6 +214,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             drawing = teacher_calls(url, {**body, "logprobs": 1}, args.reps, device) if args.drawing else None
         at = {
             "max_batch_tokens": budget,
+            "micro_batches_per_call": call["micro_batches_per_call"],
+            "forward_ms_per_micro_batch": call["forward_ms_per_micro_batch"],
             "ms": call["ms"],
             "calls_ms": call["calls_ms"],
             "headers_ms": call["headers_ms"],
@@ -202,6 +238,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             "weights_gib": weights_gib,
             "peak_gib": call["peak_gib"],
             "budgets": [at],
+            "in_process_ms": in_process_ms(engine, body, name, vocab, args.reps),
         }
         if drawing is not None:
             # the same call with OpenAI's logprobs: 1, whose answer shows the drawn token, so each
