@@ -39,7 +39,14 @@ import httpx
 import numpy as np
 import torch
 
-from benchmarks.run import HttpServer, build_model, http_rounds, non_embedding_params, run_models
+from benchmarks.run import (
+    HttpServer,
+    build_model,
+    histogram_totals,
+    http_rounds,
+    non_embedding_params,
+    run_models,
+)
 from benchmarks.workload import SHAPES, Sample, floor_flops, grpo_short, unique_floor_flops
 from service.client.wire import to_frame
 from service.completions.plan import plan_completion
@@ -57,6 +64,7 @@ EXTRAS: dict[str, dict[str, Any]] = {
     "processed": {"sampling": {"top_k": 50, "top_p": 0.9, "min_p": 0.05}},
 }
 CLIENTS = 8
+FORWARD = "logprobd_forward_duration_seconds"  # the server's histogram of micro-batch forwards
 TEACHER_K = 100
 
 
@@ -104,17 +112,6 @@ def word_tokenizer(vocab: int, directory: Path) -> Path:
     return directory
 
 
-def forward_seconds(url: str) -> tuple[float, float]:
-    """(micro-batches, their summed forward seconds) the server has collected, from its /metrics."""
-    count = total = 0.0
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("logprobd_forward_duration_seconds_count"):
-            count = float(line.split()[-1])
-        elif line.startswith("logprobd_forward_duration_seconds_sum"):
-            total = float(line.split()[-1])
-    return count, total
-
-
 def in_process_ms(engine: PackedScorer, body: dict[str, Any], name: str, vocab: int, reps: int) -> float:
     """The teacher call's jobs scored in this process one prompt at a time (as the server's
     micro-batches of stream_batch_tokens hold them), no HTTP and no answer: median ms of `reps`."""
@@ -137,13 +134,13 @@ def teacher_calls(url: str, body: dict[str, Any], reps: int, device: torch.devic
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    before = forward_seconds(url)
+    before = histogram_totals(url, FORWARD)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "body.json"
         path.write_text(json.dumps(body))
         cmd = [sys.executable, "-m", "benchmarks.teacher_host", "--client", url, str(path), str(reps)]
         timed = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    after = forward_seconds(url)
+    after = histogram_totals(url, FORWARD)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     with httpx.Client(base_url=url, timeout=600) as client:
         reply = client.post("/v1/completions", json=body)

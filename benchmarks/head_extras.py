@@ -36,6 +36,23 @@ TEMPERATURE = 0.7
 SAMPLER = (50, 0.9, 0.05)  # top_k, top_p, min_p
 
 
+def common_arguments(parser: argparse.ArgumentParser) -> None:
+    """--vocab, --device, --reps and --output, as the head's kernel benchmarks take them."""
+    parser.add_argument("--vocab", type=int, default=152064)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--output", type=Path, default=None)
+
+
+def random_rows(
+    rows: int, vocab: int, device: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 logits [rows, vocab] (random, scaled like a 7B head's), target ids [rows] and 1 / T [rows]."""
+    z = (torch.randn(rows, vocab, device=device, generator=gen) * 2.5).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows,), device=device, generator=gen)
+    return z, targets, torch.full((rows,), 1.0 / TEMPERATURE, device=device)
+
+
 def asks(rows: int, device: torch.device, *, top: int = 0, sampler: bool = False) -> Extras:
     index = np.arange(rows)
     top_k, top_p, min_p = SAMPLER
@@ -119,9 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     print(f"{'rows':>6} {'case':<16} {'ms':>10} {'over plain':>11}")
     for rows in args.rows:
-        z = (torch.randn(rows, args.vocab, device=device, generator=gen) * 2.5).to(torch.bfloat16)
-        targets = torch.randint(0, args.vocab, (rows,), device=device, generator=gen)
-        inv_t = torch.full((rows,), 1.0 / TEMPERATURE, device=device)
+        z, targets, inv_t = random_rows(rows, args.vocab, device, gen)
         cases: dict[str, tuple[Extras | None, str]] = {"plain": (None, "new")}
         for k in (100, 1000):
             for path in ("old", "new"):

@@ -185,15 +185,20 @@ def http_seconds(
     return statistics.median(http_rounds(url, bodies, reps, mode, frames))
 
 
-def batch_counts(url: str) -> tuple[float, float]:
-    """(micro-batches, their computed tokens) the server has collected so far, from its /metrics."""
+def histogram_totals(url: str, name: str) -> tuple[float, float]:
+    """(count, sum) of the server's histogram `name` so far, from its /metrics."""
     count = total = 0.0
     for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("logprobd_batch_tokens_count"):
+        if line.startswith(f"{name}_count"):
             count = float(line.split()[-1])
-        elif line.startswith("logprobd_batch_tokens_sum"):
+        elif line.startswith(f"{name}_sum"):
             total = float(line.split()[-1])
     return count, total
+
+
+def batch_counts(url: str) -> tuple[float, float]:
+    """(micro-batches, their computed tokens) the server has collected so far."""
+    return histogram_totals(url, "logprobd_batch_tokens")
 
 
 def http_rounds(

@@ -22,12 +22,11 @@ import argparse
 import dataclasses
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.head_extras import TEMPERATURE, timed
+from benchmarks.head_extras import common_arguments, random_rows, timed
 from service.engine.heads import fused_kernel, topk_kernel
 
 
@@ -77,17 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rows", type=int, default=4096)
-    parser.add_argument("--vocab", type=int, default=152064)
     parser.add_argument("--k", type=int, nargs="+", default=[50, 100])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--output", type=Path, default=None)
+    common_arguments(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    z = (torch.randn(args.rows, args.vocab, device=device, generator=gen) * 2.5).to(torch.bfloat16)
-    targets = torch.randint(0, args.vocab, (args.rows,), device=device, generator=gen)
-    inv_t = torch.full((args.rows,), 1 / TEMPERATURE, device=device)
+    z, targets, inv_t = random_rows(
+        args.rows, args.vocab, device, torch.Generator(device=device).manual_seed(0)
+    )
     runs = []
     for k in args.k:
         launches, found = cases(z, targets, inv_t, k)

@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from pathlib import Path
 
 import torch
 
-from benchmarks.head_extras import TEMPERATURE, timed
+from benchmarks.head_extras import common_arguments, random_rows, timed
 from service.engine.heads import topk_kernel
 
 
@@ -29,21 +28,17 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rows", type=int, default=4096)
-    parser.add_argument("--vocab", type=int, default=152064)
     parser.add_argument("--k", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--blocks", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--digits", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--output", type=Path, default=None)
+    common_arguments(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    z = (torch.randn(args.rows, args.vocab, device=device, generator=gen) * 2.5).to(torch.bfloat16)
+    z, targets, inv_t = random_rows(
+        args.rows, args.vocab, device, torch.Generator(device=device).manual_seed(0)
+    )
     rows = torch.arange(args.rows, device=device)
-    targets = torch.randint(0, args.vocab, (args.rows,), device=device, generator=gen)
-    inv_t = torch.full((args.rows,), 1 / TEMPERATURE, device=device)
     default = (topk_kernel.BLOCK, topk_kernel.NUM_WARPS, topk_kernel.DIGIT)
     results = []
     for k in args.k:

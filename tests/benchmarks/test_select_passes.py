@@ -13,21 +13,8 @@ from tests.engine.interpreter import interpreted
 def test_select_passes_runs_on_cpu_and_reports_every_pass(tmp_path: Path) -> None:
     pytest.importorskip("triton", reason="the kernels run in Triton's interpreter on CPU")
     out = tmp_path / "passes.json"
-    argv = [
-        "--device",
-        "cpu",
-        "--rows",
-        "3",
-        "--vocab",
-        "1500",
-        "--k",
-        "7",
-        "--reps",
-        "1",
-        "--output",
-        str(out),
-    ]
-    result = interpreted(["-m", "benchmarks.select_passes", *argv])
+    shape = "--device cpu --rows 3 --vocab 1500 --k 7 --reps 1"
+    result = interpreted(["-m", "benchmarks.select_passes", *shape.split(), "--output", str(out)])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     runs = json.loads(out.read_text())["runs"]
     timed = {r["case"] for r in runs if "ms" in r}
