@@ -7,15 +7,18 @@ asking rows' targets, 1 / T and asks once per score_actions call (a `Collector`)
 Per chunk (`score`), only kernels, writing rows of buffers made once for a group of asking rows (the
 micro-batch's, split where rows x W passes extras.PASS_ELEMENTS), with nothing read back to the host:
 - the stats kernel: each row's shift (log-sum-exp of x), rank, largest x, and z at its target and
-  candidates; the write kernel: the ids of its W largest logits and z at them ([g, W] int32 and
-  16-bit);
+  candidates; then, where no row needs the kept mass summed over its row (`found`), the gather
+  kernel: every key at or above a lower bound of the W-th largest, [g, F] (topk_kernel.Candidates),
+  the exact selection running only for rows with more than F; else the write kernel: the ids of
+  the W largest logits and z at them ([g, W] int32 and 16-bit);
 - rows with a sampler, where some row does not truncate by rank (top_k 0 or >= V), also: floor =
   min_p · exp(x_max - shift) (three [r] torch operations, as extras.processed_logprobs computes it),
   the stats kernel over their W values (the top_k-th largest order key) and the mass kernel (Σ p
   kept by min-p and top-k, the one sum needing the whole row). Where every row truncates by rank
   (`bounded`), none of these: the survivors are among the W found but for ties of the top_k-th
   logit past them, which the stats kernel counts (`_bounded_processed`).
-Per group, after its last chunk (`finish`), every torch operation on [g, W]: x from the values with
+Per group, after its last chunk (`finish`), every torch operation on [g, W] ([g, F] to sort the
+candidates: `_first`): x from the values with
 the torch path's operations ((float(z)·scale)·(1 / T)), keys, one sort, decode, the top list, the
 candidates' and targets' logits, and extras.processed_logprobs over the sorted keys (bounded: its
 closed form over them, with nothing read back to the host). The logits,
