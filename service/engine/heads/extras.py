@@ -275,19 +275,13 @@ def _top_p(  # noqa: PLR0917
         short_rows, shares = [], []
         for part in _groups(pending, max(1, PASS_ELEMENTS // n)):
             top = first if part is None else rows.prefix(n, part)  # [p, n]
-            _, values = decode(top, vocab)
-            prob = torch.exp(values - take(shift, part)[:, None])
-            survive = (prob >= take(floor, part)[:, None]) & (values >= take(kth, part)[:, None])
-            held = prob * survive
-            upto = torch.cumsum(held, dim=1)
-            goals = take(goal, part)
-            kept = survive & (upto - held < goals[:, None])
-            want, at = take(wanted, part), take(every, part)
-            total[at] = torch.where(want, (held * kept).sum(dim=1), take(mass, part))
-            last[at] = torch.where(want, top.masked_fill(~kept, HIGHEST).amin(dim=1), LOWEST)
-            short = want & (upto[:, -1] < goals)
+            found = survivors(top, take(shift, part), take(floor, part), take(kth, part), vocab)
+            goals, want, at = take(goal, part), take(wanted, part), take(every, part)
+            total[at], last[at] = found.cut(top, goals, want, take(mass, part))
+            reach = found.upto[:, -1]  # the survivors' mass in the prefix
+            short = want & (reach < goals)
             short_rows.append(at[short])
-            shares.append(goals[short] / upto[short, -1].clamp(min=1e-30))
+            shares.append(goals[short] / reach[short].clamp(min=1e-30))
         if n >= vocab:
             break
         pending = torch.cat(short_rows)
@@ -297,6 +291,39 @@ def _top_p(  # noqa: PLR0917
         need = float(torch.cat(shares).max())
         n = int(min(vocab, max(4 * n, 2 * n * min(need, float(vocab)))))
     return total, last
+
+
+@dataclass(frozen=True, slots=True)
+class Survivors:
+    """Of prefixes [p, n] of rows' largest keys, largest first: the tokens min-p and top-k keep
+    (survive), their p, 0 elsewhere (held), and its running sum (upto). A key LOWEST (no token)
+    decodes to NaN and never survives."""
+
+    survive: torch.Tensor  # [p, n] bool
+    held: torch.Tensor  # [p, n] float32
+    upto: torch.Tensor  # [p, n] float32
+
+    def cut(
+        self, top: torch.Tensor, goal: torch.Tensor, wanted: torch.Tensor, mass: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-p over the prefixes `top`: [p] the kept mass (`mass` where top_p is 1: not `wanted`)
+        and the key of the last token kept (LOWEST: every survivor), a token kept when the survivors
+        before it hold less than `goal`."""
+        kept = self.survive & (self.upto - self.held < goal[:, None])
+        total = torch.where(wanted, (self.held * kept).sum(dim=1), mass)
+        last = torch.where(wanted, top.masked_fill(~kept, HIGHEST).amin(dim=1), LOWEST)
+        return total, last
+
+
+def survivors(
+    top: torch.Tensor, shift: torch.Tensor, floor: torch.Tensor, kth: torch.Tensor, vocab: int
+) -> Survivors:
+    """Survivors of prefixes top [p, n] under min-p (p >= floor) and top-k (x >= kth), p = exp(x - shift)."""
+    _, values = decode(top, vocab)
+    prob = torch.exp(values - shift[:, None])
+    survive = (prob >= floor[:, None]) & (values >= kth[:, None])
+    held = prob * survive
+    return Survivors(survive, held, torch.cumsum(held, dim=1))
 
 
 def _groups(rows: torch.Tensor | None, size: int) -> list[torch.Tensor | None]:

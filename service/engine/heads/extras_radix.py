@@ -246,22 +246,16 @@ def _bounded_processed(
     floor = asks.min_p * torch.exp(out.row_max - shift)  # as extras.processed_logprobs
     kth_key = first.gather(1, (batch.top_k.long() - 1).clamp(0, w - 1)[:, None])[:, 0]
     kth = extra.decode(kth_key, vocab)[1]
-    real = first != extra.LOWEST
-    values = extra.decode(first, vocab)[1]
-    prob = torch.exp(values - shift[:, None])
-    survive = real & (prob >= floor[:, None]) & (values >= kth[:, None])
-    held = prob * survive
-    upto = torch.cumsum(held, dim=1)
-    reach = upto[:, -1]
+    found = extra.survivors(first, shift, floor, kth, vocab)
+    reach = found.upto[:, -1]
     p_v = torch.exp(kth - shift)
     ties_past = (tied - (w - above)).long().clamp(min=0)
-    past = torch.where((values[:, -1] == kth) & real[:, -1] & (p_v >= floor), ties_past, 0)
+    w_th = extra.decode(first[:, -1], vocab)[1]  # the W-th found (NaN where none: never kth)
+    past = torch.where((w_th == kth) & (p_v >= floor), ties_past, 0)
     mass = reach + past * p_v
     goal = asks.top_p * mass
     wanted = asks.top_p < 1.0
-    in_prefix = survive & (upto - held < goal[:, None])
-    total = torch.where(wanted, (held * in_prefix).sum(dim=1), mass)
-    last = torch.where(wanted, first.masked_fill(~in_prefix, extra.HIGHEST).amin(dim=1), extra.LOWEST)
+    total, last = found.cut(first, goal, wanted, mass)
     short = wanted & (reach < goal) & (past > 0)
     more = torch.where(short, torch.minimum(torch.ceil((goal - reach) / p_v), past.float()), 0.0)
     total = total + more * p_v
