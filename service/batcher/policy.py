@@ -120,7 +120,7 @@ class Policy(Generic[F]):
         tokens = 0  # computed
         shared = self.budget - self.budget // 2  # whole sequences' part beside a chunk
         room = self.budget if self.chunked is None else shared
-        cap = self.budget  # the least Request.batch_tokens of the sequences taken
+        cap = self.budget  # the budget, or the least Request.batch_tokens below it of the sequences taken
         grouper = Grouper(self.share_min) if self.share_min is not None else None
         looked: int | None = None  # behind the first that did not fit: how many looked at
         while self._queue:
@@ -201,16 +201,15 @@ class Policy(Generic[F]):
         return chunked.sequence
 
     def _with_chunk(self, batch: list[Pending[F]], tokens: int, cap: int) -> Batch[F]:
-        """`batch`, ended by the next chunk of the chunked sequence, in the budget left (`cap`: the
-        least batch_tokens of batch's requests)."""
+        """`batch`, ended by the next chunk of the chunked sequence, in what `cap` leaves (the budget,
+        or the least batch_tokens of batch's requests below it)."""
         chunked = self.chunked
         least = min(SHAPE_STEP, max(1, self.budget // 8))
-        budget = min(self.budget, cap)
-        if chunked is None or (batch and budget - tokens < least):  # no room: the next one
+        if chunked is None or (batch and cap - tokens < least):  # no room: the next one
             return Batch.of(batch, self.share_min)
         job = chunked.pending.job
         start = chunked.next_start
-        end = min(job.num_tokens, start + budget - tokens)
+        end = min(job.num_tokens, start + cap - tokens)
         chunked.next_start = end
         self.queued_tokens -= end - start
         if end == job.num_tokens:
