@@ -184,19 +184,19 @@ class InstantEngine:
         return _Timed(launched, self._device_free)
 
     def _launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None) -> _Ready | InFlight:
-        parts = [(j, j.actions) for j in jobs]
+        parts = [(j, j.actions, j.targets) for j in jobs]
         if chunk is not None:
-            parts.append((chunk.job, chunk.actions))
-        k = max((j.top_logprobs for j, _ in parts), default=0)
-        draw = any(j.draw_seed is not None for j, _ in parts)
+            parts.append((chunk.job, chunk.actions, chunk.targets))
+        k = max((j.top_logprobs for j, _, _ in parts), default=0)
+        draw = any(j.draw_seed is not None for j, _, _ in parts)
         if not k and not draw:
-            return _Ready([self._scores(j, int(a.shape[0])) for j, a in parts])
-        counts = [int(a.shape[0]) for _, a in parts]
-        tokens = np.concatenate([j.tokens[a] for j, a in parts]).astype(np.int64)
+            return _Ready([self._scores(j, int(a.shape[0])) for j, a, _ in parts])
+        counts = [int(a.shape[0]) for _, a, _ in parts]
+        tokens = np.concatenate([t for _, _, t in parts]).astype(np.int64)
         extras = self._host_extras(tokens, max(k, 1), draw)
         logprobs = self._logprobs(extras, max(k, 1))
         return InFlight(
-            jobs=[j for j, _ in parts],
+            jobs=[j for j, _, _ in parts],
             actions_per_sequence=counts,
             logprobs=logprobs,
             entropy=logprobs,

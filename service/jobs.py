@@ -16,6 +16,8 @@ FloatArray = npt.NDArray[np.float32]
 RouteArray = npt.NDArray[np.integer[Any]]  # expert ids in route_dtype (any integer dtype is read)
 IdArray = npt.NDArray[np.integer[Any]]  # token ids: the engine's int32 (any integer dtype is read)
 
+AFTER_LAST = 0  # the token an action one past a sequence's last token is scored as (SequenceJob)
+
 
 def route_dtype(experts: int) -> np.dtype[np.integer[Any]]:
     """The narrowest integer dtype routes of a policy with `experts` experts travel in: uint8 up to
@@ -86,7 +88,10 @@ class SequenceJob:
     """One unpadded sequence to score.
 
     tokens:  [L] real token ids, no padding.
-    actions: [A] sorted positions t in 1..L-1 whose log-prob is wanted (after the EOS policy).
+    actions: [A] sorted positions t in 1..L whose log-prob is wanted (after the EOS policy). t = L,
+             one past the last token, is the distribution that follows the sequence (what the
+             completions API draws from): read at position L - 1 like any action, its token is not
+             given, so its log-prob and rank are those of token AFTER_LAST (unused by the callers).
     """
 
     tokens: IntArray
@@ -118,6 +123,19 @@ class SequenceJob:
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def targets(self) -> IntArray:
+        """[A] the token at each action (AFTER_LAST at an action one past the last token)."""
+        return targets_at(self.tokens, self.actions)
+
+
+def targets_at(tokens: IntArray, actions: IntArray) -> IntArray:
+    """tokens[actions], AFTER_LAST where an action is one past the last token."""
+    past = actions >= tokens.shape[0]
+    if not past.any():
+        return tokens[actions]
+    return np.where(past, AFTER_LAST, tokens[np.minimum(actions, tokens.shape[0] - 1)])
+
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
@@ -148,6 +166,11 @@ class Chunk:
         actions = self.job.actions
         lo, hi = np.searchsorted(actions, [self.start + 1, self.end + 1])
         return actions[lo:hi]
+
+    @property
+    def targets(self) -> IntArray:
+        """[a] the token at each of this chunk's actions (SequenceJob.targets)."""
+        return targets_at(self.job.tokens, self.actions)
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,6 +170,6 @@ class FakeEngine:
 
 
 def expected_scores(job: SequenceJob, shift: float = 0.0) -> SequenceScores:
-    values = -(job.tokens[job.actions] + job.actions).astype(np.float32) / np.float32(job.temperature)
+    values = -(job.targets + job.actions).astype(np.float32) / np.float32(job.temperature)
     values -= np.float32(shift)
     return SequenceScores(logprobs=values, entropy=job.actions.astype(np.float32))

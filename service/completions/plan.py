@@ -2,14 +2,14 @@
 
 Each prompt x_0 .. x_{L-1} is one job. Its prompt positions 1 .. L-1 are actions when the answer
 carries prompt log-probs (`prompt_logprobs`, or `echo` with `logprobs`); with `max_tokens` 1, the
-distribution after the last token is scored by appending a placeholder token x_L (id 0) as an action
-at position L: the head reads logits at L-1, and only that position's top-K and draw are used, never
-the placeholder's own log-prob. Every job asks the head for K = max(the K shown, 1) most likely tokens
-per action, so ranks and the greedy token come with them; never a [tokens, vocab] tensor.
+distribution after the last token is scored as the action one past it, L (SequenceJob): the head
+reads logits at L-1, and only that position's top-K and draw are used, never its own log-prob (of
+token AFTER_LAST). Every job asks the head for K = max(the K shown, 1) most likely tokens per
+action, so ranks and the greedy token come with them; never a [tokens, vocab] tensor.
 
 The drawn token shows in the answer only as its text (with a tokenizer) or in OpenAI's `logprobs`.
 Where neither shows it and the prompt is scored (vLLM's prompt_logprobs without a tokenizer: TRL's
-teacher call to a checkpoint without one), no token is drawn and no placeholder appended: the bytes
+teacher call to a checkpoint without one), no token is drawn and no action L asked: the bytes
 are the same, and a job that draws takes every row of its micro-batch off the head's radix select
 (engine/heads/extras_radix.py `usable`) onto its float32 path, with noise on every logit of every row.
 """
@@ -27,8 +27,6 @@ from service.errors import InvalidRequest
 from service.jobs import IntArray, SequenceJob
 from service.normalise import ModelLimits
 from service.normalise.limits import check_length, check_request_size
-
-PLACEHOLDER = 0  # the token appended to score the distribution after a prompt (its own score is unused)
 
 # options that change what a sampler draws or a model reads: accepted at their default values only
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
@@ -61,7 +59,7 @@ class CompletionPlan:
 
     @property
     def scores_draw(self) -> bool:
-        """The jobs score the distribution after each prompt (its placeholder action, L) and draw."""
+        """The jobs score the distribution after each prompt (the action one past it, L) and draw."""
         return self.draw and (self.drawn_shown or not self.scores_prompt)
 
     @property
@@ -101,7 +99,7 @@ def plan_completion(
     top = max(prompt_k or 0, logprobs_k or 0, 1) if scores_prompt or scores_draw else 0
     jobs = [
         SequenceJob(
-            tokens=np.append(prompt, PLACEHOLDER) if scores_draw else prompt,
+            tokens=prompt,
             actions=_actions(int(prompt.shape[0]), scores_prompt, scores_draw),
             temperature=temperature if temperature > 0 else 1.0,
             return_entropy=False,

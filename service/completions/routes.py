@@ -271,10 +271,9 @@ def _drawn(scores: SequenceScores) -> int:
 
 
 def _rescore(job: SequenceJob, drawn: Drawn | None) -> SequenceJob:
-    """The drawn token in place of the placeholder, as the job's only action (its log-prob and rank)."""
+    """The prompt and the drawn token after it, which is the job's only action (its log-prob and rank)."""
     assert drawn is not None
-    tokens = job.tokens.copy()
-    tokens[-1] = drawn.token
+    tokens = np.append(job.tokens, drawn.token)
     return SequenceJob(
         tokens=tokens,
         actions=np.asarray([tokens.shape[0] - 1], dtype=np.int64),

@@ -32,7 +32,7 @@ def test_instant_engine_answers_every_position_as_the_head_does() -> None:
         assert s.top_ids.shape == (job.actions.shape[0], 20)
         assert all(len(set(row)) == 20 for row in s.top_ids.tolist())
         assert (np.diff(s.top_logprobs, axis=1) <= 0).all()
-        tokens = job.tokens[job.actions]
+        tokens = job.targets
         rows = np.arange(tokens.shape[0])
         inside = s.ranks <= 20
         slot = np.minimum(s.ranks, 20) - 1

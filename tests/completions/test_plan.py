@@ -7,9 +7,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.completions.plan import PLACEHOLDER, plan_completion
+from service.completions.plan import plan_completion
 from service.completions.schemas import CompletionRequest
 from service.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge, ServiceError
+from service.jobs import AFTER_LAST
 from service.normalise import ModelLimits
 
 LIMITS = ModelLimits(vocab_size=96, max_sequence_tokens=32, max_positions=64, max_request_sequences=4)
@@ -24,8 +25,9 @@ def test_trl_request_scores_every_prompt_position_and_the_position_after() -> No
     p = plan(
         model="teacher", prompt=[[5, 6, 7], [5, 6, 8, 9]], max_tokens=1, temperature=0.7, prompt_logprobs=5
     )
-    assert [j.tokens.tolist() for j in p.jobs] == [[5, 6, 7, PLACEHOLDER], [5, 6, 8, 9, PLACEHOLDER]]
-    assert [j.actions.tolist() for j in p.jobs] == [[1, 2, 3], [1, 2, 3, 4]]
+    assert [j.tokens.tolist() for j in p.jobs] == [[5, 6, 7], [5, 6, 8, 9]]  # the prompts as they are
+    assert [j.actions.tolist() for j in p.jobs] == [[1, 2, 3], [1, 2, 3, 4]]  # and one past each
+    assert [j.targets.tolist() for j in p.jobs] == [[6, 7, AFTER_LAST], [6, 8, 9, AFTER_LAST]]
     assert all(j.temperature == 0.7 and j.top_logprobs == 5 for j in p.jobs)
     assert all(j.draw_seed is not None for j in p.jobs)  # T > 0: a seeded draw
     assert (p.prompt_k, p.logprobs_k, p.draw, p.greedy) == (5, None, True, False)
@@ -33,7 +35,7 @@ def test_trl_request_scores_every_prompt_position_and_the_position_after() -> No
 
 
 def test_a_draw_no_answer_shows_is_not_made() -> None:
-    """Without a tokenizer, TRL's call shows no drawn token (text "", no logprobs): no placeholder, no
+    """Without a tokenizer, TRL's call shows no drawn token (text "", no logprobs): no action L, no
     seed, only the prompt's positions (the head's radix select stays usable); still one completion token
     in usage. Where the draw shows (OpenAI logprobs) or is all the job scores, it is made."""
     body = {"prompt": [[5, 6, 7], [5, 6, 8, 9]], "max_tokens": 1, "temperature": 0.7, "prompt_logprobs": 5}
@@ -46,7 +48,7 @@ def test_a_draw_no_answer_shows_is_not_made() -> None:
         CompletionRequest.model_validate(body | {"logprobs": 2}), LIMITS, "teacher", MAX_K, shows_text=False
     )
     assert shown.scores_draw
-    assert all(j.draw_seed is not None and j.actions[-1] == j.tokens.shape[0] - 1 for j in shown.jobs)
+    assert all(j.draw_seed is not None and j.actions[-1] == j.tokens.shape[0] for j in shown.jobs)
     alone = plan_completion(
         CompletionRequest(prompt=[5, 6], max_tokens=1), LIMITS, "teacher", MAX_K, shows_text=False
     )

@@ -3,14 +3,18 @@ bad input over HTTP (422 naming the field, nothing scored)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+import torch
 
+from tests import models
 from tests.completions.conftest import MAX_TOP, TOLERANCE, Reference
 from tests.completions.test_clients import top_k
+from tests.conftest import eager, running, settings_for
 
 PROMPTS = [[1, 17, 23, 5, 9], [1, 17, 23, 60]]
 
@@ -140,3 +144,37 @@ def test_a_large_answer_arrives_whole(served: str) -> None:
             assert next(iter(entry)) == str(prompt[p])
             assert len(entry) in (MAX_TOP, MAX_TOP + 1)
             assert sorted(e["rank"] for e in entry.values())[: MAX_TOP - 1] == list(range(1, MAX_TOP))
+
+
+def test_the_token_after_a_prompt_in_chunks_and_shared(model_dirs: dict[str, Path]) -> None:
+    """The distribution after each prompt is the action one past its last token (no token appended):
+    a prompt longer than the budget (scored in chunks, the action in the last), two prompts sharing
+    a prefix (and one that is that prefix), and one of a single token; the greedy token and OpenAI's
+    top entries at that position against the float64 reference (no tokenizer: tokens are vLLM's
+    `token_id:<id>`)."""
+    rng = np.random.default_rng(11)
+    shared = rng.integers(3, models.VOCAB, 20).tolist()
+    prompts = [
+        rng.integers(3, models.VOCAB, 150).tolist(),
+        [*shared, 5, 9],
+        [*shared, 7],
+        shared,  # wholly the others' prefix: its last position is in their shared node
+        [1],
+    ]
+    settings = settings_for(model_dirs["qwen2"], max_batch_tokens=64, share_min_tokens=4)
+    body = {"prompt": prompts, "max_tokens": 1, "temperature": 0, "logprobs": 3, "echo": True}
+    with running(settings) as client:
+        reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    model = eager(model_dirs["qwen2"]).double()
+    for prompt, choice in zip(prompts, reply.json()["choices"], strict=True):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1], dim=-1)
+        greedy = top_k(lp, 1)[0]
+        logprobs = choice["logprobs"]
+        assert logprobs["tokens"][-1] == f"token_id:{greedy}"
+        assert len(logprobs["tokens"]) == len(prompt) + 1
+        assert abs(logprobs["token_logprobs"][-1] - lp[greedy].item()) < TOLERANCE
+        top = logprobs["top_logprobs"][-1]
+        assert list(top) == [f"token_id:{v}" for v in top_k(lp, 3)]
+        np.testing.assert_allclose(list(top.values()), [lp[v].item() for v in top_k(lp, 3)], atol=TOLERANCE)

@@ -39,7 +39,7 @@ def with_top(job: SequenceJob, scores: SequenceScores, vocab: int) -> SequenceSc
     first (rank 1) where its position is even, else absent (rank K + position); log-probs sorted."""
     k = job.top_logprobs
     actions = job.actions
-    token = job.tokens[actions]
+    token = job.targets
     among = actions % 2 == 0
     first = np.where(among, token, (token + 1) % vocab)
     ids = (first[:, None] + np.arange(k) * 7) % vocab

@@ -199,7 +199,7 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
     tokens = np.concatenate([*parts, np.zeros(filler, dtype=np.int64)])  # [N]
     positions = np.arange(tokens.shape[0], dtype=np.int64) + np.repeat(first - starts[:-1], lengths)
     hidden_rows = _hidden_rows(jobs, forest, starts, node_first, node_lengths)
-    targets = [job.tokens[job.actions] for job in jobs]
+    targets = [job.targets for job in jobs]
     inv_temperature = [np.full(job.actions.shape[0], 1.0 / job.temperature, dtype=np.float32) for job in jobs]
     per_sequence = [int(job.actions.shape[0]) for job in jobs]
     key_lengths = lengths.copy()
@@ -211,7 +211,7 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
         positions[others + own :] = 0  # the filler's: any position; 0 is one every model has
         actions = chunk.actions
         hidden_rows.append(actions - 1 - chunk.start + others)
-        targets.append(chunk.job.tokens[actions])
+        targets.append(chunk.targets)
         inv_temperature.append(np.full(actions.shape[0], 1.0 / chunk.job.temperature, dtype=np.float32))
         per_sequence.append(int(actions.shape[0]))
     everything = np.concatenate(hidden_rows) if hidden_rows else np.zeros(0, dtype=np.int64)

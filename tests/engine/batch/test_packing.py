@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 from service.engine.batch.packing import pack
-from service.jobs import SequenceJob
+from service.jobs import AFTER_LAST, Chunk, SequenceJob
+from service.prefixes import share
 
 
 def test_pack_three_sequences() -> None:
@@ -27,6 +28,27 @@ def test_pack_three_sequences() -> None:
     assert batch.inv_temperature.tolist() == [1.0, 1.0, 0.5]
     assert batch.actions_per_sequence == [2, 0, 1]
     assert batch.want_entropy
+
+
+def test_an_action_one_past_the_last_token_reads_the_last_position() -> None:
+    """The distribution after a sequence (the completions API's draw) costs no token: its row is the
+    last position's, its target AFTER_LAST; whole, in a shared prefix's node, and in a chunk."""
+    jobs = [
+        SequenceJob(np.array([5, 6, 7, 8]), np.array([2, 4]), 1.0, False),
+        SequenceJob(np.array([5, 6, 7, 8, 9]), np.array([5]), 1.0, False),
+    ]
+    batch = pack(jobs, torch.device("cpu"), step=4)
+    assert batch.num_tokens == 12  # 9 tokens and the filler: no token for either action past the end
+    assert batch.hidden_index.tolist()[:3] == [1, 3, 8]
+    assert batch.targets.tolist()[:3] == [7, AFTER_LAST, AFTER_LAST]
+    shared = pack(jobs, torch.device("cpu"), step=1, forest=share([j.tokens for j in jobs], 2))
+    assert shared.num_tokens == 5  # [5 6 7 8] shared, then [9]
+    assert shared.hidden_index.tolist() == [1, 3, 4]  # the first job's last position is in the shared node
+    assert shared.targets.tolist() == [7, AFTER_LAST, AFTER_LAST]
+    long = SequenceJob(np.arange(3, 13), np.array([4, 10]), 1.0, False)
+    chunk = pack([], torch.device("cpu"), step=1, chunk=Chunk(long, 0, 6, 10))
+    assert chunk.hidden_index.tolist() == [3]  # position 9, the chunk's 4th row
+    assert chunk.targets.tolist() == [AFTER_LAST]
 
 
 def test_token_and_action_counts_are_padded_to_the_step() -> None:
