@@ -9,9 +9,8 @@ action, so ranks and the greedy token come with them; never a [tokens, vocab] te
 
 The drawn token shows in the answer only as its text (with a tokenizer) or in OpenAI's `logprobs`.
 Where neither shows it and the prompt is scored (vLLM's prompt_logprobs without a tokenizer: TRL's
-teacher call to a checkpoint without one), no token is drawn and no action L asked: the bytes
-are the same, and a job that draws takes every row of its micro-batch off the head's radix select
-(engine/heads/extras_radix.py `usable`) onto its float32 path, with noise on every logit of every row.
+teacher call to a checkpoint without one), no token is drawn and no action L asked: the bytes are
+the same, without the drawing row's float32 copy of its logits (engine/heads/chunked.py `_Draws`).
 """
 
 from __future__ import annotations
