@@ -1,6 +1,7 @@
 """Where the HTTP overhead goes: a timeline of the server's side of the benchmark's HTTP rounds.
 
     python -m benchmarks.overhead --model qwen2.5-0.5b [--switch-interval 0.0005] [--launch-hold-ms 0 25]
+    python -m benchmarks.overhead --model qwen2.5-1.5b --workload grpo-short --clients plain frames
 
 Runs the engine in-process and then over HTTP (the real app on loopback, clients in another
 process, as benchmarks.run does) and records, in the server's process, when each request is parsed,
@@ -15,6 +16,12 @@ around each launch, the device's time on each micro-batch (longer than in-proces
 launches its kernels slower than the device runs them) and its idle time before each one.
 `--switch-interval` sets sys.setswitchinterval in the server's process; `--launch-hold-ms` runs the
 HTTP variants once per value of the setting, on the same engine.
+
+`--workload`: the standard workload (8 requests of an eighth of its sequences) or a GRPO one
+(benchmarks.grpo's: one request per group; in-process, the 8 groups as 8 requests at once too).
+`--clients`: the HTTP variants (benchmarks/client.py's modes): `frames` (asyncio), `frames-httpcore`,
+`json` (JSON bodies on the asyncio client), `plain` (httpx defaults, `json=`, `response.json()`),
+`processes` (frames, one process per body).
 """
 
 from __future__ import annotations
@@ -31,18 +38,35 @@ from typing import Any, get_args
 import torch
 
 from benchmarks.run import HttpServer, build_model, http_bodies, http_seconds
-from benchmarks.workload import SHAPES, jobs, workload
+from benchmarks.workload import SHAPES, Sample, grpo_long, grpo_short, jobs, workload
 from service import api
 from service.batcher import Batcher
 from service.engine.contract import Launched
 from service.engine.loading.models import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import IntArray, SequenceScores
+from service.jobs import IntArray, SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings
 
 Event = tuple[str, float, float]  # what, start, end (time.perf_counter)
+WORKLOADS: dict[str, Callable[[int, float], list[Sample]]] = {
+    "standard": lambda vocab, scale: workload(
+        vocab,
+        prompt_range=(round(256 * scale), round(1024 * scale)),
+        response_mean=250.0 * scale,
+        response_clip=(max(1, round(16 * scale)), round(1024 * scale)),
+    ),
+    "grpo-short": grpo_short,
+    "grpo-long": grpo_long,
+}
+CLIENTS = {  # --clients -> (frames, benchmarks/client.py's mode)
+    "frames": (True, "asyncio"),
+    "frames-httpcore": (True, "httpcore"),
+    "json": (False, "asyncio"),
+    "plain": (False, "plain"),
+    "processes": (True, "processes"),
+}
 
 
 class RecordedLaunch:
@@ -64,6 +88,7 @@ class RecordedLaunch:
 
 GpuMarks = dict[float, tuple[Any, Any]]  # a launch's host start -> CUDA events around its work
 TOKENS: dict[float, int] = {}  # a launch's host start -> the real tokens of its micro-batch
+EVENTS: list[Event] = []  # what the server's process did, as it did it
 
 
 def recorded_launches(
@@ -72,15 +97,16 @@ def recorded_launches(
     """Record each launch's host time; with `marks`, also CUDA events on the engine's stream before
     and after its work, so the device's own timeline shows when it ran each micro-batch."""
 
-    def wrapper(the_jobs: Any, chunk: Any = None) -> Launched:
+    def wrapper(the_jobs: Any, chunk: Any = None, forest: Any = None) -> Launched:
         start = time.perf_counter()
-        TOKENS[start] = sum(job.num_tokens for job in the_jobs) + (chunk.num_tokens if chunk else 0)
+        whole = forest.computed_tokens if forest is not None else sum(job.num_tokens for job in the_jobs)
+        TOKENS[start] = whole + (chunk.num_tokens if chunk else 0)
         before = after = None
         if marks is not None:
             before = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             before.record()
         try:
-            return RecordedLaunch(events, launch(the_jobs, chunk))
+            return RecordedLaunch(events, launch(the_jobs, chunk, forest))
         finally:
             if marks is not None:
                 after = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -167,7 +193,27 @@ def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | N
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def in_process(
+    engine: PackedScorer, settings: Settings, requests: list[list[SequenceJob]], reps: int
+) -> None:
+    """`reps` rounds (after a warm-up) of `requests` submitted at once to a batcher of `settings`."""
+    loop = asyncio.new_event_loop()
+    batcher = Batcher.from_settings(engine, settings, Metrics())
+
+    async def round_of_requests() -> None:
+        await asyncio.gather(*(batcher.score(r) for r in requests))
+
+    loop.call_soon(batcher.start)
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        loop.run_until_complete(round_of_requests())
+        EVENTS.append(("start", start, start))
+        time.sleep(0.1)
+    loop.run_until_complete(batcher.stop())
+    loop.close()
+
+
+def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen2.5-0.5b")
     parser.add_argument("--reps", type=int, default=5)
@@ -175,7 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--launch-hold-ms", type=float, nargs="+", default=[Settings().launch_hold_ms])
-    args = parser.parse_args(argv)
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="standard")
+    parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
+    every = ["frames", "frames-httpcore", "json", "processes"]
+    parser.add_argument("--clients", nargs="+", choices=list(CLIENTS), default=every)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     device = torch.device(args.device)
@@ -190,25 +244,16 @@ def main(argv: list[str] | None = None) -> int:
         LoadedModel(model, args.model, demo=False), device, backend, settings.engine_config()
     )
     engine.warm_up()
-    events: list[Event] = []
+    events = EVENTS
     marks: GpuMarks | None = {} if device.type == "cuda" else None
     engine.launch = recorded_launches(events, engine.launch, marks)  # type: ignore[method-assign,assignment]
-    samples = workload(int(SHAPES[args.model]["vocab_size"]))
+    samples = WORKLOADS[args.workload](int(SHAPES[args.model]["vocab_size"]), args.scale)
     the_jobs = jobs(samples)
-
-    loop = asyncio.new_event_loop()
-    batcher = Batcher.from_settings(engine, settings, Metrics())
-    loop.call_soon(batcher.start)
-    for _ in range(args.reps + 1):
-        start = time.perf_counter()
-        loop.run_until_complete(batcher.score(the_jobs))
-        events.append(("start", start, start))
-        time.sleep(0.1)
-    loop.run_until_complete(batcher.stop())
-    loop.close()
+    per = len(the_jobs) // 8 or 1
+    in_process(engine, settings, [the_jobs[i : i + per] for i in range(0, len(the_jobs), per)], args.reps)
     summary("engine in-process", events, 1, marks)
 
-    api.parse_request = recorded(events, "parse", api.parse_request)  # type: ignore[attr-defined]
+    api.parse_json = recorded(events, "parse", api.parse_json)  # type: ignore[attr-defined]
     api.parse_frame = recorded(events, "parse", api.parse_frame)  # type: ignore[attr-defined]
     api.normalise = recorded(events, "normalise", api.normalise)  # type: ignore[attr-defined]
     api.to_json = recorded(events, "render", api.to_json)  # type: ignore[attr-defined]
@@ -217,12 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== launch_hold_ms {hold:g}", flush=True)
         held = settings.model_copy(update={"launch_hold_ms": hold})
         with HttpServer(engine, held) as url:
-            for frames, mode in (
-                (True, "asyncio"),
-                (True, "httpcore"),
-                (False, "asyncio"),
-                (True, "processes"),
-            ):
+            for name in args.clients:
+                frames, mode = CLIENTS[name]
                 bodies = http_bodies(samples, frames=frames)
                 events.clear()
                 seconds = http_seconds(url, bodies, args.reps, mode=mode, frames=frames)
