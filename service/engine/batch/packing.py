@@ -16,6 +16,7 @@ from service.engine.batch.kv_store import CONTEXT_KWARG, KVContext, KVStore
 from service.engine.contract import SHAPE_STEP, MoeShape
 from service.engine.heads.contract import Extras
 from service.engine.moe.replay import BatchRoutes
+from service.engine.runtime.copies import to_device
 from service.jobs import Chunk, SequenceJob
 from service.prefixes import Forest, alone
 
@@ -223,10 +224,7 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
     wants = [job.return_entropy for job in jobs] + ([chunk.job.return_entropy] if chunk else [])
 
     def to(array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if device.type == "cuda":  # from pageable memory the copy may wait for the work queued before it
-            tensor = tensor.pin_memory()
-        return tensor.to(device, non_blocking=True)
+        return to_device(array, device)
 
     def bounds(key_lengths: np.ndarray) -> torch.Tensor:
         return to(np.concatenate(([0], np.cumsum(key_lengths))).astype(np.int32))

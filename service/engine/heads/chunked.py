@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from service.engine.heads import extras as extra
@@ -29,6 +30,7 @@ from service.engine.heads import extras_radix
 from service.engine.heads import fused_kernel as fused_head
 from service.engine.heads.contract import ActionScores, Extras, ExtraScores, LogitTransform
 from service.engine.runtime import triton_jit
+from service.engine.runtime.copies import to_device
 
 
 def score_actions(
@@ -129,7 +131,8 @@ def _without_draws(extras: Extras) -> Extras:
 
 class _Draws:
     """The draws of the rows that draw, chunk by chunk, from a float32 copy of those rows' tempered
-    logits alone (the radix select serves every asking row the rest): [R] int64, -1 at the others."""
+    logits alone (the radix select serves every asking row the rest): [R] int64, -1 at the others.
+    Which rows draw is copied to the device once, queued (a chunk's draw waits for nothing)."""
 
     def __init__(
         self, extras: Extras, inv_temperature: torch.Tensor | None, transform: LogitTransform
@@ -137,17 +140,20 @@ class _Draws:
         assert extras.seeds is not None
         assert extras.positions is not None
         self.extras, self.inv_temperature, self.transform = extras, inv_temperature, transform
-        rows = extras.rows.shape[0]
-        self.drawn = torch.full((rows,), -1, dtype=torch.int64, device=extras.index.device)
+        rows, device = extras.rows.shape[0], extras.index.device
+        self.drawn = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.drawing = extras.drawn_rows(0, rows)  # [d] host, sorted, into the R rows
+        self.index = to_device(self.drawing, device)
+        self.action_rows = to_device(extras.rows[self.drawing], device)  # [d] their rows among the actions
 
     def chunk_of(self, z: torch.Tensor, start: int, end: int) -> None:
         """The draws among action rows [start, end), whose logits z [c, V] holds."""
-        at = self.extras.drawn_rows(*self.extras.span(start, end))  # [d] host, into the R rows
-        if not at.size:
+        lo, hi = np.searchsorted(self.drawing, self.extras.span(start, end))
+        if lo == hi:
             return
         asks = self.extras
-        index = torch.from_numpy(at).to(asks.index.device)
-        local = torch.from_numpy(asks.rows[at] - start).to(z.device)
+        index = self.index[lo:hi]
+        local = self.action_rows[lo:hi] - start
         x = self.transform(z[local].to(torch.float32, copy=True))  # [d, V], as from_float_copy makes it
         if self.inv_temperature is not None:
             x.mul_(self.inv_temperature[asks.index[index], None])

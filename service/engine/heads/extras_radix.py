@@ -46,6 +46,7 @@ from service.engine.heads import extras as extra
 from service.engine.heads import topk_kernel
 from service.engine.heads.contract import Extras, ExtraScores
 from service.engine.runtime import triton_jit
+from service.engine.runtime.copies import to_device
 
 
 def usable(z: torch.Tensor, asks: Extras) -> bool:
@@ -130,7 +131,7 @@ class Batch:
         return cls(
             asks=asks,
             chunk=chunk,
-            local=torch.from_numpy(asks.rows - chunk).to(device),
+            local=to_device(asks.rows - chunk, device),
             targets=own.contiguous(),
             inv_t=None if inv_temperature is None else inv_temperature[asks.index].float(),
             picks=picks.long().contiguous(),

@@ -3,6 +3,7 @@ and a launch queues the work without waiting for the device (on CUDA)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -81,10 +82,19 @@ def test_results_are_independent_of_later_launches(engine: PackedScorer) -> None
     DTYPE == "float32",
     reason="float32 attention is the per-sequence SDPA fallback, which reads the boundaries on the host",
 )
+@pytest.mark.parametrize("asks", ["log-probs", "teacher"])
 def test_launch_returns_while_the_device_is_still_busy(
-    engine: PackedScorer, model_dirs: dict[str, Path]
+    engine: PackedScorer, model_dirs: dict[str, Path], asks: str
 ) -> None:
+    """Nothing in a launch waits for the device: not the plain scoring, nor a teacher's asks (top-K
+    at every position and a draw one past the last token), whose head copies which rows draw."""
     jobs = _jobs(9)
+    if asks == "teacher":
+        jobs = [
+            dataclasses.replace(j, actions=np.arange(1, j.num_tokens + 1), top_logprobs=5, draw_seed=3)
+            for j in jobs
+        ]
+        engine.launch(jobs).result()  # the head's kernels compiled first (Triton compiles on the host)
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]  # ~1 s of GPU clock cycles on the stream
     start = time.perf_counter()
@@ -93,7 +103,11 @@ def test_launch_returns_while_the_device_is_still_busy(
     assert launched.done is not None
     assert not launched.done.query()  # type: ignore[no-untyped-call]
     assert took < 0.3
-    for scores, w in zip(launched.result(), _want(model_dirs["qwen2"], jobs), strict=True):
+    got = launched.result()
+    if asks == "teacher":
+        assert all(s.drawn is not None and s.top_ids is not None for s in got)
+        return
+    for scores, w in zip(got, _want(model_dirs["qwen2"], jobs), strict=True):
         np.testing.assert_allclose(scores.logprobs, w, atol=TOLERANCE)
 
 
