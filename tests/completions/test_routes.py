@@ -161,7 +161,14 @@ def test_the_token_after_a_prompt_in_chunks_and_shared(model_dirs: dict[str, Pat
         shared,  # wholly the others' prefix: its last position is in their shared node
         [1],
     ]
-    settings = settings_for(model_dirs["qwen2"], max_batch_tokens=64, share_min_tokens=4)
+    settings = settings_for(  # on the CPU in float32, as the served teacher (its tolerance)
+        model_dirs["qwen2"],
+        max_batch_tokens=64,
+        share_min_tokens=4,
+        device="cpu",
+        dtype="float32",
+        attention="auto",
+    )
     body = {"prompt": prompts, "max_tokens": 1, "temperature": 0, "logprobs": 3, "echo": True}
     with running(settings) as client:
         reply = client.post("/v1/completions", json=body)
