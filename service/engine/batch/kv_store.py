@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from service.engine.ops import key_gather
+
 # The keyword argument of a transformers decoder forward that carries a KVContext to the attention
 CONTEXT_KWARG = "logprobd_context"
 
@@ -59,6 +61,10 @@ class KVContext:
     row's keys, segment after segment (None: the row's keys as they are). With a store, the row's
     last segment holds tokens [start, start + own) of the sequence whose store it is, and its keys
     are the store's; `gather` then covers the first `others` rows' segments only.
+
+    count: [1] int32 on the device, K, where `gather` is a CUDA graph's static index of more rows
+    (no store then): the keys and values read have as many rows as `gather`, the first K gathered
+    (ops/key_gather.py), and cu_k ends at K.
     """
 
     cu_k: torch.Tensor
@@ -67,12 +73,15 @@ class KVContext:
     store: KVStore | None = None
     start: int = 0
     others: int = 0
+    count: torch.Tensor | None = None
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [N, Hk, D] this layer's fresh keys and values of the row. Stores the last segment's
         in the store, if any, and returns the keys and values attention reads: [cu_k[-1], Hk, D] each."""
         if self.store is None:
             assert self.gather is not None
+            if self.count is not None:
+                return key_gather.rows(k, v, self.gather, self.count)
             return k.index_select(0, self.gather), v.index_select(0, self.gather)
         own = k.shape[0] - self.others
         end = self.start + own

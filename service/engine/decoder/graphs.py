@@ -22,6 +22,18 @@ max_len = N and at least 256 slots: one graph per N, all captured at start, larg
 kernels' grids grow with max_len x slots, so those round both up to powers of two and are captured the
 first time they are met. Past `limit` graphs the least recently used one goes.
 
+Shared prefixes. A micro-batch whose segments attend to prefixes other segments compute (the
+batch's KVContext without a store: GRPO groups, multi-turn traffic) gathers each layer's keys and
+values by its `key_index`. Its graphs (the key's `keys`) read that index, its length K and the key
+boundaries from static buffers too: the index holds KEYS_PER_TOKEN x the token capacity rows, of
+which the gather (ops/key_gather.py) reads the first K, and attention is given that many keys (rows
+past K unread) and, with a total-bounded kernel, the index's size as the longest key segment. A
+micro-batch of more keys, or with a chunk's cached context, runs eagerly. Where one graph serves each
+N, the shared graphs are captured at start beside the others, after a check on the probe with each
+segment given the one before it as its prefix; otherwise each variant's first graph is checked
+where it is captured, as routed ones are. A failed check turns graphs off for shared micro-batches
+only (`shared_off`).
+
 Routes. A micro-batch that records MoE routes (R2) or replays given ones (R3, moe/replay.py) replays
 a graph of its own mode (the key's `mode`: live / record / replay), captured lazily the first time a
 mode meets a shape, never for live-only traffic. Its routes go through static buffers
@@ -48,8 +60,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from service.engine.batch.kv_store import KVContext
 from service.engine.batch.packing import SHAPE_STEP, PackedBatch
 from service.engine.decoder.contract import Decoder, DecoderKind, relative_error
 from service.engine.decoder.fused import FusedDecoder, Stream
@@ -66,6 +80,10 @@ MIN_SLOTS = {True: 256, False: 8}  # sequence slots of a graph, by TOTAL_BOUNDED
 # ‖graph - eager‖ / ‖eager‖ over final hidden states in the start-up check: the same kernels on the
 # same shapes, so only a wrong buffer or boundary moves it
 _CHECK_TOL = 1e-3
+# gathered key rows a shared micro-batch's graph holds, per token of the capacity: a GRPO group of G
+# completions under a prompt of P tokens reads about (G + 1) P + sum of completions keys for its
+# P + sum of completions tokens, at most G + 1 times as many
+KEYS_PER_TOKEN = 8
 
 
 class Recorder(Protocol):
@@ -115,6 +133,8 @@ class GraphKey:
     slots: int  # sequence slots: cu has slots + 1 entries
     max_len: int  # the bound the attention kernel is given
     mode: RouteMode = "live"  # what the sparse layers do with routes (graph_routes.py)
+    keys: int = 0  # rows of the shared-prefix gather's static index (0: each segment's own keys)
+    max_len_k: int = 0  # with keys: the longest key segment the attention kernel is given
 
 
 def _pow2(n: int) -> int:
@@ -130,6 +150,10 @@ class _Buffers:
         self.ids = torch.zeros(capacity, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, capacity, dtype=torch.long, device=device)
         self.cu = torch.zeros(slots + 1, dtype=torch.int32, device=device)
+        # a shared micro-batch's gather: its key_index, K, and its key boundaries (ending at K)
+        self.key_index = torch.zeros(KEYS_PER_TOKEN * capacity, dtype=torch.long, device=device)
+        self.key_count = torch.zeros(1, dtype=torch.int32, device=device)
+        self.cu_k = torch.zeros(slots + 1, dtype=torch.int32, device=device)
         self.x = torch.zeros(capacity, weight.shape[1], dtype=dtype, device=device)
         self.cos = torch.zeros(capacity, inner.head_dim, dtype=dtype, device=device)
         self.sin = torch.zeros(capacity, inner.head_dim, dtype=dtype, device=device)
@@ -160,28 +184,41 @@ class GraphedDecoder:
         self._params = self._signature()
         self.disabled: str | None = None  # why graphs are off for this decoder
         self.modes_off: dict[RouteMode, str] = {}  # why graphs are off for routed micro-batches of a mode
-        self._checked: set[RouteMode] = set()  # the routed modes whose first graph passed its check
+        self.shared_off: str | None = None  # why graphs are off for shared-prefix micro-batches
+        self._checked: set[tuple[RouteMode, bool]] = set()  # (mode, shared) variants whose check passed
         self._routes: RouteBuffers | None = None
 
     @property
     def graphs(self) -> int:
         return len(self._graphs)
 
-    def key(self, tokens: int, sequences: int, max_len: int) -> GraphKey | None:
-        """The graph a micro-batch of `tokens` over `sequences` (the longest `max_len`) replays; None:
-        it runs eagerly (a shape packing does not give a micro-batch, or past the buffers)."""
+    @property
+    def key_capacity(self) -> int:
+        """The most gathered keys a shared micro-batch's graph holds."""
+        return KEYS_PER_TOKEN * self._capacity
+
+    def key(self, tokens: int, sequences: int, max_len: int, max_len_k: int | None = None) -> GraphKey | None:
+        """The graph a micro-batch of `tokens` over `sequences` (the longest `max_len`; with shared
+        prefixes, the longest key segment `max_len_k`) replays; None: it runs eagerly (a shape packing
+        does not give a micro-batch, or past the buffers)."""
         if tokens % SHAPE_STEP or not 0 < tokens <= self._capacity:
             return None
         slots = max(_pow2(sequences), MIN_SLOTS[self._total_bounded])
         bound = tokens if self._total_bounded else min(tokens, max(_pow2(max_len), SHAPE_STEP))
-        return GraphKey(tokens, slots, bound)
+        if max_len_k is None:
+            return GraphKey(tokens, slots, bound)
+        keys = self.key_capacity
+        bound_k = keys if self._total_bounded else min(keys, max(_pow2(max_len_k), SHAPE_STEP))
+        return GraphKey(tokens, slots, bound, keys=keys, max_len_k=bound_k)
 
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         sequences = batch.cu_seqlens.shape[0] - 1
-        key = self.key(batch.num_tokens, sequences, batch.max_len)
+        context = batch.context
+        max_len_k = None if context is None else context.max_len_k
+        key = self.key(batch.num_tokens, sequences, batch.max_len, max_len_k)
         routes, mode = batch.routes, mode_of(batch.routes)
-        if key is None or self.disabled is not None or batch.context is not None or not self._routable(batch):
-            return self.inner(batch, rows)  # a chunk, a shape no graph holds, a mode whose graphs are off
+        if key is None or self.disabled is not None or not (self._gathers(context) and self._routable(batch)):
+            return self.inner(batch, rows)  # a chunk, a shape no graph holds, a variant whose graphs are off
         key = dataclasses.replace(key, mode=mode)
         buffers, n = self._ready(), key.tokens
         self.inner.begin(batch)
@@ -189,6 +226,13 @@ class GraphedDecoder:
         buffers.positions[:, :n].copy_(batch.position_ids)
         buffers.cu[: sequences + 1].copy_(batch.cu_seqlens)
         buffers.cu[sequences + 1 : key.slots + 1].fill_(n)  # empty sequences up to the graph's slots
+        if context is not None:
+            assert context.gather is not None
+            count = context.gather.shape[0]
+            buffers.key_index[:count].copy_(context.gather)
+            buffers.key_count.fill_(count)
+            buffers.cu_k[: sequences + 1].copy_(context.cu_k)
+            buffers.cu_k[sequences + 1 : key.slots + 1].fill_(count)
         static = None
         if routes is not None:
             assert self._routes is not None
@@ -198,19 +242,34 @@ class GraphedDecoder:
         if replay is not None:
             self._graphs.move_to_end(key)
             replay()
-        elif mode != "live" and mode not in self._checked:  # a mode's first graph: checked as captured
+        elif self._unchecked(key):  # a variant's first graph: checked as captured
             if not self._record_checked(key):
                 return self.inner(batch, rows)
         else:  # first met: run what the graph will record, eagerly (every kernel of the shape is then
             self._body(key)  # compiled and loaded: loading one inside a capture fails it), then record it
             self._record(key)
-        stream = Stream(buffers.x[:n], buffers.cos[:n], buffers.sin[:n], batch.cu_seqlens, batch.max_len)
+        x, cos, sin = buffers.x[:n], buffers.cos[:n], buffers.sin[:n]
+        stream = Stream(x, cos, sin, batch.cu_seqlens, batch.max_len, context)
         with self.inner.routed(static):  # the last layer records into the same buffers
             out = self.inner.finish(stream, rows)
         if routes is not None:
             assert self._routes is not None
             self._routes.unload(routes, n)
         return out
+
+    def _gathers(self, context: KVContext | None) -> bool:
+        """Whether a graph may run a micro-batch with `context`: none, or shared prefixes' keys alone
+        (no chunk's store) within the static index, while shared graphs are on."""
+        if context is None:
+            return True
+        if context.store is not None or context.gather is None or self.shared_off is not None:
+            return False
+        return context.gather.shape[0] <= self.key_capacity
+
+    def _unchecked(self, key: GraphKey) -> bool:
+        """Whether `key` is the first graph of a variant checked where it is captured: routed modes,
+        and shared prefixes where no start-up check covered them."""
+        return (key.mode != "live" or key.keys > 0) and (key.mode, key.keys > 0) not in self._checked
 
     def _routable(self, batch: PackedBatch) -> bool:
         """Whether a graph may run `batch`'s routes (allocating the static ones the first time)."""
@@ -225,20 +284,20 @@ class GraphedDecoder:
         return self._routes.fits(routes, batch.num_tokens)
 
     def _record_checked(self, key: GraphKey) -> bool:
-        """Capture the first graph of a routed mode and check it: the eager body and the graph's replay
-        (over cleared outputs) must give the same hidden states and records. False (graphs off for the
-        mode, the static buffers then unreliable) where the capture fails or the check does."""
-        assert self._routes is not None
+        """Capture the first graph of a variant (a routed mode, shared prefixes) and check it: the
+        eager body and the graph's replay (over cleared outputs) must give the same hidden states and
+        records. False (graphs off for the variant, the static buffers then unreliable) where the
+        capture fails or the check does."""
         buffers, n, mode = self._ready(), key.tokens, key.mode
-        outputs = self._routes.outputs(mode, n)
+        outputs = [] if mode == "live" or self._routes is None else self._routes.outputs(mode, n)
         for out in outputs:
             out.fill_(-1)
         self._body(key)
         want_x, want = buffers.x[:n].clone(), [out.clone() for out in outputs]
         try:
             replay = self._recorder.capture(lambda: self._body(key))
-        except Exception as exc:  # this mode runs eagerly
-            self._mode_off(mode, f"capture of {key} failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # this variant runs eagerly
+            self._variant_off(key, f"capture of {key} failed: {type(exc).__name__}: {exc}")
             return False
         buffers.x[:n].zero_()
         for out in outputs:
@@ -248,16 +307,32 @@ class GraphedDecoder:
         same = all(torch.equal(got, wanted) for got, wanted in zip(outputs, want, strict=True))
         if not (error <= _CHECK_TOL and same):
             records = "equal" if same else "different"
-            self._mode_off(
-                mode, f"a {mode} graph's hidden states are {error:.3g} from the eager ones, records {records}"
-            )
+            reason = f"a graph's hidden states are {error:.3g} from the eager ones, records {records}"
+            self._variant_off(key, reason)
             return False
-        log.info("CUDA graphs for %s routes: within %.3g of the eager forward, the same records", mode, error)
-        self._checked.add(mode)
+        variant = f"{mode} routes" + (" and shared prefixes" if key.keys else "")
+        log.info("CUDA graphs for %s: within %.3g of the eager forward, the same records", variant, error)
+        self._checked.add((mode, key.keys > 0))
         self._graphs[key] = replay
         if len(self._graphs) > self._limit:
             self._graphs.popitem(last=False)
         return True
+
+    def _variant_off(self, key: GraphKey, reason: str) -> None:
+        """Graphs off for `key`'s variant: shared prefixes where they were what was new, its routed
+        mode where that was (both, where neither had passed a check)."""
+        shared_new = key.keys > 0 and ("live", True) not in self._checked
+        mode_new = key.mode != "live" and (key.mode, False) not in self._checked
+        if key.keys and (shared_new or not mode_new):
+            self._shared_off(reason)
+        if key.mode != "live" and (mode_new or not key.keys):
+            self._mode_off(key.mode, reason)
+
+    def _shared_off(self, reason: str) -> None:
+        self.shared_off = reason
+        for key in [key for key in self._graphs if key.keys]:
+            del self._graphs[key]
+        log.warning("CUDA graphs off for micro-batches with shared prefixes (%s); they run eagerly", reason)
 
     def _mode_off(self, mode: RouteMode, reason: str) -> None:
         self.modes_off[mode] = reason
@@ -287,6 +362,7 @@ class GraphedDecoder:
         if self.disabled is None:
             self._check(probe)
         if self.disabled is None and self._total_bounded:
+            self._check_shared(probe)
             self._capture_sizes()
         if self.disabled is not None and self._strict:
             raise RuntimeError(f"cuda_graphs=on: {self.disabled}")
@@ -307,13 +383,34 @@ class GraphedDecoder:
             return
         log.info("CUDA graphs: within %.3g of the eager forward", error)
 
+    def _check_shared(self, probe: PackedBatch) -> None:
+        """Check the shared-prefix graphs on `probe` with every segment attending to the one before it
+        too, as to a prefix: captured and checked as met (`_record_checked`), then replayed on other
+        tokens against the eager forward. A failure turns them off (`shared_off`)."""
+        shared = dataclasses.replace(probe, context=_prefixed(probe.cu_seqlens))
+        every = torch.arange(probe.num_tokens, device=probe.input_ids.device)
+        self(shared, every)
+        if self.shared_off is not None or self.disabled is not None:
+            return
+        other = dataclasses.replace(shared, input_ids=probe.input_ids.flip(1))
+        error = relative_error(self(other, every), self.inner(other, every))
+        if not error <= _CHECK_TOL:
+            self._shared_off(f"a shared graph's hidden states are {error:.3g} of their norm from the eager")
+
     def _capture_sizes(self) -> None:
+        """One graph per N, largest first, and one for shared micro-batches of each N (where on)."""
         started = time.perf_counter()
-        for tokens in range(self._capacity, 0, -SHAPE_STEP):
+        keys = [
+            key
+            for tokens in range(self._capacity, 0, -SHAPE_STEP)
+            for key in (self.key(tokens, 1, tokens), self.key(tokens, 1, tokens, tokens))
+        ]
+        for key in keys:
             if len(self._graphs) >= self._limit:  # keep the largest: the smaller ones are captured as met
                 break
-            key = self.key(tokens, 1, tokens)
-            if key is not None and key not in self._graphs and not self._record(key):
+            if key is None or key in self._graphs or (key.keys and self.shared_off is not None):
+                continue
+            if not self._record(key) and self.disabled is not None:
                 return
         seconds = time.perf_counter() - started
         log.info("CUDA graphs: captured %d shapes in %.1f s", len(self._graphs), seconds)
@@ -329,12 +426,12 @@ class GraphedDecoder:
         self._ready()  # the buffers are allocated outside every graph (inside, a replay would zero them)
         try:
             replay = self._recorder.capture(lambda: self._body(key))
-        except Exception as exc:  # graphs go off (for a routed mode: that mode's); micro-batches run eagerly
+        except Exception as exc:  # graphs go off (for a variant: its own); micro-batches run eagerly
             reason = f"capture of {key} failed: {type(exc).__name__}: {exc}"
-            if key.mode == "live":
+            if key.mode == "live" and not key.keys:
                 self._turn_off(reason)
             else:
-                self._mode_off(key.mode, reason)
+                self._variant_off(key, reason)
             return False
         self._graphs[key] = replay
         if len(self._graphs) > self._limit:
@@ -350,7 +447,11 @@ class GraphedDecoder:
         buffers.cos[:n].copy_(fresh.cos)
         buffers.sin[:n].copy_(fresh.sin)
         del fresh
-        stream = Stream(buffers.x[:n], buffers.cos[:n], buffers.sin[:n], cu, key.max_len)
+        context = None
+        if key.keys:
+            count = buffers.key_count
+            context = KVContext(buffers.cu_k[: key.slots + 1], key.max_len_k, buffers.key_index, count=count)
+        stream = Stream(buffers.x[:n], buffers.cos[:n], buffers.sin[:n], cu, key.max_len, context)
         routes = None if self._routes is None else self._routes.view(key.mode, n)
         with inner.routed(routes):
             for layer in inner.layers[:-1]:
@@ -366,6 +467,21 @@ class GraphedDecoder:
         """Where every tensor the graphs read lives."""
         module = self.inner.decoder
         return tuple(t.data_ptr() for t in (*module.parameters(), *module.buffers()))
+
+
+def _prefixed(cu: torch.Tensor) -> KVContext:
+    """Keys for a packed row's segments (boundaries `cu`, [S+1]) where each attends to the one before
+    it as to its prefix, then to itself: a shared micro-batch's layout on any row, for checks."""
+    bounds = cu.cpu().numpy().astype(np.int64)
+    parts, lengths = [], []
+    for i in range(bounds.shape[0] - 1):
+        first = bounds[max(i - 1, 0)]
+        parts.append(np.arange(first, bounds[i + 1]))
+        lengths.append(bounds[i + 1] - first)
+    key_lengths = np.asarray(lengths, dtype=np.int64)
+    cu_k = np.concatenate(([0], np.cumsum(key_lengths))).astype(np.int32)
+    gather = torch.from_numpy(np.concatenate(parts)).to(cu.device)
+    return KVContext(torch.from_numpy(cu_k).to(cu.device), int(key_lengths.max()), gather)
 
 
 def wrap(  # noqa: PLR0917

@@ -25,6 +25,7 @@ from service.engine.ops.attention import choose_backend
 from service.engine.ops.elementwise import TORCH, Ops
 from service.engine.scorer.engine import PackedScorer
 from service.jobs import SequenceJob
+from service.prefixes import share
 from service.settings import Settings
 from tests import models
 from tests.engine.decoder.test_fused import KERNEL, packed_model
@@ -36,6 +37,24 @@ def batch_of(lengths: tuple[int, ...], seed: int = 0, device: torch.device = CPU
     rng = np.random.default_rng(seed)
     jobs = [SequenceJob(rng.integers(3, models.VOCAB, n), np.arange(1, n), 1.0, False) for n in lengths]
     return pack(jobs, device)
+
+
+def groups_of(
+    groups: tuple[tuple[int, tuple[int, ...]], ...], seed: int = 0, device: torch.device = CPU
+) -> PackedBatch:
+    """GRPO-like groups (a prompt's length, its completions' lengths), packed with their prompts shared
+    (each completion's segment attends to its prompt's rows through the batch's key_index)."""
+    rng = np.random.default_rng(seed)
+    jobs = []
+    for prompt_length, completions in groups:
+        prompt = rng.integers(3, models.VOCAB, prompt_length)
+        for length in completions:
+            tokens = np.concatenate((prompt, rng.integers(3, models.VOCAB, length)))
+            jobs.append(SequenceJob(tokens, np.arange(prompt_length, tokens.shape[0]), 1.0, False))
+    batch = pack(jobs, device, forest=share([job.tokens for job in jobs], 4)).attach(None)
+    assert batch.context is not None
+    assert batch.context.gather is not None
+    return batch
 
 
 def read_rows(batch: PackedBatch) -> torch.Tensor:
@@ -85,10 +104,102 @@ def test_keys() -> None:
     assert flash4.key(16384, 300, 60) == GraphKey(16384, 512, 16384)
     assert flash4.key(1000, 4, 300) is None  # not a packed micro-batch's shape
     assert flash4.key(16512, 4, 300) is None  # past the buffers
+    assert flash4.key(256, 3, 90, 200) == GraphKey(256, 256, 256, keys=131072, max_len_k=131072)
     other = graphed(packed_model("llama"), max_tokens=16384, total_bounded=False, limit=8)
+    assert other.key(256, 3, 90, 200) == GraphKey(256, 8, 128, keys=131072, max_len_k=256)
     assert other.key(16384, 40, 1500) == GraphKey(16384, 64, 2048)
     assert other.key(256, 3, 90) == GraphKey(256, 8, 128)
     assert other.key(256, 1, 256) == GraphKey(256, 8, 256)
+
+
+# Shared micro-batches: the same N with other boundaries and key counts, more segments than 8 slots,
+# a prompt past 128 tokens (a longest key segment past 256), and N itself (128, 256, 384 tokens)
+GROUPS = [
+    ((30, (5, 9, 2)), (20, (7, 7))),
+    ((40, (3,) * 12),),
+    ((150, (20, 11, 30, 4)),),
+    ((60, (10, 40, 3, 25)), (30, (8, 9)), (90, (50,))),
+    ((30, (5, 9, 2)), (20, (7, 7))),
+]
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("total_bounded", [True, False])
+def test_shared_prefix_batches_replay_equal_to_the_eager_forward(name: str, total_bounded: bool) -> None:
+    """Each group's completions attend to their prompt's keys gathered from the prompt's rows: the
+    graph reads the index, its length and the key boundaries from its static buffers."""
+    model = packed_model(name)
+    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    decoder = graphed(model, total_bounded=total_bounded, limit=16)
+    with torch.inference_mode():
+        for seed, groups in enumerate(GROUPS):
+            batch = groups_of(groups, seed)
+            got, want = decoder(batch, read_rows(batch)), eager(batch, read_rows(batch))
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            plain = batch_of((batch.num_tokens - 40, 40), seed)  # the same N, no sharing, between them
+            torch.testing.assert_close(decoder(plain, read_rows(plain)), eager(plain, read_rows(plain)))
+    keys = {(key.tokens, key.keys > 0) for key in decoder._graphs}
+    assert {(128, True), (256, True), (384, True), (128, False), (256, False), (384, False)} <= keys
+    assert decoder.shared_off is None
+    assert ("live", True) in decoder._checked  # the first shared graph was checked as it was captured
+
+
+def test_shared_prefix_batches_give_the_unshared_scores() -> None:
+    """Through the graphs, a group's completions score as they do packed whole (no sharing)."""
+    model = packed_model("qwen2")
+    decoder = graphed(model, limit=8)
+    groups = ((40, (10, 30, 5)), (70, (20, 9)))
+    shared = groups_of(groups, 3)
+    rng = np.random.default_rng(3)
+    with torch.inference_mode():
+        got = decoder(shared, read_rows(shared))
+        jobs = []
+        for prompt_length, completions in groups:  # the same tokens as groups_of draws them
+            prompt = rng.integers(3, models.VOCAB, prompt_length)
+            for length in completions:
+                tokens = np.concatenate((prompt, rng.integers(3, models.VOCAB, length)))
+                jobs.append(SequenceJob(tokens, np.arange(prompt_length, tokens.shape[0]), 1.0, False))
+        whole = pack(jobs, CPU)
+        want = decoder(whole, read_rows(whole))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_shared_batch_past_the_key_capacity_runs_eagerly() -> None:
+    model = packed_model("qwen2")
+    decoder = graphed(model, max_tokens=128, limit=8)  # 1,024 gathered keys at most
+    batch = groups_of(((100, (2,) * 12),))  # 12 x 102 keys, 124 tokens
+    assert batch.context is not None
+    assert batch.context.gather is not None
+    assert batch.context.gather.shape[0] > decoder.key_capacity
+    with torch.inference_mode():
+        got = decoder(batch, read_rows(batch))
+        want = FusedDecoder(model.base_model, KERNEL, TORCH, 0)(batch, read_rows(batch))
+    torch.testing.assert_close(got, want)
+    assert decoder.graphs == 0
+
+
+def test_a_wrong_shared_graph_turns_off_shared_graphs_only(caplog: pytest.LogCaptureFixture) -> None:
+    model = packed_model("qwen2")
+    decoder = graphed(model, limit=8, recorder=StaleShared())
+    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        decoder.capture(batch_of((20, 33, 7)))
+        shared, plain = groups_of(GROUPS[0]), batch_of((20, 33, 7), 1)
+        torch.testing.assert_close(decoder(shared, read_rows(shared)), eager(shared, read_rows(shared)))
+        torch.testing.assert_close(decoder(plain, read_rows(plain)), eager(plain, read_rows(plain)))
+    assert decoder.disabled is None
+    assert "hidden states are" in str(decoder.shared_off)
+    assert "CUDA graphs off for micro-batches with shared prefixes" in caplog.text
+    assert decoder.graphs == 4
+    assert all(key.keys == 0 for key in decoder._graphs)
+
+
+class StaleShared(EagerRecorder):
+    """Shared graphs whose replay leaves the residual stream as it was (a stale key buffer's effect)."""
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        self.calls = getattr(self, "calls", 0) + 1
+        return body if self.calls != 2 else lambda: None  # the second capture: the shared probe's
 
 
 def test_the_least_recently_used_graph_goes_past_the_limit() -> None:
@@ -110,15 +221,26 @@ def test_capture_checks_then_records_every_size_largest_first() -> None:
     with torch.inference_mode():
         decoder.capture(batch_of((20, 33, 7)))
     assert decoder.disabled is None
-    assert recorder.captures == 4  # the probe's (128 tokens), then the others from the largest
-    assert [key.tokens for key in decoder._graphs] == [128, 512, 384, 256]  # in the order captured
+    assert recorder.captures == 8  # the probe's (128 tokens) and its shared twin's, then the others
+    captured = [(key.tokens, key.keys) for key in decoder._graphs]  # in the order captured
+    shared = decoder.key_capacity
+    assert captured == [
+        (128, 0),
+        (128, shared),
+        (512, 0),
+        (512, shared),
+        (384, 0),
+        (384, shared),
+        (256, 0),
+        (256, shared),
+    ]
 
 
 def test_capture_keeps_the_largest_within_the_limit() -> None:
     decoder = graphed(packed_model("qwen2"), max_tokens=1024, recorder=Counting(), limit=3)
     with torch.inference_mode():
         decoder.capture(batch_of((20, 33, 7)))
-    assert sorted(key.tokens for key in decoder._graphs) == [128, 896, 1024]
+    assert sorted((key.tokens, key.keys) for key in decoder._graphs) == [(128, 0), (128, 8192), (1024, 0)]
 
 
 def test_other_kernels_capture_as_met() -> None:
@@ -156,7 +278,7 @@ def test_buffers_exist_before_any_capture() -> None:
     seen.decoder = decoder
     with torch.inference_mode():
         decoder.capture(batch_of((20, 33, 7)))
-    assert seen.captures == 4
+    assert seen.captures == 8
 
 
 class Seeing(Counting):
@@ -294,6 +416,11 @@ def test_cuda_graphs_equal_the_eager_forward(name: str, attention: str) -> None:
             got, want = decoder(batch, read_rows(batch)), inner(batch, read_rows(batch))
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
             assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-3
+        for seed, groups in enumerate(GROUPS):  # shared prefixes: the gather from the static index
+            batch = groups_of(groups, seed, device)
+            got, want = decoder(batch, read_rows(batch)), inner(batch, read_rows(batch))
+            assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-3
+        assert decoder.shared_off is None
         with torch.no_grad():  # a swap reload: every graph goes; the shared pool must stay usable
             for param in model.parameters():
                 param.data = param.data.clone()
