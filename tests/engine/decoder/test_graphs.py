@@ -72,18 +72,22 @@ def graphed(model: Any, max_tokens: int = 512, total_bounded: bool = True, **kwa
 BATCHES = [(20, 33, 7, 12), (50, 40), (3, 9, 11, 2, 30, 5), (100, 90), (10,) * 9, (200, 40), (20, 33, 7, 12)]
 
 
+def assert_replays(decoder: GraphedDecoder, model: Any, batches: list[PackedBatch]) -> None:
+    """Each batch through `decoder` (its graphs) equals the same model's eager fused forward."""
+    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    with torch.inference_mode():
+        for batch in batches:
+            got, want = decoder(batch, read_rows(batch)), eager(batch, read_rows(batch))
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("total_bounded", [True, False])
 def test_replays_equal_the_eager_forward(name: str, total_bounded: bool) -> None:
     """qwen2 and mistral have sliding windows shorter than the sequences; qwen3 has head norms."""
     model = packed_model(name)
-    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
     decoder = graphed(model, total_bounded=total_bounded, limit=8)
-    with torch.inference_mode():
-        for seed, lengths in enumerate(BATCHES):
-            batch = batch_of(lengths, seed)
-            got, want = decoder(batch, read_rows(batch)), eager(batch, read_rows(batch))
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert_replays(decoder, model, [batch_of(lengths, seed) for seed, lengths in enumerate(BATCHES)])
     # one graph per N with a total-bounded kernel; the others also split by sequences and length
     assert decoder.graphs == (2 if total_bounded else 4)
 
@@ -129,15 +133,12 @@ def test_shared_prefix_batches_replay_equal_to_the_eager_forward(name: str, tota
     """Each group's completions attend to their prompt's keys gathered from the prompt's rows: the
     graph reads the index, its length and the key boundaries from its static buffers."""
     model = packed_model(name)
-    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
     decoder = graphed(model, total_bounded=total_bounded, limit=16)
-    with torch.inference_mode():
-        for seed, groups in enumerate(GROUPS):
-            batch = groups_of(groups, seed)
-            got, want = decoder(batch, read_rows(batch)), eager(batch, read_rows(batch))
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-            plain = batch_of((batch.num_tokens - 40, 40), seed)  # the same N, no sharing, between them
-            torch.testing.assert_close(decoder(plain, read_rows(plain)), eager(plain, read_rows(plain)))
+    batches = []
+    for seed, groups in enumerate(GROUPS):
+        batch = groups_of(groups, seed)
+        batches += [batch, batch_of((batch.num_tokens - 40, 40), seed)]  # the same N, no sharing, between
+    assert_replays(decoder, model, batches)
     keys = {(key.tokens, key.keys > 0) for key in decoder._graphs}
     assert {(128, True), (256, True), (384, True), (128, False), (256, False), (384, False)} <= keys
     assert decoder.shared_off is None
