@@ -32,7 +32,7 @@ micro-batch of more keys, or with a chunk's cached context, runs eagerly. Where 
 N, the shared graphs are captured at start beside the others, after a check on the probe with each
 segment given the one before it as its prefix; otherwise each variant's first graph is checked
 where it is captured, as routed ones are. A failed check turns graphs off for shared micro-batches
-only (`shared_off`).
+only (`shared_off`). In batch-invariant mode they run eagerly, the path its bitwise GPU suite covers.
 
 Routes. A micro-batch that records MoE routes (R2) or replays given ones (R3, moe/replay.py) replays
 a graph of its own mode (the key's `mode`: live / record / replay), captured lazily the first time a
@@ -172,6 +172,7 @@ class GraphedDecoder:
         total_bounded: bool,
         limit: int,
         strict: bool = False,
+        shared: bool = True,
     ) -> None:
         self.inner = inner
         self._recorder = recorder
@@ -185,6 +186,8 @@ class GraphedDecoder:
         self.disabled: str | None = None  # why graphs are off for this decoder
         self.modes_off: dict[RouteMode, str] = {}  # why graphs are off for routed micro-batches of a mode
         self.shared_off: str | None = None  # why graphs are off for shared-prefix micro-batches
+        if not shared:
+            self.shared_off = "shared-prefix micro-batches run eagerly in batch-invariant mode"
         self._checked: set[tuple[RouteMode, bool]] = set()  # (mode, shared) variants whose check passed
         self._routes: RouteBuffers | None = None
 
@@ -362,7 +365,8 @@ class GraphedDecoder:
         if self.disabled is None:
             self._check(probe)
         if self.disabled is None and self._total_bounded:
-            self._check_shared(probe)
+            if self.shared_off is None:
+                self._check_shared(probe)
             self._capture_sizes()
         if self.disabled is not None and self._strict:
             raise RuntimeError(f"cuda_graphs=on: {self.disabled}")
@@ -492,9 +496,11 @@ def wrap(  # noqa: PLR0917
     recorder: Recorder | None,
     max_tokens: int,
     limit: int,
+    batch_invariant: bool = False,
 ) -> Decoder:
     """Resolve the `cuda_graphs` setting for one decoder: auto graphs a fused decoder on CUDA in bf16/fp16
-    with a capturable attention kernel; on requires it."""
+    with a capturable attention kernel; on requires it. In batch-invariant mode a micro-batch that
+    shares prefixes runs eagerly: the mode's GPU bitwise suite covers that path."""
     if setting == "off":
         return forward
     dtype = forward.decoder.embed_tokens.weight.dtype if isinstance(forward, FusedDecoder) else None
@@ -516,4 +522,5 @@ def wrap(  # noqa: PLR0917
     assert isinstance(forward, FusedDecoder)
     assert recorder is not None
     strict = setting == "on"
-    return GraphedDecoder(forward, recorder, max_tokens, backend in TOTAL_BOUNDED, limit, strict)
+    bounded = backend in TOTAL_BOUNDED
+    return GraphedDecoder(forward, recorder, max_tokens, bounded, limit, strict, shared=not batch_invariant)

@@ -201,6 +201,7 @@ def serve(  # noqa: PLR0917
             recorder,
             config.max_batch_tokens,
             config.cuda_graph_limit,
+            batch_invariant=config.batch_invariant,
         )
         return wrapped, f"{kernels}+graphs" if wrapped is not built else kernels
 

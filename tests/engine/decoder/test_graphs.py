@@ -195,6 +195,20 @@ def test_a_wrong_shared_graph_turns_off_shared_graphs_only(caplog: pytest.LogCap
     assert all(key.keys == 0 for key in decoder._graphs)
 
 
+def test_batch_invariant_mode_keeps_shared_batches_eager() -> None:
+    """In batch-invariant mode (wrap's batch_invariant) a shared micro-batch runs the eager path the
+    mode's bitwise suite covers: no shared graph is checked, captured or replayed."""
+    model = packed_model("qwen2")
+    decoder = graphed(model, limit=16, recorder=(recorder := Counting()), shared=False)
+    with torch.inference_mode():
+        decoder.capture(batch_of((20, 33, 7)))
+        assert recorder.captures == 4  # the probe's and every size's, none shared
+        assert_replays(decoder, model, [groups_of(GROUPS[0]), groups_of(GROUPS[2], 2)])
+    assert recorder.captures == 4
+    assert all(key.keys == 0 for key in decoder._graphs)
+    assert "batch-invariant" in str(decoder.shared_off)
+
+
 class StaleShared(EagerRecorder):
     """Shared graphs whose replay leaves the residual stream as it was (a stale key buffer's effect)."""
 
