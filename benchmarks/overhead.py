@@ -21,18 +21,21 @@ HTTP variants once per value of the setting, on the same engine.
 (benchmarks.grpo's: one request per group; in-process, the 8 groups as 8 requests at once too).
 `--clients`: the HTTP variants (benchmarks/client.py's modes): `frames` (asyncio), `frames-httpcore`,
 `json` (JSON bodies on the asyncio client), `plain` (httpx defaults, `json=`, `response.json()`),
-`processes` (frames, one process per body).
+`processes` (frames, one process per body). The medians also go to `--output` (JSON, in ms).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import itertools
+import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, get_args
 
 import torch
@@ -139,7 +142,8 @@ def rounds(events: list[Event], per_round: int) -> list[list[Event]]:
     return out
 
 
-def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | None = None) -> None:
+def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | None = None) -> dict[str, Any]:
+    """Print the rounds' medians (after the first, a warm-up) under `label`, and return them (ms)."""
     rows: list[tuple[float, ...]] = []
     dones: list[list[float]] = []
     spans: list[list[float]] = []  # the device's time on each micro-batch (its first kernel to its last)
@@ -168,6 +172,14 @@ def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | N
             idles.append([0.0] + [a0.elapsed_time(b1) for (_, a0), (b1, _) in itertools.pairwise(pairs)])
     keep = rows[1:] or rows  # the first round warms up
     med = [statistics.median(x[i] for x in keep) * 1e3 for i in range(6)]
+    out: dict[str, Any] = dict(
+        zip(
+            ("first_launch_ms", "launches_ms", "between_launches_ms", "tail_ms", "host_ms", "span_ms"),
+            med,
+            strict=True,
+        )
+    )
+    out["micro_batches"] = keep[0][6]
     print(
         f"{label:28s} first launch after {med[0]:6.2f} ms | launches {med[1]:7.2f} ms ({keep[0][6]}) | "
         f"between launches {med[2]:6.2f} ms | tail {med[3]:5.2f} ms | parse+normalise+render "
@@ -177,20 +189,24 @@ def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | N
     done_keep = dones[1:] or dones
     if len({len(d) for d in done_keep}) == 1:  # when each micro-batch's scores were in
         done = [statistics.median(d[i] for d in done_keep) * 1e3 for i in range(len(done_keep[0]))]
+        out["collected_at_ms"] = done
         print(f"{'':28s} micro-batches collected at {' / '.join(f'{t:.1f}' for t in done)} ms", flush=True)
     keep_sizes = sizes[1:] or sizes
     if keep_sizes and len({len(x) for x in keep_sizes}) == 1:
         tokens = [statistics.median(x[i] for x in keep_sizes) for i in range(len(keep_sizes[0]))]
+        out["micro_batch_tokens"] = tokens
         print(f"{'':28s} micro-batch tokens {' / '.join(f'{t:.0f}' for t in tokens)}", flush=True)
     keep_spans, keep_idles = spans[1:] or spans, idles[1:] or idles
     if keep_spans and len({len(x) for x in keep_spans}) == 1:
         on = [statistics.median(x[i] for x in keep_spans) for i in range(len(keep_spans[0]))]
         waits = [statistics.median(x[i] for x in keep_idles) for i in range(len(keep_idles[0]))]
+        out["device_ms"], out["device_idle_before_ms"] = on, waits
         print(
             f"{'':28s} device: micro-batches {' / '.join(f'{t:.1f}' for t in on)} ms, idle before each "
             f"{' / '.join(f'{t:.1f}' for t in waits)} ms",
             flush=True,
         )
+    return out
 
 
 def in_process(
@@ -225,6 +241,9 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
     every = ["frames", "frames-httpcore", "json", "processes"]
     parser.add_argument("--clients", nargs="+", choices=list(CLIENTS), default=every)
+    parser.add_argument(
+        "--output", type=Path, default=Path(__file__).parent / "results" / "overhead-latest.json"
+    )
     return parser.parse_args(argv)
 
 
@@ -251,7 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     the_jobs = jobs(samples)
     per = len(the_jobs) // 8 or 1
     in_process(engine, settings, [the_jobs[i : i + per] for i in range(0, len(the_jobs), per)], args.reps)
-    summary("engine in-process", events, 1, marks)
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "date": dt.date.today().isoformat(),
+        "versions": {"torch": torch.__version__},
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "in_process": summary("engine in-process", events, 1, marks),
+        "http": {},
+    }
 
     api.parse_json = recorded(events, "parse", api.parse_json)  # type: ignore[attr-defined]
     api.parse_frame = recorded(events, "parse", api.parse_frame)  # type: ignore[attr-defined]
@@ -261,14 +287,18 @@ def main(argv: list[str] | None = None) -> int:
     for hold in args.launch_hold_ms:
         print(f"== launch_hold_ms {hold:g}", flush=True)
         held = settings.model_copy(update={"launch_hold_ms": hold})
+        http = results["http"].setdefault(f"launch_hold_ms={hold:g}", {})
         with HttpServer(engine, held) as url:
             for name in args.clients:
                 frames, mode = CLIENTS[name]
                 bodies = http_bodies(samples, frames=frames)
                 events.clear()
                 seconds = http_seconds(url, bodies, args.reps, mode=mode, frames=frames)
-                summary(f"http {'frames' if frames else 'JSON'}, client {mode}", events, len(bodies), marks)
+                label = f"http {'frames' if frames else 'JSON'}, client {mode}"
+                http[name] = summary(label, events, len(bodies), marks) | {"client_round_ms": seconds * 1e3}
                 print(f"{'':28s} client round {seconds * 1e3:.1f} ms", flush=True)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -1,0 +1,26 @@
+"""CPU smoke test of the server-side timeline benchmark: a GRPO round in-process and over HTTP from
+the plain JSON client, each request's parse, the engine's launches and collections in the JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.overhead import main
+
+
+@pytest.mark.slow
+def test_a_grpo_round_in_process_and_over_plain_json(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--workload", "grpo-short", "--scale", "0.05"]
+    assert main([*argv, "--clients", "plain", "--reps", "1", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    inside = result["in_process"]
+    assert inside["micro_batches"] >= 1
+    assert inside["host_ms"] == 0  # no HTTP: nothing parsed, normalised or rendered
+    over = result["http"]["launch_hold_ms=25"]["plain"]
+    assert over["host_ms"] > 0  # the 8 requests' parse, normalise and render were timed
+    assert 0 < over["span_ms"] <= over["client_round_ms"]
+    assert sum(over["micro_batch_tokens"]) == sum(inside["micro_batch_tokens"])  # the round's tokens
