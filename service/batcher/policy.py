@@ -2,8 +2,11 @@
 micro-batch. Synchronous and clock-free; `runner.py` calls it and moves what it decides.
 
 - A micro-batch takes queued sequences in order while the tokens they compute fit the budget (at
-  least one). With prefix sharing on, a shared prefix counts once, and past the first sequence that
-  does not fit, up to `LOOKAHEAD` more are looked at for those that share a prefix with it and fit.
+  least one). With prefix sharing on, a shared prefix counts once; a sequence that opens a prefix
+  group (the sequences queued behind it that share its prefix: a GRPO request's samples) whose whole
+  does not fit what is left, but would fit a micro-batch alone, waits with its group for the next
+  one, rather than have the group's prefix computed twice. Past the first sequence that does not
+  fit, up to `LOOKAHEAD` more are looked at for those that share a prefix with it and fit.
 - A sequence longer than the budget is scored in chunks, one such sequence at a time: each
   micro-batch ends with its next chunk, in what the whole sequences leave of the budget (they take
   at most half of it while one is chunked). Batch-invariant mode takes the same micro-batches: its
@@ -29,7 +32,7 @@ from service.batcher.queue import Batch, Chunked, F, Pending, Request
 from service.engine.contract import SHAPE_STEP
 from service.errors import Overloaded, VersionMismatch
 from service.jobs import Chunk, SequenceJob
-from service.prefixes import Grouper
+from service.prefixes import Grouper, common_routed_prefix
 from service.settings import Settings
 
 LOOKAHEAD = 256  # queued sequences looked at, behind the first that does not fit, for prefix sharers
@@ -153,7 +156,8 @@ class Policy(Generic[F]):
                 continue
             if cost is None:
                 cost = grouper.cost(p.job.tokens, p.job.routes) if grouper is not None else p.job.num_tokens
-            if batch and tokens + cost > min(room, cap, _cap(p)):
+            limit = min(room, cap, _cap(p))
+            if batch and (tokens + cost > limit or self._would_split(p, cost, limit - tokens, limit)):
                 if grouper is None:
                     self._queue.appendleft(p)
                     break
@@ -169,6 +173,25 @@ class Policy(Generic[F]):
         self._queue.extendleft(reversed(skipped))
         taken.batch = self._with_chunk(batch, tokens, cap)
         return taken
+
+    def _would_split(self, p: Pending[F], cost: int, left: int, limit: int) -> bool:
+        """Whether p opens a prefix group that does not fit in the `left` tokens of the micro-batch
+        but would fit one of `limit` alone. Its group: the sequences queued right behind p that
+        share more with it (at least share_min tokens) than p shares with the micro-batch (a GRPO
+        request's samples). Taking only part of it would compute the group's prefix twice, once
+        here and once beside the rest of the group in the next micro-batch."""
+        if self.share_min is None:
+            return False
+        shared = p.job.num_tokens - cost  # what p shares with the micro-batch
+        group = cost
+        for q in itertools.islice(self._queue, LOOKAHEAD):
+            common = common_routed_prefix(p.job.tokens, q.job.tokens, p.job.routes, q.job.routes)
+            if common < max(self.share_min, shared + 1) or q.gone:
+                break
+            group += q.job.num_tokens - common
+            if group > limit:
+                return False
+        return left < group <= limit
 
     def split(self, batch: Batch[F]) -> list[Batch[F]]:
         """The parts to retry a micro-batch that ran out of memory as: its whole sequences apart from

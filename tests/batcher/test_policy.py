@@ -387,3 +387,31 @@ def test_prefixes_are_shared_in_batch_invariant_mode_too() -> None:
     """A shared prefix changes which rows run, not a row's bits (tests/test_invariant.py)."""
     assert sharing(Settings(batch_invariant=True, share_min_tokens=24)) == 24
     assert sharing(Settings(batch_invariant=True, share_prefixes=False)) is None
+
+
+def test_a_group_that_does_not_fit_whole_waits_for_the_next_micro_batch() -> None:
+    """Budget 100: group A computes 20 + 3 x 10 = 50; group B's first sample (40 + 10) fits beside
+    it, but B as a whole (40 + 3 x 10 = 70) does not, and would fit alone: B waits whole rather than
+    have its prompt computed in both micro-batches (50 + 50, then 40 + 2 x 10: 160 tokens)."""
+    policy: Policy[Answer] = Policy(100, SERVING, share_min_tokens=16)
+    submit(policy, [grouped(10, 1000 + 100 * i, prompt=20) for i in range(3)])
+    b = [grouped(10, 5000 + 100 * i, prompt=40) for i in range(3)]
+    for j in b:
+        j.tokens[:40] += 500  # B's own prompt, sharing nothing with A's
+    submit(policy, b)
+    first, second = take(policy), take(policy)
+    assert (len(first.pending), first.tokens) == (3, 50)
+    assert (len(second.pending), second.tokens) == (3, 70)
+    assert policy.queued_tokens == 0
+
+
+def test_a_group_larger_than_the_budget_still_fills_what_is_left() -> None:
+    """A group that fits no micro-batch whole is split wherever it is: waiting would gain nothing."""
+    policy: Policy[Answer] = Policy(100, SERVING, share_min_tokens=16)
+    submit(policy, [grouped(10, 1000, prompt=20)])
+    b = [grouped(10, 5000 + 100 * i, prompt=40) for i in range(8)]  # 40 + 8 x 10 = 120 > 100
+    for j in b:
+        j.tokens[:40] += 500
+    submit(policy, b)
+    first = take(policy)
+    assert (len(first.pending), first.tokens) == (1 + 3, 30 + 40 + 3 * 10)
