@@ -18,7 +18,9 @@ round (and the connections) comes first.
   about 1 ms of the client's loop per concurrent request (service/client/transport.py).
 - `plain`: what a trainer that does not use logprobd's client writes: a default `httpx.AsyncClient()`
   (httpcore's pool), each body posted with `json=` (the standard library's json.dumps, inside the
-  round) and each answer read with `response.json()` (json.loads); JSON bodies only.
+  round) and each answer read with `response.json()` (json.loads); JSON bodies only. `--timeline
+  PATH` writes when each round's requests were posted, read and parsed (benchmarks.overhead lays
+  them beside the server's events).
 - `load`: continuous load (`poisson_load`): N tasks on one asyncio loop (logprobd's StreamTransport,
   one connection each), each sending bodies at the instants of a Poisson process of rate R / N, so
   the arrivals of all tasks are a Poisson process of rate R; a task whose previous request is still
@@ -128,22 +130,33 @@ async def _round(client: httpx.AsyncClient, bodies: list[bytes], frames: bool) -
     return time.perf_counter() - start
 
 
-async def _plain_round(client: httpx.AsyncClient, bodies: list[Any]) -> float:
+Timeline = list[dict[str, Any]]  # per round: its start and end, and per request when it was posted,
+# when its answer was read and when parsed (time.perf_counter, the server's clock too)
+
+
+async def _plain_round(client: httpx.AsyncClient, bodies: list[Any], timeline: Timeline) -> float:
+    requests: list[tuple[float, float, float]] = []
+
     async def one(body: Any) -> None:
+        posted = time.perf_counter()
         r = await client.post("/logprobs", json=body)
+        read = time.perf_counter()
         r.raise_for_status()
         r.json()
+        requests.append((posted, read, time.perf_counter()))
 
     start = time.perf_counter()
     await asyncio.gather(*(one(b) for b in bodies))
-    return time.perf_counter() - start
+    end = time.perf_counter()
+    timeline.append({"start": start, "end": end, "requests": requests})
+    return end - start
 
 
-async def _in_plain(url: str, bodies: list[bytes], reps: int) -> list[float]:
+async def _in_plain(url: str, bodies: list[bytes], reps: int, timeline: Timeline) -> list[float]:
     objects = [json.loads(b) for b in bodies]  # the trainer's dicts of lists, built before the round
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:  # only the timeout is not default
-        await _plain_round(client, objects)
-        return [await _plain_round(client, objects) for _ in range(reps)]
+        await _plain_round(client, objects, [])
+        return [await _plain_round(client, objects, timeline) for _ in range(reps)]
 
 
 async def _in_asyncio(
@@ -212,6 +225,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, help="load: how long arrivals go on")
     parser.add_argument("--tasks", type=int, help="load: client tasks (one connection each)")
     parser.add_argument("--seed", type=int, default=0, help="load: of the arrival times and bodies")
+    parser.add_argument("--timeline", type=Path, help="plain: each round's request times, as JSON")
     args = parser.parse_args(argv)
     bodies = read_bodies(args.bodies)
     if args.mode == "load":
@@ -225,7 +239,10 @@ def main(argv: list[str]) -> int:
     if args.mode == "processes":
         seconds = in_processes(args.url, bodies, args.reps, args.frames)
     elif args.mode == "plain":
-        seconds = asyncio.run(_in_plain(args.url, bodies, args.reps))
+        timeline: Timeline = []
+        seconds = asyncio.run(_in_plain(args.url, bodies, args.reps, timeline))
+        if args.timeline is not None:
+            args.timeline.write_text(json.dumps(timeline))
     else:
         transport = StreamTransport(max_connections=len(bodies)) if args.mode == "asyncio" else None
         seconds = asyncio.run(_in_asyncio(args.url, bodies, args.reps, args.frames, transport))

@@ -184,6 +184,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         max_batch_tokens=args.max_batch_tokens,
         cuda_graphs=args.cuda_graphs,
         launch_hold_ms=args.launch_hold_ms,
+        batch_wait_ms=args.batch_wait_ms,
         share_min_tokens=args.share_min_tokens,
     )
     backend = choose_backend(args.attention, device)
@@ -213,19 +214,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
 
     # the peers and the float32 reference first, on the plain HF model (the engine fuses weights)
     model.set_attn_implementation("sdpa")
-    want: dict[str, list[np.ndarray]] = {}
-    for w, samples in workloads.items():
-        naive_scores = peers.naive(model, samples[:ACCURACY_SAMPLE], device)
-        naive = naive_variant(model, samples, device, args.reps)
-        record(w, "naive", naive["seconds"], naive["peak_memory_gib"], rows=naive["rows"])
-        results[w]["naive_scores"] = naive_scores
-    model.float()  # bf16 -> fp32 -> bf16 is exact
-    for w, samples in workloads.items():
-        want[w] = reference_logprobs(model, samples[:ACCURACY_SAMPLE], device)
-        naive_variant_result = results[w]["variants"]["naive"]
-        naive_variant_result["max_abs_diff_vs_float32"] = max_abs_diff(
-            results[w].pop("naive_scores"), want[w]
-        )
+    want = naive_and_reference(model, workloads, results, args, device, record)
     for p in model.parameters():  # parameters only: buffers such as RoPE's inv_freq stay float32
         p.data = p.data.to(dtype)
     if device.type == "cuda":
@@ -236,6 +225,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
 
     frames, mode = args.client == "frames", CLIENTS[args.client]
     for variant, share in SHARING.items():  # one engine; each server's batcher reads share_prefixes
+        if variant not in args.variants:
+            continue
         served = Settings(**{**settings.model_dump(), "share_prefixes": share})
         with HttpServer(engine, served) as url:
             for w, samples in workloads.items():
@@ -267,8 +258,10 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
                     )
     for r in results.values():
         v = r["variants"]
-        r["speedup_sharing"] = v["sharing_off"]["ms"] / v["sharing_on"]["ms"]
-        r["speedup_vs_naive"] = v["naive"]["ms"] / v["sharing_on"]["ms"]
+        if "sharing_off" in v and "sharing_on" in v:
+            r["speedup_sharing"] = v["sharing_off"]["ms"] / v["sharing_on"]["ms"]
+        if "naive" in v and "sharing_on" in v:
+            r["speedup_vs_naive"] = v["naive"]["ms"] / v["sharing_on"]["ms"]
     return {
         "client": args.client,
         "attention": engine.info.attention_backend,
@@ -276,6 +269,38 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         "kernels": engine.info.kernels,
         "workloads": results,
     }
+
+
+Record = Callable[..., None]
+
+
+def naive_and_reference(  # noqa: PLR0917
+    model: Any,
+    workloads: dict[str, list[Sample]],
+    results: dict[str, dict[str, Any]],
+    args: argparse.Namespace,
+    device: torch.device,
+    record: Record,
+) -> dict[str, list[np.ndarray]]:
+    """The naive peer's rounds (where --variants asks for them) on the model as loaded, then the float32
+    reference's log-probs of each workload's first samples (the model cast to float32 and left so)."""
+    want: dict[str, list[np.ndarray]] = {}
+    for w, samples in workloads.items():
+        if "naive" not in args.variants:
+            continue
+        naive_scores = peers.naive(model, samples[:ACCURACY_SAMPLE], device)
+        naive = naive_variant(model, samples, device, args.reps)
+        record(w, "naive", naive["seconds"], naive["peak_memory_gib"], rows=naive["rows"])
+        results[w]["naive_scores"] = naive_scores
+    model.float()  # bf16 -> fp32 -> bf16 is exact
+    for w, samples in workloads.items():
+        want[w] = reference_logprobs(model, samples[:ACCURACY_SAMPLE], device)
+        if "naive" in args.variants:
+            naive_variant_result = results[w]["variants"]["naive"]
+            naive_variant_result["max_abs_diff_vs_float32"] = max_abs_diff(
+                results[w].pop("naive_scores"), want[w]
+            )
+    return want
 
 
 def table(results: dict[str, Any]) -> str:
@@ -306,7 +331,11 @@ def table(results: dict[str, Any]) -> str:
     ]
     for name, m in results["models"].items():
         for w, r in m["workloads"].items():
-            lines.append(f"| {name} | {w} | {r['speedup_sharing']:.2f}x | {r['speedup_vs_naive']:.2f}x |")
+            on_off, vs_naive = r.get("speedup_sharing"), r.get("speedup_vs_naive")
+            lines.append(
+                f"| {name} | {w} | {'n/a' if on_off is None else f'{on_off:.2f}x'} | "
+                f"{'n/a' if vs_naive is None else f'{vs_naive:.2f}x'} |"
+            )
     lines += [
         "",
         "| model | workload | JSON bytes (rows in full / grouped) | frames bytes (rows in full / grouped) |",
@@ -332,8 +361,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=["naive", *SHARING],
+        default=["naive", *SHARING],
+        help="which to run (sharing_on also runs the grouped form)",
+    )
     parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
     parser.add_argument("--launch-hold-ms", type=float, default=Settings().launch_hold_ms)
+    parser.add_argument("--batch-wait-ms", type=float, default=Settings().batch_wait_ms)
     parser.add_argument("--share-min-tokens", type=int, default=Settings().share_min_tokens)
     parser.add_argument(
         "--client",

@@ -14,8 +14,8 @@ collection the last answer was rendered, the span, and when each micro-batch's s
 collected (from the first request's arrival); on CUDA, from events recorded on the engine's stream
 around each launch, the device's time on each micro-batch (longer than in-process when the host
 launches its kernels slower than the device runs them) and its idle time before each one.
-`--switch-interval` sets sys.setswitchinterval in the server's process; `--launch-hold-ms` runs the
-HTTP variants once per value of the setting, on the same engine.
+`--switch-interval` sets sys.setswitchinterval in the server's process; `--launch-hold-ms` and
+`--batch-wait-ms` run the HTTP variants once per pair of the settings' values, on the same engine.
 
 `--workload`: the standard workload (8 requests of an eighth of its sequences) or a GRPO one
 (benchmarks.grpo's: one request per group; in-process, the 8 groups as 8 requests at once too).
@@ -33,6 +33,7 @@ import itertools
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -209,6 +210,49 @@ def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | N
     return out
 
 
+def client_side(label: str, timeline: list[dict[str, Any]], events: list[Event]) -> dict[str, float]:
+    """Where the plain client's rounds (client.py's --timeline) go outside the server's span: from the
+    round's start to the first body parsed at the server, and from the last answer rendered to the
+    round's end, with the client's own steps (posting the bodies: json.dumps; parsing the last
+    answer: json.loads). Medians, ms; print them under `label`."""
+    rows = []
+    for r in timeline:
+        inside = [e for e in events if r["start"] <= e[1] <= r["end"]]
+        parses = [e[1] for e in inside if e[0] == "parse"]
+        renders = [e[2] for e in inside if e[0] == "render"]
+        if not parses or not renders:
+            continue
+        posted = sorted(q[0] for q in r["requests"])
+        last = max(r["requests"], key=lambda q: q[2])
+        rows.append(
+            (
+                (min(parses) - r["start"]) * 1e3,
+                (posted[-1] - posted[0]) * 1e3,
+                (r["end"] - max(renders)) * 1e3,
+                (last[1] - max(renders)) * 1e3,
+                (last[2] - last[1]) * 1e3,
+            )
+        )
+    names = (
+        "to_first_parse_ms",
+        "posting_ms",
+        "after_last_render_ms",
+        "last_read_after_render_ms",
+        "last_parse_ms",
+    )
+    if not rows:
+        return {}
+    med = dict(zip(names, (statistics.median(x[i] for x in rows) for i in range(len(names))), strict=True))
+    print(
+        f"{label:28s} client: round start to the first body parsed {med['to_first_parse_ms']:.2f} ms "
+        f"(posting all {med['posting_ms']:.2f} ms) | last answer rendered to round end "
+        f"{med['after_last_render_ms']:.2f} ms (read after {med['last_read_after_render_ms']:.2f}, "
+        f"parsed in {med['last_parse_ms']:.2f})",
+        flush=True,
+    )
+    return med
+
+
 def in_process(
     engine: PackedScorer, settings: Settings, requests: list[list[SequenceJob]], reps: int
 ) -> None:
@@ -237,6 +281,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--launch-hold-ms", type=float, nargs="+", default=[Settings().launch_hold_ms])
+    parser.add_argument("--batch-wait-ms", type=float, nargs="+", default=[Settings().batch_wait_ms])
     parser.add_argument("--workload", choices=list(WORKLOADS), default="standard")
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
     every = ["frames", "frames-httpcore", "json", "processes"]
@@ -284,19 +329,26 @@ def main(argv: list[str] | None = None) -> int:
     api.normalise = recorded(events, "normalise", api.normalise)  # type: ignore[attr-defined]
     api.to_json = recorded(events, "render", api.to_json)  # type: ignore[attr-defined]
     api.to_frame = recorded(events, "render", api.to_frame)  # type: ignore[attr-defined]
-    for hold in args.launch_hold_ms:
-        print(f"== launch_hold_ms {hold:g}", flush=True)
-        held = settings.model_copy(update={"launch_hold_ms": hold})
-        http = results["http"].setdefault(f"launch_hold_ms={hold:g}", {})
+    for hold, wait in itertools.product(args.launch_hold_ms, args.batch_wait_ms):
+        named = f"launch_hold_ms={hold:g}" + (
+            "" if len(args.batch_wait_ms) == 1 else f",batch_wait_ms={wait:g}"
+        )
+        print(f"== {named}", flush=True)
+        held = settings.model_copy(update={"launch_hold_ms": hold, "batch_wait_ms": wait})
+        http = results["http"].setdefault(named, {})
         with HttpServer(engine, held) as url:
             for name in args.clients:
                 frames, mode = CLIENTS[name]
                 bodies = http_bodies(samples, frames=frames)
                 events.clear()
-                seconds = http_seconds(url, bodies, args.reps, mode=mode, frames=frames)
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = Path(tmp) / "timeline.json" if mode == "plain" else None
+                    seconds = http_seconds(url, bodies, args.reps, mode=mode, frames=frames, timeline=path)
+                    timeline = json.loads(path.read_text()) if path is not None else []
                 label = f"http {'frames' if frames else 'JSON'}, client {mode}"
                 http[name] = summary(label, events, len(bodies), marks) | {"client_round_ms": seconds * 1e3}
                 print(f"{'':28s} client round {seconds * 1e3:.1f} ms", flush=True)
+                http[name] |= client_side("", timeline, events)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=1))
     return 0

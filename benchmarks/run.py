@@ -179,10 +179,16 @@ def http_bodies(
 
 
 def http_seconds(
-    url: str, bodies: list[bytes], reps: int, mode: str = "asyncio", frames: bool = True
+    url: str,
+    bodies: list[bytes],
+    reps: int,
+    mode: str = "asyncio",
+    frames: bool = True,
+    *,
+    timeline: Path | None = None,
 ) -> float:
     """Median wall seconds of all bodies sent at once, by clients in other processes (client.py)."""
-    return statistics.median(http_rounds(url, bodies, reps, mode, frames))
+    return statistics.median(http_rounds(url, bodies, reps, mode, frames, timeline=timeline))
 
 
 def histogram_totals(url: str, name: str) -> tuple[float, float]:
@@ -202,13 +208,22 @@ def batch_counts(url: str) -> tuple[float, float]:
 
 
 def http_rounds(
-    url: str, bodies: list[bytes], reps: int, mode: str = "asyncio", frames: bool = True
+    url: str,
+    bodies: list[bytes],
+    reps: int,
+    mode: str = "asyncio",
+    frames: bool = True,
+    *,
+    timeline: Path | None = None,
 ) -> list[float]:
-    """Wall seconds of each round of all bodies sent at once (after a warm-up round)."""
+    """Wall seconds of each round of all bodies sent at once (after a warm-up round); with `timeline`
+    (the plain client), its requests' times written there (client.py's --timeline)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bodies.bin"
         write_bodies(path, bodies)
         cmd = [sys.executable, "-m", "benchmarks.client", url, str(path), str(reps), "--mode", mode]
+        if timeline is not None:
+            cmd += ["--timeline", str(timeline)]
         out = subprocess.run(
             [*cmd, "--frames"] if frames else cmd, capture_output=True, text=True, check=True
         )
@@ -299,6 +314,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         kernels=args.kernels,
         cuda_graphs=args.cuda_graphs,
         launch_hold_ms=args.launch_hold_ms,
+        batch_wait_ms=args.batch_wait_ms,
         batch_invariant=args.batch_invariant,
     )
     backend = choose_backend(args.attention, device)
@@ -530,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
     parser.add_argument("--launch-hold-ms", type=float, default=Settings().launch_hold_ms)
+    parser.add_argument("--batch-wait-ms", type=float, default=Settings().batch_wait_ms)
     parser.add_argument("--load-seconds", type=float, default=60.0, help="the load's duration")
     parser.add_argument("--load-fraction", type=float, default=0.8, help="offered load / http tokens/s")
     parser.add_argument("--load-rate", type=float, help="offered requests/s (instead of --load-fraction)")

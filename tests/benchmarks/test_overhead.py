@@ -24,3 +24,8 @@ def test_a_grpo_round_in_process_and_over_plain_json(tmp_path: Path) -> None:
     assert over["host_ms"] > 0  # the 8 requests' parse, normalise and render were timed
     assert 0 < over["span_ms"] <= over["client_round_ms"]
     assert sum(over["micro_batch_tokens"]) == sum(inside["micro_batch_tokens"])  # the round's tokens
+    # the plain client's timeline: its bodies reach the server after the round starts, and the round
+    # ends after the last answer is rendered, read and parsed
+    assert over["to_first_parse_ms"] > 0
+    assert over["posting_ms"] >= 0
+    assert over["after_last_render_ms"] >= over["last_read_after_render_ms"] > 0
