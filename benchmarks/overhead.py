@@ -41,7 +41,7 @@ from typing import Any, get_args
 
 import torch
 
-from benchmarks.run import HttpServer, build_model, http_bodies, http_seconds
+from benchmarks.run import HttpServer, build_model, http_bodies, http_rounds
 from benchmarks.workload import SHAPES, Sample, grpo_long, grpo_short, jobs, workload
 from service import api
 from service.batcher import Batcher
@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                 events.clear()
                 with tempfile.TemporaryDirectory() as tmp:
                     path = Path(tmp) / "timeline.json" if mode == "plain" else None
-                    seconds = http_seconds(url, bodies, args.reps, mode=mode, frames=frames, timeline=path)
+                    rounds_s = http_rounds(url, bodies, args.reps, mode, frames, timeline=path)
+                    seconds = statistics.median(rounds_s)
                     timeline = json.loads(path.read_text()) if path is not None else []
                 label = f"http {'frames' if frames else 'JSON'}, client {mode}"
                 http[name] = summary(label, events, len(bodies), marks) | {"client_round_ms": seconds * 1e3}

@@ -179,16 +179,10 @@ def http_bodies(
 
 
 def http_seconds(
-    url: str,
-    bodies: list[bytes],
-    reps: int,
-    mode: str = "asyncio",
-    frames: bool = True,
-    *,
-    timeline: Path | None = None,
+    url: str, bodies: list[bytes], reps: int, mode: str = "asyncio", frames: bool = True
 ) -> float:
     """Median wall seconds of all bodies sent at once, by clients in other processes (client.py)."""
-    return statistics.median(http_rounds(url, bodies, reps, mode, frames, timeline=timeline))
+    return statistics.median(http_rounds(url, bodies, reps, mode, frames))
 
 
 def histogram_totals(url: str, name: str) -> tuple[float, float]:
