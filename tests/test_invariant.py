@@ -102,7 +102,10 @@ def _engine(path: Path, dtype: str, **extra: Any) -> tuple[PackedScorer, Setting
     engine.warm_up()
     assert engine.info.batch_invariant
     if not ON_CPU and dtype != "float32" and quack_available(torch.device(DEVICE)):
-        assert engine.info.gemm == "fixed-tiles-quack"  # one call per GEMM, no padding to 1024 rows
+        # one call per GEMM, no padding to 1024 rows, where the fused decoder runs every GEMM over
+        # tokens; transformers' own forward (gemma2, phi3, a `/transformers` MoE) keeps 1024-row calls
+        fused = engine.info.decoder == "fused"
+        assert engine.info.gemm == ("fixed-tiles-quack" if fused else "fixed-rows-1024")
     return engine, settings
 
 

@@ -51,6 +51,43 @@ def test_a_kernel_that_fails_its_probe_leaves_fixed_rows_with_a_warning(
     assert "GEMMs run in calls of 1024 rows instead" in caplog.text
 
 
+def _quack_like(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    add_to_output: bool = False,
+    config: object = None,
+) -> None:
+    """quack's gemm as far as these tests need: it refuses rows that are not 16-byte aligned (its TMA
+    does, at compile time), and computes each row alone (row-invariant, as quack at one configuration)."""
+    for m in (a, b.t(), out):
+        if (m.shape[1] * m.element_size()) % 16 or (m.stride(0) * m.element_size()) % 16:
+            raise ValueError("Invalid mD.strides[0]")
+    for i in range(a.shape[0]):
+        row = a[i : i + 1] @ b + (0 if bias is None else bias)
+        out[i : i + 1] = out[i : i + 1] + row if add_to_output else row
+
+
+def test_gemms_quack_cannot_align_run_in_calls_of_one_shape() -> None:
+    """A router over 60 experts, a one-column gate: rows 120 and 2 bytes wide, which quack refuses.
+    They run in padded calls of FALLBACK_ROWS rows; the probe's cut rows keep their bits."""
+    tiles = fixed_tile.QuackTiles(_quack_like, None)
+    fixed_tile.probe(tiles, CPU, torch.float32)  # widths 384 (quack), 60 and 1 (the fallback)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2100, 64, generator=gen)
+    for width in (60, 1):
+        weight = torch.randn(width, 64, generator=gen)
+        whole = tiles.linear(x, weight, None)
+        torch.testing.assert_close(whole, F.linear(x, weight))
+        for start, end in ((0, 1), (5, 1030), (1024, 2100)):
+            assert torch.equal(tiles.linear(x[start:end], weight, None), whole[start:end]), (width, start)
+        summed = torch.ones(2100, width)
+        tiles.accumulate(summed, x, weight)
+        torch.testing.assert_close(summed, 1 + F.linear(x, weight))
+
+
 needs_quack = pytest.mark.skipif(
     not (torch.cuda.is_available() and gated.quack_available(torch.device("cuda"))),
     reason="needs quack-kernels and a CUDA device of compute capability 9.0+",
