@@ -210,11 +210,11 @@ def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | N
     return out
 
 
-def client_side(label: str, timeline: list[dict[str, Any]], events: list[Event]) -> dict[str, float]:
+def client_side(timeline: list[dict[str, Any]], events: list[Event]) -> dict[str, float]:
     """Where the plain client's rounds (client.py's --timeline) go outside the server's span: from the
     round's start to the first body parsed at the server, and from the last answer rendered to the
     round's end, with the client's own steps (posting the bodies: json.dumps; parsing the last
-    answer: json.loads). Medians, ms; print them under `label`."""
+    answer: json.loads). Medians, ms; printed under the variant's lines."""
     rows = []
     for r in timeline:
         inside = [e for e in events if r["start"] <= e[1] <= r["end"]]
@@ -222,12 +222,12 @@ def client_side(label: str, timeline: list[dict[str, Any]], events: list[Event])
         renders = [e[2] for e in inside if e[0] == "render"]
         if not parses or not renders:
             continue
-        posted = sorted(q[0] for q in r["requests"])
+        posted = [q[0] for q in r["requests"]]
         last = max(r["requests"], key=lambda q: q[2])
         rows.append(
             (
                 (min(parses) - r["start"]) * 1e3,
-                (posted[-1] - posted[0]) * 1e3,
+                (max(posted) - min(posted)) * 1e3,
                 (r["end"] - max(renders)) * 1e3,
                 (last[1] - max(renders)) * 1e3,
                 (last[2] - last[1]) * 1e3,
@@ -244,7 +244,7 @@ def client_side(label: str, timeline: list[dict[str, Any]], events: list[Event])
         return {}
     med = dict(zip(names, (statistics.median(x[i] for x in rows) for i in range(len(names))), strict=True))
     print(
-        f"{label:28s} client: round start to the first body parsed {med['to_first_parse_ms']:.2f} ms "
+        f"{'':28s} client: round start to the first body parsed {med['to_first_parse_ms']:.2f} ms "
         f"(posting all {med['posting_ms']:.2f} ms) | last answer rendered to round end "
         f"{med['after_last_render_ms']:.2f} ms (read after {med['last_read_after_render_ms']:.2f}, "
         f"parsed in {med['last_parse_ms']:.2f})",
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 label = f"http {'frames' if frames else 'JSON'}, client {mode}"
                 http[name] = summary(label, events, len(bodies), marks) | {"client_round_ms": seconds * 1e3}
                 print(f"{'':28s} client round {seconds * 1e3:.1f} ms", flush=True)
-                http[name] |= client_side("", timeline, events)
+                http[name] |= client_side(timeline, events)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=1))
     return 0

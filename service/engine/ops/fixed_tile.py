@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from service.engine.ops.gate_up import quack_available
 from service.engine.runtime.packages import FAST_DTYPES
-from service.engine.strategies.gemm import TileKernel
+from service.engine.strategies.gemm import TileKernel, padded_blocks
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class QuackTiles:
         if not x.shape[0]:
             return out
         if not _aligned(x, weight, out):
-            return torch.cat([F.linear(block, weight, bias) for block in _blocks(x)])[: x.shape[0]]
+            blocks = padded_blocks(x, FALLBACK_ROWS)
+            return torch.cat([F.linear(block, weight, bias) for block in blocks])[: x.shape[0]]
         self.gemm(x, weight.t(), out, bias=bias, config=self.config)
         return out
 
@@ -63,7 +64,8 @@ class QuackTiles:
         if not x.shape[0]:
             return
         if not _aligned(a, weight, x):
-            for i, (xb, ab) in enumerate(zip(_blocks(x), _blocks(a), strict=True)):
+            pairs = zip(padded_blocks(x, FALLBACK_ROWS), padded_blocks(a, FALLBACK_ROWS), strict=True)
+            for i, (xb, ab) in enumerate(pairs):
                 start = i * FALLBACK_ROWS
                 end = min(start + FALLBACK_ROWS, x.shape[0])
                 x[start:end] = torch.addmm(xb, ab, weight.t())[: end - start]  # one rounding
@@ -81,17 +83,6 @@ def _aligned(*matrices: torch.Tensor) -> bool:
         and m.data_ptr() % 16 == 0
         for m in matrices
     )
-
-
-def _blocks(x: torch.Tensor) -> list[torch.Tensor]:
-    """x [N, C] in blocks of FALLBACK_ROWS rows, the last zero-padded to as many."""
-    blocks = []
-    for start in range(0, x.shape[0], FALLBACK_ROWS):
-        block = x[start : start + FALLBACK_ROWS]
-        if block.shape[0] < FALLBACK_ROWS:
-            block = torch.cat([block, block.new_zeros((FALLBACK_ROWS - block.shape[0], x.shape[1]))])
-        blocks.append(block)
-    return blocks
 
 
 def quack_tiles(device: torch.device) -> QuackTiles:

@@ -46,6 +46,7 @@ __all__ = [
     "TileKernel",
     "TokenGemms",
     "choose",
+    "padded_blocks",
 ]
 
 
@@ -187,13 +188,7 @@ class FixedTiles:
         n = x.shape[0]
         if fixed_tile or n == 0:
             return fn(x)
-        outs = []
-        for start in range(0, n, self.rows):
-            block = x[start : start + self.rows]
-            if block.shape[0] < self.rows:
-                block = torch.cat([block, block.new_zeros((self.rows - block.shape[0], *x.shape[1:]))])
-            outs.append(fn(block))
-        return torch.cat(outs)[:n]
+        return torch.cat([fn(block) for block in padded_blocks(x, self.rows)])[:n]
 
     def whole_calls(self, tokens: int) -> int:
         return tokens
@@ -206,6 +201,17 @@ class FixedTiles:
 
 TokenGemms = OneCall | FixedRows | FixedTiles
 ONE_CALL = OneCall()
+
+
+def padded_blocks(x: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    """x [N, ...] in blocks of `rows` rows, the last zero-padded to as many: calls of one shape."""
+    blocks = []
+    for start in range(0, x.shape[0], rows):
+        block = x[start : start + rows]
+        if block.shape[0] < rows:
+            block = torch.cat([block, block.new_zeros((rows - block.shape[0], *x.shape[1:]))])
+        blocks.append(block)
+    return blocks
 
 
 def choose(batch_invariant: bool, tiles: TileKernel | None = None) -> TokenGemms:
