@@ -175,6 +175,7 @@ def build_router(state: ServiceState) -> APIRouter:
             decoder=i.decoder,
             kernels=i.kernels,
             moe_kernel=i.moe_kernel,
+            head_kernel=i.head_kernel,
             vocab_size=i.vocab_size,
             max_positions=i.max_positions,
             max_sequence_tokens=i.max_sequence_tokens or i.max_positions,

@@ -446,6 +446,12 @@ class Info(BaseModel):
         'every expert at once), "loop" (one GEMM per expert) or "none" (no sparse layer runs fused: a dense '
         "model, or the transformers decoder)."
     )
+    head_kernel: str = Field(
+        "chunked",
+        description='The policy\'s lm_head on calls that ask for log-probs alone: "quack" (one GEMM whose '
+        'epilogue keeps each row\'s log-sum-exp and target logit; no logits written) or "chunked" (the GEMM '
+        "over chunks of rows, then the log-softmax; every call asking more runs it too).",
+    )
     vocab_size: int
     max_positions: int = Field(description="Positions the model covers, with its rope scaling (422 past it).")
     max_sequence_tokens: int = Field(

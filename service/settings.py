@@ -19,6 +19,7 @@ from service.engine.config import (
     Device,
     DType,
     EngineConfig,
+    HeadKernel,
     Kernels,
     LogLevel,
     MlpKernel,
@@ -38,6 +39,7 @@ __all__ = [
     "Decoder",
     "Device",
     "EngineConfig",
+    "HeadKernel",
     "Kernels",
     "LogLevel",
     "MlpKernel",
@@ -104,6 +106,15 @@ class Settings(BaseSettings):
         "grouped GEMM over every expert at once; neither loops over experts or synchronises with the host. "
         "loop: one GEMM per expert. auto: on cuda the first of quack and grouped_mm that passes a start-up "
         "probe (otherwise loop, with a warning), loop elsewhere.",
+    )
+    head_kernel: HeadKernel = Field(
+        "auto",
+        description="The lm_head on calls that ask for log-probs alone (no entropy, top-K or other extras). "
+        "quack: one quack-kernels GEMM whose epilogue keeps each row's log-sum-exp and target logit, so "
+        "no logits are written (CUDA compute capability 9.0, bf16/fp16, a head without bias or soft-capping; "
+        "not in batch-invariant mode); chunked: the GEMM over chunks of logits_chunk_rows rows, then the "
+        "log-softmax; auto: quack where it can run and passes a start-up probe (not with kernels=none), "
+        "chunked elsewhere. Every other call runs chunked.",
     )
     cuda_graphs: CudaGraphs = Field(
         "auto",

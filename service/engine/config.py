@@ -17,6 +17,7 @@ Attention = Literal["auto", "flash_attn_cute", "flash_attn", "torch_varlen", "sd
 Kernels = Literal["auto", "liger", "none"]
 MlpKernel = Literal["auto", "split", "quack"]
 MoeKernel = Literal["auto", "quack", "grouped_mm", "loop"]
+HeadKernel = Literal["auto", "chunked", "quack"]
 CudaGraphs = Literal["auto", "on", "off"]
 DecoderSetting = Literal["auto", "fused", "transformers"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -42,6 +43,7 @@ class EngineConfig:
     kernels: Kernels
     mlp_kernel: MlpKernel
     moe_kernel: MoeKernel
+    head_kernel: HeadKernel
     mlp_chunk_tokens: int | None  # None: auto
     logits_chunk_rows: int
     cuda_graphs: CudaGraphs

@@ -63,6 +63,7 @@ class EngineInfo:
     batch_invariant: bool = False  # scores bitwise independent of the batch (strategies/gemm.py)
     gemm: str = "one-call"  # how GEMMs over tokens run: one-call | fixed-rows-1024 | fixed-tiles-quack
     moe_kernel: str = "none"  # the fused decoder's experts: grouped_mm | loop; none: no sparse layer fused
+    head_kernel: str = "chunked"  # the policy's head on log-prob-only calls: quack | chunked
     tensor_parallel_size: int = 1  # ranks (GPUs) each model is sharded over
     moe: MoeShape | None = None  # the policy's sparse layers; None: a dense policy
 

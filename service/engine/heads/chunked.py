@@ -59,7 +59,7 @@ def score_actions(
     rows = hidden.shape[0]
     logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
     entropy = torch.empty_like(logprobs) if want_entropy else None
-    multiplier = _row_multiplier(inv_temperature, transform.scale, rows, hidden.device) if fused else None
+    multiplier = row_multiplier(inv_temperature, transform.scale, rows, hidden.device) if fused else None
     parts: list[ExtraScores] = []
     radix: extras_radix.Collector | None = None
     draws: _Draws | None = None
@@ -192,7 +192,7 @@ def from_float_copy(  # noqa: PLR0917
     return out
 
 
-def _row_multiplier(
+def row_multiplier(
     inv_temperature: torch.Tensor | None, scale: float, rows: int, device: torch.device
 ) -> torch.Tensor | None:
     """s of each row for the fused kernel: 1 / T times the logit scale; None when every s is 1."""

@@ -28,7 +28,7 @@ from service.engine.contract import (
 from service.engine.decoder import graphs
 from service.engine.decoder.contract import Decoder
 from service.engine.decoder.mlp_chunks import chunk_mlps, resolve_tokens
-from service.engine.heads import vocab_parallel
+from service.engine.heads import quack_head, vocab_parallel
 from service.engine.loading.critic import Critic
 from service.engine.loading.models import LoadedModel, text_part
 from service.engine.moe import layer as moe
@@ -210,10 +210,22 @@ def serve(  # noqa: PLR0917
         for model in (loaded.model, reference.model if reference is not None else None):
             if model is not None:
                 gemm.patch(model.get_output_embeddings())
-    served = Served(CausalLM(loaded.model, policy_forward, chunk_rows))
+    head_kernel = (
+        "chunked" if config.head_kernel == "auto" and config.kernels == "none" else config.head_kernel
+    )
+
+    def fused_head(model: Any) -> quack_head.QuackHead | None:
+        return quack_head.choose(
+            head_kernel, model.get_output_embeddings(), device, batch_invariant=config.batch_invariant
+        )
+
+    served = Served(CausalLM(loaded.model, policy_forward, chunk_rows, fused_head(loaded.model)))
     if reference is not None:
         served.reference = CausalLM(
-            reference.model, forward(reference.model, reference.model.base_model)[0], chunk_rows
+            reference.model,
+            forward(reference.model, reference.model.base_model)[0],
+            chunk_rows,
+            fused_head(reference.model),
         )
         if served.reference.vocab_size != served.policy.vocab_size:
             raise ValueError(
@@ -256,6 +268,7 @@ def describe(  # noqa: PLR0917
         decoder=served.policy.forward.kind,
         kernels=kernels,
         moe_kernel=moe_kernel_name(served.policy.forward),
+        head_kernel="chunked" if served.policy.fused_head is None else served.policy.fused_head.name,
         vocab_size=vocab,
         max_positions=max_positions(text_part(model_config)),
         batch_invariant=config.batch_invariant,

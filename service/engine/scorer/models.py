@@ -17,16 +17,20 @@ from service.engine.contract import (
 )
 from service.engine.decoder.contract import Decoder
 from service.engine.heads import vocab_parallel
-from service.engine.heads.chunked import score_actions
+from service.engine.heads.chunked import row_multiplier, score_actions
 from service.engine.heads.contract import ActionScores, LogitTransform, ScoreActions
+from service.engine.heads.quack_head import QuackHead
 from service.engine.loading.critic import Critic
 from service.engine.strategies.gemm import TokenGemms
 
 
 class CausalLM:
-    """A causal LM split into its decoder and its head, so the head runs on action rows only."""
+    """A causal LM split into its decoder and its head, so the head runs on action rows only.
+    `fused_head`: the head's GEMM and log-softmax in one kernel, for the calls it serves."""
 
-    def __init__(self, model: Any, forward: Decoder, chunk_rows: int) -> None:
+    def __init__(
+        self, model: Any, forward: Decoder, chunk_rows: int, fused_head: QuackHead | None = None
+    ) -> None:
         self.model = model
         self.forward = forward  # over model.base_model
         self.lm_head = model.get_output_embeddings()
@@ -37,6 +41,7 @@ class CausalLM:
         )
         sharded = isinstance(self.lm_head, vocab_parallel.VocabParallelHead)
         self.score: ScoreActions = vocab_parallel.score_actions if sharded else score_actions
+        self.fused_head = None if sharded else fused_head
 
     def warm_head(self, step: int) -> None:
         """The lm_head's GEMM over every row count a chunk of padded actions can have."""
@@ -46,8 +51,18 @@ class CausalLM:
 
     def logprobs(self, batch: PackedBatch, want_entropy: bool, *, extras: bool = False) -> ActionScores:
         """The action rows' scores; `extras`: also what rows ask beyond the log-prob (the policy's)."""
+        hidden = self.forward(batch, batch.hidden_index)
+        asks = extras and batch.extras is not None
+        head = self.fused_head
+        if head is not None:
+            scale = row_multiplier(
+                batch.inv_temperature, self.transform.scale, hidden.shape[0], hidden.device
+            )
+            if head.serves(self.transform, want_entropy=want_entropy, extras=asks, scaled=scale is not None):
+                logprobs = head.logprobs(hidden, self.lm_head.weight, batch.targets, scale)
+                return ActionScores(logprobs=logprobs, entropy=None)
         return self.score(
-            hidden=self.forward(batch, batch.hidden_index),
+            hidden=hidden,
             targets=batch.targets,
             inv_temperature=batch.inv_temperature,
             lm_head=self.lm_head,
