@@ -20,7 +20,17 @@ import service
 from service.__main__ import _parser
 from service.errors import ServiceError, status_for
 from service.server import GRACEFUL_SHUTDOWN_S
-from service.settings import Attention, CudaGraphs, Decoder, Device, DType, Kernels, MlpKernel, Settings
+from service.settings import (
+    Attention,
+    CudaGraphs,
+    Decoder,
+    Device,
+    DType,
+    HeadKernel,
+    Kernels,
+    MlpKernel,
+    Settings,
+)
 from tests.deploy.chart import (
     CHART,
     VALUES_FILES,
@@ -114,6 +124,7 @@ def test_schema_enums_follow_the_service_settings() -> None:
     assert server["decoder"]["enum"] == list(get_args(Decoder))
     assert server["kernels"]["enum"] == list(get_args(Kernels))
     assert server["mlpKernel"]["enum"] == list(get_args(MlpKernel))
+    assert server["headKernel"]["enum"] == list(get_args(HeadKernel))
     assert server["cudaGraphs"]["enum"] == list(get_args(CudaGraphs))
     assert server["logLevel"]["enum"] == list(get_args(Settings.model_fields["log_level"].annotation))
 
@@ -127,6 +138,7 @@ def test_chart_defaults_are_the_service_defaults() -> None:
     assert server["decoder"] == defaults.decoder
     assert server["kernels"] == defaults.kernels
     assert server["mlpKernel"] == defaults.mlp_kernel
+    assert server["headKernel"] == defaults.head_kernel
     assert server["cudaGraphs"] == defaults.cuda_graphs
     assert server["maxBatchTokens"] == defaults.max_batch_tokens
     assert server["logLevel"] == defaults.log_level
