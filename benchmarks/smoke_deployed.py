@@ -49,6 +49,7 @@ CHART_ENV = {
     "LOGPROBD_DECODER": "auto",
     "LOGPROBD_KERNELS": "auto",
     "LOGPROBD_MLP_KERNEL": "auto",
+    "LOGPROBD_HEAD_KERNEL": "auto",
     "LOGPROBD_CUDA_GRAPHS": "auto",
     "LOGPROBD_MAX_BATCH_TOKENS": "16384",
     "LOGPROBD_LOG_LEVEL": "info",
