@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from service.engine.heads.contract import LogitTransform
+from service.engine.ops.fixed_tile import quack_aligned
 from service.engine.runtime import packages as optional
 from service.engine.runtime.packages import FAST_DTYPES
 
@@ -65,7 +66,7 @@ class QuackHead:
         out = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         if not rows:
             return out
-        hidden = hidden if _aligned(hidden) else hidden.contiguous()
+        hidden = hidden if quack_aligned(hidden) else hidden.contiguous()
         index = targets.to(torch.int32)  # the epilogue's column index
         for start in range(0, rows, ROWS_PER_CALL):
             end = min(start + ROWS_PER_CALL, rows)
@@ -73,11 +74,6 @@ class QuackHead:
             lse, target_logit = self.kernel(hidden[start:end], weight.t(), index[start:end], s)
             torch.sub(target_logit, lse, out=out[start:end])
         return out
-
-
-def _aligned(x: torch.Tensor) -> bool:
-    """quack reads rows through TMA: unit last stride, 16-byte aligned rows and start."""
-    return x.stride(-1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
 def _kernels() -> tuple[Kernel, Kernel]:
@@ -147,7 +143,7 @@ def eligible(lm_head: Any, device: torch.device) -> str | None:
         return f"the lm_head is {weight.dtype} (bf16/fp16 only)"
     if not _device_can_run(device):
         return "quack's fused head needs a CUDA device of compute capability 9.0"
-    if not _aligned(weight) or (weight.shape[1] * weight.element_size()) % 16:
+    if not quack_aligned(weight):
         return "the lm_head's rows are not 16-byte aligned"
     return None
 

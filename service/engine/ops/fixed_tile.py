@@ -54,7 +54,7 @@ class QuackTiles:
         out = x.new_empty((x.shape[0], weight.shape[0]))
         if not x.shape[0]:
             return out
-        if not _aligned(x, weight, out):
+        if not quack_aligned(x, weight, out):
             blocks = padded_blocks(x, FALLBACK_ROWS)
             return torch.cat([F.linear(block, weight, bias) for block in blocks])[: x.shape[0]]
         self.gemm(x, weight.t(), out, bias=bias, config=self.config)
@@ -63,7 +63,7 @@ class QuackTiles:
     def accumulate(self, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> None:
         if not x.shape[0]:
             return
-        if not _aligned(a, weight, x):
+        if not quack_aligned(a, weight, x):
             pairs = zip(padded_blocks(x, FALLBACK_ROWS), padded_blocks(a, FALLBACK_ROWS), strict=True)
             for i, (xb, ab) in enumerate(pairs):
                 start = i * FALLBACK_ROWS
@@ -73,7 +73,7 @@ class QuackTiles:
         self.gemm(a, weight.t(), x, add_to_output=True, config=self.config)
 
 
-def _aligned(*matrices: torch.Tensor) -> bool:
+def quack_aligned(*matrices: torch.Tensor) -> bool:
     """Whether quack can take these operands (a [N, K], weight [out, K], the output [N, out]): unit
     last stride, and rows and start addresses 16-byte aligned."""
     return all(
