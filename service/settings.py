@@ -127,8 +127,9 @@ class Settings(BaseSettings):
         512,
         ge=8,  # the graph evicted is never one a micro-batch still in flight replays
         description="Most CUDA graphs one decoder keeps (the least recently used goes first). With "
-        "flash-attn 4 two graphs serve every micro-batch of the same padded size, one for those whose "
-        "sequences share prefixes: max_batch_tokens / 64.",
+        "flash-attn 4 two graphs serve every micro-batch of the same padded size and up to 64 sequences, "
+        "one for those whose sequences share prefixes: max_batch_tokens / 64, all captured at start; a "
+        "micro-batch of more sequences adds one of its own when first met.",
     )
     tensor_parallel_size: int = Field(
         1,

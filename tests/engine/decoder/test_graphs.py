@@ -92,6 +92,19 @@ def test_replays_equal_the_eager_forward(name: str, total_bounded: bool) -> None
     assert decoder.graphs == (2 if total_bounded else 4)
 
 
+def test_a_micro_batch_of_more_sequences_than_the_start_graphs_hold_gets_a_graph_of_its_own() -> None:
+    """A total-bounded graph holds 64 sequences: 70 in the same N replay one of 128 slots, captured when
+    first met, beside the 64-slot one, each equal to the eager forward and each replayed again."""
+    model = packed_model("qwen2")
+    decoder = graphed(model, limit=8)
+    few, many = batch_of((60, 100, 40)), batch_of((3,) * 70, seed=1)
+    assert few.num_tokens == many.num_tokens == 256
+    assert_replays(decoder, model, [few, many])
+    assert {key.slots for key in decoder._graphs} == {64, 128}
+    assert_replays(decoder, model, [many, few, batch_of((3,) * 64 + (14,), seed=2)])
+    assert decoder.graphs == 2
+
+
 def test_the_graphs_give_transformers_hidden_states() -> None:
     model = packed_model("qwen2")
     batch = batch_of((60, 17, 40))
@@ -104,11 +117,13 @@ def test_the_graphs_give_transformers_hidden_states() -> None:
 
 def test_keys() -> None:
     flash4 = graphed(packed_model("llama"), max_tokens=16384, total_bounded=True, limit=8)
-    assert flash4.key(16384, 40, 1500) == GraphKey(16384, 256, 16384)  # one graph per N
+    assert flash4.key(16384, 40, 1500) == GraphKey(16384, 64, 16384)  # one graph per N up to 64 sequences
+    assert flash4.key(16384, 64, 250) == GraphKey(16384, 64, 16384)
+    assert flash4.key(16384, 65, 250) == GraphKey(16384, 128, 16384)  # more: captured when met
     assert flash4.key(16384, 300, 60) == GraphKey(16384, 512, 16384)
     assert flash4.key(1000, 4, 300) is None  # not a packed micro-batch's shape
     assert flash4.key(16512, 4, 300) is None  # past the buffers
-    assert flash4.key(256, 3, 90, 200) == GraphKey(256, 256, 256, keys=131072, max_len_k=131072)
+    assert flash4.key(256, 3, 90, 200) == GraphKey(256, 64, 256, keys=131072, max_len_k=131072)
     other = graphed(packed_model("llama"), max_tokens=16384, total_bounded=False, limit=8)
     assert other.key(256, 3, 90, 200) == GraphKey(256, 8, 128, keys=131072, max_len_k=256)
     assert other.key(16384, 40, 1500) == GraphKey(16384, 64, 2048)
