@@ -63,11 +63,16 @@ ACCURACY_SAMPLE = 4
 LOAD_SEQUENCES = 8  # a load request: one client's share of the standard workload
 
 
+def _square_operands(device: torch.device, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The matmul both rates time: n and two random [n, n] operands (8192 on CUDA, 512 on the CPU)."""
+    n = 8192 if device.type == "cuda" else 512
+    return n, torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+
+
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     """Measured dense matmul FLOP/s on this device (the floor's denominator): the median of 20 matmuls,
     each alone between synchronisations, so the GPU runs them at its boost clock."""
-    n = 8192 if device.type == "cuda" else 512
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    n, a, b = _square_operands(device, dtype)
     seconds = timed(lambda: a @ b, device, reps=20)
     return 2.0 * n**3 / seconds
 
@@ -79,8 +84,7 @@ def sustained_matmul_rate(device: torch.device, dtype: torch.dtype, seconds: flo
     """Dense matmul FLOP/s kept over `seconds` of the same matmuls back to back, as a round's GEMMs run:
     under a load that long an H100 meets its power cap and lowers its clock, so this is below
     matmul_rate. Reported beside the floor, never its denominator."""
-    n = 8192 if device.type == "cuda" else 512
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    n, a, b = _square_operands(device, dtype)
     out = torch.mm(a, b)
     sync(device)
     calls, start = 0, time.perf_counter()

@@ -21,8 +21,8 @@ attention kernel is given. flash-attn 4's varlen grid depends on N and the slots
 max_len = N and the sequences' count rounded up to a power of two, at least 64 slots: one graph per N
 serves every micro-batch of up to 64 sequences (RL traffic: 16 to 60 in a 16k-token micro-batch),
 and those are all captured at start, largest first; a micro-batch of more sequences replays one of
-128, 256, ... slots, captured the first time its size is met. Each empty slot costs the kernel time
-(256 slots against 32: 1.07 ms a round of the standard workload at 1.5B on an H100). The other
+128, 256, ... slots, captured the first time its size is met (each empty slot costs the kernel
+time, so the start-up graphs hold no more than RL traffic fills). The other
 kernels' grids grow with max_len x slots, so those round both up to powers of two and are captured the
 first time they are met. Past `limit` graphs the least recently used one goes.
 
