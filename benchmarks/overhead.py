@@ -41,6 +41,7 @@ from typing import Any, get_args
 
 import torch
 
+from benchmarks import run as bench_run
 from benchmarks.run import HttpServer, build_model, http_bodies, http_rounds
 from benchmarks.workload import SHAPES, Sample, grpo_long, grpo_short, jobs, workload
 from service import api
@@ -133,14 +134,43 @@ def recorded(events: list[Event], what: str, fn: Callable[..., Any]) -> Callable
 
 
 def rounds(events: list[Event], per_round: int) -> list[list[Event]]:
-    """Split the events into rounds: a round starts with every `per_round`-th "start" event."""
-    ordered = sorted(events, key=lambda e: e[1])
+    """Split the events into rounds: a round starts with every `per_round`-th "start" event. The
+    requests' arrivals at the app ("headers", "body": `received`) are left out."""
+    ordered = sorted((e for e in events if e[0] not in ("headers", "body")), key=lambda e: e[1])
     starts = [e[1] for e in ordered if e[0] in ("start", "parse")][::per_round]
     out: list[list[Event]] = [[] for _ in starts]
     for event in ordered:
         index = max((i for i, t in enumerate(starts) if t <= event[1]), default=0)
         out[index].append(event)
     return out
+
+
+def received(events: list[Event], create_app: Callable[..., Any]) -> Callable[..., Any]:
+    """create_app whose app records, per POST /logprobs, when uvicorn handed it over (its headers
+    parsed: "headers") and when its body's last part was read ("body")."""
+
+    def create(*args: Any, **kwargs: Any) -> Any:
+        app = create_app(*args, **kwargs)
+
+        async def recorded_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http" or scope["path"] != "/logprobs":
+                await app(scope, receive, send)
+                return
+            now = time.perf_counter()
+            events.append(("headers", now, now))
+
+            async def receive_recorded() -> dict[str, Any]:
+                message: dict[str, Any] = await receive()
+                if message["type"] == "http.request" and not message.get("more_body", False):
+                    at = time.perf_counter()
+                    events.append(("body", at, at))
+                return message
+
+            await app(scope, receive_recorded, send)
+
+        return recorded_app
+
+    return create
 
 
 def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | None = None) -> dict[str, Any]:
@@ -210,7 +240,7 @@ def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | N
     return out
 
 
-def client_side(timeline: list[dict[str, Any]], events: list[Event]) -> dict[str, float]:
+def client_side(timeline: list[dict[str, Any]], events: list[Event]) -> dict[str, Any]:
     """Where the plain client's rounds (client.py's --timeline) go outside the server's span: from the
     round's start to the first body parsed at the server, and from the last answer rendered to the
     round's end, with the client's own steps (posting the bodies: json.dumps; parsing the last
@@ -242,7 +272,10 @@ def client_side(timeline: list[dict[str, Any]], events: list[Event]) -> dict[str
     )
     if not rows:
         return {}
-    med = dict(zip(names, (statistics.median(x[i] for x in rows) for i in range(len(names))), strict=True))
+    med: dict[str, Any] = dict(
+        zip(names, (statistics.median(x[i] for x in rows) for i in range(len(names))), strict=True)
+    )
+    med |= arrivals(timeline, events)
     print(
         f"{'':28s} client: round start to the first body parsed {med['to_first_parse_ms']:.2f} ms "
         f"(posting all {med['posting_ms']:.2f} ms) | last answer rendered to round end "
@@ -251,6 +284,33 @@ def client_side(timeline: list[dict[str, Any]], events: list[Event]) -> dict[str
         flush=True,
     )
     return med
+
+
+def arrivals(timeline: list[dict[str, Any]], events: list[Event]) -> dict[str, list[float]]:
+    """When, from the round's start, the k-th request was posted by the client (`posted_ms`: its task
+    called post), reached the app (`headers_ms`), had its whole body read (`body_ms`), began to be
+    parsed (`parse_start_ms`) and was normalised (`normalised_ms`), and when the k-th micro-batch's
+    launch began (`launch_ms`): per k, the median over the rounds after the first."""
+    names = {"parse_start_ms": "parse", "headers_ms": "headers", "body_ms": "body"}
+    per: dict[str, list[list[float]]] = {"posted_ms": [], "normalised_ms": [], "launch_ms": []}
+    per |= {name: [] for name in names}
+    for r in timeline[1:] or timeline:
+        inside = [e for e in events if r["start"] <= e[1] <= r["end"]]
+        times = {
+            "posted_ms": [q[0] for q in r["requests"]],
+            "normalised_ms": [e[2] for e in inside if e[0] == "normalise"],
+            "launch_ms": [e[1] for e in inside if e[0] == "launch"],
+        }
+        times |= {name: [e[1] for e in inside if e[0] == what] for name, what in names.items()}
+        for name, values in times.items():
+            per[name].append(sorted((t - r["start"]) * 1e3 for t in values))
+    out: dict[str, list[float]] = {}
+    for name, rows in per.items():
+        if rows and len({len(x) for x in rows}) == 1:
+            out[name] = [round(statistics.median(x[i] for x in rows), 2) for i in range(len(rows[0]))]
+    if out:
+        print(f"{'':28s} arrivals: {out}", flush=True)
+    return out
 
 
 def in_process(
@@ -324,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "http": {},
     }
 
+    bench_run.create_app = received(events, bench_run.create_app)  # type: ignore[attr-defined]
     api.parse_json = recorded(events, "parse", api.parse_json)  # type: ignore[attr-defined]
     api.parse_frame = recorded(events, "parse", api.parse_frame)  # type: ignore[attr-defined]
     api.normalise = recorded(events, "normalise", api.normalise)  # type: ignore[attr-defined]

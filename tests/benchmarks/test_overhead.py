@@ -3,6 +3,7 @@ the plain JSON client, each request's parse, the engine's launches and collectio
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -29,3 +30,12 @@ def test_a_grpo_round_in_process_and_over_plain_json(tmp_path: Path) -> None:
     assert over["to_first_parse_ms"] > 0
     assert over["posting_ms"] >= 0
     assert over["after_last_render_ms"] >= over["last_read_after_render_ms"] > 0
+    # when each of the 8 requests got to each step (k-th earliest, from the round's start): posted by
+    # its client task, handed to the app, its body read, parsed, normalised; and the first launch
+    steps = ["posted_ms", "headers_ms", "body_ms", "parse_start_ms", "normalised_ms"]
+    assert all(len(over[step]) == 8 for step in steps)
+    for before, after in itertools.pairwise(steps[1:]):
+        assert all(a <= b for a, b in zip(over[before], over[after], strict=True)), (before, after)
+    assert over["posted_ms"][0] < over["headers_ms"][0]
+    assert len(over["launch_ms"]) == over["micro_batches"]
+    assert over["launch_ms"][0] >= over["normalised_ms"][0]
