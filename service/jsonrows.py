@@ -3,10 +3,12 @@
 The rows of integers (`input_ids`, `prompt_ids`, `attention_mask`, `action_mask`: MATRIX_FIELDS) are
 nearly all of a body's bytes. `parse_json` finds the top-level members of the body with numpy (its
 strings and brackets located once, no per-token Python), reads each of those fields written in the
-plain form into int64 rows (orjson's parse, then one array per field), and validates every other
-member with the same pydantic fields (schemas.JsonOptions). The plain form: a non-empty list of
-non-empty lists of unsigned decimal integers below 10^18, JSON whitespace anywhere between tokens.
-Bodies under FAST_MIN_BYTES go to parse_request at once.
+plain form into int64 rows (one array per field), and validates every other member with the same
+pydantic fields (schemas.JsonOptions). The plain form: a non-empty list of non-empty lists of
+unsigned decimal integers below 10^18, JSON whitespace anywhere between tokens. The rows are read by
+the native reader `service._jsonrows` (one pass in C, the GIL released) where the install built it,
+else by orjson into Python ints and then numpy; both accept exactly the plain form. Bodies under
+FAST_MIN_BYTES go to parse_request at once.
 
 Anything else goes to schemas.parse_request, as every body did before: a sign, an exponent, a
 leading zero, a null, a duplicate or escaped key, invalid JSON, a member that fails validation. So
@@ -17,8 +19,11 @@ reads both); every error is parse_request's own, naming the same field.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -27,6 +32,8 @@ from pydantic import ValidationError
 
 from service.jobs import IntArray
 from service.schemas import MATRIX_FIELDS, JsonOptions, LogprobsRequest, parse_request
+
+log = logging.getLogger(__name__)
 
 _QUOTE, _BACKSLASH, _COMMA, _COLON = 34, 92, 44, 58
 _OPEN_LIST, _CLOSE_LIST, _OPEN_OBJECT, _CLOSE_OBJECT = 91, 93, 123, 125
@@ -67,7 +74,7 @@ def _fast(raw: bytes) -> LogprobsRequest | None:
             continue
         if name in rows:
             return None  # a duplicate: parse_request decides
-        matrix = _int_rows(raw[m.value : m.end].rstrip(_WHITESPACE))
+        matrix = _int_rows(raw, m.value, m.end)
         if matrix is None:
             return None
         rows[name] = matrix
@@ -148,12 +155,40 @@ def _member(raw: bytes, quotes: IntArray, start: int, end: int) -> _Member | Non
     return _Member(raw[opening + 1 : closing], start, end, value)
 
 
-def _int_rows(text: bytes) -> list[IntArray] | None:
-    """`[[1,2],[3]]` (JSON whitespace between tokens) as int64 rows, views of one array; None unless in
-    that form with at least one row, no row empty, every integer unsigned, without a leading zero,
-    below 10^18. orjson parses it (its JSON grammar rejects a leading zero, a stray comma or two
-    numbers apart by whitespace alone); a byte other than digits, commas, brackets and whitespace
-    (a sign, a fraction, an exponent, a literal, a string) sends the body to parse_request first."""
+@functools.cache
+def native() -> ModuleType | None:
+    """The native row reader, or None where this install has none (it was not compiled: the orjson
+    path reads the rows); one that is there but fails to load is logged as a warning, once."""
+    try:
+        from service import _jsonrows  # loaded on first use, not at import
+    except ModuleNotFoundError:
+        return None
+    except ImportError as exc:
+        log.warning("the native JSON row reader does not load (%s); reading rows with orjson", exc)
+        return None
+    return _jsonrows
+
+
+def _int_rows(raw: bytes, start: int, end: int) -> list[IntArray] | None:
+    """`raw[start:end]`, `[[1,2],[3]]` (JSON whitespace between tokens), as int64 rows, views of one
+    array; None unless in that form with at least one row, no row empty, every integer unsigned,
+    without a leading zero, below 10^18."""
+    reader = native()
+    if reader is None:
+        return _orjson_rows(raw[start:end].rstrip(_WHITESPACE))
+    read = reader.int_rows(raw, start, end)
+    if read is None:
+        return None
+    values = np.frombuffer(read[0], dtype=np.int64)
+    counts = np.frombuffer(read[1], dtype=np.int64)
+    return np.split(values, np.cumsum(counts[:-1]))
+
+
+def _orjson_rows(text: bytes) -> list[IntArray] | None:
+    """_int_rows without the native reader. orjson parses the text (its JSON grammar rejects a
+    leading zero, a stray comma or two numbers apart by whitespace alone); a byte other than digits,
+    commas, brackets and whitespace (a sign, a fraction, an exponent, a literal, a string) gives None
+    first."""
     if text.translate(None, _ROW_BYTES):
         return None
     try:

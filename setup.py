@@ -1,0 +1,21 @@
+"""The package's one compiled module; everything else about the build is in pyproject.toml.
+
+service._jsonrows reads a JSON body's integer rows natively (service/jsonrows.py's fast path), one
+abi3 build for every CPython from 3.11. It is optional: where it cannot be compiled the install goes
+on, and jsonrows.py reads the rows with orjson instead.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "service._jsonrows",
+            sources=["service/_jsonrows.c"],
+            py_limited_api=True,
+            optional=True,
+            extra_compile_args=["-O2"],
+        )
+    ],
+    options={"bdist_wheel": {"py_limited_api": "cp311"}},
+)
