@@ -81,8 +81,11 @@ def alone(lengths: Sequence[int]) -> Forest:
 def common_prefix(a: IntArray, b: IntArray) -> int:
     """How many leading tokens a and b have in common."""
     n = min(a.shape[0], b.shape[0])
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
+    if n == 0:
+        return 0
+    differ = a[:n] != b[:n]
+    first = int(differ.argmax())  # a boolean argmax stops at the first True
+    return first if differ[first] else n
 
 
 def _key(tokens: IntArray) -> bytes:

@@ -123,6 +123,8 @@ def test_common_prefix() -> None:
     assert common_prefix(np.asarray([1, 2, 3]), np.asarray([1, 2, 4, 5])) == 2
     assert common_prefix(np.asarray([1, 2]), np.asarray([1, 2, 4])) == 2
     assert common_prefix(np.asarray([9]), np.asarray([1])) == 0
+    assert common_prefix(np.asarray([1, 2]), np.asarray([1, 2])) == 2  # equal: the whole
+    assert common_prefix(np.zeros(0, dtype=np.int64), np.asarray([1])) == 0  # one empty
 
 
 def _with_routes(
