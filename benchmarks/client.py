@@ -43,6 +43,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import httpcore
 import httpx
 import orjson
 
@@ -130,12 +131,57 @@ async def _round(client: httpx.AsyncClient, bodies: list[bytes], frames: bool) -
     return time.perf_counter() - start
 
 
-Timeline = list[dict[str, Any]]  # per round: its start and end, and per request when it was posted,
-# when its answer was read and when parsed (time.perf_counter, the server's clock too)
+Timeline = list[dict[str, Any]]  # per round: its start and end, per request when it was posted, when its
+# answer was read and when parsed, and when each connection first wrote to its socket in the round
+# ("sent"; _WriteTimes) (time.perf_counter, the server's clock too)
 
 
-async def _plain_round(client: httpx.AsyncClient, bodies: list[Any], timeline: Timeline) -> float:
+class _Written(httpcore.AsyncNetworkStream):
+    """A connection's socket stream that notes (its id, the time) of every write."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkStream, writes: list[tuple[int, float]]) -> None:
+        self.inner, self.writes = inner, writes
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return await self.inner.read(max_bytes, timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self.writes.append((id(self), time.perf_counter()))
+        await self.inner.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def get_extra_info(self, info: str) -> Any:
+        return self.inner.get_extra_info(info)
+
+
+class _WriteTimes(httpcore.AsyncNetworkBackend):
+    """httpcore's network backend, its streams noting their writes (the plain client's own otherwise)."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkBackend, writes: list[tuple[int, float]]) -> None:
+        self.inner, self.writes = inner, writes
+
+    async def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
+        return _Written(await self.inner.connect_tcp(*args, **kwargs), self.writes)
+
+    async def sleep(self, seconds: float) -> None:
+        await self.inner.sleep(seconds)
+
+
+def _first_writes(writes: list[tuple[int, float]]) -> list[float]:
+    """Each connection's first write, in time order."""
+    first: dict[int, float] = {}
+    for stream, at in writes:
+        first.setdefault(stream, at)
+    return sorted(first.values())
+
+
+async def _plain_round(
+    client: httpx.AsyncClient, bodies: list[Any], timeline: Timeline, writes: list[tuple[int, float]]
+) -> float:
     requests: list[tuple[float, float, float]] = []
+    writes.clear()
 
     async def one(body: Any) -> None:
         posted = time.perf_counter()
@@ -148,15 +194,19 @@ async def _plain_round(client: httpx.AsyncClient, bodies: list[Any], timeline: T
     start = time.perf_counter()
     await asyncio.gather(*(one(b) for b in bodies))
     end = time.perf_counter()
-    timeline.append({"start": start, "end": end, "requests": requests})
+    timeline.append({"start": start, "end": end, "requests": requests, "sent": _first_writes(writes)})
     return end - start
 
 
 async def _in_plain(url: str, bodies: list[bytes], reps: int, timeline: Timeline) -> list[float]:
     objects = [json.loads(b) for b in bodies]  # the trainer's dicts of lists, built before the round
+    writes: list[tuple[int, float]] = []
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:  # only the timeout is not default
-        await _plain_round(client, objects, [])
-        return [await _plain_round(client, objects, timeline) for _ in range(reps)]
+        pool = getattr(client._transport, "_pool", None)  # httpcore's pool: its sockets note their writes
+        if pool is not None and hasattr(pool, "_network_backend"):
+            pool._network_backend = _WriteTimes(pool._network_backend, writes)
+        await _plain_round(client, objects, [], writes)
+        return [await _plain_round(client, objects, timeline, writes) for _ in range(reps)]
 
 
 async def _in_asyncio(

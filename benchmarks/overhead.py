@@ -288,16 +288,18 @@ def client_side(timeline: list[dict[str, Any]], events: list[Event]) -> dict[str
 
 def arrivals(timeline: list[dict[str, Any]], events: list[Event]) -> dict[str, list[float]]:
     """When, from the round's start, the k-th request was posted by the client (`posted_ms`: its task
-    called post), reached the app (`headers_ms`), had its whole body read (`body_ms`), began to be
-    parsed (`parse_start_ms`) and was normalised (`normalised_ms`), and when the k-th micro-batch's
-    launch began (`launch_ms`): per k, the median over the rounds after the first."""
+    called post), was first written to its socket (`sent_ms`), reached the app (`headers_ms`), had
+    its whole body read (`body_ms`), began to be parsed (`parse_start_ms`) and was normalised
+    (`normalised_ms`), and when the k-th micro-batch's launch began (`launch_ms`): per k, the median
+    over the rounds after the first."""
     names = {"parse_start_ms": "parse", "headers_ms": "headers", "body_ms": "body"}
-    per: dict[str, list[list[float]]] = {"posted_ms": [], "normalised_ms": [], "launch_ms": []}
+    per: dict[str, list[list[float]]] = {"posted_ms": [], "sent_ms": [], "normalised_ms": [], "launch_ms": []}
     per |= {name: [] for name in names}
     for r in timeline[1:] or timeline:
         inside = [e for e in events if r["start"] <= e[1] <= r["end"]]
         times = {
             "posted_ms": [q[0] for q in r["requests"]],
+            "sent_ms": list(r.get("sent", [])),
             "normalised_ms": [e[2] for e in inside if e[0] == "normalise"],
             "launch_ms": [e[1] for e in inside if e[0] == "launch"],
         }

@@ -31,11 +31,12 @@ def test_a_grpo_round_in_process_and_over_plain_json(tmp_path: Path) -> None:
     assert over["posting_ms"] >= 0
     assert over["after_last_render_ms"] >= over["last_read_after_render_ms"] > 0
     # when each of the 8 requests got to each step (k-th earliest, from the round's start): posted by
-    # its client task, handed to the app, its body read, parsed, normalised; and the first launch
-    steps = ["posted_ms", "headers_ms", "body_ms", "parse_start_ms", "normalised_ms"]
+    # its client task, sent to its transport, handed to the app, its body read, parsed, normalised;
+    # and the first launch
+    steps = ["posted_ms", "sent_ms", "headers_ms", "body_ms", "parse_start_ms", "normalised_ms"]
     assert all(len(over[step]) == 8 for step in steps)
-    for before, after in itertools.pairwise(steps[1:]):
+    for before, after in itertools.pairwise(steps[2:]):
         assert all(a <= b for a, b in zip(over[before], over[after], strict=True)), (before, after)
-    assert over["posted_ms"][0] < over["headers_ms"][0]
+    assert over["posted_ms"][0] < over["sent_ms"][0] < over["headers_ms"][0]
     assert len(over["launch_ms"]) == over["micro_batches"]
     assert over["launch_ms"][0] >= over["normalised_ms"][0]
