@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 import service
-from service import heap
+from service import heap, jsonrows
 from service.api import build_router
 from service.batcher import Batcher
 from service.engine import ScoringEngine, Supervised, load_engine
@@ -148,13 +148,14 @@ async def _start(
         {"model": info.model, "architecture": info.architecture, "dtype": info.dtype, "demo": str(info.demo)}
     )
     log.info(
-        "ready: %s%s (%s) on %s, %s, attention=%s",
+        "ready: %s%s (%s) on %s, %s, attention=%s, JSON rows read by %s",
         info.model,
         " [DEMO: random weights]" if info.demo else "",
         info.architecture,
         info.device,
         info.dtype,
         info.attention_backend,
+        "the native reader" if jsonrows.native() is not None else "orjson (no native reader built)",
     )
 
 

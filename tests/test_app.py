@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from service import jsonrows
 from service.app import create_app
 from service.engine import ScoringEngine
 from service.engine.config import EngineConfig
 from service.settings import Settings
 from tests.conftest import running, settings_for, wait_ready
 from tests.fakes import FakeEngine
+from tests.test_jsonrows import native_or_skip
 
 
 def test_demo_model_serves_and_says_it_is_a_demo() -> None:
@@ -127,6 +129,23 @@ def test_what_lives_from_ready_is_kept_out_of_the_full_collections() -> None:
         assert r.status_code == 200
     assert gc.get_freeze_count() == 0  # handed back at shutdown
     assert any(o is engines[0] for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_the_ready_line_names_the_json_row_reader(
+    built: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator reads from the start-up log whether the native JSON row reader was built."""
+    if built:
+        native_or_skip()
+    else:
+        monkeypatch.setattr(jsonrows, "native", lambda: None)
+    app = create_app(Settings(), engine_factory=lambda _: FakeEngine())
+    with caplog.at_level("INFO", logger="service.app"), TestClient(app) as client:
+        wait_ready(client)
+    (ready,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready: ")]
+    want = "the native reader" if built else "orjson (no native reader built)"
+    assert ready.endswith(f"JSON rows read by {want}")
 
 
 @pytest.mark.parametrize("docs_ui", [False, True])
