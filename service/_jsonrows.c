@@ -72,7 +72,8 @@ static PyObject *int_rows(PyObject *self, PyObject *args) {
         PyBuffer_Release(&view);
         Py_RETURN_NONE;
     }
-    /* every value takes a digit and a separator, every row a pair of brackets and a digit */
+    /* every value takes a digit and a separator, every row a pair of brackets and a digit: buffers for
+       the most there can be, shrunk after the pass (pages never written are never committed) */
     Py_ssize_t most = (end - start) / 2 + 1;
     PyObject *values = PyByteArray_FromStringAndSize(NULL, most * (Py_ssize_t)sizeof(int64_t));
     PyObject *counts = values ? PyByteArray_FromStringAndSize(NULL, most * (Py_ssize_t)sizeof(int64_t)) : NULL;
