@@ -23,8 +23,7 @@ import functools
 import itertools
 import logging
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
@@ -155,8 +154,14 @@ def _member(raw: bytes, quotes: IntArray, start: int, end: int) -> _Member | Non
     return _Member(raw[opening + 1 : closing], start, end, value)
 
 
+class _Reader(Protocol):
+    """service._jsonrows (its stub: _jsonrows.pyi)."""
+
+    def int_rows(self, buffer: bytes, start: int, end: int, /) -> tuple[bytearray, bytearray] | None: ...
+
+
 @functools.cache
-def native() -> ModuleType | None:
+def native() -> _Reader | None:
     """The native row reader, or None where this install has none (it was not compiled: the orjson
     path reads the rows); one that is there but fails to load is logged as a warning, once."""
     try:
