@@ -110,7 +110,6 @@ class Batcher:
         self._metrics = metrics
         self._swaps: deque[_Swap] = deque()
         self._last_batch_done = 0.0
-        self._held_until = 0.0  # when the last launch that held the event loop let it go
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprobd-engine")
         self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprobd-results")
@@ -269,7 +268,6 @@ class Batcher:
         future = self._executor.submit(self._engine.launch, batch.jobs, batch.chunk, batch.forest)
         if not self._flights:
             concurrent.futures.wait([future], timeout=self._hold_s)
-            self._held_until = time.perf_counter()
         return asyncio.wrap_future(future)
 
     def _observe_queue(self, batch: Batch[Future], started: float) -> None:
@@ -374,14 +372,13 @@ class Batcher:
 
     async def _collate(self) -> None:
         """Let requests sent together share a micro-batch: wait, at most `wait_s` after the oldest
-        queued sequence arrived (or after a launch last held the event loop, if later: requests sent
-        meanwhile were not parsed), until the queue holds a full budget. While a micro-batch is in
+        queued sequence arrived, until the queue holds a full budget. While a micro-batch is in
         flight the wait costs nothing (the next one would queue behind it); once none is, work that
         was waiting when the last one finished goes at once."""
         oldest = self._policy.collating_since()
         if oldest is None:
             return
-        deadline = max(oldest, self._held_until) + self._wait_s
+        deadline = oldest + self._wait_s
         while not self._policy.full and self._handed is None:
             if not self._flights and oldest < self._last_batch_done:
                 return

@@ -207,43 +207,6 @@ def test_with_a_micro_batch_in_flight_the_next_waits_for_a_fuller_budget(
     assert engine.batches == [[20], [5, 6]]
 
 
-def test_the_loop_held_by_a_launch_does_not_use_up_the_next_collation_window(
-    loop: asyncio.AbstractEventLoop,
-) -> None:
-    """A burst's first launch holds the event loop (150 ms of the engine thread here); the requests
-    sent meanwhile are parsed only after it. The rest of the first request (queued before the hold)
-    must not leave alone because its 100 ms window ran out during the hold: it waits for the request
-    parsed 20 ms after the hold, which fills the budget, while the first micro-batch computes."""
-    engine = FakeEngine(delay=0.3)
-    launch = engine.launch
-
-    def slow(
-        jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
-    ) -> Launched:
-        if not engine.batches:
-            time.sleep(0.15)
-        return launch(jobs, chunk, forest)
-
-    engine.launch = slow  # type: ignore[method-assign,assignment]
-
-    async def body(batcher: Batcher) -> list[list[SequenceScores]]:
-        async def later(delay: float, jobs: list[SequenceJob]) -> list[SequenceScores]:
-            await asyncio.sleep(delay)
-            return await scores(batcher, jobs)
-
-        start = time.perf_counter()
-        late = asyncio.create_task(later(0.02, [job(5, first=200)]))  # its task starts after the hold
-        first = await scores(batcher, [job(15, first=1), job(15, first=100)])  # raw 30: the budget is full
-        assert time.perf_counter() - start >= 0.15  # the first launch held the loop
-        return [first, await late]
-
-    results = run_with_wait(loop, engine, 20, 0.1, body, hold_s=0.5)
-    assert engine.batches == [[15], [15, 5]]
-    got = [s for request in results for s in request]
-    for scored, (length, first) in zip(got, [(15, 1), (15, 100), (5, 200)], strict=True):
-        np.testing.assert_array_equal(scored.logprobs, expected_scores(job(length, first=first)).logprobs)
-
-
 def test_collation_stops_waiting_when_the_device_goes_idle(loop: asyncio.AbstractEventLoop) -> None:
     engine = FakeEngine(delay=0.05)
 
