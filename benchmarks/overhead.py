@@ -292,20 +292,20 @@ def arrivals(timeline: list[dict[str, Any]], events: list[Event]) -> dict[str, l
     its whole body read (`body_ms`), began to be parsed (`parse_start_ms`) and was normalised
     (`normalised_ms`), and when the k-th micro-batch's launch began (`launch_ms`): per k, the median
     over the rounds after the first."""
-    names = {"parse_start_ms": "parse", "headers_ms": "headers", "body_ms": "body"}
-    per: dict[str, list[list[float]]] = {"posted_ms": [], "sent_ms": [], "normalised_ms": [], "launch_ms": []}
-    per |= {name: [] for name in names}
+    per: dict[str, list[list[float]]] = {}
     for r in timeline[1:] or timeline:
         inside = [e for e in events if r["start"] <= e[1] <= r["end"]]
         times = {
             "posted_ms": [q[0] for q in r["requests"]],
             "sent_ms": list(r.get("sent", [])),
+            "headers_ms": [e[1] for e in inside if e[0] == "headers"],
+            "body_ms": [e[1] for e in inside if e[0] == "body"],
+            "parse_start_ms": [e[1] for e in inside if e[0] == "parse"],
             "normalised_ms": [e[2] for e in inside if e[0] == "normalise"],
             "launch_ms": [e[1] for e in inside if e[0] == "launch"],
         }
-        times |= {name: [e[1] for e in inside if e[0] == what] for name, what in names.items()}
         for name, values in times.items():
-            per[name].append(sorted((t - r["start"]) * 1e3 for t in values))
+            per.setdefault(name, []).append(sorted((t - r["start"]) * 1e3 for t in values))
     out: dict[str, list[float]] = {}
     for name, rows in per.items():
         if rows and len({len(x) for x in rows}) == 1:
