@@ -24,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from service import jsonrows
 from service.app import create_app
 from service.settings import Settings
 from tests import models
@@ -102,6 +103,15 @@ def weight_versions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 @pytest.fixture(scope="session")
 def version_models(weight_versions: dict[str, Path]) -> dict[str, Any]:
     return {version: eager(path) for version, path in weight_versions.items()}
+
+
+def native_or_skip() -> None:
+    """Skip unless the native JSON row reader (service/_jsonrows.c) was built; with
+    LOGPROBD_REQUIRE_NATIVE=1 (CI) its absence fails instead."""
+    if jsonrows.native() is None:
+        if os.environ.get("LOGPROBD_REQUIRE_NATIVE") == "1":
+            pytest.fail("service._jsonrows is not built (pip install -e . compiles it; needs a C compiler)")
+        pytest.skip("service._jsonrows is not built")
 
 
 def settings_for(path: Path | None, **overrides: Any) -> Settings:

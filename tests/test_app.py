@@ -14,9 +14,8 @@ from service.app import create_app
 from service.engine import ScoringEngine
 from service.engine.config import EngineConfig
 from service.settings import Settings
-from tests.conftest import running, settings_for, wait_ready
+from tests.conftest import native_or_skip, running, settings_for, wait_ready
 from tests.fakes import FakeEngine
-from tests.test_jsonrows import native_or_skip
 
 
 def test_demo_model_serves_and_says_it_is_a_demo() -> None:

@@ -7,7 +7,6 @@ does not read goes to parse_request). Every test runs with each row reader: the 
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ from service import jsonrows
 from service.errors import ServiceError
 from service.jsonrows import _fast, parse_json
 from service.schemas import MATRIX_FIELDS, LogprobsRequest, parse_request
+from tests.conftest import native_or_skip
 
 RAGGED = {"input_ids": [[5, 17, 0, 151935], [3, 4, 5]], "num_actions": [2, 1]}
 PADDED = {
@@ -34,13 +34,6 @@ OPTIONS = {
     "weights_version": "step-12",
     "top_logprobs": 3,
 }
-
-
-def native_or_skip() -> None:
-    if jsonrows.native() is None:
-        if os.environ.get("LOGPROBD_REQUIRE_NATIVE") == "1":
-            pytest.fail("service._jsonrows is not built (pip install -e . compiles it; needs a C compiler)")
-        pytest.skip("service._jsonrows is not built")
 
 
 @pytest.fixture(autouse=True, params=["native", "orjson"])
