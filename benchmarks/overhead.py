@@ -14,8 +14,9 @@ collection the last answer was rendered, the span, and when each micro-batch's s
 collected (from the first request's arrival); on CUDA, from events recorded on the engine's stream
 around each launch, the device's time on each micro-batch (longer than in-process when the host
 launches its kernels slower than the device runs them) and its idle time before each one.
-`--switch-interval` sets sys.setswitchinterval in the server's process; `--launch-hold-ms` and
-`--batch-wait-ms` run the HTTP variants once per pair of the settings' values, on the same engine.
+`--switch-interval` sets sys.setswitchinterval in the server's process; `--launch-hold-ms`,
+`--batch-wait-ms` and `--max-batch-tokens` run the HTTP variants once per combination of the settings'
+values, on the same engine (built for the largest budget); several budgets run in-process once each.
 
 `--workload`: the standard workload (8 requests of an eighth of its sequences) or a GRPO one
 (benchmarks.grpo's: one request per group; in-process, the 8 groups as 8 requests at once too).
@@ -344,6 +345,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--launch-hold-ms", type=float, nargs="+", default=[Settings().launch_hold_ms])
     parser.add_argument("--batch-wait-ms", type=float, nargs="+", default=[Settings().batch_wait_ms])
+    parser.add_argument("--max-batch-tokens", type=int, nargs="+", default=[Settings().max_batch_tokens])
     parser.add_argument("--workload", choices=list(WORKLOADS), default="standard")
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
     every = ["frames", "frames-httpcore", "json", "processes"]
@@ -363,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         device=device.type,
         dtype="bfloat16" if device.type == "cuda" else "float32",
         cuda_graphs=args.cuda_graphs,
+        max_batch_tokens=max(args.max_batch_tokens),
     )
     backend = choose_backend("auto", device)
     model = build_model(args.model, getattr(torch, settings.dtype), device, register(backend))
@@ -376,15 +379,25 @@ def main(argv: list[str] | None = None) -> int:
     samples = WORKLOADS[args.workload](int(SHAPES[args.model]["vocab_size"]), args.scale)
     the_jobs = jobs(samples)
     per = len(the_jobs) // 8 or 1
-    in_process(engine, settings, [the_jobs[i : i + per] for i in range(0, len(the_jobs), per)], args.reps)
+    requests = [the_jobs[i : i + per] for i in range(0, len(the_jobs), per)]
+    budgets = args.max_batch_tokens
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "date": dt.date.today().isoformat(),
         "versions": {"torch": torch.__version__},
         "settings": {k: str(v) for k, v in vars(args).items()},
-        "in_process": summary("engine in-process", events, 1, marks),
+        "in_process": {},
         "http": {},
     }
+    for budget in budgets:
+        events.clear()
+        in_process(engine, settings.model_copy(update={"max_batch_tokens": budget}), requests, args.reps)
+        label = "engine in-process" + ("" if len(budgets) == 1 else f", max_batch_tokens={budget}")
+        measured = summary(label, events, 1, marks)
+        if len(budgets) == 1:
+            results["in_process"] = measured
+        else:
+            results["in_process"][f"max_batch_tokens={budget}"] = measured
 
     bench_run.create_app = received(events, bench_run.create_app)  # type: ignore[attr-defined]
     api.parse_json = recorded(events, "parse", api.parse_json)  # type: ignore[attr-defined]
@@ -392,12 +405,16 @@ def main(argv: list[str] | None = None) -> int:
     api.normalise = recorded(events, "normalise", api.normalise)  # type: ignore[attr-defined]
     api.to_json = recorded(events, "render", api.to_json)  # type: ignore[attr-defined]
     api.to_frame = recorded(events, "render", api.to_frame)  # type: ignore[attr-defined]
-    for hold, wait in itertools.product(args.launch_hold_ms, args.batch_wait_ms):
-        named = f"launch_hold_ms={hold:g}" + (
-            "" if len(args.batch_wait_ms) == 1 else f",batch_wait_ms={wait:g}"
+    for hold, wait, budget in itertools.product(args.launch_hold_ms, args.batch_wait_ms, budgets):
+        named = (
+            f"launch_hold_ms={hold:g}"
+            + ("" if len(args.batch_wait_ms) == 1 else f",batch_wait_ms={wait:g}")
+            + ("" if len(budgets) == 1 else f",max_batch_tokens={budget}")
         )
         print(f"== {named}", flush=True)
-        held = settings.model_copy(update={"launch_hold_ms": hold, "batch_wait_ms": wait})
+        held = settings.model_copy(
+            update={"launch_hold_ms": hold, "batch_wait_ms": wait, "max_batch_tokens": budget}
+        )
         http = results["http"].setdefault(named, {})
         with HttpServer(engine, held) as url:
             for name in args.clients:
