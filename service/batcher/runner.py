@@ -6,9 +6,7 @@ engine thread and the requests' futures, and waits. No scheduling decision is ma
   yet collected and the accelerator does not idle while the host packs and answers.
 - A request that queues a full budget on an idle accelerator launches it from its own call, and a
   launch on an idle accelerator holds the event loop (GIL released) for at most `hold_s`.
-- With the engine idle and less than a budget queued, the worker collates for at most `wait_s`;
-  behind a micro-batch in flight, until the accelerator should be nearly done with it (at the
-  engine's recent speed), so that requests still arriving join the next one.
+- With the engine idle and less than a budget queued, the worker collates for at most `wait_s`.
 - Staged weights are applied on the engine thread at the barrier `Policy.open` defines, after every
   launched micro-batch is collected.
 """
@@ -37,10 +35,6 @@ log = logging.getLogger(__name__)
 
 IN_FLIGHT = 2  # one micro-batch on the accelerator, the next queued behind it
 LAUNCH_HOLD_S = 0.025  # the longest the event loop waits for a launch on an idle accelerator
-# A micro-batch collated behind those in flight is launched this long, and this share of their
-# estimated time, before the accelerator should be done with them: its host work, and the estimate's error.
-LAUNCH_LEAD_S = 0.002
-LAUNCH_LEAD_SHARE = 0.1
 
 Future = asyncio.Future[SequenceScores]
 
@@ -377,18 +371,18 @@ class Batcher:
                 future.set_exception(error)
 
     async def _collate(self) -> None:
-        """Let requests sent together share a micro-batch: wait until the queue holds a full budget,
-        at most `wait_s` after the oldest queued sequence arrived or, while micro-batches are in
-        flight, until the accelerator should be nearly done with them (`_launch_by`), whichever is
-        later: the wait costs nothing then, the next one would queue behind them. Once none is in
-        flight, work that was waiting when the last one finished goes at once."""
+        """Let requests sent together share a micro-batch: wait, at most `wait_s` after the oldest
+        queued sequence arrived, until the queue holds a full budget. While a micro-batch is in
+        flight the wait costs nothing (the next one would queue behind it); once none is, work that
+        was waiting when the last one finished goes at once."""
         oldest = self._policy.collating_since()
         if oldest is None:
             return
+        deadline = oldest + self._wait_s
         while not self._policy.full and self._handed is None:
             if not self._flights and oldest < self._last_batch_done:
                 return
-            remaining = max(oldest + self._wait_s, self._launch_by()) - time.perf_counter()
+            remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 return
             self._wake.clear()
@@ -396,17 +390,6 @@ class Batcher:
                 await asyncio.wait_for(self._wake.wait(), remaining)
             except TimeoutError:
                 return
-
-    def _launch_by(self) -> float:
-        """When a micro-batch collated behind those in flight should be launched to keep the
-        accelerator busy: before their estimated end (their tokens at the engine's recent speed,
-        from the first one's start), by `LAUNCH_LEAD_S` and `LAUNCH_LEAD_SHARE` of their time.
-        0 (now) with none in flight or no speed measured yet."""
-        if not self._flights or not self._tokens_per_s:
-            return 0.0
-        start = max(self._flights[0].launched, self._last_batch_done)
-        work = sum(f.tokens for f in self._flights) / self._tokens_per_s
-        return start + (1 - LAUNCH_LEAD_SHARE) * work - LAUNCH_LEAD_S
 
     def _gauge(self) -> None:
         self._metrics.queue_tokens.set(self._policy.queued_tokens)
