@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import itertools
 import json
@@ -36,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, get_args
 
@@ -336,6 +337,75 @@ def in_process(
     loop.close()
 
 
+def in_process_budgets(
+    engine: PackedScorer,
+    settings: Settings,
+    requests: list[list[SequenceJob]],
+    budgets: list[int],
+    *,
+    reps: int,
+    marks: GpuMarks | None,
+) -> dict[str, Any]:
+    """`in_process` under each budget: its summary, or with several budgets one per
+    "max_batch_tokens=N"."""
+    out: dict[str, Any] = {}
+    for budget in budgets:
+        EVENTS.clear()
+        in_process(engine, settings.model_copy(update={"max_batch_tokens": budget}), requests, reps)
+        label = "engine in-process" + ("" if len(budgets) == 1 else f", max_batch_tokens={budget}")
+        measured = summary(label, EVENTS, 1, marks)
+        if len(budgets) == 1:
+            return measured
+        out[f"max_batch_tokens={budget}"] = measured
+    return out
+
+
+@contextlib.contextmanager
+def recording_server(events: list[Event]) -> Iterator[None]:
+    """Within: the app records each request's arrival (`received`) and the route its parse,
+    normalise and render (`recorded`) into `events`; the originals are back after."""
+    steps = {"parse_json": "parse", "parse_frame": "parse", "normalise": "normalise"}
+    steps |= {"to_json": "render", "to_frame": "render"}
+    saved = {name: getattr(api, name) for name in steps}
+    create_app = bench_run.create_app  # type: ignore[attr-defined]
+    bench_run.create_app = received(events, create_app)  # type: ignore[attr-defined]
+    for name, what in steps.items():
+        setattr(api, name, recorded(events, what, saved[name]))
+    try:
+        yield
+    finally:
+        bench_run.create_app = create_app  # type: ignore[attr-defined]
+        for name, fn in saved.items():
+            setattr(api, name, fn)
+
+
+def over_http(
+    engine: PackedScorer,
+    settings: Settings,
+    samples: list[Sample],
+    args: argparse.Namespace,
+    marks: GpuMarks | None,
+) -> dict[str, Any]:
+    """The rounds of each of `args.clients` against the real app of `settings` on loopback: each
+    one's `summary`, its client round and (plain) `client_side`."""
+    out: dict[str, Any] = {}
+    with HttpServer(engine, settings) as url:
+        for name in args.clients:
+            frames, mode = CLIENTS[name]
+            bodies = http_bodies(samples, frames=frames)
+            EVENTS.clear()
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "timeline.json" if mode == "plain" else None
+                rounds_s = http_rounds(url, bodies, args.reps, mode, frames, timeline=path)
+                seconds = statistics.median(rounds_s)
+                timeline = json.loads(path.read_text()) if path is not None else []
+            label = f"http {'frames' if frames else 'JSON'}, client {mode}"
+            out[name] = summary(label, EVENTS, len(bodies), marks) | {"client_round_ms": seconds * 1e3}
+            print(f"{'':28s} client round {seconds * 1e3:.1f} ms", flush=True)
+            out[name] |= client_side(timeline, EVENTS)
+    return out
+
+
 def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen2.5-0.5b")
@@ -386,50 +456,22 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.date.today().isoformat(),
         "versions": {"torch": torch.__version__},
         "settings": {k: str(v) for k, v in vars(args).items()},
-        "in_process": {},
+        "in_process": in_process_budgets(engine, settings, requests, budgets, reps=args.reps, marks=marks),
         "http": {},
     }
-    for budget in budgets:
-        events.clear()
-        in_process(engine, settings.model_copy(update={"max_batch_tokens": budget}), requests, args.reps)
-        label = "engine in-process" + ("" if len(budgets) == 1 else f", max_batch_tokens={budget}")
-        measured = summary(label, events, 1, marks)
-        if len(budgets) == 1:
-            results["in_process"] = measured
-        else:
-            results["in_process"][f"max_batch_tokens={budget}"] = measured
 
-    bench_run.create_app = received(events, bench_run.create_app)  # type: ignore[attr-defined]
-    api.parse_json = recorded(events, "parse", api.parse_json)  # type: ignore[attr-defined]
-    api.parse_frame = recorded(events, "parse", api.parse_frame)  # type: ignore[attr-defined]
-    api.normalise = recorded(events, "normalise", api.normalise)  # type: ignore[attr-defined]
-    api.to_json = recorded(events, "render", api.to_json)  # type: ignore[attr-defined]
-    api.to_frame = recorded(events, "render", api.to_frame)  # type: ignore[attr-defined]
-    for hold, wait, budget in itertools.product(args.launch_hold_ms, args.batch_wait_ms, budgets):
-        named = (
-            f"launch_hold_ms={hold:g}"
-            + ("" if len(args.batch_wait_ms) == 1 else f",batch_wait_ms={wait:g}")
-            + ("" if len(budgets) == 1 else f",max_batch_tokens={budget}")
-        )
-        print(f"== {named}", flush=True)
-        held = settings.model_copy(
-            update={"launch_hold_ms": hold, "batch_wait_ms": wait, "max_batch_tokens": budget}
-        )
-        http = results["http"].setdefault(named, {})
-        with HttpServer(engine, held) as url:
-            for name in args.clients:
-                frames, mode = CLIENTS[name]
-                bodies = http_bodies(samples, frames=frames)
-                events.clear()
-                with tempfile.TemporaryDirectory() as tmp:
-                    path = Path(tmp) / "timeline.json" if mode == "plain" else None
-                    rounds_s = http_rounds(url, bodies, args.reps, mode, frames, timeline=path)
-                    seconds = statistics.median(rounds_s)
-                    timeline = json.loads(path.read_text()) if path is not None else []
-                label = f"http {'frames' if frames else 'JSON'}, client {mode}"
-                http[name] = summary(label, events, len(bodies), marks) | {"client_round_ms": seconds * 1e3}
-                print(f"{'':28s} client round {seconds * 1e3:.1f} ms", flush=True)
-                http[name] |= client_side(timeline, events)
+    with recording_server(events):
+        for hold, wait, budget in itertools.product(args.launch_hold_ms, args.batch_wait_ms, budgets):
+            named = (
+                f"launch_hold_ms={hold:g}"
+                + ("" if len(args.batch_wait_ms) == 1 else f",batch_wait_ms={wait:g}")
+                + ("" if len(budgets) == 1 else f",max_batch_tokens={budget}")
+            )
+            print(f"== {named}", flush=True)
+            held = settings.model_copy(
+                update={"launch_hold_ms": hold, "batch_wait_ms": wait, "max_batch_tokens": budget}
+            )
+            results["http"][named] = over_http(engine, held, samples, args, marks)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=1))
     return 0

@@ -40,3 +40,22 @@ def test_a_grpo_round_in_process_and_over_plain_json(tmp_path: Path) -> None:
     assert over["posted_ms"][0] < over["sent_ms"][0] < over["headers_ms"][0]
     assert len(over["launch_ms"]) == over["micro_batches"]
     assert over["launch_ms"][0] >= over["normalised_ms"][0]
+
+
+@pytest.mark.slow
+def test_budgets_run_in_process_and_over_http_each(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--workload", "grpo-short", "--scale", "0.05"]
+    budgets = ["--max-batch-tokens", "4096", "64"]
+    assert main([*argv, *budgets, "--clients", "plain", "--reps", "1", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    large, small = (result["in_process"][f"max_batch_tokens={b}"] for b in (4096, 64))
+    assert large["micro_batches"] == 1  # the whole round fits 4096 tokens
+    assert small["micro_batches"] > 1
+    assert max(small["micro_batch_tokens"]) <= 64
+    # a group split over micro-batches computes its prompt in each
+    assert sum(small["micro_batch_tokens"]) >= sum(large["micro_batch_tokens"])
+    over = {b: result["http"][f"launch_hold_ms=25,max_batch_tokens={b}"]["plain"] for b in (4096, 64)}
+    assert sum(over[4096]["micro_batch_tokens"]) == sum(large["micro_batch_tokens"])
+    assert over[64]["micro_batches"] > 1
+    assert max(over[64]["micro_batch_tokens"]) <= 64
