@@ -443,9 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         LoadedModel(model, args.model, demo=False), device, backend, settings.engine_config()
     )
     engine.warm_up()
-    events = EVENTS
     marks: GpuMarks | None = {} if device.type == "cuda" else None
-    engine.launch = recorded_launches(events, engine.launch, marks)  # type: ignore[method-assign,assignment]
+    engine.launch = recorded_launches(EVENTS, engine.launch, marks)  # type: ignore[method-assign,assignment]
     samples = WORKLOADS[args.workload](int(SHAPES[args.model]["vocab_size"]), args.scale)
     the_jobs = jobs(samples)
     per = len(the_jobs) // 8 or 1
@@ -460,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         "http": {},
     }
 
-    with recording_server(events):
+    with recording_server(EVENTS):
         for hold, wait, budget in itertools.product(args.launch_hold_ms, args.batch_wait_ms, budgets):
             named = (
                 f"launch_hold_ms={hold:g}"
