@@ -1,6 +1,7 @@
 """HTTP load for the benchmark, outside the server's process (as trainers are): N concurrent POST /logprobs.
 
-    python -m benchmarks.client URL BODIES_FILE REPS [--mode asyncio|httpcore|plain|processes] [--frames]
+    python -m benchmarks.client URL BODIES_FILE REPS [--mode asyncio|httpcore|plain|processes|plain-processes]
+        [--frames]
         -> prints a JSON list of wall seconds per rep
     python -m benchmarks.client URL BODIES_FILE 0 --mode load --frames --rate R --seconds S --tasks N
         -> prints "ready" once connected, reads the start instant (time.perf_counter) from stdin,
@@ -28,12 +29,17 @@ round (and the connections) comes first.
 - `processes`: one client process per body, as N trainer ranks are, each with its own httpx.Client
   and keep-alive connection; a round starts at one instant of the shared monotonic clock
   (time.perf_counter is CLOCK_MONOTONIC on Linux) and lasts until the last process has its answer.
+- `plain-processes`: `processes` with each rank a plain trainer: a default `httpx.Client()`, its body
+  (a dict of lists, built before the rounds) posted with `json=` and the answer read with
+  `response.json()`. Each rank encodes only its own body, as 8 trainer ranks on their own hosts do;
+  `plain` encodes all of them one after another in one thread before its first socket write.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import random
@@ -41,7 +47,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpcore
 import httpx
@@ -84,26 +90,43 @@ def _post(client: httpx.Client, body: bytes, frames: bool) -> None:
     _parse(r.content, frames)
 
 
-def _rank(url: str, body: bytes, frames: bool, conn: Connection) -> None:
+def _post_plain(client: httpx.Client, body: Any) -> None:
+    r = client.post("/logprobs", json=body)
+    r.raise_for_status()
+    r.json()
+
+
+Wire = Literal["json", "frames", "plain"]  # a rank's bodies: JSON bytes, compact frames, or json= of a dict
+
+
+def _rank(url: str, body: bytes, wire: Wire, conn: Connection) -> None:
     """One client process: for each start instant received, wait for it, send, report the end."""
+    plain, frames = wire == "plain", wire == "frames"
+    trainer_body = json.loads(body) if plain else None  # the plain trainer's dict, built before the rounds
     with httpx.Client(base_url=url, timeout=600) as client:
         while (start := conn.recv()) is not None:
             while (left := start - time.perf_counter()) > 0:
                 if left > 0.002:
                     time.sleep(left - 0.002)
-            _post(client, body, frames)
+            if plain:
+                _post_plain(client, trainer_body)
+            else:
+                _post(client, body, frames)
             conn.send(time.perf_counter())
 
 
-def in_processes(url: str, bodies: list[bytes], reps: int, frames: bool) -> list[float]:
+def in_processes(url: str, bodies: list[bytes], reps: int, wire: Wire) -> list[float]:
+    """Wall seconds of each round after a warm-up, every body sent by its own process."""
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in bodies]
     ranks = [
-        ctx.Process(target=_rank, args=(url, body, frames, child), daemon=True)
+        ctx.Process(target=_rank, args=(url, body, wire, child), daemon=True)
         for body, (_, child) in zip(bodies, pipes, strict=True)
     ]
     for p in ranks:
         p.start()
+    for _, child in pipes:  # only the rank holds its end now: a rank that fails ends the round with EOFError
+        child.close()
     try:
         seconds = []
         for _ in range(reps + 1):  # the first round warms up
@@ -115,7 +138,8 @@ def in_processes(url: str, bodies: list[bytes], reps: int, frames: bool) -> list
         return seconds[1:]
     finally:
         for parent, _ in pipes:
-            parent.send(None)
+            with contextlib.suppress(OSError):  # a rank that failed has closed its end
+                parent.send(None)
         for p in ranks:
             p.join(timeout=10)
 
@@ -268,7 +292,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("url")
     parser.add_argument("bodies", type=Path)
     parser.add_argument("reps", type=int)
-    modes = ["asyncio", "httpcore", "plain", "processes", "load"]
+    modes = ["asyncio", "httpcore", "plain", "processes", "plain-processes", "load"]
     parser.add_argument("--mode", choices=modes, default="asyncio")
     parser.add_argument("--frames", action="store_true", help="the bodies are compact frames")
     parser.add_argument("--rate", type=float, help="load: requests/s of this process")
@@ -286,8 +310,11 @@ def main(argv: list[str]) -> int:
         )
         print(json.dumps(asyncio.run(load)))
         return 0
-    if args.mode == "processes":
-        seconds = in_processes(args.url, bodies, args.reps, args.frames)
+    if args.mode in {"processes", "plain-processes"}:
+        if args.mode == "plain-processes" and args.frames:
+            parser.error("--mode plain-processes posts JSON: no --frames")
+        wire: Wire = "plain" if args.mode == "plain-processes" else "frames" if args.frames else "json"
+        seconds = in_processes(args.url, bodies, args.reps, wire)
     elif args.mode == "plain":
         timeline: Timeline = []
         seconds = asyncio.run(_in_plain(args.url, bodies, args.reps, timeline))

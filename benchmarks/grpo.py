@@ -18,16 +18,17 @@ Workloads (benchmarks/workload.py, fixed seeds; the response is the action windo
 
 Per model (random bf16 weights with the real shapes) and workload, in one run: the service over HTTP
 (the real app on loopback, one request per GRPO group or conversation, all at once from a client in
-another process: --client frames, compact frames over 8 connections of logprobd's transport; or
---client plain, JSON as a trainer without logprobd's client writes it: a default httpx.AsyncClient,
-`json=` and `response.json()`, benchmarks/client.py's `plain` mode) with `share_prefixes` off and
-on, both serving one engine; and the naive peer (padded rows of 8, full logits: what a trainer runs
-in-process; fewer rows where 8 run out of memory). Each reports milliseconds (median of --reps after
-a warm-up), tokens/s (tokens sent), the fraction of the FLOP floor counted on all tokens and on
-unique tokens (a trie over the sequences: what sharing can save), peak GPU memory, the
+another process: --client frames, compact frames over 8 connections of logprobd's transport; or --client
+plain, JSON as a trainer without logprobd's client writes it: a default httpx.AsyncClient, `json=` and
+`response.json()`, benchmarks/client.py's `plain` mode; --client plain-processes, the same with each
+request from its own process and httpx.Client, as trainer ranks on their own hosts) with
+`share_prefixes` off and on, both serving one engine; and the naive peer (padded rows of 8, full logits:
+what a trainer runs in-process; fewer rows where 8 run out of memory). Each reports milliseconds (median
+of --reps after a warm-up), tokens/s (tokens sent), the fraction of the FLOP floor counted on all tokens
+and on unique tokens (a trie over the sequences: what sharing can save), peak GPU memory, the
 `usage.computed_tokens` the server reports (summed over the answers; null where the server does not
-report it) and the largest |Δ| against a float32 reference on the workload's first 4 sequences (one
-GRPO group's, one conversation's: they share).
+report it) and the largest |Δ| against a float32 reference on the workload's first 4 sequences (one GRPO
+group's, one conversation's: they share).
 Each workload also reports its tokens sent, unique tokens (full tree) and the tokens computed when
 only one level is shared (each top-level group's longest common prefix once).
 """
@@ -88,7 +89,8 @@ WORKLOADS: dict[str, Callable[[int, float], list[Sample]]] = {
 }
 DEFAULT_WORKLOADS = ["grpo-short", "grpo-long", "multi-turn"]
 SHARING = {"sharing_off": False, "sharing_on": True}
-CLIENTS = {"frames": "asyncio", "plain": "plain"}  # --client -> benchmarks/client.py's mode
+# --client -> benchmarks/client.py's mode
+CLIENTS = {"frames": "asyncio", "plain": "plain", "plain-processes": "plain-processes"}
 
 
 def describe(samples: list[Sample], min_shared: int) -> dict[str, Any]:
@@ -376,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         "--client",
         choices=list(CLIENTS),
         default="frames",
-        help="frames: compact frames, logprobd's transport; plain: JSON, httpx defaults (client.py)",
+        help="frames: compact frames, logprobd's transport; plain: JSON, httpx defaults, one process; "
+        "plain-processes: the same, each request from its own process (client.py)",
     )
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "grpo-latest.json")

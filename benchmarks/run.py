@@ -10,7 +10,9 @@ clients are 8 connections of one client process sending compact frames, as logpr
 does (`http`, the figure the targets use); beside it the same in JSON (`http_json`), on httpx's
 default transport instead of logprobd's (`http_httpcore`), from 8 client processes with one
 framed request each (`http_8proc`), and as a trainer writes it without logprobd's client: a default
-httpx.AsyncClient, `json=` and `response.json()` (`http_plain`); see client.py.
+httpx.AsyncClient, `json=` and `response.json()` (`http_plain`), and the same from 8 client processes,
+each a default httpx.Client posting its own body (`http_plain_8proc`, as 8 trainer ranks); see
+client.py.
 
 `load`: continuous load after those rounds: --load-tasks client tasks (--load-processes processes)
 send requests of the standard workload's per-client size (8 sequences each, from a pool of
@@ -392,6 +394,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             ("http_httpcore", True, "httpcore"),  # the same on httpx's default transport
             ("http_8proc", True, "processes"),  # the same load from 8 client processes, one request each
             ("http_plain", False, "plain"),  # httpx defaults, json= and response.json(): no logprobd client
+            ("http_plain_8proc", False, "plain-processes"),  # the same, each body from its own process
         ):
             rounds[variant] = http_rounds(url, framed if frames else plain, args.reps, mode, frames)
             seconds = statistics.median(rounds[variant])
@@ -420,7 +423,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         "http_rounds_ms": {k: [round(x * 1e3, 1) for x in v] for k, v in rounds.items()},
         "http_client": f"one client process, {len(http_bodies(samples))} connections (client.py asyncio: "
         "httpx on logprobd's StreamTransport), compact frames both ways (http_json: JSON both ways; "
-        "http_httpcore: httpx's default transport; http_8proc: 8 client processes, httpx.Client)",
+        "http_httpcore: httpx's default transport; http_8proc: 8 client processes, httpx.Client; http_plain: "
+        "httpx.AsyncClient defaults, json=; http_plain_8proc: the same from 8 processes, httpx.Client)",
         "tokens": tokens,
         "action_tokens": sum(len(s.response) for s in samples),
         "floor_ms": floor_s * 1e3,
@@ -442,6 +446,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         / variants["http_8proc"]["ms"],
         "http_overhead_plain": (variants["http_plain"]["ms"] - variants["engine"]["ms"])
         / variants["http_plain"]["ms"],
+        "http_overhead_plain_8proc": (variants["http_plain_8proc"]["ms"] - variants["engine"]["ms"])
+        / variants["http_plain_8proc"]["ms"],
         "load": load,
         "max_abs_diff_bf16": max_abs_diff([s.logprobs for s in engine_scores], want),
         "max_abs_diff_bf16_naive_peer": max_abs_diff(naive_scores, want),

@@ -61,15 +61,16 @@ def test_grpo_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("client", ["plain", "plain-processes"])
 def test_grpo_benchmark_runs_with_the_plain_json_client(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    client: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "grpo.json"
     argv = ["--models", "tiny", "--device", "cpu", "--dtype", "float32", "--scale", "0.05", "--reps", "1"]
-    assert main([*argv, "--share-min-tokens", "4", "--workloads", "grpo-short", "--client", "plain",
+    assert main([*argv, "--share-min-tokens", "4", "--workloads", "grpo-short", "--client", client,
                  "--variants", "sharing_on", "--output", str(out)]) == 0  # fmt: skip
     tiny = json.loads(out.read_text())["models"]["tiny"]
-    assert tiny["client"] == "plain"
+    assert tiny["client"] == client
     w = tiny["workloads"]["grpo-short"]
     assert set(w["variants"]) == {"sharing_on", "sharing_on_grouped"}  # --variants: no peer, no unshared run
     assert "speedup_sharing" not in w

@@ -31,6 +31,7 @@ def test_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
         "http_httpcore",
         "http_8proc",
         "http_plain",
+        "http_plain_8proc",
     }
     for key in (
         "floor_fraction_http",
@@ -41,6 +42,7 @@ def test_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
         "http_overhead_httpcore",
         "http_overhead_8proc_clients",
         "http_overhead_plain",
+        "http_overhead_plain_8proc",
     ):
         assert isinstance(tiny[key], float)
     load = tiny["load"]
