@@ -83,13 +83,13 @@ print('\n'.join(p['dependencies'] + [r for e in extras for r in p['optional-depe
     && pip install -c constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
-# setup.py compiles the native JSON row reader (service/_jsonrows.c) with the gcc above; the image
+# setup.py compiles the native JSON row reader (service/wire/_jsonrows.c) with the gcc above; the image
 # must have it (the service would fall back to a slower reader), so the build checks that it loads
 # from site-packages (-P: not from ./service, the copied source).
 COPY README.md setup.py ./
 COPY service ./service
 RUN pip install --no-deps . && rm -rf build ./*.egg-info \
-    && python -P -c "from service import _jsonrows"
+    && python -P -c "from service.wire import _jsonrows"
 
 # Caches on /tmp: under Kubernetes the root filesystem is read-only and /tmp an emptyDir.
 # HF_HUB_OFFLINE: models come from the mounted volume, never from a hub.

@@ -1,6 +1,6 @@
 """The package's one compiled module; everything else about the build is in pyproject.toml.
 
-service._jsonrows reads a JSON body's integer rows natively (service/jsonrows.py's fast path), one
+service.wire._jsonrows reads a JSON body's integer rows natively (service/wire/jsonrows.py's fast path), one
 abi3 build for every CPython from 3.11. It is optional: where it cannot be compiled the install goes
 on, and jsonrows.py reads the rows with orjson instead.
 """
@@ -10,8 +10,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "service._jsonrows",
-            sources=["service/_jsonrows.c"],
+            "service.wire._jsonrows",
+            sources=["service/wire/_jsonrows.c"],
             py_limited_api=True,
             optional=True,
             extra_compile_args=["-O2"],

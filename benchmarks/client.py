@@ -8,7 +8,7 @@
            then prints a JSON object (poisson_load)
 
 BODIES_FILE holds the request bodies, each after its length (8 bytes, little-endian): JSON, or with
-`--frames` compact frames (service/frame.py), whose answers are asked for and read as frames too.
+`--frames` compact frames (service/wire/frame.py), whose answers are asked for and read as frames too.
 Every round sends all of them at once and ends when the last answer is read and parsed. One warm-up
 round (and the connections) comes first.
 
@@ -55,7 +55,7 @@ import orjson
 
 from service.client.transport import StreamTransport
 from service.client.wire import Scores, from_frame
-from service.frame import MEDIA_TYPE
+from service.wire.frame import MEDIA_TYPE
 
 JSON_HEADERS = {"content-type": "application/json"}
 FRAME_HEADERS = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}

@@ -5,7 +5,7 @@
 Scores as the engine returns them (random: the top K distinct ids per position, sorted log-probs, the
 prompt's token among them six times in ten), token text from a synthetic table of realistic pieces
 (words with and without a leading space, punctuation, CJK, emoji, byte tokens' "\\ufffd", runs of
-spaces and newlines). Prints, best of --reps: `after` (service/completions/response.py's chunks, the
+spaces and newlines). Prints, best of --reps: `after` (service/http/completions/response.py's chunks, the
 server's path, on response.RENDER_THREADS threads: min(4, cores)) and `before` (the same answer as
 Python dicts through orjson.dumps, as the service wrote it before jsonwriter.py; --no-before skips
 it), the document's size, the one-off build of the vocabulary's pieces, and that both give the same
@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from service.completions.pieces import TokenPieces
-from service.completions.plan import CompletionPlan
-from service.completions.response import completion_chunks
-from service.jobs import SequenceScores
+from service.core.jobs import SequenceScores
+from service.http.completions.pieces import TokenPieces
+from service.http.completions.plan import CompletionPlan
+from service.http.completions.response import completion_chunks
 
 FLOOR = -9999.0
 

@@ -49,11 +49,11 @@ from benchmarks.run import (
 )
 from benchmarks.workload import SHAPES, Sample, floor_flops, grpo_short, unique_floor_flops
 from service.client.wire import to_frame
-from service.completions.plan import plan_completion
-from service.completions.schemas import CompletionRequest
-from service.engine.loading.models import LoadedModel
+from service.engine.loading.pretrained import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
+from service.http.completions.plan import plan_completion
+from service.http.completions.schemas import CompletionRequest
 from service.normalise import ModelLimits
 from service.settings import CudaGraphs, Settings
 

@@ -76,7 +76,7 @@ from benchmarks.workload import (
     unique_floor_flops,
     unique_tokens,
 )
-from service.engine.loading.models import LoadedModel
+from service.engine.loading.pretrained import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.settings import CudaGraphs, Settings

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from service.engine.heads import chunked, extras_radix, fused_kernel
-from service.engine.heads.contract import Extras, LogitTransform
+from service.engine.heads.base import Extras, LogitTransform
 from service.engine.runtime import triton_jit
 
 TEMPERATURE = 0.7

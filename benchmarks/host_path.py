@@ -53,17 +53,17 @@ import torch
 
 from benchmarks.run import HttpServer, http_bodies, http_rounds
 from benchmarks.workload import Sample, grpo_long, grpo_short, host_info, workload
-from service.arrays import parse_frame, to_frame
+from service.answer.layout import answer, to_json
 from service.client.wire import Scores, from_frame
 from service.client.wire import to_frame as client_frame
+from service.core.jobs import Chunk, SequenceJob, SequenceScores
+from service.core.prefixes import Forest, share
 from service.engine.contract import ReloadOrder, StagedWeights, WeightsState
 from service.engine.scorer.inflight import HOST_ID_DTYPE, HostExtras, InFlight
-from service.jobs import Chunk, SequenceJob, SequenceScores
-from service.jsonrows import parse_json
 from service.normalise import ModelLimits, normalise
-from service.prefixes import Forest, share
-from service.response import answer, to_json
 from service.settings import Settings
+from service.wire.arrays import parse_frame, to_frame
+from service.wire.jsonrows import parse_json
 
 VOCAB = 151_936  # Qwen2.5's
 WORKLOADS: dict[str, Callable[[], list[Sample]]] = {

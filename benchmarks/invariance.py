@@ -50,10 +50,10 @@ from benchmarks.long import long_workload
 from benchmarks.run import CLIENTS, HttpServer, build_model, http_bodies, http_rounds
 from benchmarks.workload import SHAPES, Sample, _scaled, grpo_long, grpo_short, jobs, workload
 from service.batcher import Batcher
-from service.engine.loading.models import LoadedModel
+from service.core.jobs import SequenceJob, SequenceScores
+from service.engine.loading.pretrained import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import Kernels, Settings
 

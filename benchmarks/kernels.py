@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from service.jobs import SequenceJob
+from service.core.jobs import SequenceJob
 from service.settings import Settings
 
 # model, reps, token budget -> {"micro_batch_tokens": [...], variant: {"ms", "tflops", diff} | {"skipped"}}

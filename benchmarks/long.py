@@ -53,7 +53,7 @@ from benchmarks.run import (
 )
 from benchmarks.workload import SHAPES, Sample, floor_flops, workload
 from service.engine.batch.kv_store import cache_bytes_per_token
-from service.engine.loading.models import LoadedModel
+from service.engine.loading.pretrained import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.settings import Settings

@@ -53,11 +53,11 @@ from benchmarks.run import (
 )
 from benchmarks.workload import Sample, floor_flops, jobs, workload
 from service.batcher import Batcher
+from service.core.jobs import SequenceJob
 from service.engine.config import EngineConfig
-from service.engine.loading.models import LoadedModel
+from service.engine.loading.pretrained import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import SequenceJob
 from service.metrics import Metrics
 from service.settings import Settings
 

@@ -46,13 +46,13 @@ import torch
 from benchmarks import run as bench_run
 from benchmarks.run import HttpServer, build_model, http_bodies, http_rounds
 from benchmarks.workload import SHAPES, Sample, grpo_long, grpo_short, jobs, workload
-from service import api
 from service.batcher import Batcher
+from service.core.jobs import IntArray, SequenceJob, SequenceScores
 from service.engine.contract import Launched
-from service.engine.loading.models import LoadedModel
+from service.engine.loading.pretrained import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import IntArray, SequenceJob, SequenceScores
+from service.http import router as api
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings
 

@@ -60,10 +60,10 @@ from benchmarks import moe
 from benchmarks.invariance import WORKLOADS, build, requests, vocab_of
 from benchmarks.workload import SHAPES, jobs
 from service.batcher import Batcher
-from service.engine.loading.models import LoadedModel
+from service.core.jobs import GivenRoutes, RouteAgreement, Sampling, SequenceJob, SequenceScores
+from service.engine.loading.pretrained import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import GivenRoutes, RouteAgreement, Sampling, SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings
 

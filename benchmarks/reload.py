@@ -26,7 +26,7 @@ from safetensors import safe_open
 from benchmarks.run import build_model
 from benchmarks.workload import SHAPES, jobs, workload
 from service.engine.contract import ReloadOrder
-from service.engine.loading.models import LoadedModel
+from service.engine.loading.pretrained import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.settings import Settings

@@ -32,11 +32,11 @@ from benchmarks.moe import SHAPES, active_params, build_model, floor_shape
 from benchmarks.run import HttpServer, http_rounds, run_models
 from benchmarks.workload import Sample, floor_flops, workload
 from service.client.wire import from_frame, to_frame
-from service.engine.loading.models import LoadedModel
+from service.engine.loading.pretrained import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
-from service.frame import MEDIA_TYPE
 from service.settings import CudaGraphs, Settings
+from service.wire.frame import MEDIA_TYPE
 
 CLIENTS = 8
 FRAME_HEADERS = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}

@@ -32,16 +32,16 @@ import torch
 
 from benchmarks.kernels import micro_batches
 from benchmarks.workload import host_info, workload
-from service.arrays import parse_frame
-from service.arrays import to_frame as answer_frame
-from service.client.routes import encode
+from service.answer.layout import answer, to_json
+from service.client.routed_experts import encode
 from service.client.wire import to_frame
+from service.core.jobs import GivenRoutes, SequenceJob, SequenceScores
+from service.core.prefixes import Forest, Grouper, share
 from service.engine.batch.packing import pack
 from service.engine.contract import MoeShape
-from service.jobs import GivenRoutes, SequenceJob, SequenceScores
 from service.normalise import ModelLimits, ScoringPlan, normalise
-from service.prefixes import Forest, Grouper, share
-from service.response import answer, to_json
+from service.wire.arrays import parse_frame
+from service.wire.arrays import to_frame as answer_frame
 
 VOCAB = 151936
 MOE = MoeShape(layers=48, experts=128, top_k=8)

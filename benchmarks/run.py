@@ -49,14 +49,14 @@ import uvicorn
 from benchmarks import peers
 from benchmarks.client import write_bodies
 from benchmarks.workload import SHAPES, Sample, floor_flops, jobs, workload
-from service.app import create_app
 from service.batcher import Batcher
 from service.client.wire import group_prompts, to_frame
+from service.core.jobs import SequenceScores
 from service.engine.config import EngineConfig
-from service.engine.loading.models import LoadedModel
+from service.engine.loading.pretrained import LoadedModel
 from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import SequenceScores
+from service.http.app import create_app
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings
 

@@ -151,7 +151,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.moe import SHAPES, build_model
     from benchmarks.run import HttpServer
     from service.engine.config import EngineConfig
-    from service.engine.loading.models import LoadedModel
+    from service.engine.loading.pretrained import LoadedModel
     from service.engine.ops.attention import choose_backend, register
     from service.engine.scorer.engine import PackedScorer
     from service.settings import Settings

@@ -52,14 +52,14 @@ import orjson
 
 from benchmarks.host_path import VOCAB, InstantEngine, median_ms
 from benchmarks.run import HttpServer
-from service.completions import response, stream
-from service.completions.pieces import TokenPieces
-from service.completions.plan import plan_completion
-from service.completions.response import Drawn, completion_chunks
-from service.completions.schemas import CompletionRequest
+from service.http.completions import response, stream
+from service.http.completions.pieces import TokenPieces
+from service.http.completions.plan import plan_completion
+from service.http.completions.response import Drawn, completion_chunks
+from service.http.completions.schemas import CompletionRequest
 from service.normalise import ModelLimits
-from service.schemas import parse_body
 from service.settings import Settings
+from service.wire.schemas import parse_body
 
 MAX_K = 1000
 

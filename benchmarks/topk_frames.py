@@ -7,9 +7,9 @@ The GRPO 8 x 8 shape at 7B: 64 rows of `--prompt` tokens followed by `--actions`
 `top_logprobs: K` (and `candidate_ids` C when --candidates > 0). Scores are synthetic (distinct ids,
 sorted log-probs) as the engine would return them. Prints, best of --reps:
 
-- server: service.response.answer (the rows scattered into their windows) and service.arrays.to_frame
-  as they are now, and `json part` (the [rows][window][K] fields written by orjson into the frame's
-  JSON part, the frame before they travelled as arrays, rebuilt here);
+- server: service.answer.layout.answer (the rows scattered into their windows) and
+  service.wire.arrays.to_frame as they are now, and `json part` (the [rows][window][K] fields
+  written by orjson into the frame's JSON part, the frame before they travelled as arrays, rebuilt here);
 - client: service.client.wire.from_frame + Scores.from_body on each of the two frames (the json part
   one: stdlib json.loads of the nested lists, then Scores' numpy blocks from them); and the JSON
   form (response.to_json, then json.loads + Scores.from_body as httpx reads it) for comparison;
@@ -28,13 +28,13 @@ import numpy as np
 import orjson
 
 from benchmarks.workload import host_info
-from service.arrays import RESPONSE_ARRAYS, to_frame
+from service.answer.layout import answer, to_json
 from service.client.wire import Scores, from_frame
-from service.frame import ArraySpec, pack
-from service.jobs import SequenceScores
+from service.core.jobs import SequenceScores
 from service.normalise import ModelLimits, ScoringPlan, normalise
-from service.response import answer, to_json
-from service.schemas import LogprobsRequest
+from service.wire.arrays import RESPONSE_ARRAYS, to_frame
+from service.wire.frame import ArraySpec, pack
+from service.wire.schemas import LogprobsRequest
 
 WIDE = ("top_ids", "top_logprobs", "candidate_logprobs")
 

@@ -29,9 +29,9 @@ import torch
 from benchmarks.run import build_model, peak_memory, timed
 from benchmarks.workload import SHAPES, jobs, workload
 from service.batcher import Batcher
+from service.engine.heads.base import ActionScores, LogitTransform
 from service.engine.heads.chunked import score_actions
-from service.engine.heads.contract import ActionScores, LogitTransform
-from service.engine.loading.models import LoadedModel
+from service.engine.loading.pretrained import LoadedModel
 from service.engine.ops.attention import BACKENDS, choose_backend, register
 from service.engine.ops.rope import unfuse_rope
 from service.engine.scorer import engine as scorer

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.core.jobs import SequenceJob
 from service.engine.contract import EngineInfo, MoeShape
-from service.jobs import SequenceJob
 
 # The real shapes (config.json of each checkpoint): weights are random, shapes are what cost time.
 SHAPES: dict[str, dict[str, int | bool]] = {

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("openapi", "config-docs"):
         if args.command == "openapi":
-            from service.openapi import render_openapi as render
+            from service.http.openapi import render_openapi as render
         else:
             from service.configdoc import render_configuration as render
         text = render()
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             args.output.write_text(text)
         return 0
     settings = settings_from(_subcommand(parser, "serve"), args)
-    from service.server import serve
+    from service.http.server import serve
 
     return serve(settings)
 

@@ -11,9 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import Info as InfoMetric
 from prometheus_client.core import HistogramMetricFamily, Metric
 
-from service.errors import OUTCOMES
-from service.jobs import IntArray
-from service.schemas import RolloutMismatch, RouteAgreementSummary
+from service.core.errors import OUTCOMES
+from service.core.jobs import IntArray
+from service.wire.schemas import RolloutMismatch, RouteAgreementSummary
 
 PREFIX = "logprobd"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

@@ -24,9 +24,9 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from service import jsonrows
-from service.app import create_app
+from service.http.app import create_app
 from service.settings import Settings
+from service.wire import jsonrows
 from tests import models
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: a server process's working directory
@@ -106,12 +106,14 @@ def version_models(weight_versions: dict[str, Path]) -> dict[str, Any]:
 
 
 def native_or_skip() -> None:
-    """Skip unless the native JSON row reader (service/_jsonrows.c) was built; with
+    """Skip unless the native JSON row reader (service/wire/_jsonrows.c) was built; with
     LOGPROBD_REQUIRE_NATIVE=1 (CI) its absence fails instead."""
     if jsonrows.native() is None:
         if os.environ.get("LOGPROBD_REQUIRE_NATIVE") == "1":
-            pytest.fail("service._jsonrows is not built (pip install -e . compiles it; needs a C compiler)")
-        pytest.skip("service._jsonrows is not built")
+            pytest.fail(
+                "service.wire._jsonrows is not built (pip install -e . compiles it; needs a C compiler)"
+            )
+        pytest.skip("service.wire._jsonrows is not built")
 
 
 def settings_for(path: Path | None, **overrides: Any) -> Settings:

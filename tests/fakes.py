@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.core.jobs import Chunk, SequenceJob, SequenceScores
+from service.core.prefixes import Forest
 from service.engine.contract import (
     EngineInfo,
     OutOfMemory,
@@ -18,8 +20,6 @@ from service.engine.contract import (
     WeightsRejected,
     WeightsState,
 )
-from service.jobs import Chunk, SequenceJob, SequenceScores
-from service.prefixes import Forest
 
 
 @dataclass(frozen=True, slots=True)

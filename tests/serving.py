@@ -11,12 +11,12 @@ from typing import Any, cast
 
 from fastapi.testclient import TestClient
 
-from service.app import create_app
+from service.core.jobs import Chunk
+from service.core.prefixes import Forest
 from service.engine import ScoringEngine, load_engine
 from service.engine.config import EngineConfig
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import Chunk
-from service.prefixes import Forest
+from service.http.app import create_app
 from service.settings import Settings
 from tests.conftest import wait_ready
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service import jsonrows
-from service.app import create_app
 from service.engine import ScoringEngine
 from service.engine.config import EngineConfig
+from service.http.app import create_app
 from service.settings import Settings
+from service.wire import jsonrows
 from tests.conftest import native_or_skip, running, settings_for, wait_ready
 from tests.fakes import FakeEngine
 
@@ -140,7 +140,7 @@ def test_the_ready_line_names_the_json_row_reader(
     else:
         monkeypatch.setattr(jsonrows, "native", lambda: None)
     app = create_app(Settings(), engine_factory=lambda _: FakeEngine())
-    with caplog.at_level("INFO", logger="service.app"), TestClient(app) as client:
+    with caplog.at_level("INFO", logger="service.http.app"), TestClient(app) as client:
         wait_ready(client)
     (ready,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready: ")]
     want = "the native reader" if built else "orjson (no native reader built)"

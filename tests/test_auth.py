@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.auth import ApiKeys
+from service.http.app import create_app
+from service.http.auth import ApiKeys
 from service.settings import Settings
 from tests.conftest import wait_ready
 from tests.fakes import FakeEngine

@@ -16,7 +16,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from service.client.wire import from_frame, to_frame
-from service.frame import MEDIA_TYPE
+from service.wire.frame import MEDIA_TYPE
 from tests import distribution as ref
 from tests import models
 from tests.conftest import running, settings_for

@@ -98,7 +98,7 @@ def test_api_response_table_names_every_response_field() -> None:
 
 
 def test_api_error_table_has_every_status_of_the_error_table() -> None:
-    from service.errors import _STATUS, ClientDisconnected, ServiceError, status_for
+    from service.core.errors import _STATUS, ClientDisconnected, ServiceError, status_for
 
     documented = {
         (int(row[0]), kind)

@@ -19,11 +19,11 @@ import httpx
 import pytest
 import uvicorn
 
-from service.app import create_app
+from service.http.app import create_app
+from service.http.server import DrainingServer
+from service.http.state import ServiceState
 from service.metrics import Metrics
-from service.server import DrainingServer
 from service.settings import Settings
-from service.state import ServiceState
 from tests.fakes import FakeEngine
 
 DRAIN_S = 3.0

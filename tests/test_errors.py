@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.errors import InvalidRequest, MethodNotAllowed, NotFound, from_routing, status_for
-from service.schemas import parse_request
+from service.core.errors import InvalidRequest, MethodNotAllowed, NotFound, from_routing, status_for
+from service.wire.schemas import parse_request
 
 VALID = '"input_ids": [[1, 2]], "num_actions": 1'
 

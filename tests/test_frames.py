@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.arrays import parse_frame
-from service.arrays import to_frame as server_frame
 from service.client import Client
 from service.client.wire import Scores, from_frame, to_frame
-from service.frame import MEDIA_TYPE, ArraySpec, FrameError, decode_rows, encode_rows, pack, unpack
 from service.normalise import ModelLimits, normalise
-from service.schemas import LogprobsRequest
+from service.wire.arrays import parse_frame
+from service.wire.arrays import to_frame as server_frame
+from service.wire.frame import MEDIA_TYPE, ArraySpec, FrameError, decode_rows, encode_rows, pack, unpack
+from service.wire.schemas import LogprobsRequest
 from tests.client.faults import Flaky
 from tests.conftest import loopback, running, settings_for
 from tests.requests import GROUPED_LAYOUTS, LAYOUTS, make, make_grouped
@@ -289,7 +289,7 @@ def test_the_client_sends_frames_by_default_and_scores_the_same_as_json(model_di
 
 
 def loopback_server(path: Path) -> Any:
-    from service.app import create_app
+    from service.http.app import create_app
 
     return loopback(create_app(settings_for(path)))
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
+from service.http.app import create_app
 from service.settings import Settings
 from tests.conftest import Reply, loopback, wait_ready
 from tests.fakes import FakeEngine

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from service import heap
+from service.core import heap
 
 
 class Node:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from service.batcher import Batcher, Scored
+from service.core.jobs import SequenceJob, SequenceScores
 from service.engine.contract import ReloadOrder
 from service.engine.ops import fixed_tile
 from service.engine.ops.attention import blocked_kernel
@@ -31,7 +32,6 @@ from service.engine.ops.gate_up import quack_available
 from service.engine.scorer import build
 from service.engine.scorer.engine import PackedScorer
 from service.engine.strategies.gemm import GEMM_ROWS, FixedRows
-from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import Settings
 from tests import critics, models

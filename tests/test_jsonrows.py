@@ -1,7 +1,7 @@
 """jsonrows.parse_json: the same request as schemas.parse_request, its rows of integers as int64 arrays
 read without pydantic, and every refusal parse_request's own (the fast path only accepts; anything it
 does not read goes to parse_request). Every test runs with each row reader: the native one
-(service/_jsonrows.c; its absence skips, or fails with LOGPROBD_REQUIRE_NATIVE=1 as in CI) and orjson's
+(service/wire/_jsonrows.c; its absence skips, or fails with LOGPROBD_REQUIRE_NATIVE=1 as in CI) and orjson's
 (test_jsonrows_native.py compares the two on perturbed texts)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service import jsonrows
-from service.errors import ServiceError
-from service.jsonrows import _fast, parse_json
-from service.schemas import MATRIX_FIELDS, LogprobsRequest, parse_request
+from service.core.errors import ServiceError
+from service.wire import jsonrows
+from service.wire.jsonrows import _fast, parse_json
+from service.wire.schemas import MATRIX_FIELDS, LogprobsRequest, parse_request
 from tests.conftest import native_or_skip
 
 RAGGED = {"input_ids": [[5, 17, 0, 151935], [3, 4, 5]], "num_actions": [2, 1]}

@@ -1,4 +1,4 @@
-"""service/_jsonrows.c, the native reader of a JSON body's rows of token ids, against orjson's path:
+"""service/wire/_jsonrows.c, the native reader of a JSON body's rows of token ids, against orjson's path:
 the same rows, or the same refusal, on random matrices in random whitespace and on each perturbed."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from service.jsonrows import _int_rows, _orjson_rows
+from service.wire.jsonrows import _int_rows, _orjson_rows
 from tests.conftest import native_or_skip
 
 

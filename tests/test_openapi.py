@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.openapi import render_openapi
+from service.http.openapi import render_openapi
 
 COMMITTED = Path(__file__).resolve().parents[1] / "openapi.yaml"
 

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.jobs import GivenRoutes
-from service.prefixes import Forest, Grouper, alone, common_prefix, share
+from service.core.jobs import GivenRoutes
+from service.core.prefixes import Forest, Grouper, alone, common_prefix, share
 
 
 def _brute_force_tokens(seqs: list[list[Any]], min_tokens: int) -> int:

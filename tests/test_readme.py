@@ -110,7 +110,7 @@ def demo_model() -> Any:
     """The demo model as the frameworks would run it: same seed and config, eager, float32."""
     from transformers import AutoModelForCausalLM
 
-    from service.engine.loading.models import DEMO_SEED, demo_config
+    from service.engine.loading.pretrained import DEMO_SEED, demo_config
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(DEMO_SEED)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
+from service.http.app import create_app
 from service.settings import Settings
 from tests import critics, models
 from tests.conftest import TOLERANCE, Reply, loopback, running, settings_for, wait_ready

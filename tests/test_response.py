@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.arrays import to_frame
+from service.answer.layout import distribution
 from service.client.wire import from_frame
-from service.frame import ArraySpec, pack, unpack
-from service.jobs import SequenceScores
+from service.core.jobs import SequenceScores
 from service.normalise import ModelLimits, ScoringPlan, normalise
-from service.response import distribution
-from service.schemas import LogprobsRequest
+from service.wire.arrays import to_frame
+from service.wire.frame import ArraySpec, pack, unpack
+from service.wire.schemas import LogprobsRequest
 
 VOCAB = 151_936
 LIMITS = ModelLimits(vocab_size=VOCAB, max_sequence_tokens=64)

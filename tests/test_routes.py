@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.client.routes import decode
+from service.client.routed_experts import decode
 from service.client.wire import from_frame, to_frame
-from service.frame import MEDIA_TYPE, unpack
+from service.wire.frame import MEDIA_TYPE, unpack
 from tests.conftest import running, settings_for
 
 FRAMED = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}

@@ -16,8 +16,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from service.app import create_app
-from service.frame import MEDIA_TYPE
+from service.http.app import create_app
+from service.wire.frame import MEDIA_TYPE
 from tests.conftest import loopback, settings_for
 
 SCHEMA = schemathesis.openapi.from_path(Path(__file__).resolve().parents[1] / "openapi.yaml")

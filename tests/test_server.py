@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.app import create_app
+from service.http.app import create_app
 from tests import models
 from tests.conftest import TOLERANCE, loopback, settings_for
 from tests.reference import expected

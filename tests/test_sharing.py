@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.prefixes import share
+from service.core.prefixes import share
 from tests import critics, models
 from tests.conftest import TOLERANCE, VALUE_RTOL, Reply, eager, settings_for
 from tests.reference import assert_values_close, check_reply, expected, max_diff, row_tokens_and_window

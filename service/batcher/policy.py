@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Generic
 
 from service.batcher.queue import Batch, Chunked, F, Pending, Request
+from service.core.errors import Overloaded, VersionMismatch
+from service.core.jobs import Chunk, SequenceJob
+from service.core.prefixes import Grouper, common_routed_prefix
 from service.engine.contract import SHAPE_STEP
-from service.errors import Overloaded, VersionMismatch
-from service.jobs import Chunk, SequenceJob
-from service.prefixes import Grouper, common_routed_prefix
 from service.settings import Settings
 
 LOOKAHEAD = 256  # queued sequences looked at, behind the first that does not fit, for prefix sharers

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from service.errors import VersionMismatch
-from service.jobs import Chunk, SequenceJob, SequenceScores
-from service.prefixes import Forest, share
+from service.core.errors import VersionMismatch
+from service.core.jobs import Chunk, SequenceJob, SequenceScores
+from service.core.prefixes import Forest, share
 
 
 class Answer(Protocol):

@@ -25,9 +25,9 @@ from typing import Any
 
 from service.batcher.policy import Policy, sharing
 from service.batcher.queue import Batch, Request
+from service.core.errors import EngineFailure, SequenceTooLarge
+from service.core.jobs import SequenceJob, SequenceScores
 from service.engine.contract import Launched, OutOfMemory, ScoringEngine, StagedWeights, WeightsState
-from service.errors import EngineFailure, SequenceTooLarge
-from service.jobs import SequenceJob, SequenceScores
 from service.metrics import Metrics
 from service.settings import Settings
 

@@ -15,10 +15,10 @@ import httpx
 
 from service import __version__
 from service.client.errors import LogprobdError, from_response, from_transport
+from service.client.fanout import Chunk, merge, split
 from service.client.retry import RETRYABLE_ERRORS, RetryPolicy, parse_retry_after
-from service.client.sharding import Chunk, merge, split
 from service.client.wire import VERSIONS, Scores, from_frame, to_frame
-from service.frame import MEDIA_TYPE
+from service.wire.frame import MEDIA_TYPE
 
 Timeout = float | httpx.Timeout
 

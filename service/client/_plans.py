@@ -401,7 +401,7 @@ def _route_fields(recorded: _Recorded, groups: _Groups | None) -> dict[str, Any]
     """The request's route fields. Ungrouped: each row's columns up to its last recorded one, as verl
     lays them (the server ignores padding columns). Grouped: each prompt's routes once, each row's
     response routes after them (positions)."""
-    from service.client.routes import encode_row
+    from service.client.routed_experts import encode_row
 
     if groups is None:
         return {"routed_experts": [None if row is None else encode_row(row) for row in recorded.columns]}

@@ -25,9 +25,9 @@ from service.client._common import (
     weights_request,
 )
 from service.client.errors import LogprobdError
+from service.client.fanout import Chunk
 from service.client.replicas import ReplicaPool
 from service.client.retry import RetryPolicy
-from service.client.sharding import Chunk
 from service.client.wire import Distribution, IntRows, Scores, ToList, build_body
 
 

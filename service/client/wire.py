@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from service.frame import ArraySpec, FrameError, decode_rows, encode_rows, pack, unpack
+from service.wire.frame import ArraySpec, FrameError, decode_rows, encode_rows, pack, unpack
 
 if TYPE_CHECKING:
     import numpy as np
@@ -169,7 +169,7 @@ class Scores:
         rows, moe = self.extra.get("routed_experts"), self.extra.get("moe")
         if rows is None or moe is None:
             return None
-        from service.client.routes import decode  # numpy, only for callers of routes
+        from service.client.routed_experts import decode  # numpy, only for callers of routes
 
         return decode(rows, moe)
 
@@ -297,7 +297,7 @@ def build_body(
     body.update(options)
     for name in ("routed_experts", "prompt_routed_experts"):
         if body.get(name) is not None:
-            from service.client.routes import encode  # numpy, only for callers of routes
+            from service.client.routed_experts import encode  # numpy, only for callers of routes
 
             body[name] = encode(body[name])
     return body
@@ -321,7 +321,7 @@ def to_frame(body: Mapping[str, Any]) -> bytes | None:
     for name in _ROUTE_ARRAYS:
         if body.get(name) is None:
             continue
-        from service.client.routes import frame_rows  # numpy, only for callers of routes
+        from service.client.routed_experts import frame_rows  # numpy, only for callers of routes
 
         routes = frame_rows(name, body[name])
         if routes is None:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-from service.jobs import Chunk, IntArray, SequenceJob, SequenceScores
-from service.prefixes import Forest
+from service.core.jobs import Chunk, IntArray, SequenceJob, SequenceScores
+from service.core.prefixes import Forest
 
 # Token and action counts are padded up to a multiple of this, so that a micro-batch's GEMMs take one
 # of few shapes, which the engine's warm-up meets before serving: cuBLAS stalls the host (holding the

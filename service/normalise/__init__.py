@@ -1,6 +1,6 @@
 """Any accepted request layout -> one SequenceJob per row, plus where each score goes back.
 
-Normalisation sits between the wire models (schemas.py, arrays.py) and the batcher: it implements
+Normalisation sits between the wire models (wire/schemas.py, wire/arrays.py) and the batcher: it implements
 SEMANTICS.md's layouts, action windows and EOS policy, and every rule that relates fields to each
 other or to the model raises InvalidRequest (or a 413) naming the field and the row. Its users need
 `normalise(request, limits) -> ScoringPlan`, `ModelLimits`, and the plan's `RowWindow`.
@@ -20,16 +20,16 @@ Modules, top-down as the data flows; each imports only modules below it:
 
 from __future__ import annotations
 
-from service.errors import InvalidRequest
+from service.core.errors import InvalidRequest
 from service.normalise.distribution import read_asks
+from service.normalise.expert_routes import given_routes, route_format
 from service.normalise.grouped import expanded_tokens, grouped_rows, read_prompts
 from service.normalise.limits import ModelLimits, check_models, check_sequence, check_size
 from service.normalise.padded import padded_rows
 from service.normalise.plan import RowWindow, ScoringPlan, build_plan
 from service.normalise.ragged import ragged_rows
-from service.normalise.routes import given_routes, route_format
 from service.normalise.rows import Row
-from service.schemas import LogprobsRequest
+from service.wire.schemas import LogprobsRequest
 
 __all__ = ["ModelLimits", "RowWindow", "ScoringPlan", "normalise"]
 

@@ -3,7 +3,7 @@
 `top_logprobs` K: 1 <= K <= the server's max_top_logprobs. `candidate_ids`: one list for every
 action of every row (a job's [C]), or per row one list per action window entry, laid out like the
 response's rows (a job's [A, C]: the lists at its action slots, after the EOS cut); every list holds
-C >= 1 ids of the vocabulary. `sampling`: vLLM's ranges (schemas.py) with top_k -1 read as 0 (off).
+C >= 1 ids of the vocabulary. `sampling`: vLLM's ranges (wire/schemas.py) with top_k -1 read as 0 (off).
 Faults are 422s naming the field and the row.
 """
 
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.errors import InvalidRequest
-from service.jobs import IntArray, Sampling
+from service.core.errors import InvalidRequest
+from service.core.jobs import IntArray, Sampling
 from service.normalise.rows import int64
-from service.schemas import LogprobsRequest
+from service.wire.schemas import LogprobsRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.errors import InvalidRequest
-from service.jobs import IntArray
+from service.core.errors import InvalidRequest
+from service.core.jobs import IntArray
 from service.normalise.rows import Row, check_widths, int64, mask_row, per_row, real_tokens
-from service.schemas import LogprobsRequest
+from service.wire.schemas import LogprobsRequest
 
 Prompts = dict[int, IntArray]  # prompt index -> its tokens [P], for the prompts some row names
 

@@ -1,6 +1,6 @@
 """What this server allows a request: the models it holds, the request's size, each sequence's length.
 
-`ModelLimits` is resolved once from the settings and the loaded models (app.py); the checks read it
+`ModelLimits` is resolved once from the settings and the loaded models (http/app.py); the checks read it
 and a request, never a layout: the size check takes the request's real tokens when the caller has
 counted them (grouped form), and each sequence is checked as a `Row` after its layout is read.
 Over a size limit of the server is a 413 naming the limit; what the model cannot take is a 422.
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.core.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
 from service.engine.contract import MoeShape
-from service.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
 from service.normalise.rows import Row
-from service.schemas import LogprobsRequest
+from service.wire.schemas import LogprobsRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.errors import InvalidRequest
+from service.core.errors import InvalidRequest
 from service.normalise.rows import Row, check_widths, mask_row, real_tokens
-from service.schemas import LogprobsRequest
+from service.wire.schemas import LogprobsRequest
 
 
 def padded_rows(request: LogprobsRequest) -> list[Row]:

@@ -1,4 +1,4 @@
-"""The request's rows -> the ScoringPlan the batcher and response.py read.
+"""The request's rows -> the ScoringPlan the batcher and answer/layout.py read.
 
 Applies the EOS policy (SEMANTICS.md, 'Actions and EOS': each row keeps its actions up to and
 including its first EOS action), turns each Row into a SequenceJob (tokens [L], actions [A]) and a
@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.errors import InvalidRequest
-from service.jobs import FloatArray, GivenRoutes, IntArray, SequenceJob
+from service.core.errors import InvalidRequest
+from service.core.jobs import FloatArray, GivenRoutes, IntArray, SequenceJob
 from service.normalise.distribution import Asks
 from service.normalise.rows import Row
-from service.schemas import LogprobsRequest
+from service.wire.schemas import LogprobsRequest
 
 
 @dataclass(frozen=True, slots=True)

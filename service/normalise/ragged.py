@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.errors import InvalidRequest
+from service.core.errors import InvalidRequest
 from service.normalise.rows import Row, int64, mask_row, per_row
-from service.schemas import LogprobsRequest
+from service.wire.schemas import LogprobsRequest
 
 
 def ragged_rows(request: LogprobsRequest) -> list[Row]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.errors import InvalidRequest
-from service.jobs import IntArray
+from service.core.errors import InvalidRequest
+from service.core.jobs import IntArray
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ def int64(values: Sequence[int], field: str, i: int | None, name: str | None = N
 
 def real_tokens(padded: Sequence[int], columns: IntArray, i: int) -> IntArray:
     """The ids at `columns` of a padded row (its padding may hold any int)."""
-    if isinstance(padded, np.ndarray):  # a compact frame's row (arrays.py)
+    if isinstance(padded, np.ndarray):  # a compact frame's row (wire/arrays.py)
         return padded[columns].astype(np.int64)
     return int64([padded[c] for c in columns.tolist()], "input_ids", i)
 

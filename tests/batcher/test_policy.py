@@ -11,8 +11,8 @@ import pytest
 
 from service.batcher.policy import LOOKAHEAD, Policy, Taken, sharing
 from service.batcher.queue import Batch, Request
-from service.errors import Overloaded, VersionMismatch
-from service.jobs import SequenceJob, SequenceScores
+from service.core.errors import Overloaded, VersionMismatch
+from service.core.jobs import SequenceJob, SequenceScores
 from service.settings import Settings
 
 Answer = Future[SequenceScores]

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from service.batcher import IN_FLIGHT, LAUNCH_HOLD_S, Applied, Batcher, Scored
+from service.core.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
+from service.core.jobs import Chunk, SequenceJob, SequenceScores
+from service.core.prefixes import Forest
 from service.engine.contract import Launched, ReloadOrder, WeightsState
-from service.errors import EngineFailure, Overloaded, SequenceTooLarge, VersionMismatch
-from service.jobs import Chunk, SequenceJob, SequenceScores
 from service.metrics import Metrics
-from service.prefixes import Forest
 from tests.fakes import FakeEngine, expected_scores
 
 

@@ -10,10 +10,10 @@ import numpy as np
 
 from benchmarks.host_path import VOCAB, InstantEngine, _Timed, bodies_of, client_read
 from benchmarks.workload import Sample
-from service.arrays import parse_frame, to_frame
-from service.jobs import SequenceJob
+from service.answer.layout import answer
+from service.core.jobs import SequenceJob
 from service.normalise import ModelLimits, normalise
-from service.response import answer
+from service.wire.arrays import parse_frame, to_frame
 
 
 def test_a_framed_round_with_top_logprobs_reads_back_the_engines_blocks() -> None:

@@ -12,8 +12,8 @@ import pytest
 
 from benchmarks import teacher_host
 from benchmarks.host_path import VOCAB, InstantEngine
-from service.completions.plan import plan_completion
-from service.completions.schemas import CompletionRequest
+from service.http.completions.plan import plan_completion
+from service.http.completions.schemas import CompletionRequest
 from service.normalise import ModelLimits
 
 

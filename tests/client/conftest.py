@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.app import create_app
+from service.http.app import create_app
 from tests import critics
 from tests.conftest import free_port, loopback, settings_for
 

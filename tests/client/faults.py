@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from service.client.wire import from_frame
-from service.frame import MEDIA_TYPE
+from service.wire.frame import MEDIA_TYPE
 
 Step = httpx.Response | type[httpx.TransportError]
 

@@ -153,8 +153,8 @@ def test_frames_take_arrays_tensors_strings_and_lists_alike() -> None:
     is not routes (bad base64, ragged lists, floats) gives no frame (JSON goes)."""
     import base64
 
-    from service.client.routes import frame_rows
-    from service.frame import unpack
+    from service.client.routed_experts import frame_rows
+    from service.wire.frame import unpack
 
     rng = np.random.default_rng(3)
     rows = [rng.integers(0, 128, size=(n, 2, 4)) for n in (3, 0, 5)]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from service.client import Client, LogprobdError
+from service.client.fanout import merge, split
 from service.client.replicas import ReplicaPool
-from service.client.sharding import merge, split
 from tests.client.conftest import requests_ok
 from tests.client.faults import sent_body
 from tests.client.frameworks import make_batch

@@ -13,11 +13,11 @@ import numpy as np
 import orjson
 import pytest
 
-from service.completions import jsonwriter
-from service.completions import pieces as pieces_module
-from service.completions.bytepool import SLACK
-from service.completions.jsonwriter import Positions
-from service.completions.pieces import TokenPieces
+from service.http.completions import jsonwriter
+from service.http.completions import pieces as pieces_module
+from service.http.completions.bytepool import SLACK
+from service.http.completions.jsonwriter import Positions
+from service.http.completions.pieces import TokenPieces
 
 FLOOR = -9999.0
 ODD_TEXTS = ['"', "\\", "\n", "\t\r", "\x00\x01\x1f\x7f", "é", "日本語", "🙂", " the", "", 'a"b\\c', "\u2028"]

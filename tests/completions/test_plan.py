@@ -7,10 +7,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.completions.plan import plan_completion
-from service.completions.schemas import CompletionRequest
-from service.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge, ServiceError
-from service.jobs import AFTER_LAST
+from service.core.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge, ServiceError
+from service.core.jobs import AFTER_LAST
+from service.http.completions.plan import plan_completion
+from service.http.completions.schemas import CompletionRequest
 from service.normalise import ModelLimits
 
 LIMITS = ModelLimits(vocab_size=96, max_sequence_tokens=32, max_positions=64, max_request_sequences=4)

@@ -10,12 +10,12 @@ import numpy as np
 import orjson
 import pytest
 
-from service.completions import jsonwriter, response
-from service.completions.jsonwriter import Positions
-from service.completions.pieces import TokenPieces
-from service.completions.plan import CompletionPlan
-from service.completions.response import Drawn, completion_chunks
-from service.jobs import SequenceScores
+from service.core.jobs import SequenceScores
+from service.http.completions import jsonwriter, response
+from service.http.completions.jsonwriter import Positions
+from service.http.completions.pieces import TokenPieces
+from service.http.completions.plan import CompletionPlan
+from service.http.completions.response import Drawn, completion_chunks
 from tests.completions.test_jsonwriter import (
     Table,
     clamp,

@@ -16,15 +16,15 @@ import orjson
 import pytest
 import requests
 
-from service.app import create_app
-from service.completions import jsonwriter, response
-from service.completions.pieces import TokenPieces
-from service.completions.plan import plan_completion
-from service.completions.response import Shared, completion_chunks
-from service.completions.schemas import CompletionRequest
-from service.jobs import Chunk, SequenceJob, SequenceScores
+from service.core.jobs import Chunk, SequenceJob, SequenceScores
+from service.core.prefixes import Forest
+from service.http.app import create_app
+from service.http.completions import jsonwriter, response
+from service.http.completions.pieces import TokenPieces
+from service.http.completions.plan import plan_completion
+from service.http.completions.response import Shared, completion_chunks
+from service.http.completions.schemas import CompletionRequest
 from service.normalise import ModelLimits
-from service.prefixes import Forest
 from service.settings import Settings
 from tests.conftest import loopback
 from tests.fakes import FakeEngine, FakeLaunched

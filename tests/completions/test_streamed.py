@@ -18,13 +18,13 @@ import orjson
 import pytest
 import requests
 
-from service.app import create_app
-from service.completions import stream
-from service.completions.plan import plan_completion
-from service.completions.schemas import CompletionRequest
-from service.jobs import Chunk, SequenceJob
+from service.core.jobs import Chunk, SequenceJob
+from service.core.prefixes import Forest
+from service.http.app import create_app
+from service.http.completions import stream
+from service.http.completions.plan import plan_completion
+from service.http.completions.schemas import CompletionRequest
 from service.normalise import ModelLimits
-from service.prefixes import Forest
 from service.settings import Settings
 from tests.completions.test_stream import LENGTH, MARKER, K, TopEngine, body, expected, prompts
 from tests.conftest import loopback

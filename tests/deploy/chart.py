@@ -13,7 +13,7 @@ import promql_parser
 import yaml
 from starlette.routing import Match
 
-from service.app import create_app
+from service.http.app import create_app
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

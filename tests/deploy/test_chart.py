@@ -18,8 +18,8 @@ import yaml
 
 import service
 from service.__main__ import _parser
-from service.errors import ServiceError, status_for
-from service.server import GRACEFUL_SHUTDOWN_S
+from service.core.errors import ServiceError, status_for
+from service.http.server import GRACEFUL_SHUTDOWN_S
 from service.settings import (
     Attention,
     CudaGraphs,

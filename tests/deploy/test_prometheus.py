@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.app import create_app
+from service.http.app import create_app
 from tests.conftest import loopback, settings_for
 from tests.deploy.chart import CHART, NAMESPACE, only, render
 from tests.deploy.prometheus import MONITORED, Prometheus, rule_groups, running_prometheus, scrape_config

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from service.normalise import ModelLimits, ScoringPlan, normalise
-from service.schemas import LogprobsRequest
+from service.wire.schemas import LogprobsRequest
 
 LIMITS = ModelLimits(vocab_size=50, max_sequence_tokens=12)
 

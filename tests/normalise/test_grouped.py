@@ -21,12 +21,12 @@ from fastapi.testclient import TestClient
 
 from service.client.wire import from_frame
 from service.client.wire import to_frame as wire_frame
-from service.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
-from service.frame import MEDIA_TYPE
+from service.core.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
+from service.core.prefixes import share
 from service.normalise import ModelLimits, normalise
-from service.prefixes import share
-from service.schemas import LogprobsRequest
 from service.settings import Settings
+from service.wire.frame import MEDIA_TYPE
+from service.wire.schemas import LogprobsRequest
 from tests import critics, models
 from tests.conftest import TOLERANCE, running, settings_for
 from tests.normalise.plans import LIMITS, plan_of, rows_of

@@ -13,7 +13,7 @@ import service.normalise
 PACKAGE = Path(service.normalise.__file__).parent
 # top to bottom
 ORDER = ["__init__", "limits", "plan", "distribution", "ragged", "padded", "grouped", "routes", "rows"]
-OUTSIDE = {"service.errors", "service.jobs", "service.schemas", "service.engine.contract"}
+OUTSIDE = {"service.core.errors", "service.core.jobs", "service.wire.schemas", "service.engine.contract"}
 
 
 def imported(module: str) -> set[str]:
@@ -42,7 +42,7 @@ def test_each_module_imports_only_modules_below_it() -> None:
         above = [name for name in inside if ORDER.index(name) <= k]
         assert not above, f"{module} imports {above}, which are not below it"
         assert names - {f"service.normalise.{name}" for name in inside} <= OUTSIDE, module
-    assert imported("rows") == {"service.errors", "service.jobs"}
+    assert imported("rows") == {"service.core.errors", "service.core.jobs"}
 
 
 def _docstring_table() -> list[str]:

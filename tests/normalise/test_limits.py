@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from service.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
+from service.core.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
 from service.normalise import ModelLimits
 from tests.normalise.plans import LIMITS, plan_of
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.errors import InvalidRequest
+from service.core.errors import InvalidRequest
 from tests.normalise.plans import plan_of, rows_of
 
 # ---------------------------------------------------------------- ragged input_ids + num_actions

@@ -14,14 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.arrays import parse_frame
 from service.client.wire import to_frame
+from service.core.errors import InvalidRequest
+from service.core.jobs import GivenRoutes
 from service.engine.contract import MoeShape
-from service.errors import InvalidRequest
-from service.frame import encode_rows, pack
-from service.jobs import GivenRoutes
 from service.normalise import ModelLimits, ScoringPlan, normalise
-from service.schemas import parse_request
+from service.wire.arrays import parse_frame
+from service.wire.frame import encode_rows, pack
+from service.wire.schemas import parse_request
 
 MOE = MoeShape(layers=3, experts=8, top_k=2)
 LIMITS = ModelLimits(vocab_size=100, max_sequence_tokens=512, moe=MOE)

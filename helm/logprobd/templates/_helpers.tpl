@@ -47,7 +47,7 @@ namespace="{{ .Release.Namespace }}", service="{{ include "logprobd.fullname" . 
 
 {{/*
 The pod's grace period: the preStop sleep, then the service's drain (LOGPROBD_DRAIN_SECONDS), then
-up to 30 s of uvicorn graceful shutdown for requests still in flight (service/server.py,
+up to 30 s of uvicorn graceful shutdown for requests still in flight (service/http/server.py,
 GRACEFUL_SHUTDOWN_S), plus a margin. An explicit value wins.
 */}}
 {{- define "logprobd.terminationGracePeriodSeconds" -}}

@@ -1,4 +1,4 @@
-"""What a micro-batch's sequences ask beyond the log-prob, as the head's Extras (heads/contract.py).
+"""What a micro-batch's sequences ask beyond the log-prob, as the head's Extras (heads/base.py).
 
 Boundary: each scored part (a whole job, or a chunk's actions of one) with its first action row in
 the packed batch in; one Extras over the asking rows out (None when no part asks). A job's
@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.engine.heads.contract import Extras
-from service.jobs import IntArray, SequenceJob
+from service.core.jobs import IntArray, SequenceJob
+from service.engine.heads.base import Extras
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,15 +10,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from service.core.jobs import Chunk, SequenceJob
+from service.core.prefixes import Forest, alone
 from service.engine.batch import asks
-from service.engine.batch import routes as moe_routes
+from service.engine.batch import route_buffers as moe_routes
 from service.engine.batch.kv_store import CONTEXT_KWARG, KVContext, KVStore
 from service.engine.contract import SHAPE_STEP, MoeShape
-from service.engine.heads.contract import Extras
+from service.engine.heads.base import Extras
 from service.engine.moe.replay import BatchRoutes
 from service.engine.runtime.copies import to_device
-from service.jobs import Chunk, SequenceJob
-from service.prefixes import Forest, alone
 
 __all__ = ["SHAPE_STEP", "PackedBatch", "pack"]
 
@@ -49,7 +49,7 @@ class PackedBatch:
     tokens is in front of it, and `attach` gives the batch one model's context. Its actions come
     last in the actions.
 
-    `routes`: the MoE routes the policy's forward replays and records (batch/routes.py), where a
+    `routes`: the MoE routes the policy's forward replays and records (route_buffers.py), where a
     sequence gives or asks for them; `route_rows` where each sequence's positions lie in the row.
     """
 
@@ -179,7 +179,7 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
 ) -> PackedBatch:
     """The row of `jobs` (their shared prefixes once, per `forest`; None: each job whole), then the
     chunk's segment; padded to multiples of `step`. `moe`: the policy's sparse layers, which the routes
-    jobs give or ask for address (batch/routes.py)."""
+    jobs give or ask for address (route_buffers.py)."""
     if forest is None:
         forest = alone([job.num_tokens for job in jobs])
     nodes = forest.nodes

@@ -1,4 +1,4 @@
-"""A decoder's forward over one packed row (contract.py): transformers' own (transformers_forward.py) or
+"""A decoder's forward over one packed row (base.py): transformers' own (transformers_forward.py) or
 the fused one for Llama-family models and their mixture-of-experts kin (fused.py), chosen by `build`;
 its CUDA graphs (graphs.py), and the transformers forward's MLP row chunks (mlp_chunks.py)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from service.engine.decoder.contract import Decoder, DecoderKind, relative_error
+from service.engine.decoder.base import Decoder, DecoderKind, relative_error
 from service.engine.decoder.fused import SUPPORTED, FusedDecoder, Stream, sparse, unsupported
 from service.engine.decoder.transformers_forward import TransformersDecoder
 from service.engine.moe import layer as moe

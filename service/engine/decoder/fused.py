@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from service.engine.batch.kv_store import KVContext
 from service.engine.batch.packing import PackedBatch
 from service.engine.contract import SHAPE_STEP
-from service.engine.decoder.contract import DecoderKind, warm_rotary, zeros
+from service.engine.decoder.base import DecoderKind, warm_rotary, zeros
 from service.engine.moe import kernels as moe_ops
 from service.engine.moe import layer as moe
 from service.engine.moe.replay import BatchRoutes, LayerRoutes

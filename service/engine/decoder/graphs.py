@@ -69,7 +69,7 @@ import torch
 
 from service.engine.batch.kv_store import KVContext
 from service.engine.batch.packing import SHAPE_STEP, PackedBatch
-from service.engine.decoder.contract import Decoder, DecoderKind, relative_error
+from service.engine.decoder.base import Decoder, DecoderKind, relative_error
 from service.engine.decoder.fused import FusedDecoder, Stream
 from service.engine.decoder.graph_routes import RouteBuffers, RouteMode, mode_of
 from service.engine.runtime.packages import FAST_DTYPES

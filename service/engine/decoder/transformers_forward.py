@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from service.engine.batch.packing import PackedBatch
-from service.engine.decoder.contract import DecoderKind, warm_rotary, zeros
+from service.engine.decoder.base import DecoderKind, warm_rotary, zeros
 from service.engine.moe import layer as moe
 from service.engine.moe.replay import BatchRoutes, RouterHook
 from service.engine.ops.attention import KERNEL_KWARG, Kernel

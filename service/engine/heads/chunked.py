@@ -28,7 +28,7 @@ import torch
 from service.engine.heads import extras as extra
 from service.engine.heads import extras_radix
 from service.engine.heads import fused_kernel as fused_head
-from service.engine.heads.contract import ActionScores, Extras, ExtraScores, LogitTransform
+from service.engine.heads.base import ActionScores, Extras, ExtraScores, LogitTransform
 from service.engine.runtime import triton_jit
 from service.engine.runtime.copies import to_device
 

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from service.engine.heads.contract import Extras, ExtraScores
+from service.engine.heads.base import Extras, ExtraScores
 from service.engine.parallel.sharding import Shard
 
 LOW = 1 << 32

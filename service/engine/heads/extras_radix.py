@@ -44,7 +44,7 @@ import torch
 
 from service.engine.heads import extras as extra
 from service.engine.heads import topk_kernel
-from service.engine.heads.contract import Extras, ExtraScores
+from service.engine.heads.base import Extras, ExtraScores
 from service.engine.runtime import triton_jit
 from service.engine.runtime.copies import to_device
 

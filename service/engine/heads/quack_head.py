@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from service.engine.heads.contract import LogitTransform
+from service.engine.heads.base import LogitTransform
 from service.engine.ops.fixed_tile import quack_aligned
 from service.engine.runtime import packages as optional
 from service.engine.runtime.packages import FAST_DTYPES

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.heads import extras as extra
-from service.engine.heads.contract import ActionScores, Extras, ExtraScores, LogitTransform
+from service.engine.heads.base import ActionScores, Extras, ExtraScores, LogitTransform
 from service.engine.parallel.sharding import Shard
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from service.engine.loading.checkpoint import read_tensor, tensor_files
-from service.engine.loading.models import from_local, prepare, require_model_dir, text_config
+from service.engine.loading.pretrained import from_local, prepare, require_model_dir, text_config
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from service.engine.config import EngineConfig
 from service.engine.contract import Target
 from service.engine.loading import shards
 from service.engine.loading.critic import Critic, load_critic
-from service.engine.loading.models import LoadedModel, load_model
+from service.engine.loading.pretrained import LoadedModel, load_model
 from service.engine.parallel.sharding import Layout, Sharded
 
 

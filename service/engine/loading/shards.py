@@ -17,9 +17,9 @@ import torch
 
 from service.engine.decoder.fused import SUPPORTED
 from service.engine.heads import vocab_parallel
-from service.engine.loading import reload as weights
+from service.engine.loading import staging as weights
 from service.engine.loading.critic import Critic, read_value_head
-from service.engine.loading.models import LoadedModel, prepare, require_model_dir, text_config, text_part
+from service.engine.loading.pretrained import LoadedModel, prepare, require_model_dir, text_config, text_part
 from service.engine.parallel.sharding import Layout, Shard
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Routing replay (R3) and recorded routes (R2) inside a forward: the experts a sparse layer takes,
 and what it writes down (docs/semantics.md, "Routing replay").
 
-A micro-batch's routes cover its packed row of N tokens (batch/routes.py builds them):
+A micro-batch's routes cover its packed row of N tokens (batch/route_buffers.py builds them):
 
     given   [N, layers, k]  expert ids (a narrow int dtype), read where covered [N] bool
     used    [N, layers, k]  int32, written by the forward: the experts each token's layers used

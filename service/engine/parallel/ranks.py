@@ -43,7 +43,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from service import heap
+from service.core import heap
+from service.core.jobs import Chunk, SequenceJob
+from service.core.prefixes import Forest
 from service.engine.config import EngineConfig
 from service.engine.contract import (
     EngineInfo,
@@ -55,12 +57,10 @@ from service.engine.contract import (
 )
 from service.engine.loading import shards as sharded
 from service.engine.loading.load import Shards, load_models
-from service.engine.loading.models import require_model_dir, resolve_device, resolve_dtype, text_config
+from service.engine.loading.pretrained import require_model_dir, resolve_device, resolve_dtype, text_config
 from service.engine.ops.attention import choose_backend, register
 from service.engine.parallel.sharding import Shard
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import Chunk, SequenceJob
-from service.prefixes import Forest
 
 log = logging.getLogger(__name__)
 

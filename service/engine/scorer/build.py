@@ -26,11 +26,11 @@ from service.engine.contract import (
     WeightsState,
 )
 from service.engine.decoder import graphs
-from service.engine.decoder.contract import Decoder
+from service.engine.decoder.base import Decoder
 from service.engine.decoder.mlp_chunks import chunk_mlps, resolve_tokens
 from service.engine.heads import quack_head, vocab_parallel
 from service.engine.loading.critic import Critic
-from service.engine.loading.models import LoadedModel, text_part
+from service.engine.loading.pretrained import LoadedModel, text_part
 from service.engine.moe import layer as moe
 from service.engine.ops import fixed_tile
 from service.engine.ops import gate_up as gated

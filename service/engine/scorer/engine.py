@@ -8,7 +8,7 @@ Sequences that share a prefix arrive with the micro-batch's Forest (prefixes.py)
 once and each sequence's later tokens attend to its keys (batch/packing.py, batch/kv_store.py).
 
 A sequence may give the MoE routes its rollout took, and ask for those the policy uses
-(batch/routes.py, moe/replay.py): the policy's forward replays and records them; the reference and
+(batch/route_buffers.py, moe/replay.py): the policy's forward replays and records them; the reference and
 the critic route live.
 
 A sequence longer than a micro-batch arrives as chunks, in order, each the last segment of a
@@ -16,7 +16,7 @@ micro-batch; every model that scores it keeps its keys and values (a KVStore per
 first chunk to its last.
 
 This module launches and collects; what it builds (build.py), the models it runs (models.py), the
-copies back to the host (inflight.py), reloads (reload.py), the self-check (self_check.py) and the
+copies back to the host (inflight.py), reloads (weight_update.py), the self-check (self_check.py) and the
 warm-up and memory sizing (memory.py) are apart.
 """
 
@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from service.core.jobs import Chunk, SequenceJob, SequenceScores
+from service.core.prefixes import Forest
 from service.engine.batch.kv_store import KVStore
 from service.engine.batch.packing import pack
 from service.engine.config import EngineConfig
@@ -44,10 +46,10 @@ from service.engine.contract import (
 from service.engine.decoder import graphs
 from service.engine.loading.critic import Critic
 from service.engine.loading.load import Whole, load_models
-from service.engine.loading.models import LoadedModel, resolve_device, resolve_dtype
+from service.engine.loading.pretrained import LoadedModel, resolve_device, resolve_dtype
 from service.engine.ops.attention import AttentionBackend, choose_backend, invariant, register
 from service.engine.parallel.sharding import Sharded
-from service.engine.scorer import build, memory, reload, self_check
+from service.engine.scorer import build, memory, self_check, weight_update
 from service.engine.scorer.inflight import (
     InFlight,
     done_event,
@@ -57,8 +59,6 @@ from service.engine.scorer.inflight import (
     host_routes,
 )
 from service.engine.scorer.models import Served, critic_values
-from service.jobs import Chunk, SequenceJob, SequenceScores
-from service.prefixes import Forest
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +123,12 @@ class PackedScorer:
 
     def stage(self, order: ReloadOrder) -> StagedWeights:
         """Read, check and place new weights for `order.target`; the served ones are untouched."""
-        return reload.stage(self._served, order, self._device, self._sharded)
+        return weight_update.stage(self._served, order, self._device, self._sharded)
 
     def apply(self, staged: StagedWeights) -> WeightsState:
         """Serve the staged weights from the next micro-batch on. Engine thread only."""
         target = staged.order.target
-        state = reload.apply(self._served, staged, self._weights[target])
+        state = weight_update.apply(self._served, staged, self._weights[target])
         self._weights = {**self._weights, target: state}
         return state
 

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from service.core.jobs import FloatArray, IntArray, SequenceJob, SequenceScores, route_dtype
 from service.engine.batch.packing import PackedBatch
-from service.engine.batch.routes import TORCH_DTYPES, RecordedRoutes
+from service.engine.batch.route_buffers import TORCH_DTYPES, RecordedRoutes
 from service.engine.contract import MoeShape
-from service.engine.heads.contract import Extras, ExtraScores
-from service.jobs import FloatArray, IntArray, SequenceJob, SequenceScores, route_dtype
+from service.engine.heads.base import Extras, ExtraScores
 
 # the host copy's top ids: ExtraScores' int64 narrowed on the device (any vocabulary fits), so the
 # copy moves half the bytes and the answer's frame takes them as they are (its i4)

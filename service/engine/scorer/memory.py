@@ -15,7 +15,7 @@ import torch
 
 from service.engine.batch.kv_store import cache_bytes_per_token
 from service.engine.batch.packing import SHAPE_STEP
-from service.engine.loading.models import text_part
+from service.engine.loading.pretrained import text_part
 from service.engine.scorer.models import Served
 
 log = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ from service.engine.batch.packing import PackedBatch
 from service.engine.contract import (
     Target,
 )
-from service.engine.decoder.contract import Decoder
+from service.engine.decoder.base import Decoder
 from service.engine.heads import vocab_parallel
+from service.engine.heads.base import ActionScores, LogitTransform, ScoreActions
 from service.engine.heads.chunked import row_multiplier, score_actions
-from service.engine.heads.contract import ActionScores, LogitTransform, ScoreActions
 from service.engine.heads.quack_head import QuackHead
 from service.engine.loading.critic import Critic
 from service.engine.strategies.gemm import TokenGemms

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
+from service.core.jobs import SequenceJob
 from service.engine import decoder
 from service.engine.batch.packing import PackedBatch, pack
-from service.engine.decoder.contract import Decoder
+from service.engine.decoder.base import Decoder
 from service.engine.moe import layer as moe
 from service.engine.scorer.build import fused_of
 from service.engine.scorer.models import CausalLM
-from service.jobs import SequenceJob
 
 log = logging.getLogger(__name__)
 

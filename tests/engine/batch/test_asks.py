@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from service.core.jobs import SequenceJob
 from service.engine.batch.asks import Part, extras
-from service.jobs import SequenceJob
 
 
 def _job(actions: int, *, top: int = 0, seed: int | None = None) -> SequenceJob:

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from service.core.jobs import Chunk, SequenceJob
+from service.core.prefixes import share
 from service.engine.batch.kv_store import CONTEXT_KWARG, KVContext, KVStore, cache_bytes_per_token
 from service.engine.batch.packing import pack
 from service.engine.ops.attention import Segments, sdpa_kernel
-from service.jobs import Chunk, SequenceJob
-from service.prefixes import share
 
 # --- (a) attention over a context: the kernel against whole-sequence attention, last rows kept ---
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from service.core.jobs import AFTER_LAST, Chunk, SequenceJob
+from service.core.prefixes import share
 from service.engine.batch.packing import pack
-from service.jobs import AFTER_LAST, Chunk, SequenceJob
-from service.prefixes import share
 
 
 def test_pack_three_sequences() -> None:

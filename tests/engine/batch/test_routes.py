@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from service.core.jobs import Chunk, GivenRoutes, SequenceJob
+from service.core.prefixes import Forest, share
 from service.engine.batch.packing import pack
 from service.engine.contract import MoeShape
-from service.jobs import Chunk, GivenRoutes, SequenceJob
-from service.prefixes import Forest, share
 
 SHAPE = MoeShape(layers=3, experts=16, top_k=2)
 CPU = torch.device("cpu")

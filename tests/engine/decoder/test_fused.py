@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from service.core.jobs import SequenceJob
 from service.engine import decoder
 from service.engine.batch.packing import PackedBatch, pack
 from service.engine.decoder import FusedDecoder, TransformersDecoder
@@ -21,7 +22,6 @@ from service.engine.ops.attention import choose_backend, register
 from service.engine.ops.elementwise import TORCH, TRITON
 from service.engine.scorer.engine import PackedScorer
 from service.engine.scorer.self_check import check_hidden, logits_check
-from service.jobs import SequenceJob
 from service.settings import Settings
 from tests import models
 from tests.engine.interpreter import only_interpreted, run_interpreter_cases

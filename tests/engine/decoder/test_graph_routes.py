@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+from service.core.jobs import GivenRoutes, SequenceJob
 from service.engine.batch.packing import PackedBatch, pack
 from service.engine.contract import MoeShape
 from service.engine.decoder import FusedDecoder
 from service.engine.decoder.graphs import EagerRecorder, GraphedDecoder
 from service.engine.ops.elementwise import TORCH
-from service.jobs import GivenRoutes, SequenceJob
 from tests import models
 from tests.engine.decoder.test_fused import KERNEL, packed_model
 

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import torch
 
+from service.core.jobs import SequenceJob
+from service.core.prefixes import share
 from service.engine.batch.packing import PackedBatch, pack
 from service.engine.decoder import FusedDecoder, TransformersDecoder, graphs
 from service.engine.decoder.graphs import EagerRecorder, GraphedDecoder, GraphKey
 from service.engine.ops.attention import choose_backend
 from service.engine.ops.elementwise import TORCH, Ops
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import SequenceJob
-from service.prefixes import share
 from service.settings import Settings
 from tests import models
 from tests.engine.decoder.test_fused import KERNEL, packed_model

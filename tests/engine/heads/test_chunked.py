@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from service.core.jobs import SequenceJob
 from service.engine.decoder import TransformersDecoder
+from service.engine.heads.base import LogitTransform
 from service.engine.heads.chunked import score_actions
-from service.engine.heads.contract import LogitTransform
 from service.engine.scorer.models import CausalLM
 from service.engine.scorer.self_check import logits_check
-from service.jobs import SequenceJob
 from tests import models
 
 

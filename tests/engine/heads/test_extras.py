@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from service.engine.heads import chunked
+from service.engine.heads.base import Extras, ExtraScores, LogitTransform
 from service.engine.heads.chunked import score_actions
-from service.engine.heads.contract import Extras, ExtraScores, LogitTransform
 from service.engine.heads.vocab_parallel import VocabParallelHead
 from service.engine.heads.vocab_parallel import score_actions as sharded_scores
 from service.engine.parallel import sharding

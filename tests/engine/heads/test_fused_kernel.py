@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from service.engine.heads import fused_kernel as fused_head
+from service.engine.heads.base import LogitTransform
 from service.engine.heads.chunked import score_actions
-from service.engine.heads.contract import LogitTransform
 from service.engine.runtime import packages as optional
 from service.engine.runtime import triton_jit
 from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from service.core.jobs import SequenceJob
 from service.engine.heads import quack_head
-from service.engine.heads.contract import LogitTransform
+from service.engine.heads.base import LogitTransform
 from service.engine.heads.quack_head import QuackHead, reference_kernel
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import SequenceJob
 from service.settings import Settings
 
 Calls = list[tuple[int, torch.dtype, bool]]

@@ -18,8 +18,8 @@ import torch
 
 from service.engine.heads import chunked, extras_radix, topk_kernel
 from service.engine.heads import extras as extra
+from service.engine.heads.base import Extras, ExtraScores, LogitTransform
 from service.engine.heads.chunked import score_actions
-from service.engine.heads.contract import Extras, ExtraScores, LogitTransform
 from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
 
 

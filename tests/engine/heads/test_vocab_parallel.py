@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from service.engine.heads.base import LogitTransform
 from service.engine.heads.chunked import score_actions
-from service.engine.heads.contract import LogitTransform
 from service.engine.heads.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 from service.engine.heads.vocab_parallel import score_actions as sharded_scores
 from service.engine.parallel import sharding

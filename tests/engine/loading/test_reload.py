@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from service.core.jobs import SequenceJob
 from service.engine.contract import ReloadOrder, WeightsRejected
-from service.engine.loading.reload import Staged
+from service.engine.loading.staging import Staged
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import SequenceJob
 from tests import critics, models
 from tests.conftest import TOLERANCE, eager, settings_for
 from tests.reference import expected

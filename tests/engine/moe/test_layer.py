@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from service.core.jobs import SequenceJob
 from service.engine import decoder
 from service.engine.batch.packing import PackedBatch, pack
 from service.engine.decoder import FusedDecoder, TransformersDecoder
@@ -27,7 +28,6 @@ from service.engine.ops.elementwise import TORCH
 from service.engine.scorer.engine import PackedScorer
 from service.engine.scorer.self_check import DecoderMismatch, check_hidden
 from service.engine.strategies.gemm import ONE_CALL, FixedRows
-from service.jobs import SequenceJob
 from service.settings import Settings
 from tests import models
 from tests.engine.decoder.test_fused import CPU, KERNEL, batch_of, every_row, packed_model

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from service.core.jobs import Chunk, GivenRoutes, RouteAgreement, SequenceJob, SequenceScores
+from service.core.prefixes import share
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import Chunk, GivenRoutes, RouteAgreement, SequenceJob, SequenceScores
-from service.prefixes import share
 from tests import critics, models
 from tests.conftest import eager, settings_for
 

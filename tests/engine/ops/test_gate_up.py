@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from service.core.jobs import SequenceJob
 from service.engine.ops import gate_up as gated
 from service.engine.ops.elementwise import TORCH, TRITON
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import SequenceJob
 from service.settings import Settings
 
 

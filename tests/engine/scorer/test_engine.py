@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from service.core.jobs import SequenceJob
 from service.engine.scorer.engine import PackedScorer
-from service.jobs import SequenceJob
 from tests import models
 from tests.conftest import DEVICE, DTYPE, TOLERANCE, eager, settings_for
 from tests.reference import expected

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from service.engine.heads.contract import Extras, ExtraScores
+from service.core.jobs import SequenceJob
+from service.engine.heads.base import Extras, ExtraScores
 from service.engine.scorer.inflight import HOST_ID_DTYPE, InFlight, extra_host
-from service.jobs import SequenceJob
 
 VOCAB = 151_936
 

@@ -1,0 +1,269 @@
+"""Hot weight reload for one served module: read a checkpoint, check it, stage it, apply it.
+
+A checkpoint is accepted only if it is the same model with other values: the same structural
+config, every parameter present with its shape (tied parameters equal), no unknown tensor, every
+value finite in the serving dtype. Two ways to apply it, per reload:
+
+- swap: the new tensors are staged on the device beside the served ones (on a side stream, while
+  scoring goes on); applying rebinds each parameter to its new tensor, a pause of microseconds
+  between micro-batches. Needs room for a second copy.
+- copy: the new tensors are staged in (pinned) host memory; applying copies them into the served
+  parameters in place between micro-batches: a pause of bytes / host-to-device bandwidth, and no
+  second copy on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.engine.contract import ReloadMode, ReloadOrder, WeightsRejected
+from service.engine.loading.checkpoint import read_all, tensor_files
+from service.engine.loading.pretrained import text_config
+
+# config fields that change what a forward computes; any difference is another model
+STRUCTURAL = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
+    "attention_bias",
+    "tie_word_embeddings",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+    "logit_scale",
+    "logits_scaling",
+)
+_GIB = 1 << 30
+# checkpoint files, tensor names -> their values on the host
+Read = Callable[[dict[str, Path], set[str]], dict[str, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One served tensor and its new value (on the host for copy, on the device for swap)."""
+
+    served: torch.Tensor
+    new: torch.Tensor
+
+
+@dataclass(slots=True)
+class Staged:
+    """New values for every parameter of one module, checked and placed; `extra` is the caller's."""
+
+    order: ReloadOrder  # its mode is "copy" or "swap", never "auto"
+    slots: list[_Slot]
+    nbytes: int
+    extra: Any = None
+
+    @property
+    def mode(self) -> str:
+        return self.order.mode
+
+
+def check_config(path: Path, served: Any) -> None:
+    """Refuse a checkpoint directory whose config describes another model (a file has no config)."""
+    if not (path / "config.json").is_file():
+        if path.is_dir():
+            raise WeightsRejected(f"{path}: no config.json (a model directory needs one)")
+        return
+    try:
+        new = text_config(path).to_dict()
+    except Exception as exc:
+        raise WeightsRejected(f"{path}/config.json: unreadable ({exc})") from exc
+    old = served.to_dict()
+    differs = [k for k in STRUCTURAL if k in old and k in new and old[k] != new[k]]
+    if differs:
+        detail = ", ".join(f"{k}: {new[k]!r} (serving {old[k]!r})" for k in differs[:4])
+        raise WeightsRejected(f"{path}: another model than the one served: {detail}")
+
+
+def stage(
+    order: ReloadOrder,
+    module: torch.nn.Module,
+    *,
+    prefix: str = "",
+    allow_extra: Callable[[str], bool] = lambda name: False,
+    extra: Any = None,
+    read: Read = read_all,
+) -> Staged:
+    """Read `order.path` into new values for every parameter of `module` and place them for
+    `order.mode` ("copy" or "swap"; choose with `choose_mode` first). Checkpoint names are the
+    module's own, or `prefix` + its own (a critic's backbone saved under "model."). `read`: the
+    tensors' values as the module holds them (sharding.Layout.read: a tensor-parallel rank's slices)."""
+    if not order.path.exists():
+        raise WeightsRejected(f"{order.path}: no such file or directory")
+    try:
+        files = tensor_files(order.path)
+    except Exception as exc:
+        raise WeightsRejected(f"{order.path}: not a readable safetensors checkpoint ({exc})") from exc
+    if not files:
+        raise WeightsRejected(f"{order.path}: no safetensors tensors found")
+    aliases = _aliases(module)
+    chosen = _match(order.path, files, aliases, prefix, allow_extra)
+    try:
+        host = read(files, {name for names in chosen.values() for name in names})
+    except Exception as exc:
+        raise WeightsRejected(f"{order.path}: unreadable ({type(exc).__name__}: {exc})") from exc
+    device = next(iter(aliases.values()))[0].device
+    side = None
+    if device.type == "cuda" and order.mode == "swap":
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    slots, nbytes = [], 0
+    for served, names in ((t, chosen[k]) for k, (t, _) in aliases.items() if k in chosen):
+        new = _checked(order.path, host, names, served)
+        try:
+            new = _place(new, served, order.mode, side)
+        except torch.OutOfMemoryError as exc:
+            raise WeightsRejected(
+                f"no device memory for a second copy of the weights ({nbytes / _GIB:.1f} GiB staged so "
+                'far); reload with mode "copy"'
+            ) from exc
+        slots.append(_Slot(served, new))
+        nbytes += new.numel() * new.element_size()
+    if side is not None:
+        side.synchronize()
+    return Staged(order, slots, nbytes, extra)
+
+
+def load(
+    path: Path,
+    module: torch.nn.Module,
+    *,
+    prefix: str = "",
+    allow_extra: Callable[[str], bool] = lambda name: False,
+    read: Read = read_all,
+) -> None:
+    """Read `path` into the parameters of `module`, built without its weights, in place: checked as
+    `stage` checks, one tensor at a time, so the host holds one tensor's values (or slice) at most."""
+    files = tensor_files(path)
+    aliases = _aliases(module)
+    chosen = _match(path, files, aliases, prefix, allow_extra)
+    with torch.no_grad():
+        for key, (served, _) in aliases.items():
+            if key in chosen:
+                served.copy_(_checked(path, read(files, set(chosen[key])), chosen[key], served))
+
+
+def apply(staged: Staged) -> None:
+    """Make the staged values the served ones. Call between micro-batches, on the engine thread."""
+    with torch.no_grad():
+        if staged.slots and staged.slots[0].served.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # nothing still reads the old values
+        for slot in staged.slots:
+            if staged.mode == "swap":
+                slot.served.data = slot.new
+            else:
+                slot.served.copy_(slot.new, non_blocking=True)
+        if staged.slots and staged.slots[0].served.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+    staged.slots.clear()  # the host copies (copy) or the old references (swap) go now
+
+
+def choose_mode(requested: ReloadMode, module_bytes: int, device: torch.device) -> ReloadMode:
+    """auto: swap when the device has room for a second copy beside its working memory, else copy.
+    On the CPU the staged host tensors simply become the parameters (swap)."""
+    if requested != "auto":
+        return requested
+    if device.type != "cuda":
+        return "swap"
+    free, _ = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    cached = torch.cuda.memory_reserved(device) - allocated
+    working = max(torch.cuda.max_memory_allocated(device) - allocated, _GIB)
+    return "swap" if module_bytes + working <= free + cached else "copy"
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _aliases(module: torch.nn.Module) -> dict[int, tuple[torch.Tensor, list[str]]]:
+    """id(tensor) -> (the served tensor, every name it has): tied parameters share one entry."""
+    persistent = set(module.state_dict().keys())
+    aliases: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    named: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
+    named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if n in persistent]
+    for name, tensor in named:
+        aliases.setdefault(id(tensor), (tensor, []))[1].append(name)
+    return aliases
+
+
+def _match(
+    path: Path,
+    files: dict[str, Path],
+    aliases: dict[int, tuple[torch.Tensor, list[str]]],
+    prefix: str,
+    allow_extra: Callable[[str], bool],
+) -> dict[int, list[str]]:
+    """For each served tensor, the checkpoint names holding its new value; refuse gaps and strangers."""
+    chosen: dict[int, list[str]] = {}
+    missing: list[str] = []
+    known: set[str] = set()
+    for key, (tensor, names) in aliases.items():
+        found = [c for n in names for c in (prefix + n, n) if c in files]
+        known.update(c for n in names for c in (prefix + n, n))
+        if found:
+            chosen[key] = sorted(set(found))
+        elif isinstance(tensor, torch.nn.Parameter):
+            missing.append(prefix + names[0])
+    unknown = sorted(name for name in files if name not in known and not allow_extra(name))
+    if missing:
+        raise WeightsRejected(
+            f"{path}: {len(missing)} parameters of the served model are missing, e.g. {missing[:3]}"
+        )
+    if unknown:
+        raise WeightsRejected(
+            f"{path}: {len(unknown)} tensors the served model does not have, e.g. {unknown[:3]}"
+        )
+    return chosen
+
+
+def _checked(
+    path: Path, host: dict[str, torch.Tensor], names: list[str], served: torch.Tensor
+) -> torch.Tensor:
+    first = host[names[0]]
+    for name in names:
+        if tuple(host[name].shape) != tuple(served.shape):
+            raise WeightsRejected(
+                f"{path}: {name} has shape {tuple(host[name].shape)}, the served model {tuple(served.shape)}"
+            )
+        if name != names[0] and not torch.equal(host[name], first):
+            raise WeightsRejected(f"{path}: {names[0]} and {name} differ; the served model ties them")
+    new = first.to(served.dtype)
+    if new.is_floating_point() and not bool(torch.isfinite(new).all()):
+        bad = int((~torch.isfinite(new)).sum())
+        raise WeightsRejected(f"{path}: {names[0]} has {bad} non-finite values in {served.dtype}")
+    return new
+
+
+def _place(
+    new: torch.Tensor, served: torch.Tensor, mode: str, side: torch.cuda.Stream | None
+) -> torch.Tensor:
+    if served.device.type != "cuda":
+        return new.contiguous()
+    if mode == "copy":
+        return new.contiguous().pin_memory()  # host-to-device at full speed when applied
+    assert side is not None
+    with torch.cuda.stream(side):
+        placed = new.to(served.device, non_blocking=False)
+    return placed

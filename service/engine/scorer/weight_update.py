@@ -1,0 +1,76 @@
+"""Hot reload of one served model: read, check and stage a checkpoint beside the served weights
+(any thread), then apply it between micro-batches (the engine thread), the forwards taking it up.
+
+Boundary: a ReloadOrder in; Staged weights, then the new WeightsState, out; WeightsRejected where the
+checkpoint cannot replace the served weights (which are then untouched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.engine.contract import (
+    ReloadOrder,
+    StagedWeights,
+    WeightsRejected,
+    WeightsState,
+)
+from service.engine.loading import staging as weights
+from service.engine.loading.checkpoint import read_all
+from service.engine.loading.critic import Critic, read_value_head
+from service.engine.loading.pretrained import text_part
+from service.engine.parallel.sharding import Sharded
+from service.engine.scorer.models import Served
+
+
+def stage(served: Served, order: ReloadOrder, device: torch.device, sharded: Sharded | None) -> StagedWeights:
+    """Read, check and place new weights for `order.target`; the served ones are untouched."""
+    module, prefix, head = served.module(order.target), "", None
+    if module is None:
+        raise WeightsRejected(f"this server has no {order.target} model to reload")
+    if order.target == "critic":
+        prefix = f"{module.base_model_prefix}."
+        if not order.path.is_dir():
+            raise WeightsRejected(f"{order.path}: a critic reload needs the checkpoint directory")
+        try:
+            head = read_value_head(order.path, int(module.config.hidden_size), device)
+        except (OSError, ValueError) as exc:
+            raise WeightsRejected(str(exc)) from exc
+    config: Any = text_part(module.config)
+    read: Callable[[dict[str, Path], set[str]], dict[str, torch.Tensor]] = read_all
+    if sharded is not None:  # this rank's slices, checked against the whole model's config
+        config, read = sharded.configs[order.target], sharded.layouts[order.target].read
+    weights.check_config(order.path, config)
+    mode = weights.choose_mode(order.mode, weights.module_bytes(module), device)
+    return weights.stage(
+        dataclasses.replace(order, mode=mode),
+        module,
+        prefix=prefix,
+        allow_extra=lambda name: bool(prefix) and not name.startswith(prefix),  # the critic's heads
+        extra=head,
+        read=read,
+    )
+
+
+def apply(served: Served, staged: StagedWeights, previous: WeightsState) -> WeightsState:
+    """Serve the staged weights from the next micro-batch on; the new state of their target. Engine
+    thread only."""
+    assert isinstance(staged, weights.Staged)
+    target = staged.order.target
+    weights.apply(staged)
+    forward = served.forward(target)
+    assert forward is not None  # a staged target is served
+    forward.refresh()
+    if target == "critic":
+        assert served.critic is not None
+        assert staged.extra is not None
+        served.critic = Critic(served.critic.decoder, staged.extra)
+    return WeightsState(
+        target, staged.order.version, str(staged.order.path), staged.mode, time.time(), previous.reloads + 1
+    )

@@ -1,0 +1,58 @@
+"""Optional bearer API keys: from LOGPROBD_API_KEYS and/or a file, compared in constant time.
+
+Keys are never logged or echoed. With no API key configured, the scoring routes are open; the admin
+routes (weight reload) need an admin key, and are off (403) when none is configured.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import SecretStr
+
+from service.core.errors import Unauthorized
+from service.settings import Settings
+
+
+def _read(inline: SecretStr | None, file: Path | None) -> tuple[bytes, ...]:
+    keys: list[str] = []
+    if inline is not None:
+        keys += inline.get_secret_value().split(",")
+    if file is not None:
+        keys += file.read_text().splitlines()
+    return tuple(k.strip().encode() for k in keys if k.strip())
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeys:
+    keys: tuple[bytes, ...]
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ApiKeys:
+        """The keys of the scoring routes: the API keys, plus the admin keys when there are API keys."""
+        keys = _read(settings.api_keys, settings.api_keys_file)
+        return cls(keys + _read(settings.admin_api_keys, settings.admin_api_keys_file) if keys else ())
+
+    @classmethod
+    def admin(cls, settings: Settings) -> ApiKeys:
+        """The keys of /admin/*: admin keys only. None configured: the admin routes are off."""
+        return cls(_read(settings.admin_api_keys, settings.admin_api_keys_file))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def check(self, authorization: str | None) -> None:
+        """Raise Unauthorized unless `authorization` is "Bearer <a configured key>"."""
+        if not self.enabled:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        given = token.strip().encode()
+        # compare with every key, whatever matched: the time does not depend on which key, or where
+        matched = False
+        for key in self.keys:
+            matched |= hmac.compare_digest(given, key)
+        if scheme.lower() != "bearer" or not matched:
+            raise Unauthorized("a valid API key is required: send `Authorization: Bearer <key>`")
