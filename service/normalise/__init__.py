@@ -1,9 +1,9 @@
 """Any accepted request layout -> one SequenceJob per row, plus where each score goes back.
 
 Normalisation sits between the wire models (wire/schemas.py, wire/arrays.py) and the batcher: it
-implements SEMANTICS.md's layouts, action windows and EOS policy, and every rule that relates fields
-to each other or to the model raises InvalidRequest (or a 413) naming the field and the row. Its
-users need `normalise(request, limits) -> ScoringPlan`, `ModelLimits`, and the plan's `RowWindow`.
+implements docs/semantics.md's layouts, action windows and EOS policy, and every rule that relates
+fields to each other or to the model raises InvalidRequest (or a 413) naming the field and the row.
+Its users need `normalise(request, limits) -> ScoringPlan`, `ModelLimits`, and the plan's `RowWindow`.
 
 Modules, top-down as the data flows; each imports only modules below it:
 

@@ -21,7 +21,7 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class LogitTransform:
-    """g in SEMANTICS.md: what a model's own forward applies to its final logits.
+    """g in docs/semantics.md: what a model's own forward applies to its final logits.
 
     scale:   multiply (Cohere `logit_scale`; Granite's `1 / logits_scaling`)
     softcap: tanh soft-capping (Gemma2/3 `final_logit_softcapping`)
