@@ -216,7 +216,7 @@ IN, OUT, SIDE = "#2d3748", "#2b6cb0", "#9c6b12"  # arrows: a request in, its ans
 @dataclass(frozen=True)
 class Box:
     """A package, or a folder of the engine, and a few lines on it. `names`: every module and folder
-    the box names, under service/ (tests/test_docs.py checks that each exists)."""
+    the box names, under service/ (a test checks that each exists)."""
 
     x: int
     y: int

@@ -1,6 +1,6 @@
 """The model side: an EngineConfig in, a ScoringEngine out (contract.py), whose micro-batches go
 loading/ -> batch/ -> decoder/ (ops/, moe/, strategies/) -> heads/, run by scorer/ (parallel/ over
-several ranks). docs/architecture.md maps it folder by folder.
+several ranks). docs/performance.md maps it folder by folder.
 
 The only package that imports torch and transformers, and it never reads the service's settings or
 the HTTP side (make lint checks it). Importing it is cheap: heavy imports happen in `load_engine`.
