@@ -23,8 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from service.engine.batch.asks import Extras
 from service.engine.heads import extras as extra
-from service.engine.heads.base import ActionScores, Extras, ExtraScores, LogitTransform
+from service.engine.heads.base import ActionScores, ExtraScores, LogitTransform
 from service.engine.parallel.sharding import Shard
 
 

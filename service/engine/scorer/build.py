@@ -31,7 +31,7 @@ from service.engine.decoder.mlp_chunks import chunk_mlps, resolve_tokens
 from service.engine.heads import quack_head, vocab_parallel
 from service.engine.loading.critic import Critic
 from service.engine.loading.pretrained import LoadedModel, text_part
-from service.engine.moe import layer as moe
+from service.engine.moe import grouped_gemm, routing_rule, transformers_blocks
 from service.engine.ops import fixed_tile
 from service.engine.ops import gate_up as gated
 from service.engine.ops.attention import AttentionBackend
@@ -73,8 +73,8 @@ def prepare(  # noqa: PLR0917
     def projection() -> gated.GatedProjection:  # chosen (and probed) only for a fused decoder
         return gated.choose(mlp_kernel, device, dtype, ops.swiglu)
 
-    def moe_kernel() -> moe.MoeKernel:  # chosen (and probed) only for a fused decoder with experts
-        return moe.choose(config.moe_kernel, device, dtype)
+    def moe_kernel() -> grouped_gemm.MoeKernel:  # chosen (and probed) only for a fused decoder with experts
+        return grouped_gemm.choose(config.moe_kernel, device, dtype)
 
     chunk = gemm.whole_calls(chunk)
     forward = decoder.build(
@@ -95,7 +95,7 @@ def prepare(  # noqa: PLR0917
     chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
     gemm.patch(base)
     if isinstance(gemm, FixedRows):
-        moe.block_sparse(base, gemm.rows)
+        transformers_blocks.block_sparse(base, gemm.rows)
     return forward, kernels
 
 
@@ -131,9 +131,9 @@ def moe_kernel_name(forward: Decoder) -> str:
 
 def moe_shape(base: Any) -> MoeShape | None:
     """The sparse layers of a decoder (transformers' modules) as routes address them; None where it has
-    none, or routes them by a rule logprobd does not know (moe.routing)."""
+    none, or routes them by a rule logprobd does not know (routing_rule.routing)."""
     config = base.config
-    rule = moe.routing(str(getattr(config, "model_type", "")), config)
+    rule = routing_rule.routing(str(getattr(config, "model_type", "")), config)
     blocks = [layer.mlp for layer in getattr(base, "layers", []) if hasattr(layer.mlp, "experts")]
     if rule is None or not blocks:
         return None

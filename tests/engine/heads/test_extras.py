@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from service.engine.batch.asks import Extras
 from service.engine.heads import chunked
-from service.engine.heads.base import Extras, ExtraScores, LogitTransform
+from service.engine.heads.base import ExtraScores, LogitTransform
 from service.engine.heads.chunked import score_actions
 from service.engine.heads.vocab_parallel import VocabParallelHead
 from service.engine.heads.vocab_parallel import score_actions as sharded_scores
