@@ -28,7 +28,7 @@ from service.engine.contract import (
 from service.engine.decoder import graphs
 from service.engine.decoder.base import Decoder
 from service.engine.decoder.mlp_chunks import chunk_mlps, resolve_tokens
-from service.engine.heads import quack_head, vocab_parallel
+from service.engine.heads import quack_head
 from service.engine.loading.critic import Critic
 from service.engine.loading.pretrained import LoadedModel, text_part
 from service.engine.moe import grouped_gemm, routing_rule, transformers_blocks
@@ -37,6 +37,7 @@ from service.engine.ops import gate_up as gated
 from service.engine.ops.attention import AttentionBackend
 from service.engine.ops.elementwise import Ops
 from service.engine.ops.liger import apply_fused_kernels
+from service.engine.parallel import vocab_layers
 from service.engine.parallel.sharding import Sharded
 from service.engine.scorer.memory import longest, max_positions
 from service.engine.scorer.models import CausalLM, Served
@@ -250,7 +251,7 @@ def describe(  # noqa: PLR0917
     """What /info reports of the built engine (the longest sequence before memory is measured)."""
     vocab = served.policy.vocab_size
     if served.critic is not None:
-        vocab = min(vocab, vocab_parallel.full_rows(served.critic.decoder.get_input_embeddings()))
+        vocab = min(vocab, vocab_layers.full_rows(served.critic.decoder.get_input_embeddings()))
     models = [model_info("policy", loaded.name, loaded.model)]
     if reference is not None:
         models.append(model_info("reference", reference.name, reference.model))
