@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +20,7 @@ from service.engine.contract import (
     WeightsState,
 )
 from service.engine.loading import staging as weights
-from service.engine.loading.checkpoint import read_all
+from service.engine.loading.checkpoint import Read, read_all, sliced
 from service.engine.loading.critic import Critic, read_value_head
 from service.engine.loading.pretrained import text_part
 from service.engine.parallel.sharding import Sharded
@@ -43,9 +41,9 @@ def stage(served: Served, order: ReloadOrder, device: torch.device, sharded: Sha
         except (OSError, ValueError) as exc:
             raise WeightsRejected(str(exc)) from exc
     config: Any = text_part(module.config)
-    read: Callable[[dict[str, Path], set[str]], dict[str, torch.Tensor]] = read_all
+    read: Read = read_all
     if sharded is not None:  # this rank's slices, checked against the whole model's config
-        config, read = sharded.configs[order.target], sharded.layouts[order.target].read
+        config, read = sharded.configs[order.target], sliced(sharded.layouts[order.target].part)
     weights.check_config(order.path, config)
     mode = weights.choose_mode(order.mode, weights.module_bytes(module), device)
     return weights.stage(
