@@ -347,9 +347,10 @@ ARCHITECTURE_BOXES = (
         "log-probs [A], entropy",
         "[A], top K, candidates",
     ),
-    _room((56, 624, 230, 36), "loading", "models from checkpoints, reloads"),
-    _room((306, 624, 230, 36), "parallel", "tensor parallel: shards and ranks"),
-    _room((556, 624, 230, 36), "runtime", "optional kernel packages, Triton"),
+    _room((56, 624, 160, 36), "loading", "checkpoints -> models"),
+    _room((246, 624, 160, 36), "parallel", "a rank's slices"),
+    _room((436, 624, 160, 36), "tensor_parallel", "a scorer per rank"),
+    _room((626, 624, 160, 36), "runtime", "optional kernels"),
     _box(
         (40, 714, 760, 50),
         "service/core/",

@@ -18,7 +18,7 @@ each imports only rooms below it (the engine's layers contract in pyproject.toml
     contract.py                    the interface to the batcher, free of torch
 
 A micro-batch goes loading/ -> batch/ -> decoder/ -> heads/, run by scorer/ (tensor_parallel/ over
-several ranks); docs/performance.md maps it folder by folder. The only package that imports torch
+several ranks); docs/architecture.md maps it folder by folder. The only package that imports torch
 and transformers, and it never reads the service's settings or the HTTP side (make lint checks it).
 Importing it is cheap: heavy imports happen in `load_engine`.
 """
