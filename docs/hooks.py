@@ -3,7 +3,8 @@
 - `openapi.md`: the committed `openapi.yaml` rendered to markdown (every route, request field,
   response and schema), with the YAML itself beside it for download. No network, no plugin.
 - `benchmarks.md`: the repository's `BENCHMARKS.md`, its links to `docs/` made site links; the
-  pages' links to `../BENCHMARKS.md` (right when read in the repository) lead to it in the site.
+  pages' links to `../BENCHMARKS.md` (right when read in the repository) lead to it in the site; the
+  result files it links (`benchmarks/results/...`) are served at the same paths.
 - `img/dashboard.svg`: the Grafana dashboard's layout (rows and panels, where the JSON puts them).
 - the metrics table of `observability.md`: every metric of `service/metrics.py`, in place of
   `<!-- metrics-table -->`.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,8 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
     files.append(File.generated(config, "openapi.yaml", content=OPENAPI.read_text()))
     benchmarks = BENCHMARKS.read_text().replace("](docs/", "](")
     files.append(File.generated(config, "benchmarks.md", content=benchmarks))
+    for cited in sorted(set(re.findall(r"\]\((benchmarks/results/[^)]+)\)", benchmarks))):
+        files.append(File.generated(config, cited, content=(ROOT / cited).read_bytes()))
     dashboard = json.loads(DASHBOARD.read_text())
     files.append(File.generated(config, "img/dashboard.svg", content=render_dashboard(dashboard)))
     return files
