@@ -22,7 +22,7 @@ round (and the connections) comes first.
 - `plain`: what a trainer that does not use logprobd's client writes: a default `httpx.AsyncClient()`
   (httpcore's pool), each body posted with `json=` (the standard library's json.dumps, inside the
   round) and each answer read with `response.json()` (json.loads); JSON bodies only. `--timeline
-  PATH` writes when each round's requests were posted, read and parsed (benchmarks.overhead lays
+  PATH` writes when each round's requests were posted, read and parsed (benchmarks.probes.overhead lays
   them beside the server's events).
 - `load`: continuous load (`poisson_load`): N tasks on one asyncio loop (logprobd's StreamTransport,
   one connection each), each sending bodies at the instants of a Poisson process of rate R / N, so

@@ -39,13 +39,12 @@ import httpx
 import numpy as np
 import torch
 
-from benchmarks.harness import RESULTS, active_params, build_model, run_models
+from benchmarks.harness import RESULTS, active_params, packed_model, run_models
 from benchmarks.server import HttpServer, histogram_totals, http_rounds
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import Sample, floor_flops, grpo_short, unique_floor_flops
 from service.client.wire import to_frame
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.http.completions.plan import plan_completion
 from service.http.completions.schemas import CompletionRequest
@@ -167,9 +166,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         cuda_graphs=args.cuda_graphs,
         max_top_logprobs=max(1000, TEACHER_K),
     )
-    backend = choose_backend(args.attention, device)
-    packed_impl = register(backend)
-    model = build_model(dict(SHAPES[name]), dtype, device, packed_impl)
+    backend, _, model = packed_model(dict(SHAPES[name]), dtype, device, args.attention)
     shape = SHAPES[name]
     vocab, params = int(shape["vocab_size"]), active_params(model)
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30

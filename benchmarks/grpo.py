@@ -54,8 +54,8 @@ from benchmarks.harness import (
     ACCURACY_SAMPLE,
     RESULTS,
     active_params,
-    build_model,
     max_abs_diff,
+    packed_model,
     peak_memory,
     reference_logprobs,
     run_models,
@@ -75,7 +75,6 @@ from benchmarks.workload import (
     unique_tokens,
 )
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.settings import CudaGraphs, Settings
 
@@ -187,9 +186,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         batch_wait_ms=args.batch_wait_ms,
         share_min_tokens=args.share_min_tokens,
     )
-    backend = choose_backend(args.attention, device)
-    packed_impl = register(backend)
-    model = build_model(dict(SHAPES[name]), dtype, device, packed_impl)
+    backend, packed_impl, model = packed_model(dict(SHAPES[name]), dtype, device, args.attention)
     vocab, params = int(SHAPES[name]["vocab_size"]), active_params(model)
     workloads = {w: WORKLOADS[w](vocab, args.scale) for w in args.workloads}
     results: dict[str, dict[str, Any]] = {}

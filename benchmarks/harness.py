@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from benchmarks.workload import Sample
+from service.engine.ops.attention import AttentionBackend, choose_backend, register
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -217,6 +218,20 @@ def build_model(
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)  # type: ignore[no-untyped-call]
     return model.eval().requires_grad_(False)
+
+
+def packed_model(
+    shape: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+    attention: str = "auto",
+    positions: int = 32768,
+) -> tuple[AttentionBackend, str, Any]:
+    """The attention backend `attention` resolves to on `device`, the name transformers calls its
+    packed kernel by, and a model of `shape` built to run it (build_model)."""
+    backend = choose_backend(attention, device)
+    packed = register(backend)
+    return backend, packed, build_model(shape, dtype, device, packed, positions)
 
 
 def active_params(model: Any) -> int:

@@ -43,14 +43,13 @@ from typing import Any, get_args
 
 import torch
 
-from benchmarks.harness import RESULTS, build_model, run_models
+from benchmarks.harness import RESULTS, packed_model, run_models
 from benchmarks.server import CLIENTS, HttpServer, http_bodies, http_rounds
 from benchmarks.shapes import MOE_SHAPES, SHAPES, shape_of
 from benchmarks.workload import Sample, _scaled, grpo_long, grpo_short, jobs, long_workload, workload
 from service.batcher import Batcher
 from service.core.jobs import SequenceJob, SequenceScores
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.metrics import Metrics
 from service.settings import Kernels, Settings
@@ -125,9 +124,8 @@ async def check_bits(
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
     """Both modes of `name` on every workload asked (`rate`, the matmul rate, is not used: no floor)."""
     del rate
-    backend = choose_backend("auto", device)
     shape = shape_of(name)
-    model = build_model(shape, getattr(torch, args.dtype), device, register(backend))
+    backend, _, model = packed_model(shape, getattr(torch, args.dtype), device)
     vocab = int(shape["vocab_size"])
     workloads = {w: WORKLOADS[w](vocab, args.scale, args.sequences) for w in args.workloads}
     result: dict[str, Any] = {

@@ -43,8 +43,8 @@ from benchmarks.client import FRAME_HEADERS, read_bodies, write_bodies
 from benchmarks.harness import (
     RESULTS,
     active_params,
-    build_model,
     max_abs_diff,
+    packed_model,
     peak_memory,
     run_models,
     sync,
@@ -54,7 +54,6 @@ from benchmarks.shapes import SHAPES
 from benchmarks.workload import Sample, floor_flops, long_workload, workload
 from service.engine.batch.kv_store import cache_bytes_per_token
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.settings import Settings
 
@@ -181,7 +180,7 @@ def fairness(url: str, shorts: list[Sample], longs: list[Sample], seconds: float
 async def _load(url: str, shorts: list[bytes], longs: list[bytes], seconds: float) -> dict[str, Any]:
     latencies: list[float] = []
     long_done = 0
-    end = time.perf_counter() + seconds
+    end = 0.0  # `seconds` from the end of the warm-up
 
     async def short(client: httpx.AsyncClient, body: bytes) -> None:
         while True:  # at least one request each
@@ -205,6 +204,7 @@ async def _load(url: str, shorts: list[bytes], longs: list[bytes], seconds: floa
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         for body in shorts:  # warm-up: connections, and every short shape once
             (await client.post("/logprobs", content=body, headers=FRAME_HEADERS)).raise_for_status()
+        end = time.perf_counter() + seconds
         tasks = [short(client, body) for body in shorts] + ([stream(client)] if longs else [])
         await asyncio.gather(*tasks)
     return {"short_latencies_s": latencies, "long_done": long_done}
@@ -251,9 +251,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         cuda_graphs=args.cuda_graphs,
         max_batch_tokens=args.max_batch_tokens,
     )
-    backend = choose_backend("auto", device)
-    packed_impl = register(backend)
-    model = build_model(dict(SHAPES[name]), dtype, device, packed_impl, positions=POSITIONS)
+    backend, packed_impl, model = packed_model(dict(SHAPES[name]), dtype, device, positions=POSITIONS)
     vocab = int(SHAPES[name]["vocab_size"])
     params = active_params(model)
     longs = long_workload(vocab, args.long_scale)

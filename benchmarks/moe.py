@@ -42,8 +42,8 @@ from benchmarks.harness import (
     ACCURACY_SAMPLE,
     RESULTS,
     active_params,
-    build_model,
     max_abs_diff,
+    packed_model,
     reference_logprobs,
     run_models,
     sync,
@@ -55,7 +55,6 @@ from service.batcher import Batcher
 from service.core.jobs import SequenceJob
 from service.engine.config import EngineConfig
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.metrics import Metrics
 from service.settings import Settings
@@ -172,8 +171,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     if args.layers is not None:
         shape["num_hidden_layers"] = args.layers
     dtype = getattr(torch, args.dtype)
-    backend = choose_backend(args.attention, device)
-    model = build_model(shape, dtype, device, register(backend))
+    backend, _, model = packed_model(shape, dtype, device, args.attention)
     loaded = time.perf_counter()  # the weights are in place: a server's start counts from here
     default = str(model.config._experts_implementation)
     samples: list[Sample] = workload(int(shape["vocab_size"]), sequences=args.sequences)

@@ -28,13 +28,12 @@ import httpx
 import numpy as np
 import torch
 
-from benchmarks.harness import RESULTS, active_params, build_model, run_models
+from benchmarks.harness import RESULTS, active_params, packed_model, run_models
 from benchmarks.server import HttpServer, http_rounds
 from benchmarks.shapes import MOE_SHAPES, floor_shape
 from benchmarks.workload import Sample, floor_flops, workload
 from service.client.wire import from_frame, to_frame
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.settings import CudaGraphs, Settings
 from service.wire.frame import MEDIA_TYPE
@@ -91,8 +90,7 @@ def replayed(url: str, bodies: list[dict[str, Any]]) -> tuple[list[list[np.ndarr
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
     shape = dict(MOE_SHAPES[name])
     dtype = getattr(torch, args.dtype)
-    backend = choose_backend(args.attention, device)
-    model = build_model(shape, dtype, device, register(backend))
+    backend, _, model = packed_model(shape, dtype, device, args.attention)
     samples = workload(int(shape["vocab_size"]), sequences=args.sequences)
     tokens = sum(len(s.tokens) for s in samples)
     floor_s = floor_flops(floor_shape(shape), active_params(model), samples) / rate

@@ -43,8 +43,8 @@ from benchmarks.harness import (
     ACCURACY_SAMPLE,
     RESULTS,
     active_params,
-    build_model,
     max_abs_diff,
+    packed_model,
     peak_memory,
     reference_logprobs,
     run_models,
@@ -56,7 +56,6 @@ from benchmarks.workload import Sample, floor_flops, jobs, workload
 from service.batcher import Batcher
 from service.core.jobs import SequenceScores
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings
@@ -133,9 +132,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         batch_wait_ms=args.batch_wait_ms,
         batch_invariant=args.batch_invariant,
     )
-    backend = choose_backend(args.attention, device)
-    packed_impl = register(backend)
-    model = build_model(dict(SHAPES[name]), dtype, device, packed_impl)
+    backend, packed_impl, model = packed_model(dict(SHAPES[name]), dtype, device, args.attention)
     samples = workload(int(SHAPES[name]["vocab_size"]), sequences=args.sequences)
     tokens = sum(len(s.tokens) for s in samples)
     floor_s = floor_flops(SHAPES[name], active_params(model), samples) / rate

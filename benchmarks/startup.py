@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with contextlib.ExitStack() as stack:
         root = args.cache_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="logprobd-cc-")))
+        root.mkdir(parents=True, exist_ok=True)
         env = os.environ | {var: str(root / sub) for var, sub in CACHES.items()}
         env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"  # as the image sets it
         runs = []

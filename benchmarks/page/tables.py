@@ -233,7 +233,7 @@ def _startup(e: Entry) -> Iterator[list[str]]:
         phases, compiles = start["phases_s"], start["compiles"]
         seconds = [NONE if (s := phases.get(k)) is None else f"{s:.1f}" for k in STARTUP_PHASES]
         counted = [f"{compiles[k]['count']} ({compiles[k]['seconds']:.1f} s)" for k in ("triton", "cute")]
-        caches = "cold" if n == 0 and fresh else "warm"
+        caches = "warm" if n else "cold" if fresh else "as given"
         yield [e.result.data["model"], caches, f"{start['ready_s']:.1f}", *seconds, *counted]
 
 

@@ -2,7 +2,7 @@
 # A newcomer's first score: clone COMMIT (default HEAD) into a fresh folder, run `make serve` there in
 # the background, poll the README's curl until it scores; print the seconds to the first score and
 # the size and package count of the .venv it made. pip's cache is left as it is (say warm or cold).
-#   bash benchmarks/first_score.sh [COMMIT] [PORT]
+#   bash benchmarks/probes/first_score.sh [COMMIT] [PORT]
 set -euo pipefail
 commit=${1:-HEAD}; port=${2:-8765}
 repo=$(git rev-parse --show-toplevel)

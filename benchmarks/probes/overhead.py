@@ -44,7 +44,7 @@ from typing import Any, get_args
 import torch
 
 from benchmarks import server
-from benchmarks.harness import RESULTS, build_model, provenance, write_result
+from benchmarks.harness import RESULTS, packed_model, provenance, write_result
 from benchmarks.server import HttpServer, http_bodies, http_rounds
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import Sample, grpo_long, grpo_short, jobs, workload
@@ -52,7 +52,6 @@ from service.batcher import Batcher
 from service.core.jobs import IntArray, SequenceJob, SequenceScores
 from service.engine.contract import Launched
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.http import router as api
 from service.metrics import Metrics
@@ -437,8 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         cuda_graphs=args.cuda_graphs,
         max_batch_tokens=max(args.max_batch_tokens),
     )
-    backend = choose_backend("auto", device)
-    model = build_model(dict(SHAPES[args.model]), getattr(torch, settings.dtype), device, register(backend))
+    backend, _, model = packed_model(dict(SHAPES[args.model]), getattr(torch, settings.dtype), device)
     engine = PackedScorer(
         LoadedModel(model, args.model, demo=False), device, backend, settings.engine_config()
     )

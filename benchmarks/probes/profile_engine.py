@@ -56,14 +56,13 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.autograd import DeviceType  # type: ignore[attr-defined]
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.harness import RESULTS, build_model, provenance, sync, write_result
+from benchmarks.harness import RESULTS, packed_model, provenance, sync, write_result
 from benchmarks.invariance import WORKLOADS, requests
 from benchmarks.shapes import MOE_SHAPES, SHAPES, shape_of
 from benchmarks.workload import jobs
 from service.batcher import Batcher
 from service.core.jobs import GivenRoutes, RouteAgreement, Sampling, SequenceJob, SequenceScores
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings
@@ -260,9 +259,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         raise SystemExit(
             f"--variants {sorted(MOE_ONLY & set(args.variants))} need an MoE model: {list(MOE_SHAPES)}"
         )
-    backend = choose_backend("auto", device)
     shape = shape_of(args.model)
-    model = build_model(shape, getattr(torch, args.dtype), device, register(backend))
+    backend, _, model = packed_model(shape, getattr(torch, args.dtype), device)
     samples = WORKLOADS[args.workload](int(shape["vocab_size"]), args.scale, args.sequences)
     base = jobs(samples)
     on_device = device.type == "cuda"

@@ -28,14 +28,14 @@ from typing import Any, get_args
 
 import torch
 
-from benchmarks.harness import build_model, peak_memory, timed
+from benchmarks.harness import packed_model, peak_memory, timed
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import jobs, workload
 from service.batcher import Batcher
 from service.engine.heads.base import ActionScores, LogitTransform
 from service.engine.heads.chunked import score_actions
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import BACKENDS, choose_backend, register
+from service.engine.ops.attention import BACKENDS, choose_backend
 from service.engine.ops.rope import unfuse_rope
 from service.engine.scorer import engine as scorer
 from service.engine.scorer.engine import PackedScorer
@@ -128,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    backend = choose_backend(args.attention, device)
-    model = build_model(dict(SHAPES[args.model]), torch.bfloat16, device, register(backend))
+    backend, _, model = packed_model(dict(SHAPES[args.model]), torch.bfloat16, device, args.attention)
     label = f"+{backend.name}" + (f"+mlp{args.mlp_chunk_tokens}" if args.mlp_chunk_tokens is not None else "")
     if args.head == "previous":
         setattr(scorer, "score_actions", previous_head)  # noqa: B010 (CausalLM looks it up at call time)
