@@ -61,7 +61,7 @@ config-docs: install  ## regenerate docs/configuration.md from service/settings.
 	$(PY) -m service config-docs --output docs/configuration.md
 
 chart: install  ## render the Helm chart into build/chart (each ci/ values file, or VALUES="a.yaml b.yaml"), lint and validate it as tests/deploy does
-	$(PY) -m tests.deploy.check_chart --output build/chart $(if $(VALUES),--values $(VALUES))
+	$(PY) -m tests.support.check_chart --output build/chart $(if $(VALUES),--values $(VALUES))
 
 gpu-parity:  ## on a CUDA host: parity suite in bf16/fp16/fp32 (docs/development.md)
 	bash tests/gpu/run_parity.sh

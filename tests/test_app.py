@@ -14,8 +14,10 @@ from service.engine.config import EngineConfig
 from service.http.app import create_app
 from service.settings import Settings
 from service.wire import jsonrows
-from tests.conftest import native_or_skip, running, settings_for, wait_ready
-from tests.fakes import FakeEngine
+from tests.support.device import settings_for
+from tests.support.fakes import FakeEngine
+from tests.support.needs import native_or_skip
+from tests.support.servers import running, wait_ready
 
 
 def test_demo_model_serves_and_says_it_is_a_demo() -> None:

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from service.http.app import create_app
 from service.http.auth import ApiKeys
 from service.settings import Settings
-from tests.conftest import wait_ready
-from tests.fakes import FakeEngine
+from tests.support.fakes import FakeEngine
+from tests.support.servers import wait_ready
 
 BODY = {"input_ids": [[1, 2, 3]], "num_actions": 1}
 SECRET = "k-3f9a-very-secret"

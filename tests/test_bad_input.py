@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.conftest import TOLERANCE, Reply, running, settings_for
+from tests.support.device import TOLERANCE, settings_for
+from tests.support.servers import Reply, running
 
 VOCAB = 96
 MAX_BATCH_TOKENS = 64

@@ -17,9 +17,10 @@ from fastapi.testclient import TestClient
 
 from service.client.wire import from_frame, to_frame
 from service.wire.frame import MEDIA_TYPE
-from tests import distribution as ref
-from tests import models
-from tests.conftest import running, settings_for
+from tests.support import distribution as ref
+from tests.support import models
+from tests.support.device import settings_for
+from tests.support.servers import running
 
 SAMPLING = {"top_k": 20, "top_p": 0.9, "min_p": 0.01}
 ATOL = 2e-4

@@ -24,7 +24,7 @@ from service.http.server import DrainingServer
 from service.http.state import ServiceState
 from service.metrics import Metrics
 from service.settings import Settings
-from tests.fakes import FakeEngine
+from tests.support.fakes import FakeEngine
 
 DRAIN_S = 3.0
 

@@ -22,9 +22,10 @@ from service.wire.arrays import parse_frame
 from service.wire.arrays import to_frame as server_frame
 from service.wire.frame import MEDIA_TYPE, ArraySpec, FrameError, decode_rows, encode_rows, pack, unpack
 from service.wire.schemas import LogprobsRequest
-from tests.client.faults import Flaky
-from tests.conftest import loopback, running, settings_for
-from tests.requests import GROUPED_LAYOUTS, LAYOUTS, make, make_grouped
+from tests.support.device import settings_for
+from tests.support.faults import Flaky
+from tests.support.requests import GROUPED_LAYOUTS, LAYOUTS, make, make_grouped
+from tests.support.servers import loopback, running
 
 FRAMED = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
 ROW_FIELDS = ("logprobs", "entropy", "ref_logprobs", "kl", "action_mask")

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 
 from service.http.app import create_app
 from service.settings import Settings
-from tests.conftest import Reply, loopback, wait_ready
-from tests.fakes import FakeEngine
+from tests.support.fakes import FakeEngine
+from tests.support.servers import Reply, loopback, wait_ready
 
 
 def _client(engine: FakeEngine, **settings: Any) -> TestClient:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.conftest import running, settings_for
+from tests.support.device import settings_for
+from tests.support.servers import running
 
 GOOD = {"input_ids": [[5, 9, 11, 3, 7]], "num_actions": 3, "return_entropy": True}
 

@@ -34,9 +34,10 @@ from service.engine.scorer.engine import PackedScorer
 from service.engine.strategies.gemm import GEMM_ROWS, FixedRows
 from service.metrics import Metrics
 from service.settings import Settings
-from tests import critics, models
-from tests.conftest import DEVICE, DTYPE, running, settings_for
 from tests.engine.strategies.twin import BlockedTiles
+from tests.support import critics, models
+from tests.support.device import DEVICE, DTYPE, settings_for
+from tests.support.servers import running
 
 ON_CPU = DEVICE == "cpu"
 DTYPES = ("float32", "bfloat16") if ON_CPU else (DTYPE,)

@@ -16,7 +16,7 @@ from service.core.errors import ServiceError
 from service.wire import jsonrows
 from service.wire.jsonrows import _fast, parse_json
 from service.wire.schemas import MATRIX_FIELDS, LogprobsRequest, parse_request
-from tests.conftest import native_or_skip
+from tests.support.needs import native_or_skip
 
 RAGGED = {"input_ids": [[5, 17, 0, 151935], [3, 4, 5]], "num_actions": [2, 1]}
 PADDED = {

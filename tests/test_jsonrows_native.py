@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from service.wire.jsonrows import _int_rows, _orjson_rows
-from tests.conftest import native_or_skip
+from tests.support.needs import native_or_skip
 
 
 def _rows_or_none(rows: list[Any] | None) -> list[list[int]] | None:

@@ -25,11 +25,18 @@ import pytest
 import torch
 
 from service.engine.batch.kv_store import KVContext
-from tests import critics, models
-from tests.conftest import TOLERANCE, VALUE_RTOL, Reply, eager, settings_for
-from tests.reference import assert_values_close, check_reply, expected, max_diff, row_tokens_and_window
-from tests.requests import LAYOUTS, PAD, make
-from tests.serving import Served, serve
+from tests.support import critics, models
+from tests.support.device import TOLERANCE, VALUE_RTOL, eager, settings_for
+from tests.support.launches import Served, serve
+from tests.support.reference import (
+    assert_values_close,
+    check_reply,
+    expected,
+    max_diff,
+    row_tokens_and_window,
+)
+from tests.support.requests import LAYOUTS, PAD, make
+from tests.support.servers import Reply
 
 LONG_POSITIONS = 1280
 BUDGET = 64

@@ -23,10 +23,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests import models
-from tests.conftest import DEVICE, DTYPE, TOLERANCE, running, settings_for
-from tests.reference import check_reply, expected, max_diff, mean_diff, reference_routes
-from tests.requests import LAYOUTS, make
+from tests.support import models
+from tests.support.device import DEVICE, DTYPE, TOLERANCE, settings_for
+from tests.support.reference import check_reply, expected, max_diff, mean_diff, reference_routes
+from tests.support.requests import LAYOUTS, make
+from tests.support.servers import running
 
 REQUESTS_PER_CASE = 3
 MOE_LIVE_MEAN = 0.05  # bf16/fp16 live routing of the MoE models: the mean |Δ| over actions

@@ -14,10 +14,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.engine.loading.critic import find_value_head
-from tests import critics, models
-from tests.conftest import DTYPE, TOLERANCE, running, settings_for
-from tests.reference import expected, row_tokens_and_window
-from tests.requests import LAYOUTS, make
+from tests.support import critics, models
+from tests.support.device import DTYPE, TOLERANCE, settings_for
+from tests.support.reference import expected, row_tokens_and_window
+from tests.support.requests import LAYOUTS, make
+from tests.support.servers import running
 
 
 @pytest.fixture(scope="module", params=critics.FORMATS)

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.client import frameworks
-from tests.client.frameworks import make_batch
 from tests.client.test_adapters import check
-from tests.conftest import free_port, server_process
+from tests.support import frameworks
+from tests.support.frameworks import make_batch
+from tests.support.servers import free_port, server_process
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

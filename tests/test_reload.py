@@ -19,10 +19,11 @@ from fastapi.testclient import TestClient
 
 from service.http.app import create_app
 from service.settings import Settings
-from tests import critics, models
-from tests.conftest import TOLERANCE, Reply, loopback, running, settings_for, wait_ready
-from tests.fakes import FakeEngine
-from tests.reference import expected
+from tests.support import critics, models
+from tests.support.device import TOLERANCE, settings_for
+from tests.support.fakes import FakeEngine
+from tests.support.reference import expected
+from tests.support.servers import Reply, loopback, running, wait_ready
 
 ADMIN, USER = "admin-key", "user-key"
 AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}

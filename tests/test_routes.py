@@ -23,7 +23,8 @@ from fastapi.testclient import TestClient
 from service.client.routed_experts import decode
 from service.client.wire import from_frame, to_frame
 from service.wire.frame import MEDIA_TYPE, unpack
-from tests.conftest import running, settings_for
+from tests.support.device import settings_for
+from tests.support.servers import running
 
 FRAMED = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
 RAGGED = {"input_ids": [[3, 14, 15, 92, 65, 35, 89], [79, 32, 38, 46]], "num_actions": [3, 2]}

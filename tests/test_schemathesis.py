@@ -18,7 +18,8 @@ from schemathesis.specs.openapi.checks import (
 
 from service.http.app import create_app
 from service.wire.frame import MEDIA_TYPE
-from tests.conftest import loopback, settings_for
+from tests.support.device import settings_for
+from tests.support.servers import loopback
 
 SCHEMA = schemathesis.openapi.from_path(Path(__file__).resolve().parents[1] / "openapi.yaml")
 

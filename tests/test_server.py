@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from service.http.app import create_app
-from tests import models
-from tests.conftest import TOLERANCE, loopback, settings_for
-from tests.reference import expected
+from tests.support import models
+from tests.support.device import TOLERANCE, settings_for
+from tests.support.reference import expected
+from tests.support.servers import loopback
 
 PAD = 0
 

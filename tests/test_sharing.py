@@ -22,11 +22,18 @@ import numpy as np
 import pytest
 
 from service.core.prefixes import share
-from tests import critics, models
-from tests.conftest import TOLERANCE, VALUE_RTOL, Reply, eager, settings_for
-from tests.reference import assert_values_close, check_reply, expected, max_diff, row_tokens_and_window
-from tests.requests import LAYOUTS, lay_out
-from tests.serving import Served, serve
+from tests.support import critics, models
+from tests.support.device import TOLERANCE, VALUE_RTOL, eager, settings_for
+from tests.support.launches import Served, serve
+from tests.support.reference import (
+    assert_values_close,
+    check_reply,
+    expected,
+    max_diff,
+    row_tokens_and_window,
+)
+from tests.support.requests import LAYOUTS, lay_out
+from tests.support.servers import Reply
 
 MIN_TOKENS = 8
 

@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 
 from service.http.app import create_app
-from tests import models
-from tests.conftest import TOLERANCE, loopback, settings_for
-from tests.reference import expected
-from tests.requests import LAYOUTS, make
+from tests.support import models
+from tests.support.device import TOLERANCE, settings_for
+from tests.support.reference import expected
+from tests.support.requests import LAYOUTS, make
+from tests.support.servers import loopback
 
 SECONDS = float(os.environ.get("LOGPROBD_SOAK_SECONDS", "8"))
 CLIENTS = int(os.environ.get("LOGPROBD_SOAK_CLIENTS", "16"))

@@ -2,10 +2,9 @@
 reference, with a critic and a reference model, for every layout; a hot reload reaches both ranks;
 what cannot be sharded is refused before any process starts.
 
-On CPU the ranks share the host; in the GPU parity suite (LOGPROBD_TEST_DEVICE=cuda) both ranks share
-one GPU over gloo, which all-reduces CUDA tensors: the sharded kernels run on a GPU without a
-multi-GPU host. On a host with two GPUs, LOGPROBD_TEST_TP_COLLECTIVES=nccl runs the same cases over
-NCCL, a GPU per rank: the production path."""
+Over gloo the ranks share the host, or in the GPU parity run (LOGPROBD_TEST_DEVICE=cuda) one GPU,
+since gloo all-reduces CUDA tensors: the sharded kernels run on a GPU without a multi-GPU host. The
+same cases run over NCCL, a GPU per rank (the production path), where the host has two GPUs."""
 
 from __future__ import annotations
 
@@ -19,10 +18,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.engine.tensor_parallel import ranks
-from tests import critics, models
-from tests.conftest import TOLERANCE, TP_COLLECTIVES, running, settings_for
-from tests.reference import check_reply, expected
-from tests.requests import LAYOUTS, make
+from tests.support import critics, models
+from tests.support.device import DEVICE, TOLERANCE, settings_for
+from tests.support.reference import check_reply, expected
+from tests.support.requests import LAYOUTS, make
+from tests.support.servers import running
 
 ADMIN = "admin-key"
 AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
@@ -33,7 +33,7 @@ def critic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return critics.save("trl", tmp_path_factory.mktemp("tp-critic") / "trl")
 
 
-def _settings(model_dirs: dict[str, Path], ref_dir: Path, critic_dir: Path, tp: int) -> Any:
+def _settings(model_dirs: dict[str, Path], ref_dir: Path, critic_dir: Path, tp: int, collectives: str) -> Any:
     return settings_for(
         model_dirs["qwen2"],
         critic=critic_dir,
@@ -42,18 +42,21 @@ def _settings(model_dirs: dict[str, Path], ref_dir: Path, critic_dir: Path, tp: 
         share_min_tokens=8,  # a group's prompt computed once (a Forest on every rank)
         admin_api_keys=ADMIN,
         tensor_parallel_size=tp,
-        tensor_parallel_collectives=TP_COLLECTIVES,  # gloo: two ranks may share one GPU
+        tensor_parallel_collectives=collectives,
+        device="cuda" if collectives == "nccl" else DEVICE,  # gloo: two ranks may share one GPU
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["gloo", pytest.param("nccl", marks=pytest.mark.two_gpus)])
 def pair(
-    model_dirs: dict[str, Path], ref_dir: Path, critic_dir: Path
+    request: pytest.FixtureRequest, model_dirs: dict[str, Path], ref_dir: Path, critic_dir: Path
 ) -> Iterator[tuple[TestClient, TestClient]]:
-    """The qwen2 policy with a reference and a critic: over 2 ranks, and in one process."""
+    """The qwen2 policy with a reference and a critic: over 2 ranks (over gloo, then NCCL), and in
+    one process."""
+    collectives: str = request.param
     with (
-        running(_settings(model_dirs, ref_dir, critic_dir, 2)) as sharded,
-        running(_settings(model_dirs, ref_dir, critic_dir, 1)) as single,
+        running(_settings(model_dirs, ref_dir, critic_dir, 2, collectives)) as sharded,
+        running(_settings(model_dirs, ref_dir, critic_dir, 1, collectives)) as single,
     ):
         yield sharded, single
 

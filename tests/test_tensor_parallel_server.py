@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from service.engine.tensor_parallel.ranks import EXIT_GRACE_S
-from tests.reference import check_reply
+from tests.support.reference import check_reply
 
 pytestmark = pytest.mark.slow
 BODY = {"input_ids": [[5, 6, 7, 8, 9, 40, 41], [10, 11, 12]], "num_actions": [5, 2], "return_entropy": True}

@@ -11,10 +11,10 @@ import torch
 
 from service.client import Client
 from service.client.adapters import openrlhf_log_probs, trl_log_probs, verl_log_probs
-from tests.client import frameworks
-from tests.client.faults import Flaky, sent_body
-from tests.client.frameworks import LAYOUTS, make_batch
-from tests.conftest import TOLERANCE
+from tests.support import frameworks
+from tests.support.device import TOLERANCE
+from tests.support.faults import Flaky, sent_body
+from tests.support.frameworks import LAYOUTS, make_batch
 
 MODELS = ("qwen2", "gemma2")
 

@@ -13,9 +13,9 @@ import torch
 
 from service.client import AsyncClient, Client, LogprobdError, RetryPolicy, Scores
 from service.client import adapters as ad
-from tests.client.faults import AsyncFlaky, error_reply
-from tests.client.frameworks import make_batch
 from tests.client.test_retry import FAST, assert_scores, ragged
+from tests.support.faults import AsyncFlaky, error_reply
+from tests.support.frameworks import make_batch
 
 
 def test_async_scores_equal_sync_scores(qwen2_replicas: tuple[str, str]) -> None:

@@ -12,10 +12,10 @@ import pytest
 
 from service.client import Client, LogprobdConnectionError, LogprobdError, RetryPolicy
 from service.client.retry import parse_retry_after
-from tests import models
-from tests.client.faults import Flaky, error_reply, sent_body
-from tests.conftest import TOLERANCE
-from tests.reference import expected
+from tests.support import models
+from tests.support.device import TOLERANCE
+from tests.support.faults import Flaky, error_reply, sent_body
+from tests.support.reference import expected
 
 FAST = RetryPolicy(backoff=0.02, max_backoff=0.05)
 

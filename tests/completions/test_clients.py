@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from service.client.teacher import get_sequence_logprobs
-from tests.client import releases
-from tests.completions.conftest import TOLERANCE, Reference
+from tests.support import releases
+from tests.support.teacher import TOLERANCE, Reference, top_k
 
 PROMPTS = [[1, 17, 23, 5, 9, 41], [1, 60, 2, 33]]
 COMPLETIONS = [[[12, 13, 77, 4], [12, 90], [50, 51, 52, 53, 54]], [[8, 8, 8], [70, 3, 2]]]
@@ -59,11 +59,6 @@ def expected_trl(
     return out
 
 
-def top_k(row: torch.Tensor, k: int) -> list[int]:
-    """The k most likely ids of one [vocab] row, ties broken by the lower id."""
-    return sorted(range(row.shape[0]), key=lambda v: (-row[v].item(), v))[:k]
-
-
 def assert_trl_dicts(got: dict[str, list[Any]], want: dict[str, list[Any]]) -> None:
     assert list(got) == ["logprobs", "logprob_token_ids", "actual_logprobs", "actual_token_ids"]
     assert got["logprob_token_ids"] == want["logprob_token_ids"]
@@ -81,33 +76,35 @@ def assert_trl_dicts(got: dict[str, list[Any]], want: dict[str, list[Any]]) -> N
 
 
 @pytest.mark.parametrize(("k", "temperature"), [(5, 1.0), (1, 0.7), (3, 1.6)])
-def test_trl_get_sequence_logprobs(served: str, reference: Reference, k: int, temperature: float) -> None:
+def test_trl_get_sequence_logprobs(
+    teacher_server: str, teacher_reference: Reference, k: int, temperature: float
+) -> None:
     with releases.vllm_standing_in():
         from trl.generation.vllm_client import VLLMClient  # type: ignore[import-not-found]
 
-        client = VLLMClient(base_url=served, connection_timeout=60.0)
+        client = VLLMClient(base_url=teacher_server, connection_timeout=60.0)
     assert client.model == "teacher"  # from GET /v1/models
     sequences, lengths = batch()
     got = client.get_sequence_logprobs(sequences, lengths, top_logprobs=k, temperature=temperature)
-    assert_trl_dicts(got, expected_trl(reference, sequences, lengths, k, temperature))
+    assert_trl_dicts(got, expected_trl(teacher_reference, sequences, lengths, k, temperature))
     chunked = client.get_sequence_logprobs(
         sequences, lengths, top_logprobs=k, temperature=temperature, chunk_size=2
     )
     assert_trl_dicts(chunked, got)
 
 
-def test_teacher_helper_returns_trls_dict(served: str, reference: Reference) -> None:
+def test_teacher_helper_returns_trls_dict(teacher_server: str, teacher_reference: Reference) -> None:
     sequences, lengths = batch()
-    got = get_sequence_logprobs(served, sequences, lengths, top_logprobs=4, temperature=0.8)
-    assert_trl_dicts(got, expected_trl(reference, sequences, lengths, 4, 0.8))
+    got = get_sequence_logprobs(teacher_server, sequences, lengths, top_logprobs=4, temperature=0.8)
+    assert_trl_dicts(got, expected_trl(teacher_reference, sequences, lengths, 4, 0.8))
     assert all(len(pos) == 4 for seq in got["logprobs"] for pos in seq)
 
 
 def test_lm_eval_local_completions_loglikelihood(
-    served: str, reference: Reference, teacher_dir: Path
+    teacher_server: str, teacher_reference: Reference, teacher_dir: Path
 ) -> None:
     api = releases.lm_eval_local_completions(
-        base_url=f"{served}/v1/completions",
+        base_url=f"{teacher_server}/v1/completions",
         model="teacher",
         tokenizer_backend="huggingface",
         tokenizer=str(teacher_dir),
@@ -116,9 +113,9 @@ def test_lm_eval_local_completions_loglikelihood(
         max_length=256,
     )
     context = [1, 17, 23, 5]
-    lp = reference.logprobs(context)
+    lp = teacher_reference.logprobs(context)
     greedy = [int(lp[-1].argmax())]  # a continuation the model would pick: is_greedy
-    lp = reference.logprobs(context + greedy)
+    lp = teacher_reference.logprobs(context + greedy)
     greedy.append(int(lp[-1].argmax()))
     requests = [
         (None, context, [9, 41, 12]),
@@ -129,7 +126,7 @@ def test_lm_eval_local_completions_loglikelihood(
     results = api._loglikelihood_tokens(requests, disable_tqdm=True)
     assert len(results) == len(requests)
     for (_, ctx, cont), (total, is_greedy) in zip(requests, results, strict=True):
-        lp = reference.logprobs(ctx + cont)
+        lp = teacher_reference.logprobs(ctx + cont)
         want = sum(lp[len(ctx) + j - 1, token].item() for j, token in enumerate(cont))
         argmax = all(int(lp[len(ctx) + j - 1].argmax()) == token for j, token in enumerate(cont))
         assert math.isclose(total, want, abs_tol=TOLERANCE * len(cont)), (ctx, cont, total, want)

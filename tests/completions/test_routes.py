@@ -10,10 +10,10 @@ import httpx
 import numpy as np
 import pytest
 
-from tests import models
-from tests.completions.conftest import MAX_TOP, TOLERANCE, Reference
-from tests.completions.test_clients import top_k
-from tests.conftest import eager, running, settings_for
+from tests.support import models
+from tests.support.device import eager, settings_for
+from tests.support.servers import running
+from tests.support.teacher import MAX_TOP, TOLERANCE, Reference, top_k
 
 PROMPTS = [[1, 17, 23, 5, 9], [1, 17, 23, 60]]
 
@@ -26,10 +26,10 @@ def post(url: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
-def test_prompt_logprobs_as_vllm_returns_them(served: str, reference: Reference) -> None:
+def test_prompt_logprobs_as_vllm_returns_them(teacher_server: str, teacher_reference: Reference) -> None:
     k, t = 3, 0.7
     reply = post(
-        served,
+        teacher_server,
         {"model": "teacher", "prompt": PROMPTS, "max_tokens": 1, "temperature": t, "prompt_logprobs": k},
     )
     assert reply.status_code == 200, reply.text
@@ -44,7 +44,7 @@ def test_prompt_logprobs_as_vllm_returns_them(served: str, reference: Reference)
         entries = choice["prompt_logprobs"]
         assert len(entries) == len(prompt)
         assert entries[0] is None
-        lp = reference.logprobs(prompt, t)
+        lp = teacher_reference.logprobs(prompt, t)
         for p in range(1, len(prompt)):
             row, entry = lp[p - 1], entries[p]
             token = prompt[p]
@@ -60,12 +60,16 @@ def test_prompt_logprobs_as_vllm_returns_them(served: str, reference: Reference)
         assert choice["finish_reason"] == "length"
 
 
-def test_echo_logprobs_as_openai_and_the_greedy_token(served: str, reference: Reference) -> None:
+def test_echo_logprobs_as_openai_and_the_greedy_token(
+    teacher_server: str, teacher_reference: Reference
+) -> None:
     prompt = PROMPTS[0]
-    reply = post(served, {"prompt": [prompt], "max_tokens": 1, "temperature": 0, "logprobs": 2, "echo": True})
+    reply = post(
+        teacher_server, {"prompt": [prompt], "max_tokens": 1, "temperature": 0, "logprobs": 2, "echo": True}
+    )
     assert reply.status_code == 200, reply.text
     choice = reply.json()["choices"][0]
-    lp = reference.logprobs(prompt)
+    lp = teacher_reference.logprobs(prompt)
     greedy = int(lp[-1].argmax())
     logprobs = choice["logprobs"]
     assert logprobs["tokens"] == [f"w{v}" if v > 2 else "<s>" for v in prompt] + [f"w{greedy}"]
@@ -84,21 +88,25 @@ def test_echo_logprobs_as_openai_and_the_greedy_token(served: str, reference: Re
     assert choice["text"].endswith(f"w{greedy}")
 
 
-def test_a_seeded_draw_repeats_and_lies_in_the_vocabulary(served: str) -> None:
+def test_a_seeded_draw_repeats_and_lies_in_the_vocabulary(teacher_server: str) -> None:
     body = {"prompt": [PROMPTS[0]] * 3, "max_tokens": 1, "temperature": 1.0, "seed": 7, "logprobs": 1}
-    first = post(served, body).json()["choices"]
-    again = post(served, body).json()["choices"]
+    first = post(teacher_server, body).json()["choices"]
+    again = post(teacher_server, body).json()["choices"]
     tokens = [c["logprobs"]["tokens"][0] for c in first]
     assert tokens == [c["logprobs"]["tokens"][0] for c in again]
     assert len(set(tokens)) == 1  # one seed, one prompt: one token, as vLLM's per-request seed
     assert all(c["logprobs"]["token_logprobs"][0] <= 0 for c in first)
 
 
-def test_models_and_health(served: str) -> None:
-    models = httpx.get(f"{served}/v1/models").json()
+def test_models_and_health(teacher_server: str) -> None:
+    models = httpx.get(f"{teacher_server}/v1/models").json()
     assert models["object"] == "list"
-    assert [m["id"] for m in models["data"]] == [httpx.get(f"{served}/info").json()["model"]] == ["teacher"]
-    assert httpx.get(f"{served}/health").status_code == 200
+    assert (
+        [m["id"] for m in models["data"]]
+        == [httpx.get(f"{teacher_server}/info").json()["model"]]
+        == ["teacher"]
+    )
+    assert httpx.get(f"{teacher_server}/health").status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -117,19 +125,19 @@ def test_models_and_health(served: str) -> None:
     ],
 )
 def test_bad_input_is_a_422_naming_the_field(
-    served: str, body: dict[str, Any], field: str, row: int | None
+    teacher_server: str, body: dict[str, Any], field: str, row: int | None
 ) -> None:
-    reply = post(served, body)
+    reply = post(teacher_server, body)
     assert reply.status_code == 422, reply.text
     error = reply.json()["error"]
     assert (error["type"], error["field"], error.get("row")) == ("invalid_request", field, row)
 
 
-def test_a_large_answer_arrives_whole(served: str) -> None:
+def test_a_large_answer_arrives_whole(teacher_server: str) -> None:
     """Twelve prompts of 250 tokens, K = 64: blocks rendered on the pool, each sent as it is done
     (chunked transfer: the length is known only at the end), all of them, in order."""
     prompts = [[1, *((np.arange(249) * (7 + i)) % 90 + 3).tolist()] for i in range(12)]
-    reply = post(served, {"prompt": prompts, "max_tokens": 0, "prompt_logprobs": MAX_TOP})
+    reply = post(teacher_server, {"prompt": prompts, "max_tokens": 0, "prompt_logprobs": MAX_TOP})
     assert reply.status_code == 200, reply.text
     assert reply.headers["transfer-encoding"] == "chunked"
     assert len(reply.content) > 8 << 20

@@ -26,8 +26,8 @@ from service.http.completions.response import Shared, completion_chunks
 from service.http.completions.schemas import CompletionRequest
 from service.normalise import ModelLimits
 from service.settings import Settings
-from tests.conftest import loopback
-from tests.fakes import FakeEngine, FakeLaunched
+from tests.support.fakes import FakeEngine, FakeLaunched
+from tests.support.servers import loopback
 
 K = 8
 LENGTH = 40

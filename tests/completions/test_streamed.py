@@ -27,8 +27,8 @@ from service.http.completions.schemas import CompletionRequest
 from service.normalise import ModelLimits
 from service.settings import Settings
 from tests.completions.test_stream import LENGTH, MARKER, K, TopEngine, body, expected, prompts
-from tests.conftest import loopback
-from tests.fakes import FakeLaunched
+from tests.support.fakes import FakeLaunched
+from tests.support.servers import loopback
 
 
 class DrawsOutside(TopEngine):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.chart import NAMESPACE, RELEASE, ROOT, VALUES_FILES, render
+from tests.support.chart import NAMESPACE, RELEASE, ROOT, VALUES_FILES, render
 
 PAGES = [
     ROOT / "README.md",

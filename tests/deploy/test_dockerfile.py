@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from service.__main__ import _parser
-from tests.deploy.chart import CHART, ROOT, serves_get
+from tests.support.chart import CHART, ROOT, serves_get
 
 DOCKERFILE = ROOT / "Dockerfile"
 

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import running, settings_for
-from tests.deploy.chart import CHART, VALUES_FILES, kinds, only, promql_metric_names, render
+from tests.support.chart import CHART, VALUES_FILES, kinds, only, promql_metric_names, render
+from tests.support.device import settings_for
+from tests.support.servers import running
 
 # Series that other exporters provide, with where they come from.
 EXTERNAL = {"DCGM_FI_DEV_FB_USED": "NVIDIA DCGM exporter: GPU framebuffer in use, MiB (GPU memory panel)"}

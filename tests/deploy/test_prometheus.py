@@ -33,10 +33,11 @@ import httpx
 import pytest
 
 from service.http.app import create_app
-from tests.conftest import loopback, settings_for
-from tests.deploy.chart import CHART, NAMESPACE, only, render
-from tests.deploy.prometheus import MONITORED, Prometheus, rule_groups, running_prometheus, scrape_config
 from tests.deploy.test_metric_names import EXTERNAL, _panels
+from tests.support.chart import CHART, NAMESPACE, only, render
+from tests.support.device import settings_for
+from tests.support.prometheus import MONITORED, Prometheus, rule_groups, running_prometheus, scrape_config
+from tests.support.servers import loopback
 
 INTERVAL = "1s"
 DASHBOARD_DATA = "LOGPROBD_DASHBOARD_DATA"  # a file to write every panel's answers to

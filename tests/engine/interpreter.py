@@ -38,7 +38,8 @@ def run_interpreter_cases(test_file: str) -> None:
     if INTERPRETED:
         pytest.skip("this is the interpreter process")
     result = interpreted(
-        ["-m", "pytest", test_file, "--noconftest", "-p", "no:cacheprovider", "-q", "-k", "test_interpreter"]
+        ["-m", "pytest", test_file, "--noconftest", "-p", "tests.support.needs", "-p", "no:cacheprovider"]
+        + ["-q", "-k", "test_interpreter"]
     )
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
     assert " passed" in result.stdout

@@ -10,7 +10,7 @@ import pytest
 
 from service.core.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
 from service.normalise import ModelLimits
-from tests.normalise.plans import LIMITS, plan_of
+from tests.support.plans import LIMITS, plan_of
 
 # ---------------------------------------------------------------- each sequence
 

@@ -23,8 +23,8 @@ from service.engine.ops.elementwise import TORCH, TRITON
 from service.engine.scorer.engine import PackedScorer
 from service.engine.scorer.self_check import check_hidden, logits_check
 from service.settings import Settings
-from tests import models
 from tests.engine.interpreter import only_interpreted, run_interpreter_cases
+from tests.support import models
 
 FUSED = ("qwen2", "qwen3", "llama", "mistral")
 CPU = torch.device("cpu")

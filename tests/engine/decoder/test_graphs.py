@@ -27,8 +27,8 @@ from service.engine.ops.attention import choose_backend
 from service.engine.ops.elementwise import TORCH, Ops
 from service.engine.scorer.engine import PackedScorer
 from service.settings import Settings
-from tests import models
 from tests.engine.decoder.test_fused import KERNEL, packed_model
+from tests.support import models
 
 CPU = torch.device("cpu")
 

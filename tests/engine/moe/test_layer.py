@@ -30,8 +30,8 @@ from service.engine.scorer.engine import PackedScorer
 from service.engine.scorer.self_check import DecoderMismatch, check_hidden
 from service.engine.strategies.gemm import ONE_CALL, FixedRows
 from service.settings import Settings
-from tests import models
 from tests.engine.decoder.test_fused import CPU, KERNEL, batch_of, every_row, packed_model
+from tests.support import models
 
 MOE = models.MOE_ARCHITECTURES
 GROUPED = grouped_gemm.choose("grouped_mm", CPU, torch.float32)

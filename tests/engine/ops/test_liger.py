@@ -15,7 +15,7 @@ import torch
 
 from service.engine.ops import liger as kernels
 from service.engine.ops.liger import apply_fused_kernels
-from tests import models
+from tests.support import models
 
 
 def test_auto_is_off_on_cpu() -> None:

@@ -19,7 +19,7 @@ import torch
 
 from service.engine.ops.liger import apply_fused_kernels
 from service.engine.ops.rope import NAME, _Dispatcher, fuse_rope, fused_active, unfuse_rope
-from tests import models
+from tests.support import models
 
 TOKENS = torch.arange(3, 40)[None]
 

@@ -23,8 +23,9 @@ from service.engine.ops.elementwise import TORCH
 from service.engine.ops.liger import apply_fused_kernels
 from service.engine.runtime import packages as optional
 from service.engine.runtime import triton_jit
-from tests import models
-from tests.conftest import running, settings_for
+from tests.support import models
+from tests.support.device import settings_for
+from tests.support.servers import running
 
 CUDA = torch.device("cuda")
 

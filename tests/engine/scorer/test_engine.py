@@ -16,9 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from service.core.jobs import SequenceJob
 from service.engine.scorer.engine import PackedScorer
-from tests import models
-from tests.conftest import DEVICE, DTYPE, TOLERANCE, eager, settings_for
-from tests.reference import expected
+from tests.support import models
+from tests.support.device import DEVICE, DTYPE, TOLERANCE, eager, settings_for
+from tests.support.reference import expected
 
 
 def _jobs(seed: int, lengths: tuple[int, ...] = (9, 23, 40)) -> list[SequenceJob]:

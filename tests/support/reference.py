@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.conftest import TOLERANCE
+from tests.support.device import TOLERANCE
 
 
 @dataclass

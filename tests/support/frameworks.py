@@ -15,7 +15,7 @@ Like the frameworks themselves, these leave whatever the model gives where the m
 For what a PPO server adds (critic values, reference log-probs, KL), `by_column` is the per-sequence
 reference of docs/semantics.md instead: each unpadded sequence scored alone (the policy's and the
 reference model's own forward; values `head(h_{t-1})` read straight from the critic's safetensors by
-`tests.critics.expected_values`), every score placed at the column of the token it scores; `kl` is
+`tests.support.critics.expected_values`), every score placed at the column of the token it scores; `kl` is
 k1/k2/k3 of Schulman's note. A framework's output is then the columns it keeps.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tests import critics, models
+from tests.support import critics, models
 
 LAYOUTS = ("left", "right", "split")
 

@@ -13,7 +13,6 @@ Where the binaries are missing the tests skip, naming the package; LOGPROBD_REQU
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
@@ -23,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import yaml
 
-from tests.conftest import free_port
-from tests.deploy.chart import VALUES_FILES, Manifest, kinds, only, render
+from tests.support.chart import VALUES_FILES, Manifest, kinds, only, render
+from tests.support.needs import skip_or_fail
+from tests.support.servers import free_port
 
 INSTALL = "apt-get install -y prometheus  (the Debian/Ubuntu package `prometheus`: server and promtool)"
 # The values file whose rendering has a ServiceMonitor, a PrometheusRule and a KEDA ScaledObject.
@@ -42,10 +41,7 @@ def binary(name: str) -> str:
     """The path of `prometheus` or `promtool`; skips (or, under CI, fails) where it is missing."""
     found = shutil.which(name)
     if found is None:
-        message = f"{name} is not installed: {INSTALL}"
-        if os.environ.get("LOGPROBD_REQUIRE_PROMETHEUS") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+        skip_or_fail(f"{name} is not installed: {INSTALL}", "LOGPROBD_REQUIRE_PROMETHEUS")
     return found
 
 

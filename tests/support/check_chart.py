@@ -2,7 +2,7 @@
 warning), then every rendered object against Kubernetes' schemas (kubernetes-validate, strict: an
 unknown field fails) or, for the Prometheus Operator's and KEDA's kinds, the CRD schemas of crds.py.
 
-`make chart` (python -m tests.deploy.check_chart [--values FILE ...] [--output DIR]) writes each
+`make chart` (python -m tests.support.check_chart [--values FILE ...] [--output DIR]) writes each
 values file's manifests to DIR/<values file's name>.yaml and exits 1 naming what fails."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import yaml
 from helm_python.errors import HelmRenderError, HelmValuesError
 
-from tests.deploy import crds
-from tests.deploy.chart import (
+from tests.support import crds
+from tests.support.chart import (
     CHART,
     KUBE_VERSION,
     NAMESPACE,

@@ -18,7 +18,7 @@ from service.engine.config import EngineConfig
 from service.engine.scorer.engine import PackedScorer
 from service.http.app import create_app
 from service.settings import Settings
-from tests.conftest import wait_ready
+from tests.support.servers import wait_ready
 
 
 @dataclass(frozen=True, slots=True)

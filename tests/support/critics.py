@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from tests import models
+from tests.support import models
 
 FORMATS = ("openrlhf", "token_classification", "trl")
 OPENRLHF_PREFIX = "value_head"

@@ -1,22 +1,22 @@
-"""A real `python -m service serve` of a tiny qwen2 with a tokenizer saved beside it, and the float64
-reference the completions tests hold its answers to."""
+"""A teacher for the /v1/completions tests: a tiny qwen2 with a word-level tokenizer saved beside it,
+its float64 reference, and a real `python -m service serve` of it (tests/conftest.py's fixtures
+teacher_dir, teacher_reference, teacher_server)."""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
-from tests import models
-from tests.conftest import free_port, server_process
+from tests.support import ROOT, models
+from tests.support.servers import free_port, server_process
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_TOP = 64  # the server's --max-top-logprobs here: under the vocabulary of 96, so -1 is over it
 TOLERANCE = 1e-4  # float32 service against the float64 reference (docs/semantics.md)
 
@@ -37,9 +37,9 @@ def save_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-@pytest.fixture(scope="session")
-def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = models.save("qwen2", tmp_path_factory.mktemp("teacher") / "teacher", seed=3)
+def save(directory: Path) -> Path:
+    """The teacher checkpoint (qwen2, seed 3) with its tokenizer, in `directory`."""
+    models.save("qwen2", directory, seed=3)
     save_tokenizer(directory)
     return directory
 
@@ -50,6 +50,15 @@ class Reference:
 
     model: Any
 
+    @classmethod
+    def of(cls, directory: Path) -> Reference:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, attn_implementation="eager", dtype=torch.float64
+        )
+        return cls(model.eval())  # type: ignore[no-untyped-call]
+
     @torch.no_grad()
     def logprobs(self, tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
         """[L, vocab] log_softmax(logits / T): row t is the distribution of token t + 1."""
@@ -57,21 +66,15 @@ class Reference:
         return torch.log_softmax(logits / temperature, dim=-1)
 
 
-@pytest.fixture(scope="session")
-def reference(teacher_dir: Path) -> Reference:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        teacher_dir, attn_implementation="eager", dtype=torch.float64
-    )
-    return Reference(model.eval())  # type: ignore[no-untyped-call]
+def top_k(row: torch.Tensor, k: int) -> list[int]:
+    """The k most likely ids of one [vocab] row, ties broken by the lower id."""
+    return sorted(range(row.shape[0]), key=lambda v: (-row[v].item(), v))[:k]
 
 
-@pytest.fixture(scope="session")
-def served(teacher_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`python -m service serve --model <teacher_dir>` on loopback; its base URL once ready."""
+@contextmanager
+def serving(directory: Path, log: Path) -> Iterator[str]:
+    """`python -m service serve --model <directory>` on loopback (CPU, float32); its base URL once ready."""
     port = free_port()
-    log = tmp_path_factory.mktemp("served") / "server.log"
     env = {
         **os.environ,
         # the checkout first, then whatever the environment adds (a GPU host's packages on PYTHONPATH)
@@ -81,6 +84,6 @@ def served(teacher_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "LOGPROBD_DTYPE": "float32",
         "LOGPROBD_MAX_TOP_LOGPROBS": str(MAX_TOP),
     }
-    command = [sys.executable, "-m", "service", "serve", "--model", str(teacher_dir), "--port", str(port)]
+    command = [sys.executable, "-m", "service", "serve", "--model", str(directory), "--port", str(port)]
     with server_process(command, port, env=env, log=log, timeout=180, what="the teacher server") as url:
         yield url
