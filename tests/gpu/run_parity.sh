@@ -15,7 +15,7 @@ status=0
 for dtype in bfloat16 float16 float32; do
   echo "== parity on cuda, $dtype"
   LOGPROBD_TEST_DEVICE=cuda LOGPROBD_TEST_DTYPE=$dtype LOGPROBD_TEST_REPORT="$out/parity-$dtype.json" \
-    "$python" -m pytest tests/test_parity.py tests/test_ppo.py tests/engine tests/test_tensor_parallel.py -q -W ignore::UserWarning -p no:cacheprovider || status=1
+    "$python" -m pytest tests/parity/test_parity.py tests/parity/test_ppo.py tests/engine tests/parity/test_tensor_parallel.py -q -W ignore::UserWarning -p no:cacheprovider || status=1
   cat "$out/parity-$dtype.json" 2>/dev/null
 done
 exit $status

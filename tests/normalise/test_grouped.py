@@ -2,7 +2,7 @@
 
 Hand-written requests with tokens, actions and windows worked out by reading docs/api.md's
 'Grouped requests'; random requests of every response layout against their ungrouped twins
-(tests/requests.py), which must give the very same jobs; the errors, naming field and row; then
+(tests/support/requests.py), which must give the very same jobs; the errors, naming field and row; then
 through the real app (a tiny qwen2 with a critic and a reference model), in JSON and in frames:
 the twin's scores, the per-sequence reference's, and a fraction of the bytes.
 """

@@ -1,6 +1,6 @@
 """Each framework's in-process scoring, re-implemented from docs/semantics.md and the frameworks' public
 code (read, not imported): the HF model's own forward on the padded batch, float32. test_releases.py runs
-the frameworks' released code itself (tests/client/releases.py).
+the frameworks' released code itself (tests/support/releases.py).
 
 - OpenRLHF `Actor.forward`: position ids cumsum(mask)-1 (1 on padding), logits[:, :-1] / T,
   log-softmax gathered at sequences[:, 1:], the last A columns, times action_mask; entropy of the

@@ -1,4 +1,4 @@
-"""What rows ask beyond the log-prob (heads/extras.py) against tests/distribution.py's float64
+"""What rows ask beyond the log-prob (heads/extras.py) against tests/support/distribution.py's float64
 reference: the top K with ties, vLLM's rank, candidates, processed log-probs under every sampler
 setting, from the torch path, the fused path's torch twin (logits in, CPU) and the vocabulary-parallel
 head; and the seeded draw: the same token however the rows are batched, drawn as often as softmax says.

@@ -26,7 +26,7 @@ from service.http.completions.plan import plan_completion
 from service.http.completions.schemas import CompletionRequest
 from service.normalise import ModelLimits
 from service.settings import Settings
-from tests.completions.test_stream import LENGTH, MARKER, K, TopEngine, body, expected, prompts
+from tests.http.completions.test_stream import LENGTH, MARKER, K, TopEngine, body, expected, prompts
 from tests.support.fakes import FakeLaunched
 from tests.support.servers import loopback
 

@@ -2,7 +2,8 @@
 bad, cancelled and oversized requests mixed. Asserts no lost or wrong good answer, no 5xx, bounded
 memory growth; prints requests sent, 5xx count, p50/p99 latency and RSS growth.
 
-Short in CI; longer on demand: LOGPROBD_SOAK_SECONDS=600 LOGPROBD_SOAK_CLIENTS=64 pytest tests/test_soak.py -s
+Short in CI; longer on demand:
+    LOGPROBD_SOAK_SECONDS=600 LOGPROBD_SOAK_CLIENTS=64 pytest tests/e2e/test_soak.py -s
 (LOGPROBD_SOAK_REPORT=path writes the figures as JSON).
 """
 

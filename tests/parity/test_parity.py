@@ -1,7 +1,7 @@
 """Every architecture x every layout: scores equal the per-sequence reference of docs/semantics.md.
 
 Runs the whole service path (HTTP -> normalise -> batcher -> packed engine -> response) against
-tests/reference.py, which runs each unpadded sequence alone through the model's own eager forward.
+tests/support/reference.py, which runs each unpadded sequence alone through the model's own eager forward.
 The mixtures of experts run twice: in the fused decoder (decoder=auto) and in transformers' own.
 
 In bf16 and fp16 the tiny random MoE models' routers hold near ties that rounding flips (a flipped

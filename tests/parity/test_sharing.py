@@ -77,7 +77,7 @@ def grpo_request(layout: str, rng: random.Random) -> dict[str, Any]:
 
 def unique_tokens(request: dict[str, Any]) -> int:
     """What the request's rows compute, their shared prefixes once (prefixes.share, which
-    tests/test_prefixes.py checks against a brute-force count)."""
+    tests/core/test_prefixes.py checks against a brute-force count)."""
     rows = [np.asarray(row_tokens_and_window(request, i)[0]) for i in range(len(request["input_ids"]))]
     return share(rows, MIN_TOKENS).computed_tokens
 

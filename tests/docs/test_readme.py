@@ -19,11 +19,10 @@ import pytest
 import torch
 
 from tests.client.test_adapters import check
-from tests.support import frameworks
+from tests.support import ROOT, frameworks
 from tests.support.frameworks import make_batch
 from tests.support.servers import free_port, server_process
 
-ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from service.http.openapi import render_openapi
+from tests.support import ROOT
 
-COMMITTED = Path(__file__).resolve().parents[1] / "openapi.yaml"
+COMMITTED = ROOT / "openapi.yaml"
 
 
 def test_openapi_yaml_has_not_drifted() -> None:

@@ -1,5 +1,5 @@
 """POST /logprobs' top_logprobs, candidate_ids and sampling, end to end, for every parity
-architecture, against tests/distribution.py's float64 reference on the model's own eager logits:
+architecture, against tests/support/distribution.py's float64 reference on the model's own eager logits:
 ragged and padded layouts, the grouped form with shared prefixes, a sequence scored in chunks, the
 client, and the 422s (docs/api.md, 'Beyond the log-prob')."""
 

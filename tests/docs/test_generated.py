@@ -5,11 +5,7 @@ metric, and the observability page has a runbook for every alert of the chart.""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import yaml
@@ -18,18 +14,8 @@ from service.__main__ import _parser, _subcommand
 from service.configdoc import render_configuration
 from service.flags import setting_flags
 from service.settings import Settings
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def hooks() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as mkdocs loads a hook (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
+from tests.support import ROOT
+from tests.support.docs import hooks
 
 
 def test_configuration_page_has_not_drifted() -> None:

@@ -18,9 +18,9 @@ import pytest
 import yaml
 from markdown.extensions.tables import TableProcessor  # type: ignore[import-untyped]
 
-from tests.test_docs import hooks as docs_hooks
+from tests.support import ROOT
+from tests.support.docs import hooks as docs_hooks
 
-ROOT = Path(__file__).resolve().parents[1]
 SITE_URL = "http://site.invalid/"  # pages are resolved against this; anything else is external
 
 

@@ -1,5 +1,5 @@
 """The error table: the message of a request with several invalid fields counts the others in words,
-and the router's 404/405 become errors of the table (the app's answers are in tests/test_app.py)."""
+and the router's 404/405 become errors of the table (the app's answers are in tests/http/test_app.py)."""
 
 from __future__ import annotations
 
