@@ -29,6 +29,8 @@ from tests.support.reference import check_reply, expected, max_diff, mean_diff, 
 from tests.support.requests import LAYOUTS, make
 from tests.support.servers import running
 
+pytestmark = pytest.mark.parity  # make test-gpu runs it again on cuda in each dtype
+
 REQUESTS_PER_CASE = 3
 MOE_LIVE_MEAN = 0.05  # bf16/fp16 live routing of the MoE models: the mean |Δ| over actions
 _worst: dict[str, float] = {}

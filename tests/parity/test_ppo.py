@@ -20,6 +20,8 @@ from tests.support.reference import expected, row_tokens_and_window
 from tests.support.requests import LAYOUTS, make
 from tests.support.servers import running
 
+pytestmark = pytest.mark.parity  # make test-gpu runs it again on cuda in each dtype
+
 
 @pytest.fixture(scope="module", params=critics.FORMATS)
 def ppo(

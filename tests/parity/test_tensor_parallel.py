@@ -24,6 +24,8 @@ from tests.support.reference import check_reply, expected
 from tests.support.requests import LAYOUTS, make
 from tests.support.servers import running
 
+pytestmark = pytest.mark.parity  # make test-gpu runs it again on cuda in each dtype
+
 ADMIN = "admin-key"
 AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
 

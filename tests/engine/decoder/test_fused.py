@@ -1,8 +1,8 @@
 """The fused decoder against transformers' own forward, which the parity suite checks independently.
 
 On CPU the fused decoder runs its torch ops (and, in the interpreter process of
-test_decoder_ops.py's pattern, its Triton kernels); tests/gpu/run_parity.sh runs the whole service
-path with it on CUDA against the per-sequence float32 reference.
+test_decoder_ops.py's pattern, its Triton kernels); `make test-gpu` runs the whole service path
+with it on CUDA against the per-sequence float32 reference.
 """
 
 from __future__ import annotations

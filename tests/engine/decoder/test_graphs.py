@@ -423,11 +423,8 @@ def test_graphs_on_refuses_a_cpu_engine(model_dirs: dict[str, Path]) -> None:
 
 # ---- on the GPU: CUDA capture with the device's attention kernel -------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("attention", ["auto", "torch_varlen"])
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
 def test_cuda_graphs_equal_the_eager_forward(name: str, attention: str) -> None:

@@ -24,6 +24,8 @@ from tests.support import critics, models
 from tests.support.device import TOLERANCE, eager, settings_for
 from tests.support.reference import expected
 
+pytestmark = pytest.mark.parity  # make test-gpu runs it again on cuda in each dtype
+
 LENGTHS = (9, 23, 40)
 
 

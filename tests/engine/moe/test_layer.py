@@ -175,7 +175,6 @@ def test_groups_are_stable_and_end_where_each_expert_ends() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", MOE)
 @pytest.mark.parametrize("setting", ["quack", "grouped_mm"])
 def test_device_kernels_are_within_bf16_noise_of_transformers(name: str, setting: str) -> None:

@@ -24,6 +24,8 @@ from service.engine.scorer.engine import PackedScorer
 from tests.support import critics, models
 from tests.support.device import eager, settings_for
 
+pytestmark = pytest.mark.parity  # make test-gpu runs it again on cuda in each dtype
+
 MOE = models.MOE_ARCHITECTURES
 DECODERS = ("fused", "transformers")
 TOL = 1e-4
