@@ -31,7 +31,6 @@ from service.settings import (
     MlpKernel,
     Settings,
 )
-from tests.deploy.test_dockerfile import instructions
 from tests.support.chart import (
     CHART,
     VALUES_FILES,
@@ -47,6 +46,7 @@ from tests.support.chart import (
     values_of,
 )
 from tests.support.check_chart import lint_problems, main, validate
+from tests.support.dockerfile import instructions
 
 SETTINGS_ENV = {f"LOGPROBD_{name.upper()}" for name in Settings.model_fields}
 

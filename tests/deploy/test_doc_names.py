@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.chart import NAMESPACE, RELEASE, ROOT, VALUES_FILES, render
+from tests.support import ROOT
+from tests.support.chart import NAMESPACE, RELEASE, VALUES_FILES, render
 
 PAGES = [
     ROOT / "README.md",

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from service.settings import Settings
-from tests.support.chart import ROOT
+from tests.support import ROOT
 from tests.support.needs import skip_or_fail
 from tests.support.servers import free_port, running, wait_served
 

@@ -18,9 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.client.test_adapters import check
 from tests.support import ROOT, frameworks
-from tests.support.frameworks import make_batch
+from tests.support.frameworks import check, make_batch
 from tests.support.servers import free_port, server_process
 
 README = (ROOT / "README.md").read_text()

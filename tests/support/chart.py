@@ -1,10 +1,11 @@
 """What the deploy tests share: the Helm chart rendered offline (helm-python-sdk: Helm's Go SDK in a
-wheel, no helm binary) with each CI values file, the app's GET routes, and PromQL parsed into the
-series names it reads (promql-parser)."""
+wheel, no helm binary) with each CI values file, the app's GET routes, PromQL parsed into the
+series names it reads (promql-parser), and the dashboard's panels."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,8 @@ from starlette.routing import Match
 
 from service.http.app import create_app
 from service.settings import Settings
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "logprobd"
 VALUES_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
 KUBE_VERSION = "1.30.0"
@@ -115,3 +116,14 @@ def promql_metric_names(expr: str) -> set[str]:
 
     promql_parser.walk(promql_parser.parse(expr), visit)
     return names
+
+
+# Series that other exporters provide, with where they come from.
+EXTERNAL = {"DCGM_FI_DEV_FB_USED": "NVIDIA DCGM exporter: GPU framebuffer in use, MiB (GPU memory panel)"}
+
+
+def every_panel(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Each panel of a dashboard's `panels`, and of its rows' `panels`, depth first."""
+    for panel in panels:
+        yield panel
+        yield from every_panel(panel.get("panels", []))

@@ -173,3 +173,42 @@ def expected_scores(job: SequenceJob, shift: float = 0.0) -> SequenceScores:
     values = -(job.targets + job.actions).astype(np.float32) / np.float32(job.temperature)
     values -= np.float32(shift)
     return SequenceScores(logprobs=values, entropy=job.actions.astype(np.float32))
+
+
+def with_top(job: SequenceJob, scores: SequenceScores, vocab: int) -> SequenceScores:
+    """FakeEngine's scores with the head's extras: K distinct ids per action, the action's token
+    first (rank 1) where its position is even, else absent (rank K + position); log-probs sorted."""
+    k = job.top_logprobs
+    actions = job.actions
+    token = job.targets
+    among = actions % 2 == 0
+    first = np.where(among, token, (token + 1) % vocab)
+    ids = (first[:, None] + np.arange(k) * 7) % vocab
+    top = scores.logprobs[:, None] - np.arange(k, dtype=np.float32) / 4
+    return SequenceScores(
+        logprobs=np.where(among, top[:, 0], top[:, -1] - 1).astype(np.float32),
+        entropy=None,
+        top_ids=ids.astype(np.int32),
+        top_logprobs=top.astype(np.float32),
+        ranks=np.where(among, 1, k + actions).astype(np.int64),
+        drawn=ids[:, 0].astype(np.int64) if job.draw_seed is not None else None,
+    )
+
+
+class TopEngine(FakeEngine):
+    """FakeEngine with the head's extras (with_top); `seeds` the draw seeds of every job launched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seeds: list[int | None] = []
+
+    def launch(
+        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+    ) -> FakeLaunched:
+        assert chunk is None
+        self.seeds += [job.draw_seed for job in jobs]
+        launched = super().launch(jobs, chunk, forest)
+        launched.scores = [
+            with_top(job, s, self.info.vocab_size) for job, s in zip(jobs, launched.scores, strict=True)
+        ]
+        return launched

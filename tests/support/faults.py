@@ -10,10 +10,12 @@ from typing import Any
 
 import httpx
 
+from service.client import RetryPolicy
 from service.client.wire import from_frame
 from service.wire.frame import MEDIA_TYPE
 
 Step = httpx.Response | type[httpx.TransportError]
+FAST = RetryPolicy(backoff=0.02, max_backoff=0.05)  # retries without the waits a real server needs
 
 
 class _Script:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tests.support import critics, models
+from tests.support.device import TOLERANCE
 
 LAYOUTS = ("left", "right", "split")
 
@@ -170,3 +171,12 @@ def kl(lp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
     """k1 = r, k2 = r²/2, k3 = exp(-r) - 1 + r, with r = lp - ref."""
     r = lp - ref
     return {"k1": r, "k2": r * r / 2, "k3": torch.expm1(-r) + r}[estimator]
+
+
+def check(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor) -> None:
+    """Equal within the tolerance where `mask`, exactly 0.0 elsewhere; float32, same shape."""
+    assert got.dtype == torch.float32
+    assert got.shape == want.shape == mask.shape
+    torch.testing.assert_close(got[mask], want[mask].float(), atol=TOLERANCE, rtol=0)
+    assert torch.equal(got[~mask], torch.zeros_like(got[~mask]))
+    assert mask.any()

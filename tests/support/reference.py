@@ -164,3 +164,11 @@ def check_reply(reply: Any, request: dict[str, Any], model: Any, tolerance: floa
     assert body["usage"]["scored_tokens"] == sum(map(sum, want.action_mask))
     assert diff <= tolerance, f"max |Δ| {diff:.3g} > {tolerance}"
     return diff
+
+
+def assert_scores(model: Any, request: dict[str, Any], logprobs: list[list[float]]) -> None:
+    """`logprobs` are the reference's for `request` on `model`, within TOLERANCE."""
+    want = expected(model, request).logprobs
+    assert len(logprobs) == len(want)
+    for got_row, want_row in zip(logprobs, want, strict=True):
+        np.testing.assert_allclose(got_row, want_row, atol=TOLERANCE, rtol=0)

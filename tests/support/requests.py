@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from tests.support import models
+
 LAYOUTS = ("ragged_num_actions", "ragged_action_mask", "padded_response_length", "padded_action_mask")
 PAD = 0
 
@@ -149,3 +151,10 @@ def _copy_options(grouped: dict[str, Any], twin: dict[str, Any]) -> dict[str, An
         if name in grouped:
             twin[name] = grouped[name]
     return twin
+
+
+def ragged(seed: int, rows: int) -> dict[str, Any]:
+    """`rows` random rows of 4 to 14 tokens of the tiny models' vocabulary, num_actions each."""
+    rng = random.Random(seed)
+    ids = [[rng.randrange(models.VOCAB) for _ in range(rng.randint(4, 14))] for _ in range(rows)]
+    return {"input_ids": ids, "num_actions": [rng.randint(1, len(r) - 1) for r in ids]}

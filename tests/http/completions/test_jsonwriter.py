@@ -5,9 +5,7 @@ text_offset, over K = 0, 1, 5, 100 and the whole vocabulary, ties, the token amo
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable
 
 import numpy as np
 import orjson
@@ -18,96 +16,15 @@ from service.http.completions import pieces as pieces_module
 from service.http.completions.bytepool import SLACK
 from service.http.completions.jsonwriter import Positions
 from service.http.completions.pieces import TokenPieces
-
-FLOOR = -9999.0
-ODD_TEXTS = ['"', "\\", "\n", "\t\r", "\x00\x01\x1f\x7f", "é", "日本語", "🙂", " the", "", 'a"b\\c', "\u2028"]
-
-
-class Table:
-    """TokenText over a fixed list of pieces."""
-
-    def __init__(self, pieces: Sequence[str]) -> None:
-        self.pieces = list(pieces)
-
-    def piece(self, token_id: int) -> str:
-        return self.pieces[token_id]
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return "".join(self.pieces[t] for t in token_ids)
-
-
-def vocabulary(v: int, rng: np.random.Generator, shared: bool = True) -> Table:
-    """Texts with escapes, non-ASCII, long runs, and (shared) several ids of one text."""
-    texts = [f"{ODD_TEXTS[i % len(ODD_TEXTS)]}{i}" for i in range(v)]
-    for i in range(0, v, 7):
-        texts[i] = ODD_TEXTS[int(rng.integers(len(ODD_TEXTS)))] * int(rng.integers(1, 40))
-    if shared:
-        for i in range(3, v, 5):
-            texts[i] = "\ufffd"  # byte tokens alone decode to the replacement character
-    return Table(texts)
-
-
-def positions(n: int, v: int, k: int, rng: np.random.Generator, ties: bool = False) -> Positions:
-    """Random distributions; a third of the positions' tokens among the top K."""
-    scores = rng.standard_normal((n, v)) * 3
-    if ties:
-        scores = np.round(scores)
-    logprobs = (scores - np.log(np.exp(scores).sum(axis=1, keepdims=True))).astype(np.float32)
-    logprobs[rng.random((n, v)) < 0.05] = -np.inf
-    logprobs[:1, :3] = np.nan
-    order = np.argsort(-logprobs, axis=1, kind="stable")  # ties by the lower id
-    top = order[:, : max(k, 1)]
-    token = rng.integers(0, v, size=n)
-    among = rng.random(n) < 0.33
-    token[among] = top[among, rng.integers(0, max(k, 1), size=among.sum())]
-    rank = (logprobs > logprobs[np.arange(n), token][:, None]).sum(axis=1) + 1
-    return Positions(
-        token=token.astype(np.int64),
-        logprob=logprobs[np.arange(n), token],
-        rank=rank.astype(np.int64),
-        top_ids=top.astype(np.int64),
-        top_logprobs=np.take_along_axis(logprobs, top, axis=1),
-    )
-
-
-def clamp(x: float) -> float:
-    return x if math.isnan(x) else max(x, FLOOR)
-
-
-def vllm_reference(p: Positions, k: int, table: Table | None) -> list[Any]:
-    out: list[Any] = [None]
-    for i in range(len(p)):
-        token = int(p.token[i])
-        entry = {
-            str(token): {
-                "logprob": clamp(float(p.logprob[i])),
-                "rank": int(p.rank[i]),
-                "decoded_token": table.piece(token) if table else None,
-            }
-        }
-        for j in range(k):
-            t = int(p.top_ids[i, j])
-            entry[str(t)] = {
-                "logprob": clamp(float(p.top_logprobs[i, j])),
-                "rank": j + 1,
-                "decoded_token": table.piece(t) if table else None,
-            }
-        out.append(entry)
-    return out
-
-
-def text_of(table: Table | None, t: int) -> str:
-    return table.piece(t) if table else f"token_id:{t}"
-
-
-def openai_reference(p: Positions, k: int, table: Table | None) -> list[Any]:
-    out = []
-    for i in range(len(p)):
-        by_id = {int(p.token[i]): float(p.logprob[i])}
-        for j in range(k):
-            by_id[int(p.top_ids[i, j])] = float(p.top_logprobs[i, j])
-        out.append({text_of(table, t): clamp(lp) for t, lp in by_id.items()})
-    return out
+from tests.support.completions import (
+    Table,
+    clamp,
+    openai_reference,
+    positions,
+    text_of,
+    vllm_reference,
+    vocabulary,
+)
 
 
 def joined(chunks: Iterable[bytes]) -> bytes:

@@ -16,7 +16,7 @@ from service.http.completions.jsonwriter import Positions
 from service.http.completions.pieces import TokenPieces
 from service.http.completions.plan import CompletionPlan
 from service.http.completions.response import Drawn, completion_chunks
-from tests.http.completions.test_jsonwriter import (
+from tests.support.completions import (
     Table,
     clamp,
     openai_reference,

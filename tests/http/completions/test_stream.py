@@ -6,82 +6,23 @@ as a shorter document that parses."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import numpy as np
 import orjson
 import pytest
 import requests
 
-from service.core.jobs import Chunk, SequenceJob, SequenceScores
-from service.core.prefixes import Forest
+from service.core.jobs import SequenceJob, SequenceScores
 from service.http.app import create_app
 from service.http.completions import jsonwriter, response
 from service.http.completions.pieces import TokenPieces
-from service.http.completions.plan import plan_completion
-from service.http.completions.response import Shared, completion_chunks
-from service.http.completions.schemas import CompletionRequest
-from service.normalise import ModelLimits
 from service.settings import Settings
-from tests.support.fakes import FakeEngine, FakeLaunched
+from tests.support import fakes
+from tests.support.completions import LENGTH, MARKER, K, body, expected, prompts
+from tests.support.fakes import TopEngine
 from tests.support.servers import loopback
-
-K = 8
-LENGTH = 40
-MARKER = 999  # a prompt holding it fails late, as a device error reported at collection does
-
-
-def with_top(job: SequenceJob, scores: SequenceScores, vocab: int) -> SequenceScores:
-    """FakeEngine's scores with the head's extras: K distinct ids per action, the action's token
-    first (rank 1) where its position is even, else absent (rank K + position); log-probs sorted."""
-    k = job.top_logprobs
-    actions = job.actions
-    token = job.targets
-    among = actions % 2 == 0
-    first = np.where(among, token, (token + 1) % vocab)
-    ids = (first[:, None] + np.arange(k) * 7) % vocab
-    top = scores.logprobs[:, None] - np.arange(k, dtype=np.float32) / 4
-    return SequenceScores(
-        logprobs=np.where(among, top[:, 0], top[:, -1] - 1).astype(np.float32),
-        entropy=None,
-        top_ids=ids.astype(np.int32),
-        top_logprobs=top.astype(np.float32),
-        ranks=np.where(among, 1, k + actions).astype(np.int64),
-        drawn=ids[:, 0].astype(np.int64) if job.draw_seed is not None else None,
-    )
-
-
-class TopEngine(FakeEngine):
-    """FakeEngine with the head's extras (with_top); `seeds` the draw seeds of every job launched."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seeds: list[int | None] = []
-
-    def launch(
-        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
-    ) -> FakeLaunched:
-        assert chunk is None
-        self.seeds += [job.draw_seed for job in jobs]
-        launched = super().launch(jobs, chunk, forest)
-        launched.scores = [
-            with_top(job, s, self.info.vocab_size) for job, s in zip(jobs, launched.scores, strict=True)
-        ]
-        return launched
-
-
-def prompts(fail_at: int | None = None) -> list[list[int]]:
-    rows = [((np.arange(LENGTH) * (3 + i)) % 500 + 1).tolist() for i in range(3)]
-    if fail_at is not None:
-        rows[fail_at][5] = MARKER
-    return rows
-
-
-def body(rows: list[list[int]]) -> dict[str, Any]:
-    return {"prompt": rows, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": K}
 
 
 @pytest.fixture
@@ -92,33 +33,6 @@ def served() -> Iterator[tuple[str, TopEngine]]:
     settings = Settings(device="cpu", max_top_logprobs=K, max_batch_tokens=48)
     with loopback(create_app(settings, engine_factory=lambda _: engine)) as url:
         yield url, engine
-
-
-def expected(reply: bytes, rows: list[list[int]], engine: TopEngine) -> bytes:
-    """completion_chunks' bytes for these prompts, with the reply's id and created."""
-    head = orjson.loads(reply)
-    limits = ModelLimits(vocab_size=engine.info.vocab_size, max_sequence_tokens=4096, max_top_logprobs=K)
-    plan = plan_completion(CompletionRequest.model_validate(body(rows)), limits, engine.info.model, K)
-    scores = engine.score(plan.jobs)  # the extras with them
-    drawn: list[response.Drawn | None] = []
-    for s in scores:  # the draw is the top id after the prompt (TopEngine's), rank 1
-        assert s.top_ids is not None
-        assert s.top_logprobs is not None
-        drawn.append(response.Drawn(int(s.top_ids[-1, 0]), float(s.top_logprobs[-1, 0]), 1))
-    pieces = TokenPieces.build(None, engine.info.vocab_size)
-    h = Shared(engine.info.model, None, pieces, head["id"], head["created"])
-    return b"".join(
-        completion_chunks(
-            plan,
-            scores,
-            drawn,
-            model=h.model,
-            token_text=None,
-            pieces=pieces,
-            request_id=h.request_id,
-            created=h.created,
-        )
-    )
 
 
 def test_the_streamed_answer_is_the_written_one(
@@ -201,7 +115,7 @@ def test_an_id_outside_the_vocabulary_is_an_error_before_the_first_byte(
     of the answer is sent."""
     url, engine = served
     vocab = engine.info.vocab_size
-    top = with_top
+    top = fakes.with_top
 
     def past_the_vocabulary(job: SequenceJob, scores: SequenceScores, _: int) -> SequenceScores:
         s = top(job, scores, vocab)
@@ -209,7 +123,7 @@ def test_an_id_outside_the_vocabulary_is_an_error_before_the_first_byte(
         s.top_ids[-1, -1] = vocab  # the last position's K-th id
         return s
 
-    monkeypatch.setattr(sys.modules[__name__], "with_top", past_the_vocabulary)
+    monkeypatch.setattr(fakes, "with_top", past_the_vocabulary)
     reply = httpx.post(f"{url}/v1/completions", json=body(prompts()), timeout=60)
     assert reply.status_code == 500
     error = reply.json()["error"]

@@ -1,5 +1,5 @@
 """A large multi-prompt completions answer sent a choice at a time (stream.py), over a real uvicorn
-on loopback and TopEngine (test_stream.py: FakeEngine's scores with the head's extras), one prompt a
+on loopback and TopEngine (tests/support/fakes.py: FakeEngine's scores with the head's extras), one prompt a
 micro-batch: the status arrives while later prompts compute; the bytes are those of the whole
 answer (completion_chunks) for the same scores; choice 0's failure is a plain error status; a later
 choice's failure or the deadline cuts the chunked body; a client that leaves drops the queued work;
@@ -26,8 +26,8 @@ from service.http.completions.plan import plan_completion
 from service.http.completions.schemas import CompletionRequest
 from service.normalise import ModelLimits
 from service.settings import Settings
-from tests.http.completions.test_stream import LENGTH, MARKER, K, TopEngine, body, expected, prompts
-from tests.support.fakes import FakeLaunched
+from tests.support.completions import LENGTH, MARKER, K, body, expected, prompts
+from tests.support.fakes import FakeLaunched, TopEngine
 from tests.support.servers import loopback
 
 
