@@ -3,7 +3,7 @@
 Checkpoints and references, written independently of the service:
 - models.py: tiny random-weight checkpoints of every architecture; critics.py: critic checkpoints in
   the formats RL frameworks write; teacher.py: a teacher with a tokenizer, and its float64 reference
-- reference.py: the per-sequence float32 reference of SEMANTICS.md; distribution.py: the float64
+- reference.py: the per-sequence float32 reference of docs/semantics.md; distribution.py: the float64
   reference of top-k, candidates and sampling; completions.py: the vLLM/OpenAI JSON of an answer
   built entry by entry, and the streamed completions' expected bytes
 - requests.py: random requests in every layout; plans.py: normalise() on keyword fields
