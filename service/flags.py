@@ -9,6 +9,7 @@ Every refused value is one line on stderr naming the flag or the variable, exit 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, get_args
@@ -92,6 +93,15 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
 def setting_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """The parser's setting flags by destination (the Settings field name)."""
     return {a.dest: a for a in parser._actions if a.dest in Settings.model_fields and a.option_strings}
+
+
+def named(name: str, args: argparse.Namespace) -> str:
+    """Where setting `name` came from, as a one-line error names it: `argument --x` (the command
+    line), `LOGPROBD_X` (the environment) or `--x` (its default)."""
+    if getattr(args, name, None) is not None:
+        return f"argument {flag(name)}"
+    variable = f"LOGPROBD_{name.upper()}"
+    return variable if variable in {key.upper() for key in os.environ} else flag(name)
 
 
 def settings_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:
