@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         help="run the HTTP server",
         usage="%(prog)s [--SETTING [VALUE] ...] (listed below)",
+        description="Serve the scoring API over HTTP. Each setting below is also LOGPROBD_<NAME> in the "
+        "environment (the flag wins); docs/configuration.md lists them in the same groups.",
         formatter_class=SettingsHelp,
     )
     add_setting_flags(serve)
