@@ -79,7 +79,7 @@ class Metrics:
     counter, histogram and label set (76 of them) that no dashboard or alert reads."""
 
     def __init__(self) -> None:
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "Scoring requests by outcome.", ["outcome"], registry=r)
