@@ -24,9 +24,10 @@ $(SERVE_STAMP): requirements.txt pyproject.toml
 	rm -f $(VENV)/.serve-*
 	touch $@
 
-$(STAMP): $(SERVE_STAMP) requirements-dev.txt requirements-frameworks.txt
+$(STAMP): $(SERVE_STAMP) requirements-dev.txt requirements-frameworks.txt requirements-lm-eval.txt
 	$(PY) -m pip install -q -r requirements-dev.txt "$(TRANSFORMERS_REQ)"
 	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/frameworks -r requirements-frameworks.txt  # RL trainers' releases for tests/client/test_releases.py
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/lm-eval -r requirements-lm-eval.txt  # lm-eval's command line for tests/completions/test_lm_eval_cli.py
 	rm -f $(VENV)/.installed-*
 	touch $@
 
