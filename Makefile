@@ -55,8 +55,9 @@ pytest: install
 	$(PY) -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-openapi: install  ## regenerate openapi.yaml from the app
+openapi: install  ## regenerate openapi.yaml from the app, then the committed pages generated from it (docs/hooks.py)
 	$(PY) -m service openapi --output openapi.yaml
+	$(PY) docs/hooks.py
 
 config-docs: install  ## regenerate docs/configuration.md from service/settings.py
 	$(PY) -m service config-docs --output docs/configuration.md

@@ -29,7 +29,7 @@ What the kernel options do, and what they were measured to save, is in
 [Performance](performance.md#kernel-options). `python -m service serve --help` lists the same
 settings in the same groups.
 """
-TABLE = "| flag | environment | default | meaning |\n| --- | --- | --- | --- |\n"
+TABLE = "| flag, environment variable | default | meaning |\n| --- | --- | --- |\n"
 
 
 def _default(value: Any) -> str:
@@ -65,7 +65,7 @@ def render_configuration() -> str:
         for name in group.names:
             field = Settings.model_fields[name]
             rows.append(
-                f"| {_flag(options[name])} | `LOGPROBD_{name.upper()}` | {_cell(_default(field.default))} "
+                f"| {_flag(options[name])}<br>`LOGPROBD_{name.upper()}` | {_cell(_default(field.default))} "
                 f"| {_cell(field.description or '')} |\n"
             )
         sections.append(
