@@ -24,9 +24,10 @@ $(SERVE_STAMP): requirements.txt pyproject.toml
 	rm -f $(VENV)/.serve-*
 	touch $@
 
-$(STAMP): $(SERVE_STAMP) requirements-dev.txt requirements-frameworks.txt
+$(STAMP): $(SERVE_STAMP) requirements-dev.txt requirements-frameworks.txt requirements-lm-eval.txt
 	$(PY) -m pip install -q -r requirements-dev.txt "$(TRANSFORMERS_REQ)"
 	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/frameworks -r requirements-frameworks.txt  # RL trainers' releases for tests/client/test_releases.py
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/lm-eval -r requirements-lm-eval.txt  # lm-eval's command line for tests/completions/test_lm_eval_cli.py
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -54,8 +55,9 @@ pytest: install
 	$(PY) -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-openapi: install  ## regenerate openapi.yaml from the app
+openapi: install  ## regenerate openapi.yaml from the app, then the committed pages generated from it (docs/hooks.py)
 	$(PY) -m service openapi --output openapi.yaml
+	$(PY) docs/hooks.py
 
 config-docs: install  ## regenerate docs/configuration.md from service/settings.py
 	$(PY) -m service config-docs --output docs/configuration.md

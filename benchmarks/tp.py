@@ -127,7 +127,7 @@ def server(checkpoint: Path, tp: int, args: argparse.Namespace) -> Iterator[str]
 
     def read() -> None:
         for line in proc.stderr or ():
-            if match := re.search(r"Uvicorn running on (http://\S+)", line):
+            if match := re.search(r"listening on (http://\S+)", line):
                 found.append(match.group(1))
                 started.set()
             if args.verbose:

@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         help="run the HTTP server",
         usage="%(prog)s [--SETTING [VALUE] ...] (listed below)",
+        description="Serve the scoring API over HTTP. Each setting below is also LOGPROBD_<NAME> in the "
+        "environment (the flag wins); docs/configuration.md lists them in the same groups.",
         formatter_class=SettingsHelp,
     )
     add_setting_flags(serve)
@@ -52,12 +54,19 @@ def main(argv: list[str] | None = None) -> int:
 def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Callable[[], int]:
     """The command asked for, its modules imported (the server's stack), ready to run."""
     if args.command == "serve":
-        from service.flags import settings_from
+        from service.flags import named, settings_from
 
-        settings = settings_from(_subcommand(parser, "serve"), args)  # a bad value exits before the imports
+        serve_parser = _subcommand(parser, "serve")
+        settings = settings_from(serve_parser, args)  # a bad value exits before the imports
+        from service.http.listen import Refused, preflight
+
+        try:  # a missing model or a taken port: one line, before anything loads
+            listener = preflight(settings)
+        except Refused as refused:
+            serve_parser.error(f"{named(refused.setting, args)}: {refused.reason}")
         from service.http.server import serve
 
-        return lambda: serve(settings)
+        return lambda: serve(settings, listener)
     if args.command == "openapi":
         from service.http.openapi import render_openapi as render
     else:

@@ -6,6 +6,7 @@ line wins; a boolean is also `--no-<name>`). The flags are built from these fiel
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -32,6 +33,7 @@ Version = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern
 
 # the engine's choices (service/engine/config.py), under their settings names
 __all__ = [
+    "GROUPS",
     "Attention",
     "Collectives",
     "CudaGraphs",
@@ -45,6 +47,7 @@ __all__ = [
     "MlpKernel",
     "MoeKernel",
     "ReloadMode",
+    "SettingGroup",
     "Settings",
     "Version",
 ]
@@ -293,3 +296,56 @@ class Settings(BaseSettings):
     def engine_config(self) -> EngineConfig:
         """What the engine reads of these settings (the engine never reads Settings itself)."""
         return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class SettingGroup:
+    """Settings on one topic: `serve --help` and docs/configuration.md list them together."""
+
+    title: str
+    about: str
+    names: tuple[str, ...]
+
+
+def _group(title: str, about: str, names: str) -> SettingGroup:
+    return SettingGroup(title, about, tuple(names.split()))
+
+
+# Every field of Settings in exactly one group (tests/test_flags_help.py), in the order shown.
+GROUPS = (
+    _group(
+        "model",
+        "The checkpoints, and the devices and precision they run in.",
+        "model critic ref_model model_name device dtype tensor_parallel_size tensor_parallel_collectives",
+    ),
+    _group(
+        "scoring",
+        "How the forward computes: kernels, batch invariance, shared prefixes (docs/performance.md).",
+        "attention decoder kernels mlp_kernel moe_kernel head_kernel cuda_graphs batch_invariant "
+        "share_prefixes share_min_tokens",
+    ),
+    _group(
+        "batching",
+        "Micro-batches and the queue in front of them.",
+        "max_batch_tokens batch_wait_ms launch_hold_ms stream_batch_tokens max_queued_tokens",
+    ),
+    _group(
+        "memory",
+        "What a sequence and a micro-batch may hold at once.",
+        "max_sequence_tokens mlp_chunk_tokens logits_chunk_rows cuda_graph_limit",
+    ),
+    _group(
+        "HTTP",
+        "Where the server listens, what one request may ask, and the keys it needs.",
+        "host port max_body_bytes max_request_sequences max_request_tokens max_top_logprobs "
+        "request_timeout_s max_request_timeout_s api_keys api_keys_file admin_api_keys admin_api_keys_file "
+        "auth_all_routes docs_ui",
+    ),
+    _group(
+        "weights",
+        "The weights' version labels and how new weights are loaded while serving.",
+        "weights_version ref_weights_version critic_weights_version reload_mode reload_roots weights_follow "
+        "weights_follow_interval_s",
+    ),
+    _group("operations", "Shutting down and logging.", "drain_seconds log_level"),
+)

@@ -190,9 +190,18 @@ def status_for(error: ServiceError) -> int:
     return 500
 
 
+# Swagger UI and ReDoc, served with --docs-ui (settings.docs_ui)
+DOCS_UI_PATHS = frozenset({"/docs", "/redoc", "/docs/oauth2-redirect"})
+
+
 def from_routing(status: int, method: str, path: str, allow: str | None) -> NoRoute | None:
     """The router's 404 or 405 as an error of this table; None for any other status."""
     route = f"{method} {path[:200]}"
+    if status == 404 and path.rstrip("/") in DOCS_UI_PATHS:  # only ever 404 when --docs-ui is off
+        return NotFound(
+            f"{route}: the interactive API docs are off; start the server with --docs-ui to serve them "
+            "(they load their scripts from public CDNs). The routes are listed at /openapi.json"
+        )
     if status == 404:
         return NotFound(f"{route}: no such route (the routes are listed at /openapi.json)")
     if status == 405 and allow:

@@ -34,6 +34,7 @@ class ServiceState:
     serving: Serving | None = None
     failure: str | None = None
     draining: bool = False
+    url: str | None = None  # where the server listens (the ready line names it); None under tests
 
     @property
     def phase(self) -> str:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, create_model
 
-from service.core.errors import from_pydantic
+from service.core.errors import InvalidRequest, from_pydantic
 from service.settings import ReloadMode, Version
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -220,7 +220,28 @@ def parse_body(model: type[Body], raw: bytes) -> Body:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        raise from_pydantic(exc.errors()) from None
+        errors = exc.errors()
+        raise (_flat_rows(errors) or from_pydantic(errors)) from None
+
+
+# the fields that take a list of rows, one per sequence ([[...], [...]])
+ROW_LIST_FIELDS = (*MATRIX_FIELDS, "rollout_logprobs")
+
+
+def _flat_rows(errors: list[Any]) -> InvalidRequest | None:
+    """A field of rows sent as one flat row (`"input_ids": [1, 2, 3]`) said so, rather than as
+    pydantic's first complaint about its first number."""
+    first = errors[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") != "list_type" or len(loc) != 2 or loc[0] not in ROW_LIST_FIELDS:
+        return None
+    if loc[1] != 0 or not isinstance(first.get("input"), int | float):  # its first entry is a number
+        return None
+    return InvalidRequest(
+        f"{loc[0]}: a list of rows, one list per sequence ([[1, 2, 3]] for one sequence), not one flat "
+        "list of numbers",
+        field=str(loc[0]),
+    )
 
 
 class Usage(BaseModel):

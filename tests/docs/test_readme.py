@@ -19,34 +19,11 @@ import pytest
 import torch
 
 from tests.support import ROOT, frameworks
+from tests.support.docs import blocks, console_commands
 from tests.support.frameworks import check, make_batch
 from tests.support.servers import free_port, server_process
 
 README = (ROOT / "README.md").read_text()
-
-
-def blocks(text: str, language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
-
-
-def console_commands(block: str) -> list[tuple[str, str]]:
-    """(command, expected output) pairs of a console block: `$ ` lines with their `\\` continuations."""
-    pairs: list[tuple[str, str]] = []
-    lines = block.splitlines()
-    i = 0
-    while i < len(lines):
-        assert lines[i].startswith("$ "), f"not a command: {lines[i]!r}"
-        command = [lines[i][2:]]
-        while command[-1].endswith("\\") or "".join(command).count("'") % 2:
-            i += 1
-            command.append(lines[i])
-        i += 1
-        output = []
-        while i < len(lines) and not lines[i].startswith("$ "):
-            output.append(lines[i])
-            i += 1
-        pairs.append(("\n".join(command), "\n".join(output)))
-    return pairs
 
 
 def demo_curl_blocks(text: str) -> list[list[tuple[str, str]]]:

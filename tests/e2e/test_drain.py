@@ -31,7 +31,7 @@ DRAIN_S = 3.0
 
 @pytest.fixture
 def serving_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """The demo model on cpu; port 0, so the URL is read from uvicorn's start-up line."""
+    """The demo model on cpu; port 0, so the URL is read from the start-up log's `listening on` line."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "serve", "--port", "0", "--device", "cpu",
          "--max-batch-tokens", "2048", "--batch-wait-ms", "0", "--drain-seconds", str(DRAIN_S)],
@@ -43,7 +43,7 @@ def serving_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
 
     def read() -> None:  # keeps the pipe drained for the whole run
         for line in proc.stderr or ():
-            if match := re.search(r"Uvicorn running on (http://\S+)", line):
+            if match := re.search(r"listening on (http://\S+)", line):
                 url.append(match.group(1))
                 found.set()
 

@@ -42,7 +42,7 @@ def serving(model: Path) -> Iterator[tuple[subprocess.Popen[str], str, int]]:
         for line in proc.stderr or ():
             if match := re.search(r"started rank 1 of 2 \(pid (\d+)\)", line):
                 found["rank1"] = match.group(1)
-            if match := re.search(r"Uvicorn running on (http://\S+)", line):
+            if match := re.search(r"listening on (http://\S+)", line):
                 found["url"] = match.group(1)
                 started.set()
 

@@ -16,7 +16,6 @@ from service.settings import Settings
 from service.wire import jsonrows
 from tests.support.device import settings_for
 from tests.support.fakes import FakeEngine
-from tests.support.needs import native_or_skip
 from tests.support.servers import running, wait_ready
 
 
@@ -132,21 +131,23 @@ def test_what_lives_from_ready_is_kept_out_of_the_full_collections() -> None:
     assert any(o is engines[0] for o in gc.get_objects())
 
 
-@pytest.mark.parametrize("built", [True, False])
-def test_the_ready_line_names_the_json_row_reader(
-    built: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+def test_the_ready_line_says_what_serves_and_the_row_reader_is_looked_for_at_start(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An operator reads from the start-up log whether the native JSON row reader was built."""
-    if built:
-        native_or_skip()
-    else:
-        monkeypatch.setattr(jsonrows, "native", lambda: None)
+    """Where the native JSON row reader was not built, its warning is in the start-up log, not the
+    first request's; the ready line says what serves (under `serve`, also where: test_serve_start)."""
+    looked: list[bool] = []
+    monkeypatch.setattr(jsonrows, "native", lambda: looked.append(True))
     app = create_app(Settings(), engine_factory=lambda _: FakeEngine())
     with caplog.at_level("INFO", logger="service.http.app"), TestClient(app) as client:
         wait_ready(client)
+        assert looked == [True]
+    info = FakeEngine().info
     (ready,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready: ")]
-    want = "the native reader" if built else "orjson (no native reader built)"
-    assert ready.endswith(f"JSON rows read by {want}")
+    assert ready == (
+        f"ready: {info.model} ({info.architecture}) on {info.device}, {info.dtype}, "
+        f"attention={info.attention_backend}"
+    )
 
 
 @pytest.mark.parametrize("docs_ui", [False, True])

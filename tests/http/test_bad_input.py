@@ -105,7 +105,7 @@ BAD: dict[str, tuple[Body, str, int | None]] = {
     "bool_token": (ragged(input_ids=[[1, 2, 3, 4], [5, True, 7]]), "input_ids", 1),
     "null_token": (ragged(input_ids=[[1, 2, 3, 4], [5, None, 7]]), "input_ids", 1),
     "row_not_a_list": (ragged(input_ids=[[1, 2, 3, 4], 5]), "input_ids", 1),
-    "input_ids_flat": (ragged(input_ids=[1, 2, 3]), "input_ids", 0),
+    "input_ids_flat": (ragged(input_ids=[1, 2, 3]), "input_ids", None),  # no row at fault: not rows
     # num_actions
     "num_actions_negative": (ragged(num_actions=-1), "num_actions", None),
     "num_actions_list_negative": (ragged(num_actions=[2, -1]), "num_actions", 1),

@@ -86,7 +86,8 @@ def reference_body(
                 "tokens": texts,
                 "token_logprobs": token_logprobs,
                 "top_logprobs": tops,
-                "text_offset": [sum(map(len, texts[:j])) for j in range(len(texts))],
+                # into the text returned: "" without a tokenizer
+                "text_offset": [sum(map(len, texts[:j])) if table else 0 for j in range(len(texts))],
             }
         generated = table.decode([d.token]) if table and d else ""
         choices.append(
