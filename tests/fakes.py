@@ -17,6 +17,7 @@ from service.engine.contract import (
     OutOfMemory,
     ReloadOrder,
     StagedWeights,
+    Target,
     WeightsRejected,
     WeightsState,
 )
@@ -28,6 +29,18 @@ class FakeStaged:
     mode: str
     nbytes: int
     shift: float
+
+    @property
+    def target(self) -> Target:
+        return self.order.target
+
+    @property
+    def version(self) -> str:
+        return self.order.version
+
+    @property
+    def source(self) -> str:
+        return str(self.order.path)
 
 
 @dataclass(slots=True)

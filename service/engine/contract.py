@@ -102,10 +102,17 @@ class WeightsRejected(ValueError):
 
 
 class StagedWeights(Protocol):
-    """New weights read, checked and placed, ready to apply between micro-batches."""
+    """New weights read (or received), checked and placed, ready to apply between micro-batches."""
 
     @property
-    def order(self) -> ReloadOrder: ...
+    def target(self) -> Target: ...
+
+    @property
+    def version(self) -> str: ...
+
+    @property
+    def source(self) -> str:
+        """Where they came from: a checkpoint's path, or the push group that sent them."""
 
     @property
     def mode(self) -> str: ...

@@ -52,6 +52,7 @@ from service.engine.contract import (
     Launched,
     ReloadOrder,
     StagedWeights,
+    Target,
     WeightsRejected,
     WeightsState,
 )
@@ -160,8 +161,16 @@ class ParallelStaged:
     local: StagedWeights
 
     @property
-    def order(self) -> ReloadOrder:
-        return self.local.order
+    def target(self) -> Target:
+        return self.local.target
+
+    @property
+    def version(self) -> str:
+        return self.local.version
+
+    @property
+    def source(self) -> str:
+        return self.local.source
 
     @property
     def mode(self) -> str:

@@ -127,7 +127,7 @@ class PackedScorer:
 
     def apply(self, staged: StagedWeights) -> WeightsState:
         """Serve the staged weights from the next micro-batch on. Engine thread only."""
-        target = staged.order.target
+        target = staged.target
         state = weight_update.apply(self._served, staged, self._weights[target])
         self._weights = {**self._weights, target: state}
         return state

@@ -62,7 +62,7 @@ def apply(served: Served, staged: StagedWeights, previous: WeightsState) -> Weig
     """Serve the staged weights from the next micro-batch on; the new state of their target. Engine
     thread only."""
     assert isinstance(staged, weights.Staged)
-    target = staged.order.target
+    target = staged.target
     weights.apply(staged)
     forward = served.forward(target)
     assert forward is not None  # a staged target is served
@@ -71,6 +71,4 @@ def apply(served: Served, staged: StagedWeights, previous: WeightsState) -> Weig
         assert served.critic is not None
         assert staged.extra is not None
         served.critic = Critic(served.critic.decoder, staged.extra)
-    return WeightsState(
-        target, staged.order.version, str(staged.order.path), staged.mode, time.time(), previous.reloads + 1
-    )
+    return WeightsState(target, staged.version, staged.source, staged.mode, time.time(), previous.reloads + 1)
