@@ -268,8 +268,10 @@ def place(new: torch.Tensor, served: torch.Tensor, mode: str, side: torch.cuda.S
     copied on the `side` stream)."""
     if served.device.type != "cuda":
         return new.contiguous()
-    if mode == "copy":
-        return new.contiguous().pin_memory()  # host-to-device at full speed when applied
+    if mode == "copy":  # host-to-device at full speed when applied
+        if new.device.type == "cuda":  # a pushed bucket, received on the device
+            return torch.empty(new.shape, dtype=new.dtype, pin_memory=True).copy_(new)
+        return new.contiguous().pin_memory()
     if new.device == served.device:
         return new.contiguous()
     assert side is not None

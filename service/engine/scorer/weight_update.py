@@ -67,8 +67,7 @@ def apply(served: Served, staged: StagedWeights, previous: WeightsState) -> Weig
     forward = served.forward(target)
     assert forward is not None  # a staged target is served
     forward.refresh()
-    if target == "critic":
+    if target == "critic" and staged.extra is not None:  # a reload's value head (a push's is in place)
         assert served.critic is not None
-        assert staged.extra is not None
         served.critic = Critic(served.critic.decoder, staged.extra)
     return WeightsState(target, staged.version, staged.source, staged.mode, time.time(), previous.reloads + 1)

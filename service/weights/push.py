@@ -1,0 +1,382 @@
+"""Weight pushes in SGLang's protocol: a trainer's group, the versions it pushes, and when they serve.
+
+A trainer joins this server to its group (init_group, blocking until its rendezvous), then pushes
+buckets of tensors (update), each a call answered once its broadcasts arrived and were staged. A
+version's tensors stay pending, never served, until:
+
+- every tensor the target model holds has arrived under it: the call that completes it also applies
+  it (between micro-batches, through the batcher's barrier, as a checkpoint reload applies) before
+  it answers;
+- or the trainer ends it (commit_all: /continue_generation, /end_weight_update; or the first bucket
+  of another version): what arrived applies, the rest keeps its values;
+- or nothing more comes for weight_push_partial_timeout_s: it is dropped; what served goes on.
+
+A bucket with no weight_version belongs to the version pending for its target, or starts a new one
+named after the version served: "v7" -> "v7+1" -> "v7+2" (next_version). One group at a time; its
+calls run one at a time in arrival order (FIFO), its receives on a thread of their own. A push and a
+checkpoint reload exclude each other (gate.py). A group that fails mid-push is torn down with what it
+left pending; the next init is accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import re
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from service.batcher import Batcher
+from service.core.errors import WeightPushConflict, WeightPushFailed
+from service.engine.contract import (
+    Bucket,
+    PushBroken,
+    PushRefused,
+    ScoringEngine,
+    StagedWeights,
+    Target,
+    WeightGroup,
+    WeightReceiver,
+)
+from service.metrics import Metrics
+from service.settings import Settings
+from service.weights.gate import UpdateGate
+from service.wire.weight_sync import InitGroup, UpdateWeights
+
+log = logging.getLogger(__name__)
+
+VERSION = re.compile(r"^[A-Za-z0-9._:+/@-]{1,128}$")  # settings.Version's pattern
+UPDATED = "Succeeded to update parameter online."
+PARTIAL = "The full weights of the ModelRunner are partially updated. Please discard the whole weights."
+
+
+def next_version(served: str) -> str:
+    """The name of a pushed version that came without one: the served version, plus one push."""
+    match = re.fullmatch(r"(.*)\+(\d+)", served)
+    return f"{match.group(1)}+{int(match.group(2)) + 1}" if match else f"{served}+1"
+
+
+@dataclass(slots=True)
+class _Group:
+    spec: WeightGroup
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # FIFO: one call of the group at a time
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="logprobd-push")
+    )
+    joined: bool = False
+    gone: bool = False
+
+
+@dataclass(slots=True)
+class _Version:
+    """A version pending for one target."""
+
+    target: Target
+    version: str
+    group: _Group
+    started: float  # perf_counter of its first bucket
+    named: bool  # the trainer named it
+    buckets: int = 0  # received
+    expiry: asyncio.Task[None] | None = None
+
+
+class Pusher:
+    def __init__(
+        self, engine: ScoringEngine, batcher: Batcher, metrics: Metrics, settings: Settings, gate: UpdateGate
+    ) -> None:
+        self._engine = engine
+        self._batcher = batcher
+        self._metrics = metrics
+        self._gate = gate
+        self._timeout_s = settings.weight_push_timeout_s
+        self._partial_s = settings.weight_push_partial_timeout_s
+        self._mode = settings.reload_mode
+        self._networks = settings.push_networks()
+        self._tp = engine.info.tensor_parallel_size
+        self._groups: dict[str, _Group] = {}
+        self._pending: dict[Target, _Version] = {}
+        for target in engine.weights:
+            metrics.observe_push_targets(target)
+
+    def version(self, target: Target = "policy") -> str:
+        return self._engine.weights[target].version
+
+    async def init_group(self, order: InitGroup) -> str:
+        """Join the trainer's group; returns once the rendezvous is done."""
+        receiver = self._receiver("Failed to initialize custom process group")
+        if order.group_name in self._groups:
+            raise WeightPushFailed(
+                "Failed to initialize custom process group: The specified group name has already been used."
+            )
+        if self._groups:
+            raise WeightPushConflict(
+                f"Failed to initialize custom process group: group {next(iter(self._groups))!r} is open; "
+                "this server takes one group at a time (destroy it first)"
+            )
+        if order.rank_offset < 1 or order.rank_offset + self._tp > order.world_size:
+            last = order.rank_offset + self._tp - 1
+            raise WeightPushFailed(
+                f"Failed to initialize custom process group: ranks {order.rank_offset}..{last} "
+                f"(rank_offset + this replica's {self._tp} tensor-parallel ranks) do not fit a world of "
+                f"{order.world_size} whose rank 0 is the trainer."
+            )
+        spec = WeightGroup(
+            order.group_name,
+            order.master_address,
+            order.master_port,
+            order.rank_offset,
+            order.world_size,
+            order.backend,
+            self._timeout_s,
+        )
+        group = self._groups[spec.name] = _Group(spec)
+        try:
+            await self._allowed(order.master_address, order.master_port)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(group.executor, receiver.join_group, spec)
+        except Exception as exc:
+            self._forget(group)
+            log.warning("joining weight-update group %r failed: %s", spec.name, exc)
+            raise WeightPushFailed(f"Failed to initialize custom process group: {exc}.") from exc
+        group.joined = True
+        return "Succeeded to initialize custom process group."
+
+    async def update(self, order: UpdateWeights) -> str:
+        """Receive one bucket; answers once it is staged (and applied, when it completes a version)."""
+        receiver = self._receiver("Failed to update parameter online")
+        group = self._groups.get(order.group_name)
+        if group is None or not group.joined:
+            groups = [name for name, g in self._groups.items() if g.joined]
+            raise WeightPushFailed(
+                f"Group {order.group_name} not in {groups}. Please call `init_weights_update_group` first."
+            )
+        if order.target not in self._engine.weights:
+            raise WeightPushFailed(
+                f"Failed to update parameter online: this server has no {order.target} model."
+            )
+        async with group.lock:
+            if group.gone:
+                raise WeightPushFailed(
+                    f"Failed to update parameter online: group {group.spec.name!r} is gone."
+                )
+            return await self._update(receiver, group, order)
+
+    async def _update(self, receiver: WeightReceiver, group: _Group, order: UpdateWeights) -> str:
+        target = order.target
+        pending = self._pending.get(target)
+        if pending is not None and pending.group is not group:
+            raise WeightPushConflict(
+                f"Failed to update parameter online: the {target}'s version {pending.version!r} is pending "
+                f"from group {pending.group.spec.name!r}."
+            )
+        version = order.weight_version or (pending.version if pending else next_version(self.version(target)))
+        if not VERSION.fullmatch(version):
+            raise WeightPushFailed(
+                f"Failed to update parameter online: weight_version {version!r} is not a version "
+                "(1-128 of A-Z a-z 0-9 . _ : + / @ -)."
+            )
+        if pending is not None and pending.version != version:
+            await self._commit(pending, f"a bucket of version {version!r} began")
+            pending = None
+        if pending is None:
+            busy = self._gate.begin_push(target, f"a push of the {target} to {version!r}")
+            if busy is not None:
+                raise WeightPushConflict(f"Failed to update parameter online: {busy}.")
+            pending = _Version(target, version, group, time.perf_counter(), order.weight_version is not None)
+            self._pending[target] = pending
+        bucket = Bucket(
+            group.spec.name,
+            target,
+            version,
+            tuple(order.names),
+            tuple(order.dtypes),
+            tuple(tuple(shape) for shape in order.shapes),
+            flattened=order.load_format == "flattened_bucket",
+            mode=order.mode or self._mode,
+        )
+        try:
+            received = await asyncio.get_running_loop().run_in_executor(
+                group.executor, receiver.receive, bucket
+            )
+        except PushRefused as exc:
+            self._metrics.weights_push_buckets.labels(target, "refused").inc()
+            if not pending.buckets:
+                self._end(pending)
+            raise WeightPushFailed(f"Failed to update parameter online: {exc}. {PARTIAL}") from exc
+        except PushBroken as exc:
+            self._metrics.weights_push_buckets.labels(target, "failed").inc()
+            self._lost(group, str(exc))
+            raise WeightPushFailed(f"Failed to update parameter online: {exc}. {PARTIAL}") from exc
+        self._metrics.weights_push_buckets.labels(target, "received").inc()
+        self._metrics.weights_push_bytes.labels(target).inc(received.nbytes)
+        pending.buckets += 1
+        if received.complete:
+            await self._commit(pending, None)
+            named = f" Weight version updated to {version}." if pending.named else ""
+            return f"{UPDATED}{named}"
+        self._arm(pending)
+        return (
+            f"{UPDATED} Weight version {version} is staged: it serves once complete ({received.missing} "
+            "tensors to come) or committed (/continue_generation, /end_weight_update)."
+        )
+
+    async def commit_all(self, why: str) -> list[str]:
+        """Serve every pending version as it stands (the trainer ended its push); their names."""
+        served = []
+        for pending in list(self._pending.values()):
+            async with pending.group.lock:
+                if self._pending.get(pending.target) is pending:
+                    await self._commit(pending, why)
+                    served.append(pending.version)
+        return served
+
+    async def relabel(self, target: Target, version: str) -> str:
+        """POST /update_weight_version: the pending push of `target` (else what it serves) is `version`."""
+        receiver = self._receiver("Failed to update weight version")
+        if not VERSION.fullmatch(version):
+            raise WeightPushFailed(f"Failed to update weight version: {version!r} is not a version.")
+        if target not in self._engine.weights:
+            raise WeightPushFailed(f"Failed to update weight version: this server has no {target} model.")
+        pending = self._pending.get(target)
+        if pending is not None:
+            async with pending.group.lock:
+                if self._pending.get(target) is pending:
+                    pending.version = version
+                    await self._commit(pending, "update_weight_version")
+                    return version
+        busy = self._gate.begin_push(target, f"a relabelling of the {target} to {version!r}")
+        if busy is not None:
+            raise WeightPushConflict(f"Failed to update weight version: {busy}.")
+        try:
+            staged = await asyncio.to_thread(receiver.stage_received, target, version)
+            await self._apply(target, staged)
+        finally:
+            self._gate.end_push(target)
+        return version
+
+    async def destroy_group(self, name: str) -> str:
+        group = self._groups.get(name)
+        if group is None or not group.joined:
+            raise WeightPushFailed("The group to be destroyed does not exist.")
+        receiver = self._receiver("Failed to destroy custom process group")
+        async with group.lock:
+            for pending in [p for p in self._pending.values() if p.group is group]:
+                self._drop(pending, "its group was destroyed")
+            try:
+                await asyncio.get_running_loop().run_in_executor(group.executor, receiver.leave_group, name)
+            except Exception as exc:
+                raise WeightPushFailed(f"Failed to destroy custom process group: {exc}.") from exc
+            finally:
+                self._forget(group)
+        return "Succeeded to destroy custom process group."
+
+    async def stop(self) -> None:
+        """Drop what is pending and leave every group (the server stops)."""
+        for pending in list(self._pending.values()):
+            self._drop(pending, "the server stops")
+        for group in list(self._groups.values()):
+            self._forget(group)
+            if group.joined and isinstance(self._engine, WeightReceiver):
+                try:
+                    await asyncio.to_thread(self._engine.leave_group, group.spec.name)
+                except Exception:  # the trainer may be gone: nothing more to do
+                    log.debug("leaving group %r at stop", group.spec.name, exc_info=True)
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _receiver(self, failure: str) -> WeightReceiver:
+        if not isinstance(self._engine, WeightReceiver):
+            raise WeightPushFailed(f"{failure}: this engine does not take pushed weights.")
+        return self._engine
+
+    async def _allowed(self, host: str, port: int) -> None:
+        """ValueError unless every address `host` resolves to lies in weight_push_addresses (unset: any)."""
+        if not self._networks:
+            return
+        infos = await asyncio.to_thread(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+        addresses = {ipaddress.ip_address(info[4][0]) for info in infos}
+        outside = sorted(str(a) for a in addresses if not any(a in net for net in self._networks))
+        if outside:
+            raise ValueError(
+                f"master_address {host} ({', '.join(outside)}) is not in this server's weight_push_addresses"
+            )
+
+    async def _commit(self, pending: _Version, why: str | None) -> None:
+        """Serve what is pending (the caller holds its group's lock)."""
+        if pending.expiry is not None:
+            pending.expiry.cancel()
+        self._pending.pop(pending.target, None)
+        receiver = self._receiver("Failed to update parameter online")
+        try:
+            staged = await asyncio.to_thread(receiver.stage_received, pending.target, pending.version)
+            await self._apply(pending.target, staged)
+        except Exception as exc:
+            self._metrics.weights_pushes.labels(pending.target, "failed").inc()
+            log.exception("applying the pushed %s %r failed", pending.target, pending.version)
+            raise WeightPushFailed(f"Failed to update parameter online: {exc}. {PARTIAL}") from exc
+        finally:
+            self._gate.end_push(pending.target)
+        self._metrics.weights_pushes.labels(pending.target, "applied" if why is None else "committed").inc()
+        self._metrics.weights_push_seconds.labels(pending.target).observe(
+            time.perf_counter() - pending.started
+        )
+        if why is not None:
+            log.info("pushed %s %r committed as it stands (%s)", pending.target, pending.version, why)
+
+    async def _apply(self, target: Target, staged: StagedWeights) -> None:
+        old = self.version(target)
+        applied = await self._batcher.apply(staged)
+        self._metrics.weights_version.remove(target, old)
+        self._metrics.weights_version.labels(target, self.version(target)).set(1)
+        self._metrics.weights_pause_seconds.observe(applied.pause_seconds)
+        log.info(
+            "%s weights %r serving (pushed; paused scoring %.1f ms)",
+            target,
+            self.version(target),
+            applied.pause_seconds * 1e3,
+        )
+
+    def _arm(self, pending: _Version) -> None:
+        """(Re)start the clock after which a version nothing completes or commits is dropped."""
+        if pending.expiry is not None:
+            pending.expiry.cancel()
+        pending.expiry = asyncio.create_task(self._expire(pending), name="logprobd-push-expiry")
+
+    async def _expire(self, pending: _Version) -> None:
+        await asyncio.sleep(self._partial_s)
+        async with pending.group.lock:
+            if self._pending.get(pending.target) is pending:
+                self._drop(pending, f"neither complete nor committed within {self._partial_s:g} s")
+
+    def _drop(self, pending: _Version, why: str) -> None:
+        if pending.expiry is not None and pending.expiry is not asyncio.current_task():
+            pending.expiry.cancel()
+        self._end(pending)
+        if isinstance(self._engine, WeightReceiver):
+            self._engine.drop_received(pending.target)
+        self._metrics.weights_pushes.labels(pending.target, "dropped").inc()
+        log.warning("pushed %s %r dropped: %s", pending.target, pending.version, why)
+
+    def _end(self, pending: _Version) -> None:
+        if self._pending.get(pending.target) is pending:
+            del self._pending[pending.target]
+        self._gate.end_push(pending.target)
+
+    def _lost(self, group: _Group, why: str) -> None:
+        """The group broke (the engine tore it down): forget it and what it left pending."""
+        for pending in [p for p in self._pending.values() if p.group is group]:
+            if pending.expiry is not None:
+                pending.expiry.cancel()
+            self._end(pending)
+            self._metrics.weights_pushes.labels(pending.target, "dropped").inc()
+            log.warning("pushed %s %r dropped: %s", pending.target, pending.version, why)
+        self._forget(group)
+
+    def _forget(self, group: _Group) -> None:
+        group.gone = True
+        if self._groups.get(group.spec.name) is group:
+            del self._groups[group.spec.name]
+        group.executor.shutdown(wait=False)
