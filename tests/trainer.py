@@ -79,6 +79,9 @@ class Trainer:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait(timeout=30)
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
         self._sink.close()
 
 
@@ -221,7 +224,7 @@ class _Process:
                 return {"calls": calls}
         if style in ("slime", "areal"):
             calls.append(self._each(urls, "post", "/continue_generation", {}, headers))
-        return {"calls": calls}
+        return {"calls": calls, "names": [n for n, _ in named]}
 
     def bucket(
         self,
@@ -255,16 +258,14 @@ class _Process:
         return list(replies)
 
     def raw(self, a: dict[str, Any]) -> dict[str, Any]:
-        """A bucket of any metadata, and broadcasts of the tensors `send` describes."""
+        """A bucket of any metadata, and broadcasts of the tensors `send` describes ([dtype, shape]
+        each; flattened: packed by SGLang's FlattenedTensorBucket, however they align)."""
         import torch
 
         sent = [
-            (str(i), torch.full(s["shape"], s.get("fill", 0.5), dtype=getattr(torch, s["dtype"])))
-            for i, s in enumerate(a["send"])
+            (str(i), torch.full(shape, 0.5, dtype=getattr(torch, dtype)))
+            for i, (dtype, shape) in enumerate(a["send"])
         ]
-        if a.get("flattened") and a.get("raw_flat"):  # bytes as given: an unaligned layout
-            flat = torch.cat([t.flatten().view(torch.uint8) for _, t in sent])
-            sent, a = [("flat", flat)], {**a, "flattened": False}
         return {"replies": self.bucket(a["urls"], dict(a["body"]), sent, a, a.get("headers", {}))}
 
     def destroy(self, a: dict[str, Any]) -> dict[str, Any]:
@@ -313,9 +314,12 @@ def _tensors(a: dict[str, Any]) -> list[tuple[str, Any]]:
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 named += [(name, f.get_tensor(name)) for name in f.keys()]  # noqa: SIM118
+    for name, (copied, plus) in a.get("add", {}).items():  # e.g. a tied lm_head.weight, sent too
+        named.append((name, dict(named)[copied] + plus))
     dtype = getattr(torch, a["dtype"]) if a.get("dtype") else None
-    skip = set(a.get("skip", []))
-    return [(n, t.to(dtype) if dtype is not None else t) for n, t in named if n not in skip]
+    skip, only = set(a.get("skip", [])), a.get("only")
+    kept = [(n, t) for n, t in named if n not in skip and (only is None or n in only)]
+    return [(n, t.to(dtype) if dtype is not None else t) for n, t in kept]
 
 
 def main() -> None:
