@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -303,3 +304,96 @@ def test_metadata_that_does_not_fit_is_drained_then_refused(
         after = rank0.call("push", checkpoint=str(checkpoints["p2"]), version="after", **g)
         assert statuses(after["calls"]) == [200]
     check_reply(httpx.post(f"{server}/logprobs", json=BODY, timeout=60), BODY, eager(checkpoints["p2"]))
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_mid_push_leaves_the_last_version_serving(
+    server: str, rank0: Trainer, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """A real trainer process, killed after 2 of a bucket's broadcasts: the server gives the push up
+    (gloo sees the peer gone), tears the group down, serves what it served, and takes a new init."""
+    before = score(server)
+    with trainer(tmp_path / "dying.log") as dying:
+        port = free_port()
+        joined = dying.call(
+            "init", urls=[server], rank_offsets=[1], port=port, world_size=2, group="dying", headers=AS_ADMIN
+        )
+        assert joined["replies"][0]["status"] == 200
+        dying.send(
+            "push", urls=[server], group="dying", headers=AS_ADMIN, checkpoint=str(checkpoints["p1"]),
+            version="never", stop_after=2,
+        )  # fmt: skip
+        assert dying.read(timeout=60) == {"stalled": 2}
+        dying.process.kill()
+        killed = time.monotonic()
+        given_up = empty_bucket(server, "dying")  # queued behind the stuck call (FIFO)
+        elapsed = time.monotonic() - killed
+    assert given_up.status_code == 400
+    assert elapsed < PUSH_TIMEOUT_S + 10, elapsed
+    after = score(server)
+    assert after["weights_version"] == before["weights_version"]
+    assert after["logprobs"] == before["logprobs"]
+    with group(rank0, [server]) as g:  # a new init, and a push over it
+        assert statuses(
+            rank0.call("push", checkpoint=str(checkpoints["p1"]), version="again", **g)["calls"]
+        ) == [200]
+    check_reply(httpx.post(f"{server}/logprobs", json=BODY, timeout=60), BODY, eager(checkpoints["p1"]))
+
+
+@pytest.mark.slow
+def test_a_stalled_trainer_is_given_up_after_the_timeout(
+    server: str, rank0: Trainer, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """A trainer alive but silent mid-bucket: the push fails within weight_push_timeout_s (and the
+    grace), the group is torn down, the served weights stay and a new group is taken."""
+    before = score(server)
+    with trainer(tmp_path / "stalled.log") as stalled:
+        joined = stalled.call(
+            "init",
+            urls=[server],
+            rank_offsets=[1],
+            port=free_port(),
+            world_size=2,
+            group="stalled",
+            headers=AS_ADMIN,
+        )
+        assert joined["replies"][0]["status"] == 200
+        stalled.send(
+            "push", urls=[server], group="stalled", headers=AS_ADMIN, checkpoint=str(checkpoints["p2"]),
+            version="never", stop_after=1,
+        )  # fmt: skip
+        assert stalled.read(timeout=60) == {"stalled": 1}
+        started = time.monotonic()
+        given_up = empty_bucket(server, "stalled")
+        elapsed = time.monotonic() - started
+    assert given_up.status_code == 400
+    assert elapsed < PUSH_TIMEOUT_S + 10, elapsed
+    assert score(server)["logprobs"] == before["logprobs"]
+    with group(rank0, [server], name="after-stall") as g:
+        assert statuses(
+            rank0.call("push", checkpoint=str(checkpoints["p2"]), version="p2", **g)["calls"]
+        ) == [200]
+
+
+@pytest.mark.slow
+def test_two_replicas_in_one_group(
+    server: str, rank0: Trainer, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """slime's layout: one group of the trainer and every replica (ranks 1 and 2 of 3)."""
+    port = free_port()
+    with serving(serve_command(port, checkpoints["p0"]), port, tmp_path / "second.log") as second:
+        with group(rank0, [server, second]) as g:
+            pushed = rank0.call(
+                "push", checkpoint=str(checkpoints["p1"]), version="both", buckets=2, style="slime", **g
+            )
+        assert set(statuses(pushed["calls"])) == {200}, pushed
+        for url in (server, second):
+            reply = httpx.post(f"{url}/logprobs", json=BODY, timeout=60)
+            assert reply.json()["weights_version"] == "both"
+            check_reply(reply, BODY, eager(checkpoints["p1"]))
+
+
+def empty_bucket(url: str, name: str) -> httpx.Response:
+    """A bucket of no tensors for group `name`: answered once the calls before it are."""
+    body = {"names": [], "dtypes": [], "shapes": [], "group_name": name}
+    return httpx.post(f"{url}/update_weights_from_distributed", json=body, headers=AS_ADMIN, timeout=120)
