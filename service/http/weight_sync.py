@@ -123,8 +123,10 @@ def build_weight_sync_router(state: ServiceState, bearer: HTTPBearer) -> APIRout
             success=True, message=f"Weight version updated to {version}", new_version=version
         )
 
-    @router.get("/flush_cache", response_class=PlainTextResponse, responses=ERRORS)
-    @router.post("/flush_cache", response_class=PlainTextResponse, responses=ERRORS)
+    text = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "SGLang's text"}}
+
+    @router.get("/flush_cache", responses={**text, **ERRORS})
+    @router.post("/flush_cache", responses={**text, **ERRORS})
     async def flush_cache() -> PlainTextResponse:
         """SGLang's answer; logprobd keeps nothing that depends on the weights across requests."""
         pusher()
