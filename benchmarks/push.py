@@ -1,0 +1,324 @@
+"""Weight push in SGLang's protocol against a checkpoint reload: how soon a trainer's new weights
+answer scores, how long scoring pauses, and how much device memory each mode takes.
+
+    python -m benchmarks.push --model qwen2.5-7b                # a host of 2 GPUs: trainer 0, server 1
+    python -m benchmarks.push --model tiny --device cpu --dtype float32 --backend gloo --bucket-mib 1
+                                                                # CPU smoke test (tests/benchmarks runs it)
+
+This process is the trainer (rank 0, on --trainer-gpu): it holds the model (random weights with the
+real shapes, transformers' Qwen2), joins a real `python -m service serve` (on --server-gpu) to its
+group as SGLang's trainers do, then for each mode (swap, copy) and load format (one broadcast per
+tensor, flattened) perturbs its weights and pushes them as slime does: /pause_generation, buckets of
+--bucket-mib with one weight_version, /continue_generation. Then the same weights reach the server
+as a trainer without the protocol sends them: save_pretrained to --save-dir, POST /admin/weights.
+
+Reported per run: seconds from the trainer's first call to the first scores answered on the new
+version (`push_s`; for the reload, from save_pretrained's start), the scoring pause of the apply
+(the server's logprobd_weights_pause_seconds), and the server GPU's peak memory in use during the
+push above what it used before (nvidia-smi, polled; the caching allocator's reserve included).
+Last, the scores after a push equal, bit for bit, those after reloading the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from benchmarks.run import build_model
+from benchmarks.workload import SHAPES
+from service.engine.contract import WeightGroup
+from service.engine.transfer import group as groups
+
+ADMIN = "benchmark-admin"
+HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+GIB = 2**30
+
+
+@contextmanager
+def server(checkpoint: Path, args: argparse.Namespace) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """`python -m service serve` on --server-gpu, once ready: its URL and process."""
+    cmd = [sys.executable, "-m", "service", "serve", "--port", "0", "--model", str(checkpoint),
+           "--device", args.device, "--dtype", args.dtype, "--weights-version", "v0",
+           "--weight-push-timeout-s", "600", "--batch-wait-ms", "0"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGPROBD_ADMIN_API_KEYS": ADMIN}
+    if args.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = str(args.server_gpu)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    found: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr or ():
+            if match := re.search(r"Uvicorn running on (http://\S+)", line):
+                found.append(match.group(1))
+                started.set()
+            if args.verbose:
+                sys.stderr.write(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if not started.wait(args.start_timeout):
+            raise TimeoutError("the server did not start")
+        while httpx.get(f"{found[0]}/health/ready").status_code != 200:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.poll()}")
+            time.sleep(0.2)
+        yield found[0], proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+        reader.join(10)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+class DeviceMemory:
+    """The server GPU's memory in use (MiB), polled with nvidia-smi while `watching`; None on CPU."""
+
+    def __init__(self, gpu: int | None) -> None:
+        self.gpu = gpu
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def now(self) -> float | None:
+        if self.gpu is None:
+            return None
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", str(self.gpu)],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        return float(out.strip())
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        self.peak = self.now() or 0.0
+        self._stop.clear()
+
+        def poll() -> None:
+            while not self._stop.is_set():
+                self.peak = max(self.peak, self.now() or 0.0)
+                time.sleep(0.05)
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        try:
+            yield
+        finally:
+            self._stop.set()
+            self._thread.join()
+
+
+def buckets(named: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors up to `limit` bytes each (a bigger tensor alone), in order (slime's)."""
+    out: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if out[-1] and size + nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append((name, tensor))
+        size += nbytes
+    return out
+
+
+def push(
+    http: httpx.Client, url: str, pg: Any, named: list[tuple[str, torch.Tensor]], run: dict[str, Any]
+) -> None:
+    """slime's push: pause, each bucket (an HTTP call in a thread, its broadcasts here), continue."""
+    assert http.post(f"{url}/pause_generation", json={}).status_code == 200
+    for bucket in buckets(named, run["bucket_bytes"]):
+        body: dict[str, Any] = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": "benchmark",
+            "flush_cache": False,
+            "weight_version": run["version"],
+            "mode": run["mode"],
+        }
+        if run["flattened"]:
+            body["load_format"] = "flattened_bucket"
+        reply: list[httpx.Response] = []
+        call = threading.Thread(
+            target=lambda b=body, into=reply: into.append(
+                http.post(f"{url}/update_weights_from_distributed", json=b)
+            )
+        )
+        call.start()
+        if run["flattened"]:
+            dist.broadcast(torch.cat([t.flatten().view(torch.uint8) for _, t in bucket]), src=0, group=pg)
+        else:
+            for _, tensor in bucket:
+                dist.broadcast(tensor, src=0, group=pg)
+        call.join()
+        assert reply[0].status_code == 200, reply[0].text
+    assert http.post(f"{url}/continue_generation", json={}).status_code == 200
+
+
+def pause_sum(http: httpx.Client, url: str) -> float:
+    text = http.get(f"{url}/metrics").text
+    match = re.search(r"^logprobd_weights_pause_seconds_sum ([0-9.e+-]+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def scores(http: httpx.Client, url: str, vocab: int, version: str) -> list[list[float]]:
+    """A batch of 8 sequences of 256 tokens; asserts it was scored on `version`."""
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, vocab, (8, 256), generator=gen).tolist()
+    reply = http.post(f"{url}/logprobs", json={"input_ids": rows, "num_actions": 128}).json()
+    assert reply["weights_version"] == version, reply
+    return list(reply["logprobs"])
+
+
+def perturb(model: Any, seed: int) -> None:
+    gen = torch.Generator(model.device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * 0.01)
+
+
+def measured(
+    http: httpx.Client, url: str, memory: DeviceMemory, *, vocab: int, version: str, deliver: Any
+) -> dict[str, Any]:
+    """Run `deliver()` (a push or a save + reload); time it to the first scores on `version`."""
+    before = memory.now()
+    paused = pause_sum(http, url)
+    with memory.watching():
+        started = time.perf_counter()
+        deliver()
+        got = scores(http, url, vocab, version)
+        seconds = time.perf_counter() - started
+    return {
+        "version": version,
+        "push_s": seconds,
+        "pause_ms": (pause_sum(http, url) - paused) * 1e3,
+        "extra_peak_gib": None if before is None else (memory.peak - before) / 1024,
+        "scores": got,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.push", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen2.5-7b", choices=sorted(SHAPES))
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    parser.add_argument("--trainer-gpu", type=int, default=0)
+    parser.add_argument("--server-gpu", type=int, default=1)
+    parser.add_argument("--bucket-mib", type=float, default=1024, help="slime's --update-weight-buffer-size")
+    parser.add_argument(
+        "--save-dir", type=Path, default=None, help="where save_pretrained writes (a tempdir)"
+    )
+    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", args.trainer_gpu) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype: torch.dtype = getattr(torch, args.dtype)
+    vocab = int(SHAPES[args.model]["vocab_size"])
+    model = build_model(args.model, dtype, device, "sdpa")
+    named = [(n, p.detach()) for n, p in model.state_dict(keep_vars=True).items()]
+    named = [(n, t) for n, t in named if not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
+    memory = DeviceMemory(args.server_gpu if cuda else None)
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(dir=args.save_dir) as tmp:
+        root = Path(tmp)
+        model.save_pretrained(root / "v0")
+        with server(root / "v0", args) as (url, _), httpx.Client(headers=HEADERS, timeout=3600) as http:
+            port = _free_port()
+            init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                    "group_name": "benchmark", "backend": args.backend}  # fmt: skip
+            replies: list[httpx.Response] = []
+            call = threading.Thread(
+                target=lambda: replies.append(http.post(f"{url}/init_weights_update_group", json=init))
+            )
+            started = time.perf_counter()
+            call.start()
+            spec = WeightGroup("benchmark", "127.0.0.1", port, 1, 2, args.backend, 600.0)
+            pg = groups.join(spec, 0, device).pg  # the trainer: rank 0, the store's host
+            call.join()
+            assert replies[0].status_code == 200, replies[0].text
+            join_s = time.perf_counter() - started
+            step = 0
+            for mode in ("swap", "copy"):
+                for flattened in (False, True):
+                    step += 1
+                    perturb(model, step)
+                    run = {"mode": mode, "flattened": flattened, "bucket_bytes": int(args.bucket_mib * 2**20),
+                           "version": f"push-{step}"}  # fmt: skip
+                    deliver = lambda r=run: push(http, url, pg, named, r)  # noqa: E731
+                    row = measured(http, url, memory, vocab=vocab, version=run["version"], deliver=deliver)
+                    runs.append({"how": "push", **run, **row})
+            last = runs[-1]["scores"]
+            for mode in ("swap", "copy"):
+                path = root / f"reload-{mode}"
+
+                def reload(path: Path = path, mode: str = mode) -> None:
+                    model.save_pretrained(path)
+                    body = {"path": str(path), "version": f"reload-{mode}", "mode": mode}
+                    answer = http.post(f"{url}/admin/weights", json=body)
+                    assert answer.status_code == 200, answer.text
+
+                row = measured(http, url, memory, vocab=vocab, version=f"reload-{mode}", deliver=reload)
+                runs.append({"how": "save_pretrained + reload", "mode": mode, **row})
+            bitwise = runs[-1]["scores"] == last  # the last push's weights, reloaded from disk
+            http.post(f"{url}/destroy_weights_update_group", json={"group_name": "benchmark"})
+            dist.destroy_process_group(pg)
+    report(args, runs, join_s, bitwise)
+    return 0 if bitwise else 1
+
+
+def report(args: argparse.Namespace, runs: list[dict[str, Any]], join_s: float, bitwise: bool) -> None:
+    print(
+        f"{args.model} {args.dtype} over {args.backend}: group joined in {join_s:.2f} s; "
+        f"push == reload bitwise: {bitwise}"
+    )
+    print("| how | mode | format | first call to scores, s | pause ms | server GPU peak beyond, GiB |")
+    print("| --- | --- | --- | ---: | ---: | ---: |")
+    for r in runs:
+        fmt = ("flattened" if r.get("flattened") else "per tensor") if r["how"] == "push" else "-"
+        peak = "-" if r["extra_peak_gib"] is None else f"{r['extra_peak_gib']:.2f}"
+        print(f"| {r['how']} | {r['mode']} | {fmt} | {r['push_s']:.2f} | {r['pause_ms']:.2f} | {peak} |")
+    if args.output is not None:
+        rows = [{k: v for k, v in r.items() if k != "scores"} for r in runs]
+        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        args.output.write_text(json.dumps({
+            "date": dt.date.today().isoformat(), "device": device, "model": args.model, "dtype": args.dtype,
+            "backend": args.backend, "bucket_mib": args.bucket_mib, "join_s": join_s,
+            "push_equals_reload_bitwise": bitwise, "runs": rows,
+        }, indent=2))  # fmt: skip
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
