@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
                 for flattened in (False, True):
                     step += 1
                     perturb(model, step)
-                    run = {"mode": mode, "flattened": flattened, "bucket_bytes": int(args.bucket_mib * 2**20),
+                    run: dict[str, Any] = {"mode": mode, "flattened": flattened, "bucket_bytes": int(args.bucket_mib * 2**20),
                            "version": f"push-{step}"}  # fmt: skip
                     deliver = lambda r=run: push(http, url, pg, named, r)  # noqa: E731
                     row = measured(http, url, memory, vocab=vocab, version=run["version"], deliver=deliver)

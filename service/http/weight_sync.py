@@ -123,7 +123,9 @@ def build_weight_sync_router(state: ServiceState, bearer: HTTPBearer) -> APIRout
             success=True, message=f"Weight version updated to {version}", new_version=version
         )
 
-    text = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "SGLang's text"}}
+    text: dict[int | str, dict[str, Any]] = {
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "SGLang's text"}
+    }
 
     @router.get("/flush_cache", responses={**text, **ERRORS})
     @router.post("/flush_cache", responses={**text, **ERRORS})
