@@ -266,8 +266,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
                 for flattened in (False, True):
                     step += 1
                     perturb(model, step)
-                    run: dict[str, Any] = {"mode": mode, "flattened": flattened, "bucket_bytes": int(args.bucket_mib * 2**20),
-                           "version": f"push-{step}"}  # fmt: skip
+                    run: dict[str, Any] = {
+                        "mode": mode,
+                        "flattened": flattened,
+                        "bucket_bytes": int(args.bucket_mib * 2**20),
+                        "version": f"push-{step}",
+                    }
                     deliver = lambda r=run: push(http, url, pg, named, r)  # noqa: E731
                     row = measured(http, url, memory, vocab=vocab, version=run["version"], deliver=deliver)
                     runs.append({"how": "push", **run, **row})
