@@ -4,8 +4,9 @@ VENV ?= .venv
 # transformers: the oldest supported release by default; CI also runs `TRANSFORMERS=newest`.
 TRANSFORMERS ?= 5.17.0
 PY := $(VENV)/bin/python
-# Two installs into one venv: `make serve` the service and what it imports (requirements.txt, `-e .`),
-# `make test` the development tools on top (requirements-dev.txt, `-e .[dev]`).
+# Two installs into one venv: `make serve` the service and what it imports (requirements.txt,
+# `-e .[server]`), `make test` the development tools on top (requirements-dev.txt, `-e .[dev]`, which
+# brings `server` too). A plain `pip install .` is the trainer-side client alone.
 SERVE_STAMP := $(VENV)/.serve-$(TRANSFORMERS)
 STAMP := $(VENV)/.installed-$(TRANSFORMERS)
 ifeq ($(TRANSFORMERS),newest)
@@ -19,7 +20,7 @@ endif
 $(SERVE_STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt -e . "$(TRANSFORMERS_REQ)"
+	$(PY) -m pip install -q -r requirements.txt -e ".[server]" "$(TRANSFORMERS_REQ)"
 	rm -f $(VENV)/.serve-*
 	touch $@
 

@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from service.engine.batch.asks import Extras
 from service.engine.heads import chunked, extras_radix, fused_kernel
-from service.engine.heads.base import Extras, LogitTransform
+from service.engine.heads.base import LogitTransform
 from service.engine.runtime import triton_jit
 
 TEMPERATURE = 0.7

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from service.engine.moe import dispatch, grouped_gemm, routing_rule
 from service.engine.moe import kernels as moe_ops
 from service.engine.moe import layer as moe
 from service.engine.ops import elementwise as decoder_ops
@@ -77,8 +78,8 @@ class Layer:
     experts: SimpleNamespace  # .gate_up_proj [E, 2·I, H], .down_proj [E, H, I]
     hidden: torch.Tensor  # [T, H]
     residual: torch.Tensor  # [T, H]
-    rule: moe.Routing
-    plan: moe.Plan
+    rule: routing_rule.Routing
+    plan: dispatch.Plan
 
     @staticmethod
     def random(t: int, h: int, e: int, i: int, k: int) -> Layer:
@@ -89,8 +90,8 @@ class Layer:
             down_proj=torch.randn(e, h, i, device=dev, dtype=dtype) * i**-0.5,
         )
         hidden = torch.randn(t, h, device=dev, dtype=dtype)
-        rule = moe.Routing(k, normalise=True, round_weights=True)
-        plan = moe.plan(hidden, router.weight, rule)
+        rule = routing_rule.Routing(k, normalise=True, round_weights=True)
+        plan = dispatch.plan(hidden, router.weight, rule)
         return Layer(router, experts, hidden, torch.randn_like(hidden), rule, plan)
 
 
@@ -102,14 +103,14 @@ def torch_steps(layer: Layer, reps: int) -> dict[str, float]:
     gate_up = torch.empty(s, 2 * i, device=hidden.device, dtype=hidden.dtype)
     act = torch.empty(s, i, device=hidden.device, dtype=hidden.dtype)
     down = torch.empty_like(gathered)
-    grouped = moe.choose("grouped_mm", hidden.device, hidden.dtype)
+    grouped = grouped_gemm.choose("grouped_mm", hidden.device, hidden.dtype)
     logits = hidden @ router.weight.t()
     _, chosen = rule(logits)
     routed = moe_ops.route_kernel(logits, rule.top_k, True, logits.dtype)
     x = layer.residual.clone()
     return {
-        "route_and_sort": timed(lambda: moe.plan(hidden, router.weight, rule), reps),
-        "route_and_sort_kernels": timed(lambda: moe.plan_kernel(hidden, router.weight, rule), reps),
+        "route_and_sort": timed(lambda: dispatch.plan(hidden, router.weight, rule), reps),
+        "route_and_sort_kernels": timed(lambda: dispatch.plan_kernel(hidden, router.weight, rule), reps),
         "route_router_gemm": timed(lambda: hidden @ router.weight.t(), reps),
         "route_softmax_topk": timed(lambda: rule(logits), reps),
         "route_sort": timed(lambda: torch.sort(chosen.flatten(), stable=True), reps),
@@ -176,7 +177,7 @@ def whole_layers(layer: Layer, reps: int, results: dict[str, Any]) -> dict[str, 
     outputs: dict[str, torch.Tensor] = {}
     for name in ("grouped_mm", "quack"):
         try:
-            kernel = moe.choose(name, layer.hidden.device, layer.hidden.dtype)
+            kernel = grouped_gemm.choose(name, layer.hidden.device, layer.hidden.dtype)
         except Exception as exc:  # a kernel this machine cannot run is reported
             results[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
             continue
@@ -187,7 +188,7 @@ def whole_layers(layer: Layer, reps: int, results: dict[str, Any]) -> dict[str, 
             kernel,
             decoder_ops.swiglu_kernel,
             combine=moe_ops.combine_kernel,
-            planner=moe.plan_kernel,
+            planner=dispatch.plan_kernel,
         )
         outputs[name] = sparse(layer.hidden).float()
         times[name] = timed(partial(sparse.add_to, layer.residual.clone(), layer.hidden), reps)

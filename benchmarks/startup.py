@@ -117,7 +117,7 @@ def instrument(clock: Clock) -> None:
     """Wrap the engine's start-up steps and the compilers with `clock`'s timers (this process only)."""
     from service.engine import decoder
     from service.engine.decoder import graphs
-    from service.engine.moe import layer as moe
+    from service.engine.moe import grouped_gemm
     from service.engine.ops import gate_up as gated
     from service.engine.scorer import build
     from service.engine.scorer.engine import PackedScorer
@@ -129,7 +129,7 @@ def instrument(clock: Clock) -> None:
         setattr(PackedScorer, method, clock.timed_phase(name, getattr(PackedScorer, method)))
     for module, function, name in [
         (decoder, "build", "fused decoder"),
-        (moe, "choose", "MoE kernel probe"),
+        (grouped_gemm, "choose", "MoE kernel probe"),
         (gated, "choose", "MLP kernel probe"),
         (build, "apply_fused_kernels", "kernel patches"),
     ]:

@@ -35,7 +35,7 @@ DEVICE = os.environ.get("LOGPROBD_TEST_DEVICE", "cpu")
 DTYPE = os.environ.get("LOGPROBD_TEST_DTYPE", "float32")
 ATTENTION = os.environ.get("LOGPROBD_TEST_ATTENTION", "auto")
 TP_COLLECTIVES = os.environ.get("LOGPROBD_TEST_TP_COLLECTIVES", "gloo")
-# float32 promises 1e-4 (SEMANTICS.md); half precisions are checked against bf16/fp16 noise
+# float32 promises 1e-4 (docs/semantics.md); half precisions are checked against bf16/fp16 noise
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.05}[DTYPE]
 # critic values grow with their head (a random one reaches |v| ~ 10 where log-probs stay near 5): in a
 # half precision their rounding grows with them, so they are also allowed 2 % of the row's largest |v|

@@ -1,4 +1,4 @@
-"""The per-sequence reference of SEMANTICS.md, written independently of the service.
+"""The per-sequence reference of docs/semantics.md, written independently of the service.
 
 For each request row: find its real tokens and action window by direct reading of the layout
 table, run the model's own forward (eager attention, float32) on the unpadded sequence alone, and

@@ -1,4 +1,4 @@
-"""Random requests in each of the four layouts of SEMANTICS.md, and in the grouped form."""
+"""Random requests in each of the four layouts of docs/semantics.md, and in the grouped form."""
 
 from __future__ import annotations
 

@@ -4,11 +4,14 @@ metric, and the observability page has a runbook for every alert of the chart.""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import yaml
 
 from service.__main__ import _parser, _subcommand
@@ -24,6 +27,7 @@ def hooks() -> ModuleType:
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as mkdocs loads a hook (its dataclasses look their module up)
     spec.loader.exec_module(module)
     return module
 
@@ -112,3 +116,78 @@ def test_api_error_table_has_every_status_of_the_error_table() -> None:
     }
     assert ServiceError in _STATUS
     assert served == documented
+
+
+def test_architecture_picture_has_not_drifted() -> None:
+    committed = (ROOT / "docs" / "img" / "architecture.svg").read_text()
+    assert committed == hooks().render_architecture(), "docs/img/architecture.svg is stale: run docs/hooks.py"
+
+
+SERVICE = ROOT / "service"
+MODULE_NAME = re.compile(r"[\w/]+\.(?:py|c)\b|(?<![/\w])[a-z_]+/(?!\w)")  # `moe/layer.py`, `ops/`
+
+
+def found_under(top: str, name: str) -> bool:
+    """Whether `name` (a file, or a folder ending in /) is a path under top/, or the end of one."""
+    root = ROOT / top
+    paths = [p.relative_to(root).as_posix() + ("/" if p.is_dir() else "") for p in root.rglob("*")]
+    return any(p == name or p.endswith("/" + name) for p in paths)
+
+
+def test_architecture_picture_names_what_exists() -> None:
+    docs = hooks()
+    for name in docs.architecture_names():
+        assert (SERVICE / name).exists(), f"docs/hooks.py's picture names service/{name}, which is not there"
+    for box in docs.ARCHITECTURE_BOXES:
+        for line in (box.title, *box.lines):
+            for name in MODULE_NAME.findall(line.removeprefix("service/")):
+                assert any(n.endswith(name) for n in box.names), f"{box.title}: {name} is not in its names"
+            assert len(line) * 6.0 <= box.w - 12, f"{box.title}: {line!r} overflows its box"
+
+
+def _definitions() -> tuple[set[str], dict[str, set[str]]]:
+    """Every name service/ defines (functions at any depth, classes, module-level assignments), and
+    each class's methods."""
+    names: set[str] = set()
+    methods: dict[str, set[str]] = {}
+    for path in SERVICE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+                methods.setdefault(node.name, set()).update(n.name for n in node.body if isinstance(n, defs))
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names, methods
+
+
+CALL = re.compile(r"^(?:(\w+)\.)?(\w+)\(.*\)$")  # `name()`, `Class.method()`, `module.name(args)`
+CLASS = re.compile(r"^_?[A-Z][a-z]\w*$")  # `SequenceJob`
+CONSTANT = re.compile(r"^_?[A-Z][A-Z0-9_]{2,}$")  # `SHAPE_STEP`
+PATH = re.compile(r"^[\w.][\w./-]*(?:\.(?:py|c|md|yaml|toml|svg)|/)$")  # `service/batcher/`, `packing.py`
+FLAG = re.compile(r"^--([a-z][a-z0-9-]*)$")  # `--max-batch-tokens`
+
+
+@pytest.mark.parametrize("page", ["docs/architecture.md", "CONTRIBUTING.md"])
+def test_code_pages_name_only_what_exists(page: str) -> None:
+    """Every module, folder, function, class, constant and flag the page names in backticks exists."""
+    names, methods = _definitions()
+    missing = []
+    for token in set(re.findall(r"`([^`\n]+)`", (ROOT / page).read_text())):
+        if call := CALL.match(token):
+            owner, name = call.groups()
+            found = name in methods.get(owner, set()) if owner and owner[0].isupper() else name in names
+        elif CLASS.match(token) or CONSTANT.match(token):
+            found = token in names
+        elif PATH.match(token):
+            found = (ROOT / token).exists() or found_under("service", token) or found_under("tests", token)
+        elif flag := FLAG.match(token):
+            found = flag.group(1).replace("-", "_") in Settings.model_fields
+        else:
+            continue
+        if not found:
+            missing.append(token)
+    assert sorted(missing) == []

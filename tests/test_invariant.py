@@ -136,7 +136,7 @@ SERVED = [*models.EVERY, *(f"{name}/transformers" for name in models.MOE_ARCHITE
 def test_a_sequence_scores_the_same_bits_however_it_is_batched(
     dirs: dict[str, Path], served: str, dtype: str
 ) -> None:
-    """`name/transformers`: a mixture of experts in transformers' own modules (moe.block_sparse)."""
+    """`name/transformers`: a mixture of experts in transformers' own modules (moe/transformers_blocks.py)."""
     name, _, decoder = served.partition("/")
     engine, settings = _engine(dirs[name], dtype, decoder=decoder or "auto")
     if name in models.MOE_ARCHITECTURES:

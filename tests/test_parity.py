@@ -1,4 +1,4 @@
-"""Every architecture x every layout: scores equal the per-sequence reference of SEMANTICS.md.
+"""Every architecture x every layout: scores equal the per-sequence reference of docs/semantics.md.
 
 Runs the whole service path (HTTP -> normalise -> batcher -> packed engine -> response) against
 tests/reference.py, which runs each unpadded sequence alone through the model's own eager forward.

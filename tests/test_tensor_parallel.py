@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.engine.parallel import ranks as parallel
+from service.engine.tensor_parallel import ranks
 from tests import critics, models
 from tests.conftest import TOLERANCE, TP_COLLECTIVES, running, settings_for
 from tests.reference import check_reply, expected
@@ -140,7 +140,7 @@ def test_what_cannot_be_sharded_is_refused_at_once(
 ) -> None:
     config = settings_for(model_dirs[name], tensor_parallel_size=2, tensor_parallel_collectives="gloo")
     with pytest.raises(ValueError, match=error):
-        parallel.load(config.engine_config())
+        ranks.load(config.engine_config())
 
 
 @pytest.mark.parametrize(
@@ -160,9 +160,9 @@ def test_settings_that_cannot_run_are_refused(
 ) -> None:
     overrides = {"tensor_parallel_collectives": "gloo", **overrides}  # ranks may share a GPU
     with pytest.raises(ValueError, match=error):
-        parallel.load(settings_for(model_dirs["qwen2"], **overrides).engine_config())
+        ranks.load(settings_for(model_dirs["qwen2"], **overrides).engine_config())
 
 
 def test_the_demo_model_is_not_sharded() -> None:
     with pytest.raises(ValueError, match="demo model"):
-        parallel.load(settings_for(None, tensor_parallel_size=2).engine_config())
+        ranks.load(settings_for(None, tensor_parallel_size=2).engine_config())

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.engine.parallel.ranks import EXIT_GRACE_S
+from service.engine.tensor_parallel.ranks import EXIT_GRACE_S
 from tests.reference import check_reply
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,6 @@
 """Tensors in, request bodies out, and responses back to tensors: the layout work of the adapters.
 
-One `Plan` per framework call: the padded-layout body of SEMANTICS.md built from the framework's
+One `Plan` per framework call: the padded-layout body of docs/semantics.md built from the framework's
 tensors, and which columns of the server's action window the framework's output keeps. Every
 per-token output (log-probs, entropy, values, reference log-probs, KL) is a row of that same window,
 so one slice aligns them all.

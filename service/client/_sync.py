@@ -91,7 +91,7 @@ class Client:
         sampling: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> Scores:
-        """Score a batch in any of the four layouts of SEMANTICS.md, or grouped: each prompt once in
+        """Score a batch in any of the four layouts of docs/semantics.md, or grouped: each prompt once in
         `prompt_ids`, `input_ids` rows the responses, `prompt_index[i]` row i's prompt (docs/api.md,
         'Grouped requests'; `group_prompts` builds both from per-row prompts). `top_logprobs`,
         `candidate_ids` and `sampling` ask for more of each action's distribution (docs/api.md, 'Beyond

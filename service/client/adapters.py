@@ -1,7 +1,7 @@
 """Torch adapters: each framework's own scoring call, answered by logprobd with the same tensor.
 
 Every function takes the tensors the framework already holds, sends them in the matching padded
-layout of SEMANTICS.md, and returns float32 tensors on the input's device, shaped and aligned as
+layout of docs/semantics.md, and returns float32 tensors on the input's device, shaped and aligned as
 the framework's in-process forward returns them:
 
 - OpenRLHF `Actor.forward(sequences, action_mask, attention_mask)`: `[B, A]` action log-probs, where

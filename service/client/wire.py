@@ -117,7 +117,7 @@ class RouteAgreementStats:
 
 @dataclass(frozen=True, slots=True)
 class Scores:
-    """One response, rows in request order, each aligned to its row's action window (SEMANTICS.md).
+    """One response, rows in request order, each aligned to its row's action window (docs/semantics.md).
 
     `weights_version` is the policy weights that produced every score (one version, whichever
     replicas answered). `extra` holds the response fields this class does not name (`values`,

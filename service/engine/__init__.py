@@ -1,9 +1,27 @@
-"""The model side: an EngineConfig in, a ScoringEngine out (contract.py), whose micro-batches go
-loading/ -> batch/ -> decoder/ (ops/, moe/, strategies/) -> heads/, run by scorer/ (parallel/ over
-several ranks). docs/performance.md maps it folder by folder.
+"""The model side: an EngineConfig in, a ScoringEngine out (contract.py). Its rooms, from the top;
+each imports only rooms below it (the engine's layers contract in pyproject.toml; `lint-imports`):
 
-The only package that imports torch and transformers, and it never reads the service's settings or
-the HTTP side (make lint checks it). Importing it is cheap: heavy imports happen in `load_engine`.
+    tensor_parallel/               one ScoringEngine over several ranks, each running a scorer
+    scorer/                        the ScoringEngine: loads the models, packs, runs and scores each
+                                   micro-batch
+    transfer/                      weights a trainer pushes over a process group (SGLang's protocol)
+    heads/                         the action rows' scores from the decoder's last hidden state
+    decoder/                       a forward over one packed row, built on the three rooms below:
+    moe/                             the mixture-of-experts layers
+    ops/                             the kernels: attention, norms, RoPE, the gate|up projection
+    strategies/                      how GEMMs over tokens run and row-parallel sums add
+    batch/                         a micro-batch on the device: jobs packed into one row, its keys and
+                                   values, what its rows ask, its MoE routes
+    loading/                       the models from local checkpoints, whole or as a rank's shards
+    parallel/                      tensor parallel's plan: a rank's slices, the collectives joining them
+    runtime/ | tokenizer | config  what this host can run; the tokenizer; the EngineConfig (`|`: one
+                                   level, none of the three importing another)
+    contract.py                    the interface to the batcher, free of torch
+
+A micro-batch goes loading/ -> batch/ -> decoder/ -> heads/, run by scorer/ (tensor_parallel/ over
+several ranks); docs/architecture.md maps it folder by folder. The only package that imports torch
+and transformers, and it never reads the service's settings or the HTTP side (make lint checks it).
+Importing it is cheap: heavy imports happen in `load_engine`.
 """
 
 from __future__ import annotations
@@ -21,9 +39,9 @@ __all__ = ["EngineInfo", "ModelInfo", "OutOfMemory", "ScoringEngine", "Supervise
 def load_engine(config: EngineConfig) -> ScoringEngine:
     """Load the configured model (or the demo model) and return a ready-to-warm engine."""
     if config.tensor_parallel_size > 1:
-        from service.engine.parallel import ranks as parallel
+        from service.engine.tensor_parallel import ranks
 
-        return parallel.load(config)
+        return ranks.load(config)
     from service.engine.scorer.engine import PackedScorer
 
     return PackedScorer.from_config(config)

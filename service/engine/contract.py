@@ -267,7 +267,7 @@ class TokenText(Protocol):
 
 @runtime_checkable
 class Supervised(Protocol):
-    """An engine of several processes (tensor parallel: parallel/ranks.py), which fail together."""
+    """An engine of several processes (tensor parallel: tensor_parallel/ranks.py), which fail together."""
 
     def supervise(self, on_failure: Callable[[str], None]) -> None:
         """Call `on_failure(reason)`, on another thread, once one of the engine's processes has died or

@@ -1,21 +1,21 @@
 """Any accepted request layout -> one SequenceJob per row, plus where each score goes back.
 
-Normalisation sits between the wire models (wire/schemas.py, wire/arrays.py) and the batcher: it implements
-SEMANTICS.md's layouts, action windows and EOS policy, and every rule that relates fields to each
-other or to the model raises InvalidRequest (or a 413) naming the field and the row. Its users need
-`normalise(request, limits) -> ScoringPlan`, `ModelLimits`, and the plan's `RowWindow`.
+Normalisation sits between the wire models (wire/schemas.py, wire/arrays.py) and the batcher: it
+implements docs/semantics.md's layouts, action windows and EOS policy, and every rule that relates
+fields to each other or to the model raises InvalidRequest (or a 413) naming the field and the row.
+Its users need `normalise(request, limits) -> ScoringPlan`, `ModelLimits`, and the plan's `RowWindow`.
 
 Modules, top-down as the data flows; each imports only modules below it:
 
-    __init__      normalise(): the request's checks, its layout read into Rows, each sequence checked
-    limits        ModelLimits and what the server allows: models held, request size, each sequence
-    plan          Rows -> ScoringPlan: the EOS cut, jobs, windows, rollout log-probs, pins
-    distribution  top_logprobs, candidate_ids, sampling -> Asks, each job's share of them
-    ragged        ragged input_ids [B][L_i] + num_actions | action_mask -> Rows
-    padded        padded input_ids [B, L] + attention_mask + response_length | action_mask -> Rows
-    grouped       prompt_ids + prompt_index + responses (ragged or padded) -> Rows
-    routes        routed_experts (lists, base64, frame rows) -> GivenRoutes per row, positions mapped
-    rows          Row (tokens [L], actions [A], slots [A], width) and the readers every layout shares
+    __init__       normalise(): the request's checks, its layout read into Rows, each sequence checked
+    limits         ModelLimits and what the server allows: models held, request size, each sequence
+    plan           Rows -> ScoringPlan: the EOS cut, jobs, windows, rollout log-probs, pins
+    distribution   top_logprobs, candidate_ids, sampling -> Asks, each job's share of them
+    ragged         ragged input_ids [B][L_i] + num_actions | action_mask -> Rows
+    padded         padded input_ids [B, L] + attention_mask + response_length | action_mask -> Rows
+    grouped        prompt_ids + prompt_index + responses (ragged or padded) -> Rows
+    expert_routes  routed_experts (lists, base64, frame rows) -> GivenRoutes per row, positions mapped
+    rows           Row (tokens [L], actions [A], slots [A], width) and the readers every layout shares
 """
 
 from __future__ import annotations

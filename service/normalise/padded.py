@@ -2,7 +2,7 @@
 
 A row's real tokens are the columns where `attention_mask` is 1, in order, whatever the padding
 side; their position ids are `cumsum(attention_mask) - 1`, and a padding column is never read nor
-an action. Two layouts (SEMANTICS.md, 'Layouts'):
+an action. Two layouts (docs/semantics.md, 'Layouts'):
 
 - `response_length` R: window = the last R columns (verl, TRL); actions = its real columns;
 - `action_mask` [B, L-1] (`action_mask[j]` is about column j+1): window = columns 1..L-1

@@ -1,6 +1,6 @@
 """The request's rows -> the ScoringPlan the batcher and answer/layout.py read.
 
-Applies the EOS policy (SEMANTICS.md, 'Actions and EOS': each row keeps its actions up to and
+Applies the EOS policy (docs/semantics.md, 'Actions and EOS': each row keeps its actions up to and
 including its first EOS action), turns each Row into a SequenceJob (tokens [L], actions [A]) and a
 RowWindow (width, slots [A]), lays `rollout_logprobs` out like the response rows, and collects the
 weights versions the request pins. The rows arrive checked; only `rollout_logprobs` is read here.

@@ -1,6 +1,6 @@
 """Ragged `input_ids` (a list of unpadded rows) -> one Row each.
 
-Two layouts (SEMANTICS.md, 'Layouts'), for row i of L_i tokens:
+Two layouts (docs/semantics.md, 'Layouts'), for row i of L_i tokens:
 
 - `num_actions` (an int, or one per row): actions are the last n_i tokens; window = those n_i
   tokens (slot k is token L_i - n_i + k);

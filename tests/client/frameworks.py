@@ -1,4 +1,4 @@
-"""Each framework's in-process scoring, re-implemented from SEMANTICS.md and the frameworks' public
+"""Each framework's in-process scoring, re-implemented from docs/semantics.md and the frameworks' public
 code (read, not imported): the HF model's own forward on the padded batch, float32. test_releases.py runs
 the frameworks' released code itself (tests/client/releases.py).
 
@@ -13,7 +13,7 @@ the frameworks' released code itself (tests/client/releases.py).
 Like the frameworks themselves, these leave whatever the model gives where the mask is 0.
 
 For what a PPO server adds (critic values, reference log-probs, KL), `by_column` is the per-sequence
-reference of SEMANTICS.md instead: each unpadded sequence scored alone (the policy's and the
+reference of docs/semantics.md instead: each unpadded sequence scored alone (the policy's and the
 reference model's own forward; values `head(h_{t-1})` read straight from the critic's safetensors by
 `tests.critics.expected_values`), every score placed at the column of the token it scores; `kl` is
 k1/k2/k3 of Schulman's note. A framework's output is then the columns it keeps.

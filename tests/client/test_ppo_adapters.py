@@ -1,5 +1,5 @@
 """Critic values, reference log-probs, KL and rollout mismatch through each adapter, on a real server
-started with `--critic` and `--ref-model`, against the per-sequence reference of SEMANTICS.md
+started with `--critic` and `--ref-model`, against the per-sequence reference of docs/semantics.md
 (`frameworks.by_column`: each unpadded sequence scored alone, every score at the column of the token
 it scores). Each framework's output is the columns it keeps: OpenRLHF columns 1..L-1 (the last A of
 them), verl and TRL the last R columns; 0.0 off the mask.

@@ -18,7 +18,7 @@ from tests.conftest import free_port, server_process
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOP = 64  # the server's --max-top-logprobs here: under the vocabulary of 96, so -1 is over it
-TOLERANCE = 1e-4  # float32 service against the float64 reference (SEMANTICS.md)
+TOLERANCE = 1e-4  # float32 service against the float64 reference (docs/semantics.md)
 
 
 def save_tokenizer(directory: Path) -> None:

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -144,15 +145,23 @@ def requirements_step(extras: str | None) -> list[str]:
 
 @pytest.mark.parametrize(
     ("extras", "wanted"),
-    [(None, ["liger-kernel", "flash-attn-4", "nvidia-cutlass-dsl[cu13]"]), ("fused", ["liger-kernel"])],
+    [
+        (None, ["liger-kernel", "flash-attn-4", "nvidia-cutlass-dsl[cu13]"]),
+        ("fused", ["liger-kernel"]),
+        ("", []),
+    ],
 )
 def test_requirements_are_the_dependencies_and_the_extras_asked_for(
     extras: str | None, wanted: list[str]
 ) -> None:
-    """The dependencies, plus liger-kernel and the `hopper` extra with nvidia-cutlass-dsl's CUDA 13
-    libraries (the default EXTRAS=fused,hopper) or the extras `--build-arg EXTRAS=…` names."""
+    """The client's dependencies and the `server` extra whatever EXTRAS says (the image is the
+    service), plus liger-kernel and the `hopper` extra with nvidia-cutlass-dsl's CUDA 13 libraries
+    (the default EXTRAS=fused,hopper) or the extras `--build-arg EXTRAS=…` names; never the package
+    itself (an extra's `logprobd[server]`), which pip would look for on the index."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     lines = requirements_step(extras)
-    assert any(line.startswith("transformers") for line in lines)
+    assert set(project["dependencies"]) | set(project["optional-dependencies"]["server"]) <= set(lines)
+    assert not [line for line in lines if line.startswith(project["name"])]
     for name in wanted:
         assert any(line.startswith(name) for line in lines), (name, lines)
     hopper = extras is None or "hopper" in extras

@@ -98,6 +98,8 @@ def test_the_hopper_extra_admits_the_pins() -> None:
     pinned = pins()
     for line in extra:
         requirement = Requirement(line)
+        if requirement.name == "logprobd":  # `logprobd[server]`: the package's own server extra
+            continue
         assert requirement.specifier.contains(pinned[requirement.name], prereleases=True), line
 
 

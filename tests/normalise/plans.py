@@ -1,7 +1,7 @@
 """What the normalisation tests share: a server's limits, normalise() on keyword fields, and a plan
 read back as plain lists, plus a padded [4, 7] batch that both padded layouts read.
 
-Every expected value in tests/normalise/ is derived from SEMANTICS.md's layout table (and
+Every expected value in tests/normalise/ is derived from docs/semantics.md's layout table (and
 docs/api.md's 'Grouped requests') by reading the request, not from the implementation.
 """
 

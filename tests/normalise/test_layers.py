@@ -12,7 +12,7 @@ import service.normalise
 
 PACKAGE = Path(service.normalise.__file__).parent
 # top to bottom
-ORDER = ["__init__", "limits", "plan", "distribution", "ragged", "padded", "grouped", "routes", "rows"]
+ORDER = ["__init__", "limits", "plan", "distribution", "ragged", "padded", "grouped", "expert_routes", "rows"]
 OUTSIDE = {"service.core.errors", "service.core.jobs", "service.wire.schemas", "service.engine.contract"}
 
 

@@ -1,4 +1,4 @@
-"""Ragged input_ids (ragged.py) by hand: tokens, actions, windows and usage worked out from SEMANTICS.md."""
+"""Ragged input_ids (ragged.py) by hand: tokens, actions, windows and usage from docs/semantics.md."""
 
 from __future__ import annotations
 

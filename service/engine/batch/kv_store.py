@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from service.engine.ops import key_gather
+from service.engine.batch import key_gather
 
 # The keyword argument of a transformers decoder forward that carries a KVContext to the attention
 CONTEXT_KWARG = "logprobd_context"
@@ -64,7 +64,7 @@ class KVContext:
 
     count: [1] int32 on the device, K, where `gather` is a CUDA graph's static index of more rows
     (no store then): the keys and values read have as many rows as `gather`, the first K gathered
-    (ops/key_gather.py), and cu_k ends at K.
+    (batch/key_gather.py), and cu_k ends at K.
     """
 
     cu_k: torch.Tensor

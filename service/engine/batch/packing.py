@@ -14,10 +14,10 @@ from service.core.jobs import Chunk, SequenceJob
 from service.core.prefixes import Forest, alone
 from service.engine.batch import asks
 from service.engine.batch import route_buffers as moe_routes
+from service.engine.batch.asks import Extras
+from service.engine.batch.device_routes import BatchRoutes
 from service.engine.batch.kv_store import CONTEXT_KWARG, KVContext, KVStore
 from service.engine.contract import SHAPE_STEP, MoeShape
-from service.engine.heads.base import Extras
-from service.engine.moe.replay import BatchRoutes
 from service.engine.runtime.copies import to_device
 
 __all__ = ["SHAPE_STEP", "PackedBatch", "pack"]

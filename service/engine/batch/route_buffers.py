@@ -2,7 +2,7 @@
 forward records into (R2), and back on the host, each sequence's routes and route agreement.
 
 Boundary: SequenceJobs (GivenRoutes, return_routes), the row's segments and the policy's MoeShape in;
-moe/replay.py's BatchRoutes on the device out; after the forward, host copies in and per sequence
+device_routes.py's BatchRoutes on the device out; after the forward, host copies in and per sequence
 `routes` [P, layers, k] and a RouteAgreement out.
 
 A segment of the row (a Forest node, or the chunk) holds positions [start, end) of its owner's
@@ -20,8 +20,8 @@ import torch
 
 from service.core.jobs import Chunk, IntArray, RouteAgreement, SequenceJob, route_dtype
 from service.core.prefixes import Forest, routes_agree
+from service.engine.batch.device_routes import BatchRoutes
 from service.engine.contract import MoeShape
-from service.engine.moe.replay import BatchRoutes
 
 # jobs.route_dtype's dtypes as torch's
 TORCH_DTYPES = {
@@ -188,7 +188,7 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> IntArray:
 class RecordedRoutes:
     """Host copies of a forward's routes (filled once the micro-batch's `done` event has passed):
     used [N, layers, k] (None: no sequence asked for them), and per row exact / matches [N] int32
-    (moe/replay.py's agreement; None: nothing given)."""
+    (BatchRoutes.agreement; None: nothing given)."""
 
     rows: RouteRows
     top_k: int

@@ -10,7 +10,7 @@ from typing import Any
 from service.engine.decoder.base import Decoder, DecoderKind, relative_error
 from service.engine.decoder.fused import SUPPORTED, FusedDecoder, Stream, sparse, unsupported
 from service.engine.decoder.transformers_forward import TransformersDecoder
-from service.engine.moe import layer as moe
+from service.engine.moe import grouped_gemm
 from service.engine.ops.attention import Kernel
 from service.engine.ops.elementwise import Ops
 from service.engine.ops.gate_up import GatedProjection
@@ -41,7 +41,7 @@ def build(  # noqa: PLR0917
     *,
     gemm: TokenGemms = ONE_CALL,
     sums: PartialSums = LOCAL,
-    moe_kernel: Callable[[], moe.MoeKernel] | None = None,
+    moe_kernel: Callable[[], grouped_gemm.MoeKernel] | None = None,
 ) -> Decoder:
     """The forward the `decoder` setting asks for: auto takes the fused one wherever it fits.
     `projection` makes the fused decoder's gate|up projection and `moe_kernel` its sparse layers'
@@ -52,7 +52,7 @@ def build(  # noqa: PLR0917
         return TransformersDecoder(decoder)
     reason = unsupported(decoder)
     if reason is None:
-        kernel = moe_kernel() if moe_kernel is not None and sparse(decoder) else moe.LOOP
+        kernel = moe_kernel() if moe_kernel is not None and sparse(decoder) else grouped_gemm.LOOP
         return FusedDecoder(
             decoder, attention, ops, mlp_chunk_tokens, projection, gemm=gemm, sums=sums, moe_kernel=kernel
         )

@@ -42,13 +42,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from service.engine.batch.device_routes import BatchRoutes, LayerRoutes
 from service.engine.batch.kv_store import KVContext
 from service.engine.batch.packing import PackedBatch
 from service.engine.contract import SHAPE_STEP
 from service.engine.decoder.base import DecoderKind, warm_rotary, zeros
+from service.engine.moe import dispatch, grouped_gemm, routing_rule
 from service.engine.moe import kernels as moe_ops
 from service.engine.moe import layer as moe
-from service.engine.moe.replay import BatchRoutes, LayerRoutes
 from service.engine.ops.attention import Kernel, Segments
 from service.engine.ops.elementwise import HeadNorms, Ops
 from service.engine.ops.gate_up import GatedProjection, split
@@ -155,11 +156,12 @@ class FusedDecoder:
         *,
         gemm: TokenGemms = ONE_CALL,
         sums: PartialSums = LOCAL,
-        moe_kernel: moe.MoeKernel = moe.LOOP,
+        moe_kernel: grouped_gemm.MoeKernel = grouped_gemm.LOOP,
     ) -> None:
         """gemm: how every GEMM over tokens runs (strategies/gemm.py: fixed-row calls in batch-invariant
         mode); sums: how the output and down projections add into the residual (strategies/sums.py: an
-        all-reduce under tensor parallel); moe_kernel: the sparse layers' grouped GEMM (moe/layer.py)."""
+        all-reduce under tensor parallel); moe_kernel: the sparse layers' grouped GEMM
+        (moe/grouped_gemm.py)."""
         reason = unsupported(decoder)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
@@ -175,16 +177,16 @@ class FusedDecoder:
         self.k_heads = int(config.num_key_value_heads)
         model_type = str(config.model_type)
         window = _WINDOW[model_type]
-        self.moe_kernel = moe.blocked(moe_kernel) if gemm.rows is not None else moe_kernel
+        self.moe_kernel = grouped_gemm.blocked(moe_kernel) if gemm.rows is not None else moe_kernel
         if isinstance(gemm, FixedTiles) and not self.moe_kernel.row_invariant and sparse(decoder):
             # one call over a micro-batch's tokens, of any count: only a row-invariant kernel keeps bits
             log.warning(
                 "batch_invariant: the experts' %s GEMMs are not row-invariant; they run one expert at a "
                 "time in calls of %d rows",
                 self.moe_kernel.name,
-                moe.EXPERT_ROWS,
+                grouped_gemm.EXPERT_ROWS,
             )
-            self.moe_kernel = moe.blocked(moe.LOOP)
+            self.moe_kernel = grouped_gemm.blocked(grouped_gemm.LOOP)
         self._concats: list[_Concat] = []  # every concatenation, for refresh
         self.layers = [
             _Layer(
@@ -216,7 +218,7 @@ class FusedDecoder:
     def _mlp(self, mlp: Any, model_type: str) -> _Dense | moe.SparseMoe:
         if not hasattr(mlp, "experts"):
             return _Dense(self._concat(mlp.gate_proj, mlp.up_proj), mlp.down_proj)
-        rule = moe.routing(model_type, self.decoder.config)
+        rule = routing_rule.routing(model_type, self.decoder.config)
         assert rule is not None
         shared = None
         if getattr(mlp, "shared_expert", None) is not None:
@@ -236,7 +238,7 @@ class FusedDecoder:
             self.ops.swiglu,
             shared,
             moe_ops.combine_kernel if kernels else moe_ops.combine_torch,
-            moe.plan_kernel if kernels else moe.plan,
+            dispatch.plan_kernel if kernels else dispatch.plan,
             gemm=self.gemm,
         )
 
@@ -292,8 +294,8 @@ class FusedDecoder:
         output projection and MLP run on the read rows, whose count is padded like the tokens'. A
         sparse layer runs its router and grouped expert GEMMs on zeros (every token routed alike):
         the grouped GEMM takes the per-expert row counts on the device, and the host, which picks
-        its kernel, sees only the total rows (rows · k) and the weights' shape (moe/layer.py), so one call
-        per row count meets every routing a micro-batch of that size can have."""
+        its kernel, sees only the total rows (rows · k) and the weights' shape (moe/grouped_gemm.py), so
+        one call per row count meets every routing a micro-batch of that size can have."""
         embed = self.decoder.embed_tokens.weight
         warm_rotary(self.decoder, zeros(embed, rows, embed.shape[1]))
         seen = set()
@@ -468,7 +470,7 @@ def unsupported(decoder: Any) -> str | None:
 def _mlp_unsupported(mlp: Any, model_type: str, config: Any) -> str | None:
     """Why a layer's MLP is neither a plain SwiGLU MLP nor a sparse block moe/layer.py computes."""
     if hasattr(mlp, "experts"):
-        if model_type not in moe.MOE_TYPES:
+        if model_type not in routing_rule.MOE_TYPES:
             return f"a mixture-of-experts block in a {model_type} model"
         return moe.unsupported(mlp, model_type, config)
     dense: list[Any] = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]

@@ -1,4 +1,4 @@
-"""The static MoE routes that CUDA graphs of a routed micro-batch read and write (moe/replay.py).
+"""The static MoE routes that CUDA graphs of a routed micro-batch read and write (batch/device_routes.py).
 
 A graph that records (R2) or replays (R3) routes holds the routing kernel's pointers to these buffers,
 sized for the largest micro-batch: a replay copies the batch's given ids and coverage in, and after
@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from service.engine.moe.replay import BatchRoutes
+from service.engine.batch.device_routes import BatchRoutes
 
 RouteMode = Literal["live", "record", "replay"]
 

@@ -30,7 +30,7 @@ Shared prefixes. A micro-batch whose segments attend to prefixes other segments 
 batch's KVContext without a store: GRPO groups, multi-turn traffic) gathers each layer's keys and
 values by its `key_index`. Its graphs (the key's `keys`) read that index, its length K and the key
 boundaries from static buffers too: the index holds KEYS_PER_TOKEN x the token capacity rows, of
-which the gather (ops/key_gather.py) reads the first K, and attention is given that many keys (rows
+which the gather (batch/key_gather.py) reads the first K, and attention is given that many keys (rows
 past K unread) and, with a total-bounded kernel, the index's size as the longest key segment. A
 micro-batch of more keys, or with a chunk's cached context, runs eagerly. Where one graph serves each
 N, the shared graphs are captured at start beside the others, after a check on the probe with each

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
+from service.engine.batch.device_routes import BatchRoutes
 from service.engine.batch.packing import PackedBatch
 from service.engine.decoder.base import DecoderKind, warm_rotary, zeros
-from service.engine.moe import layer as moe
-from service.engine.moe.replay import BatchRoutes, RouterHook
+from service.engine.moe import routing_rule
+from service.engine.moe.replay import RouterHook
 from service.engine.ops.attention import KERNEL_KWARG, Kernel
 
 
@@ -45,7 +46,7 @@ class TransformersDecoder:
             yield
             return
         blocks = [layer.mlp for layer in self.decoder.layers if hasattr(layer.mlp, "experts")]
-        rule = moe.routing(str(self.decoder.config.model_type), self.decoder.config)
+        rule = routing_rule.routing(str(self.decoder.config.model_type), self.decoder.config)
         if not blocks or rule is None:
             raise ValueError(
                 f"routes given or asked for, but {type(self.decoder).__name__} has no mixture-of-experts "

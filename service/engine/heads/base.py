@@ -6,8 +6,9 @@ action rows returns (ActionScores), and the one `score_actions` signature its im
 
 Boundary: hidden [A, H] (the final hidden state before each action) and targets [A] in; float32
 log-probs [A] (and entropy [A]) under softmax(g(z) / T) out; never a [A, V] tensor at once. Rows may
-ask more of the same distribution (Extras: the top K, candidates' log-probs, the sampler's processed
-log-prob, a seeded draw; heads/extras.py computes them from the chunk of logits the head holds).
+ask more of the same distribution (batch/asks.py's Extras: the top K, candidates' log-probs, the
+sampler's processed log-prob, a seeded draw; heads/extras.py computes them from the chunk of logits the
+head holds).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
+
+from service.engine.batch.asks import Extras
 
 
 @dataclass(frozen=True, slots=True)
 class LogitTransform:
-    """g in SEMANTICS.md: what a model's own forward applies to its final logits.
+    """g in docs/semantics.md: what a model's own forward applies to its final logits.
 
     scale:   multiply (Cohere `logit_scale`; Granite's `1 / logits_scaling`)
     softcap: tanh soft-capping (Gemma2/3 `final_logit_softcapping`)
@@ -50,72 +52,6 @@ class LogitTransform:
         if self.softcap is not None:
             logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
-
-
-@dataclass(frozen=True, slots=True)
-class Extras:
-    """What R of the A action rows ask beyond their log-prob (docs/semantics.md, 'Beyond the log-prob').
-
-    Every asking row gets every field asked by any of them (one micro-batch's union); the engine
-    hands each job only what it asked. Device tensors are [R] per asking row, in row order.
-
-    rows:        [R] host int64, sorted: the asking rows' indices in [0, A)
-    index:       [R] the same on the device
-    top:         K of the top list (0: none)
-    candidates:  [R, C] token ids (a job's shorter lists padded with 0); None: none asked
-    top_k, top_p, min_p: [R] the sampler of each row (0 / 1 / 0: off); None: no processed log-probs
-    seeds, positions: [R] int64 seed and position in the sequence of each draw; None: no draw
-    drawing:     host int64 indices into the R rows of those whose job draws (the others' seeds are
-                 the union's filler); None: every row with a seed draws
-    """
-
-    rows: np.ndarray
-    index: torch.Tensor
-    top: int = 0
-    candidates: torch.Tensor | None = None
-    top_k: torch.Tensor | None = None
-    top_p: torch.Tensor | None = None
-    min_p: torch.Tensor | None = None
-    seeds: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-    drawing: np.ndarray | None = None
-    most_top_k: int = 0  # host: the largest top_k of the rows (0: no row truncates by rank)
-    least_top_k: int = 0  # host: the smallest top_k of the rows (0: some row does not truncate by rank)
-    any_top_p: bool = False  # host: some row's top_p is below 1
-
-    def part(self, lo: int, hi: int) -> Extras:
-        """Asking rows [lo, hi) of these."""
-
-        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[lo:hi]
-
-        return Extras(
-            rows=self.rows[lo:hi],
-            index=self.index[lo:hi],
-            top=self.top,
-            candidates=cut(self.candidates),
-            top_k=cut(self.top_k),
-            top_p=cut(self.top_p),
-            min_p=cut(self.min_p),
-            seeds=cut(self.seeds),
-            positions=cut(self.positions),
-            drawing=None if self.drawing is None else self.drawn_rows(lo, hi) - lo,
-            most_top_k=self.most_top_k,
-            least_top_k=self.least_top_k,
-            any_top_p=self.any_top_p,
-        )
-
-    def drawn_rows(self, lo: int, hi: int) -> np.ndarray:
-        """The rows among [lo, hi) of the R that draw (host int64, into the R): `drawing`'s, or every
-        row where only `seeds` is given; none without a draw."""
-        if self.drawing is not None:
-            return self.drawing[(self.drawing >= lo) & (self.drawing < hi)]
-        return np.arange(lo, hi) if self.seeds is not None else np.zeros(0, dtype=np.int64)
-
-    def span(self, start: int, end: int) -> tuple[int, int]:
-        """[lo, hi): the asking rows among action rows [start, end), as indices into the R rows."""
-        lo, hi = np.searchsorted(self.rows, [start, end])
-        return int(lo), int(hi)
 
 
 @dataclass(frozen=True, slots=True)

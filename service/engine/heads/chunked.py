@@ -25,10 +25,11 @@ import dataclasses
 import numpy as np
 import torch
 
+from service.engine.batch.asks import Extras
 from service.engine.heads import extras as extra
 from service.engine.heads import extras_radix
 from service.engine.heads import fused_kernel as fused_head
-from service.engine.heads.base import ActionScores, Extras, ExtraScores, LogitTransform
+from service.engine.heads.base import ActionScores, ExtraScores, LogitTransform
 from service.engine.runtime import triton_jit
 from service.engine.runtime.copies import to_device
 

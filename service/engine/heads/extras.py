@@ -25,7 +25,8 @@ from typing import Protocol
 
 import torch
 
-from service.engine.heads.base import Extras, ExtraScores
+from service.engine.batch.asks import Extras
+from service.engine.heads.base import ExtraScores
 from service.engine.parallel.sharding import Shard
 
 LOW = 1 << 32

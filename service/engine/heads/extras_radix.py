@@ -42,9 +42,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from service.engine.batch.asks import Extras
 from service.engine.heads import extras as extra
 from service.engine.heads import topk_kernel
-from service.engine.heads.base import Extras, ExtraScores
+from service.engine.heads.base import ExtraScores
 from service.engine.runtime import triton_jit
 from service.engine.runtime.copies import to_device
 

@@ -1,8 +1,8 @@
-"""The vocabulary-parallel embedding and head: each rank holds rows [start, end) of the vocabulary.
+"""The head's scores from a vocabulary-parallel lm_head (parallel/vocab_layers.py's VocabParallelHead):
+each rank holds rows [start, end) of the vocabulary, and the head never gathers logits.
 
-The head never gathers logits. Per chunk of action rows each rank computes its [c, V/N] logits
-z (float32, after the logit transform and 1 / T) and three statistics per row, relative to the
-row's global max m (one all-reduce MAX):
+Per chunk of action rows each rank computes its [c, V/N] logits z (float32, after the logit transform
+and 1 / T) and three statistics per row, relative to the row's global max m (one all-reduce MAX):
 
     s = Σ exp(z - m)              t = Σ exp(z - m)·(z - m)          x = z[target] (0 off this rank)
 
@@ -18,58 +18,12 @@ of the ranks: the top K merged from every rank's top K, sums and maxima all-redu
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 
+from service.engine.batch.asks import Extras
 from service.engine.heads import extras as extra
-from service.engine.heads.base import ActionScores, Extras, ExtraScores, LogitTransform
-from service.engine.parallel.sharding import Shard
-
-
-class VocabParallelEmbedding(torch.nn.Embedding):
-    """nn.Embedding of this rank's vocabulary rows; a forward sums every rank's lookups."""
-
-    def __init__(self, weight: torch.nn.Parameter, start: int, vocab_size: int, shard: Shard) -> None:
-        super().__init__(weight.shape[0], weight.shape[1], device="meta")
-        self.weight = weight  # the same Parameter: a tied head keeps sharing it
-        self.start, self.end, self.vocab_size, self.shard = start, start + weight.shape[0], vocab_size, shard
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [...] -> [..., H]: the rows this rank holds, zeros elsewhere, all-reduced."""
-        local = ids - self.start
-        outside = (ids < self.start) | (ids >= self.end)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        x.masked_fill_(outside[..., None], 0)
-        self.shard.all_reduce_(x)
-        return x
-
-
-class VocabParallelHead(torch.nn.Linear):
-    """The lm_head's rows [start, end) of the vocabulary: a forward gives this rank's logits only."""
-
-    def __init__(self, weight: torch.nn.Parameter, start: int, vocab_size: int, shard: Shard) -> None:
-        super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        self.weight = weight
-        self.start, self.vocab_size, self.shard = start, vocab_size, shard
-
-
-def install(model: Any, start: int, vocab_size: int, shard: Shard) -> None:
-    """Swap the model's embedding and lm_head (when it has one) for their vocabulary-parallel twins,
-    on the same parameters (tied ones stay tied)."""
-    embed = model.get_input_embeddings()
-    model.set_input_embeddings(VocabParallelEmbedding(embed.weight, start, vocab_size, shard))
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None:
-        model.set_output_embeddings(VocabParallelHead(head.weight, start, vocab_size, shard))
-
-
-def full_rows(module: Any) -> int:
-    """Rows of the whole vocabulary of an embedding or a head, sharded or not."""
-    if isinstance(module, VocabParallelEmbedding | VocabParallelHead):
-        return module.vocab_size
-    return int(module.num_embeddings if isinstance(module, torch.nn.Embedding) else module.out_features)
+from service.engine.heads.base import ActionScores, ExtraScores, LogitTransform
+from service.engine.parallel.vocab_layers import VocabParallelHead
 
 
 def score_actions(

@@ -1,4 +1,5 @@
-"""Reading safetensors checkpoints: a model directory (one file or shards with an index) or one file."""
+"""Reading safetensors checkpoints: a model directory (one file or shards with an index) or one file;
+whole tensors, or the slices a tensor-parallel rank holds (`sliced`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+
+# tensor files (tensor_files) and the names wanted -> those tensors, on the host
+Read = Callable[[dict[str, Path], set[str]], dict[str, torch.Tensor]]
+# a tensor's name -> (dim, start, end): the slice [start, end) along dim 0 or 1 to read; None: whole
+Part = Callable[[str], tuple[int, int, int] | None]
 
 
 def tensor_files(path: Path) -> dict[str, Path]:
@@ -38,7 +44,7 @@ def read_all(
     files: dict[str, Path], names: set[str], read: Callable[[Any, str], torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
     """The named tensors, on the host, opening each file once; `read(opened file, name)` reads one
-    (default: whole; parallel/sharding.py reads a rank's slice)."""
+    (default: whole; `sliced` reads a rank's slice)."""
     by_file: dict[Path, list[str]] = {}
     for name in sorted(names):
         by_file.setdefault(files[name], []).append(name)
@@ -48,3 +54,24 @@ def read_all(
             for name in wanted:
                 tensors[name] = f.get_tensor(name) if read is None else read(f, name)
     return tensors
+
+
+def sliced(part: Part) -> Read:
+    """A Read of the slice `part` names of each tensor (a tensor-parallel rank's:
+    parallel/sharding.py's Layout.part), or of the whole tensor where it names none; only the slices'
+    bytes are read (`safe_open(...).get_slice`)."""
+
+    def one(opened: Any, name: str) -> torch.Tensor:
+        where = part(name)
+        if where is None:
+            whole: torch.Tensor = opened.get_tensor(name)
+            return whole
+        dim, start, end = where
+        view = opened.get_slice(name)
+        piece: torch.Tensor = view[start:end] if dim == 0 else view[:, start:end]
+        return piece
+
+    def read(files: dict[str, Path], names: set[str]) -> dict[str, torch.Tensor]:
+        return read_all(files, names, one)
+
+    return read

@@ -6,7 +6,7 @@
 - verl / Hugging Face `AutoModelForTokenClassification` with num_labels=1: head `score`, with bias.
 - TRL `AutoModelForCausalLMWithValueHead`: `v_head.summary.weight` / `.bias` beside the causal-LM weights.
 
-value[t] = head(h_{t-1}) on the critic's final hidden state, in float32 (SEMANTICS.md).
+value[t] = head(h_{t-1}) on the critic's final hidden state, in float32 (docs/semantics.md).
 """
 
 from __future__ import annotations

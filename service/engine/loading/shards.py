@@ -1,9 +1,10 @@
 """Load one tensor-parallel rank's part of each model: built at its shard's sizes, never whole.
 
 Each model is built from `Layout.config` (its heads, MLP columns and vocabulary rows) without
-initialising its weights, its embedding and head swapped for the vocabulary-parallel twins, and its
-tensors read from the checkpoint one slice at a time (weights.load with Layout.read). Only what the
-fused decoder runs can be sharded: `refusal` says why a checkpoint cannot.
+initialising its weights, its embedding and head swapped for the vocabulary-parallel ones
+(parallel/vocab_layers.py), and its tensors read from the checkpoint one slice at a time (weights.load
+with checkpoint.sliced). Which checkpoints can be sharded is checked before any rank loads
+(tensor_parallel/replica.py); here only what the ranks cannot divide is refused.
 """
 
 from __future__ import annotations
@@ -15,33 +16,14 @@ from typing import Any
 
 import torch
 
-from service.engine.decoder.fused import SUPPORTED
-from service.engine.heads import vocab_parallel
 from service.engine.loading import staging as weights
+from service.engine.loading.checkpoint import sliced
 from service.engine.loading.critic import Critic, read_value_head
-from service.engine.loading.pretrained import LoadedModel, prepare, require_model_dir, text_config, text_part
+from service.engine.loading.pretrained import LoadedModel, prepare, require_model_dir, text_config
+from service.engine.parallel import vocab_layers
 from service.engine.parallel.sharding import Layout, Shard
 
 log = logging.getLogger(__name__)
-
-
-def refusal(config: Any, world: int) -> str | None:
-    """Why a model of `config` cannot run over `world` ranks; None when it can."""
-    if text_part(config) is not config:
-        return "a multimodal checkpoint (tensor parallel shards text-only causal LMs)"
-    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
-        return "a mixture-of-experts model (tensor parallel shards dense layers; experts are not split yet)"
-    model_type = str(getattr(config, "model_type", None))
-    if model_type not in SUPPORTED:
-        return (
-            f"model_type {model_type!r}: tensor parallel runs logprobd's fused decoder, which runs "
-            f"{', '.join(SUPPORTED)} only"
-        )
-    try:
-        Layout.of(config, Shard(0, world))
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,17 +45,17 @@ def _build(auto_class: Any, config: Any, layout: Layout, place: Placement) -> An
             layout.config(config), dtype=place.dtype, attn_implementation=place.attn
         )
     model.tie_weights()  # no_init_weights leaves a tied head untied
-    vocab_parallel.install(model, layout.vocab[0], layout.vocab_size, place.shard)
+    vocab_layers.install(model, layout.vocab[0], layout.vocab_size, place.shard)
     return prepare(model, place.device)
 
 
 def _layout(path: Path, role: str, shard: Shard) -> tuple[Layout, Any]:
     require_model_dir(path, role)
     config = text_config(path)
-    reason = refusal(config, shard.world)
-    if reason is not None:
-        raise ValueError(f"{role} {path}: cannot run tensor parallel: {reason}")
-    return Layout.of(config, shard), config
+    try:
+        return Layout.of(config, shard), config
+    except ValueError as exc:
+        raise ValueError(f"{role} {path}: cannot run tensor parallel: {exc}") from exc
 
 
 def load_causal_lm(
@@ -84,7 +66,7 @@ def load_causal_lm(
 
     layout, config = _layout(path, role, place.shard)
     model = _build(AutoModelForCausalLM, config, layout, place)
-    weights.load(path, model, read=layout.read)
+    weights.load(path, model, read=sliced(layout.part))
     log.info(
         "rank %d of %d: loaded its shard of the %s from %s", place.shard.rank, place.shard.world, role, path
     )
@@ -100,6 +82,6 @@ def load_critic(path: Path, place: Placement) -> tuple[Critic, Layout, Any]:
     decoder = _build(AutoModel, config, layout, place)
     prefix = f"{decoder.base_model_prefix}."
     weights.load(
-        path, decoder, prefix=prefix, allow_extra=lambda n: not n.startswith(prefix), read=layout.read
+        path, decoder, prefix=prefix, allow_extra=lambda n: not n.startswith(prefix), read=sliced(layout.part)
     )
     return Critic(decoder, head), layout, config

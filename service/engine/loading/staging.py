@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from service.engine.contract import ReloadMode, ReloadOrder, Target, WeightsRejected
-from service.engine.loading.checkpoint import read_all, tensor_files
+from service.engine.loading.checkpoint import Read, read_all, tensor_files
 from service.engine.loading.names import WHOLE, Names, Piece
 from service.engine.loading.names import of as names_of
 from service.engine.loading.pretrained import text_config
@@ -56,8 +56,6 @@ STRUCTURAL = (
     "logits_scaling",
 )
 _GIB = 1 << 30
-# checkpoint files, tensor names -> their values on the host
-Read = Callable[[dict[str, Path], set[str]], dict[str, torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -110,7 +108,7 @@ def stage(
     """Read `order.path` into new values for every parameter of `module` and place them for
     `order.mode` ("copy" or "swap"; choose with `choose_mode` first). Checkpoint names are mapped
     onto the module's tensors by loading/names.py (`prefix`: a critic's backbone saved under
-    "model."). `read`: the tensors' values as the module holds them (sharding.Layout.read: a
+    "model."). `read`: the tensors' values as the module holds them (checkpoint.sliced: a
     tensor-parallel rank's slices)."""
     if not order.path.exists():
         raise WeightsRejected(f"{order.path}: no such file or directory")

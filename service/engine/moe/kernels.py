@@ -1,8 +1,8 @@
 """The steps of a sparse MoE layer around its grouped GEMMs, as Triton kernels with torch twins.
 
-Routing (`route_kernel`, `group_kernel`; the twin is moe.plan's torch ops), T tokens, E experts:
+Routing (`route_kernel`, `group_kernel`; the twin is dispatch.plan's torch ops), T tokens, E experts:
 
-    p = softmax(logits [T, E] in float32)         as the architecture's router (moe.Routing)
+    p = softmax(logits [T, E] in float32)         as the architecture's router (routing_rule.Routing)
     w, e = top-k of p                             [T, k], descending; a tie goes to the lower expert id
     w = w / Σ w (normalise), rounded (round_weights)
     slots grouped by expert, in slot order within one: a counting sort (per block of tokens, each
@@ -34,27 +34,35 @@ them, so within an expert's group (tokens ascending) the filler is its last rows
 `first` is the row of the whole micro-batch where this call's h starts. The kernel reads only the last
 `tail` rows of each group (a bound on the filler tokens), one program per expert.
 
-Replaying and recording (route_kernel given a layer's LayerRoutes, moe/replay.py): in the same pass, a
+Replaying and recording (route_kernel given a layer's LayerRoutes, replay.py): in the same pass, a
 covered token takes its given ids in their slot order, weighted by p gathered at them (normalised,
 rounded, as the top-k's); the others keep the top-k. The grouping then reads the ids taken, so the
 experts run exactly as live. The kernel writes the ids taken into `used`, the top-k into `live` and
 |given ∩ top-k| into `matches` (int8, one per token): the route agreement, counted while both sets
 are in registers.
+
+Boundary: what layer.py and dispatch.py call, each typed: route_kernel -> Routed, group_kernel, and
+the Combine and Count pairs (kernel, torch twin); the Triton programs themselves stay private.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from service.engine.batch.device_routes import LayerRoutes
 from service.engine.runtime import triton_jit
 
-if TYPE_CHECKING:
-    from service.engine.moe.replay import LayerRoutes
-
 tl: Any = None  # triton.language, bound by triton_jit.jit
+
+# x [T, H] += Σ_j y[slots[:, j]] · w[:, j] (+ extra [T, H]), in place: combine_torch or combine_kernel
+Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None]
+# rows [S] int32, offsets [E+1] int32, real [1] int32, first, counts [E] int32 (added to), tail:
+# count_torch or count_kernel
+Count = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, int], None]
 
 
 def combine_torch(
@@ -137,7 +145,7 @@ def _combine(  # noqa: PLR0917 (a Triton kernel takes its arguments positionally
     tl.store(target, (x + out).to(dtype), mask=mask)
 
 
-def count_torch(  # noqa: PLR0917 (the Count signature moe.SparseMoe calls)
+def count_torch(  # noqa: PLR0917 (the Count signature layer.SparseMoe calls)
     rows: torch.Tensor, offsets: torch.Tensor, real: torch.Tensor, first: int, counts: torch.Tensor, tail: int
 ) -> None:
     """counts [E] += the real tokens among each expert's grouped rows (see the module), in place;
@@ -148,7 +156,7 @@ def count_torch(  # noqa: PLR0917 (the Count signature moe.SparseMoe calls)
     counts.add_((running[offsets[1:].long()] - running[offsets[:-1].long()]).to(counts.dtype))
 
 
-def count_kernel(  # noqa: PLR0917 (the Count signature moe.SparseMoe calls)
+def count_kernel(  # noqa: PLR0917 (the Count signature layer.SparseMoe calls)
     rows: torch.Tensor, offsets: torch.Tensor, real: torch.Tensor, first: int, counts: torch.Tensor, tail: int
 ) -> None:
     """count_torch in one Triton kernel, given that fewer than `tail` (a power of 2) rows of h are filler."""

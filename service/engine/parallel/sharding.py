@@ -13,22 +13,19 @@ Megatron's layout over the fused decoder's GEMMs (decoder/fused.py), for N ranks
                      (heads/vocab_parallel.py); the [rows, V] logits are never gathered
     the rest         replicated: norms, Qwen3's per-head q/k norms, rotary tables, a critic's value head
 
-A rank builds its model from a config of its shard's sizes (`Layout.config`) and reads its slices of
-each tensor from the safetensors files (`Layout.read`: `safe_open(...).get_slice`), so no rank holds a
-whole tensor it does not serve.
+A rank builds its model from a config of its shard's sizes (`Layout.config`) and reads only its slice
+of each tensor (`Layout.part`; loading/checkpoint.py's `sliced` reads it), so no rank holds a whole
+tensor it does not serve.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from service.engine.loading.checkpoint import read_all
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,20 +132,15 @@ class Layout:
                 return dim, start, end
         return None
 
-    def read(self, files: dict[str, Path], names: set[str]) -> dict[str, torch.Tensor]:
-        """This rank's slices of the named tensors, on the host (only the slices' bytes are read)."""
-
-        def one(opened: Any, name: str) -> torch.Tensor:
-            part = self.part(name)
-            if part is None:
-                whole: torch.Tensor = opened.get_tensor(name)
-                return whole
-            dim, start, end = part
-            view = opened.get_slice(name)
-            sliced: torch.Tensor = view[start:end] if dim == 0 else view[:, start:end]
-            return sliced
-
-        return read_all(files, names, one)
+    def whole(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The whole checkpoint tensor `name`'s shape, from the shape of this rank's slice of it."""
+        part = self.part(name)
+        if part is None:
+            return shape
+        dim, start, end = part
+        vocab = name.endswith(("embed_tokens.weight", "lm_head.weight"))
+        total = self.vocab_size if vocab else (end - start) * self.world  # the other parts are even
+        return (*shape[:dim], total, *shape[dim + 1 :])
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,15 +28,16 @@ from service.engine.contract import (
 from service.engine.decoder import graphs
 from service.engine.decoder.base import Decoder
 from service.engine.decoder.mlp_chunks import chunk_mlps, resolve_tokens
-from service.engine.heads import quack_head, vocab_parallel
+from service.engine.heads import quack_head
 from service.engine.loading.critic import Critic
 from service.engine.loading.pretrained import LoadedModel, text_part
-from service.engine.moe import layer as moe
+from service.engine.moe import grouped_gemm, routing_rule, transformers_blocks
 from service.engine.ops import fixed_tile
 from service.engine.ops import gate_up as gated
 from service.engine.ops.attention import AttentionBackend
 from service.engine.ops.elementwise import Ops
 from service.engine.ops.liger import apply_fused_kernels
+from service.engine.parallel import vocab_layers
 from service.engine.parallel.sharding import Sharded
 from service.engine.scorer.memory import longest, max_positions
 from service.engine.scorer.models import CausalLM, Served
@@ -73,8 +74,8 @@ def prepare(  # noqa: PLR0917
     def projection() -> gated.GatedProjection:  # chosen (and probed) only for a fused decoder
         return gated.choose(mlp_kernel, device, dtype, ops.swiglu)
 
-    def moe_kernel() -> moe.MoeKernel:  # chosen (and probed) only for a fused decoder with experts
-        return moe.choose(config.moe_kernel, device, dtype)
+    def moe_kernel() -> grouped_gemm.MoeKernel:  # chosen (and probed) only for a fused decoder with experts
+        return grouped_gemm.choose(config.moe_kernel, device, dtype)
 
     chunk = gemm.whole_calls(chunk)
     forward = decoder.build(
@@ -95,7 +96,7 @@ def prepare(  # noqa: PLR0917
     chunk_mlps(model, chunk)  # after the kernels: wraps their MLP
     gemm.patch(base)
     if isinstance(gemm, FixedRows):
-        moe.block_sparse(base, gemm.rows)
+        transformers_blocks.block_sparse(base, gemm.rows)
     return forward, kernels
 
 
@@ -131,9 +132,9 @@ def moe_kernel_name(forward: Decoder) -> str:
 
 def moe_shape(base: Any) -> MoeShape | None:
     """The sparse layers of a decoder (transformers' modules) as routes address them; None where it has
-    none, or routes them by a rule logprobd does not know (moe.routing)."""
+    none, or routes them by a rule logprobd does not know (routing_rule.routing)."""
     config = base.config
-    rule = moe.routing(str(getattr(config, "model_type", "")), config)
+    rule = routing_rule.routing(str(getattr(config, "model_type", "")), config)
     blocks = [layer.mlp for layer in getattr(base, "layers", []) if hasattr(layer.mlp, "experts")]
     if rule is None or not blocks:
         return None
@@ -250,7 +251,7 @@ def describe(  # noqa: PLR0917
     """What /info reports of the built engine (the longest sequence before memory is measured)."""
     vocab = served.policy.vocab_size
     if served.critic is not None:
-        vocab = min(vocab, vocab_parallel.full_rows(served.critic.decoder.get_input_embeddings()))
+        vocab = min(vocab, vocab_layers.full_rows(served.critic.decoder.get_input_embeddings()))
     models = [model_info("policy", loaded.name, loaded.model)]
     if reference is not None:
         models.append(model_info("reference", reference.name, reference.model))

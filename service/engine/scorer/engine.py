@@ -131,7 +131,13 @@ class PackedScorer:
         """The engine's side of weight pushes (transfer/receiver.py), made at its first use."""
         if self._receiver is None:
             rank = self._sharded.shard.rank if self._sharded is not None else 0
-            self._receiver = PushReceiver(self._served, self._device, lambda: self._weights, rank)
+            self._receiver = PushReceiver(
+                self._served.module,
+                lambda target: weight_update.push_names(self._served, target, self._sharded),
+                self._device,
+                lambda: self._weights,
+                rank,
+            )
         return self._receiver
 
     def join_group(self, group: WeightGroup) -> None:

@@ -16,10 +16,11 @@ import numpy as np
 import torch
 
 from service.core.jobs import FloatArray, IntArray, SequenceJob, SequenceScores, route_dtype
+from service.engine.batch.asks import Extras
 from service.engine.batch.packing import PackedBatch
 from service.engine.batch.route_buffers import TORCH_DTYPES, RecordedRoutes
 from service.engine.contract import MoeShape
-from service.engine.heads.base import Extras, ExtraScores
+from service.engine.heads.base import ExtraScores
 
 # the host copy's top ids: ExtraScores' int64 narrowed on the device (any vocabulary fits), so the
 # copy moves half the bytes and the answer's frame takes them as they are (its i4)
@@ -195,7 +196,7 @@ def host_counts(counts: torch.Tensor | None) -> torch.Tensor | None:
 def host_routes(
     batch: PackedBatch, jobs: Sequence[SequenceJob], shape: MoeShape | None
 ) -> RecordedRoutes | None:
-    """Host copies of what the policy's forward over `batch` recorded (moe/replay.py), queued on the
+    """Host copies of what the policy's forward over `batch` recorded (batch/device_routes.py), queued on the
     stream: the experts used, in the narrowest dtype, where a sequence asked for them; each row's
     agreement counts where one gave routes."""
     routes, rows = batch.routes, batch.route_rows

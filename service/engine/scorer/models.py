@@ -21,6 +21,7 @@ from service.engine.heads.base import ActionScores, LogitTransform, ScoreActions
 from service.engine.heads.chunked import row_multiplier, score_actions
 from service.engine.heads.quack_head import QuackHead
 from service.engine.loading.critic import Critic
+from service.engine.parallel import vocab_layers
 from service.engine.strategies.gemm import TokenGemms
 
 
@@ -37,9 +38,9 @@ class CausalLM:
         self.transform = LogitTransform.from_config(model.config)
         self.chunk_rows = chunk_rows
         self.vocab_size = min(
-            vocab_parallel.full_rows(model.get_input_embeddings()), vocab_parallel.full_rows(self.lm_head)
+            vocab_layers.full_rows(model.get_input_embeddings()), vocab_layers.full_rows(self.lm_head)
         )
-        sharded = isinstance(self.lm_head, vocab_parallel.VocabParallelHead)
+        sharded = isinstance(self.lm_head, vocab_layers.VocabParallelHead)
         self.score: ScoreActions = vocab_parallel.score_actions if sharded else score_actions
         self.fused_head = None if sharded else fused_head
 

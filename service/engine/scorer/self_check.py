@@ -18,6 +18,7 @@ from service.core.jobs import SequenceJob
 from service.engine import decoder
 from service.engine.batch.packing import PackedBatch, pack
 from service.engine.decoder.base import Decoder
+from service.engine.moe import dispatch
 from service.engine.moe import layer as moe
 from service.engine.scorer.build import fused_of
 from service.engine.scorer.models import CausalLM
@@ -158,7 +159,7 @@ def _pinned_forward(  # noqa: PLR0917
                 f"{role}: sparse layer {i}: transformers' router chose {tuple(route.shape)} expert ids "
                 f"where the fused decoder routes {batch.num_tokens} tokens to {layer.routing.top_k} each"
             )
-        layer.pinned = moe.Pin(route)
+        layer.pinned = dispatch.Pin(route)
     try:
         ours = fused(batch, every)
     finally:

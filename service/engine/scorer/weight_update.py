@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,12 +16,15 @@ import torch
 from service.engine.contract import (
     ReloadOrder,
     StagedWeights,
+    Target,
     WeightsRejected,
     WeightsState,
 )
 from service.engine.loading import staging as weights
-from service.engine.loading.checkpoint import read_all
+from service.engine.loading.checkpoint import Read, read_all, sliced
 from service.engine.loading.critic import Critic, read_value_head
+from service.engine.loading.names import Names
+from service.engine.loading.names import of as names_of
 from service.engine.loading.pretrained import text_part
 from service.engine.parallel.sharding import Sharded
 from service.engine.scorer.models import Served
@@ -43,9 +44,9 @@ def stage(served: Served, order: ReloadOrder, device: torch.device, sharded: Sha
         except (OSError, ValueError) as exc:
             raise WeightsRejected(str(exc)) from exc
     config: Any = text_part(module.config)
-    read: Callable[[dict[str, Path], set[str]], dict[str, torch.Tensor]] = read_all
+    read: Read = read_all
     if sharded is not None:  # this rank's slices, checked against the whole model's config
-        config, read = sharded.configs[order.target], sharded.layouts[order.target].read
+        config, read = sharded.configs[order.target], sliced(sharded.layouts[order.target].part)
     weights.check_config(order.path, config)
     mode = weights.choose_mode(order.mode, weights.module_bytes(module), device)
     return weights.stage(
@@ -71,3 +72,16 @@ def apply(served: Served, staged: StagedWeights, previous: WeightsState) -> Weig
         assert served.critic is not None
         served.critic = Critic(served.critic.decoder, staged.extra)
     return WeightsState(target, staged.version, staged.source, staged.mode, time.time(), previous.reloads + 1)
+
+
+def push_names(served: Served, target: Target, sharded: Sharded | None) -> Names:
+    """The checkpoint names `target`'s pushed tensors take (loading/names.py): a critic's with its
+    value head's; under tensor parallel, each with this rank's slice of it."""
+    module = served.module(target)
+    layout = sharded.layouts[target] if sharded is not None else None
+    slicing: dict[str, Any] = {"slicer": layout.part, "whole": layout.whole} if layout is not None else {}
+    if target != "critic":
+        return names_of(module, **slicing)
+    assert served.critic is not None
+    prefix = f"{module.base_model_prefix}."
+    return names_of(module, prefix=prefix, extra=served.critic.head.tensors(), **slicing)

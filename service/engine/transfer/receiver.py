@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -33,8 +34,6 @@ from service.engine.contract import (
 )
 from service.engine.loading import staging
 from service.engine.loading.names import Names, Piece
-from service.engine.loading.names import of as names_of
-from service.engine.scorer.models import Served
 from service.engine.transfer import group as groups
 from service.engine.transfer.pending import Pending
 from service.engine.transfer.receive import Misaligned, Undrainable, entries, receive
@@ -49,22 +48,24 @@ _CRITIC_IGNORES = ("lm_head.",)
 
 
 class PushReceiver:
-    """One rank's groups and pending pushes. `rank`: this process's rank within its replica (tensor
-    parallel); it joins a group as rank_offset + rank. `weights`: what each model serves now."""
+    """One rank's groups and pending pushes. `modules(target)`: the module a target's weights are
+    (None: not served); `names(target)`: the checkpoint names it takes (loading/names.py); `weights`:
+    what each model serves now; `rank`: this process's rank within its replica (tensor parallel),
+    which joins a group as rank_offset + rank."""
 
     def __init__(
         self,
-        served: Served,
+        modules: Callable[[Target], Any],
+        names: Callable[[Target], Names],
         device: torch.device,
         weights: Callable[[], Mapping[str, WeightsState]],
         rank: int = 0,
-        names: Callable[[Target], Names] | None = None,
     ) -> None:
-        self._served = served
+        self._modules = modules
+        self._names = names
         self._device = device
         self._weights = weights
         self._rank = rank
-        self._names = names or self._whole_names
         self._groups: dict[str, groups.Joined] = {}
         self._pending: dict[Target, Pending] = {}
         self._lock = threading.Lock()
@@ -141,9 +142,16 @@ class PushReceiver:
         with self._lock:
             self._pending.pop(target, None)
 
+    def abort_group(self, name: str) -> None:
+        """Tear the group down without the trainer (another rank of the replica lost it)."""
+        with self._lock:
+            joined = self._groups.get(name)
+        if joined is not None:
+            self._break(joined)
+
     def _start(self, bucket: Bucket, joined: groups.Joined) -> Pending:
         """A new pending version for the bucket's target, staged by the bucket's mode."""
-        module = self._served.module(bucket.target)
+        module = self._modules(bucket.target)
         if module is None:
             raise PushRefused(f"this server has no {bucket.target} model")
         spec = joined.spec
@@ -206,13 +214,3 @@ class PushReceiver:
     def _drop_from(self, name: str) -> None:
         for target in [t for t, p in self._pending.items() if p.group == name]:
             del self._pending[target]
-
-    def _whole_names(self, target: Target) -> Names:
-        """The names of a whole (not sharded) model's tensors; a critic's with its value head's."""
-        module = self._served.module(target)
-        if target != "critic":
-            return names_of(module)
-        assert self._served.critic is not None
-        return names_of(
-            module, prefix=f"{module.base_model_prefix}.", extra=self._served.critic.head.tensors()
-        )

@@ -156,14 +156,14 @@ def test_cuda_routed_graphs_equal_the_eager_forward(name: str) -> None:
     """bf16, torch_varlen attention, Triton ops (route_kernel replays and records), the grouped GEMM
     `auto` picks: every mode's graphs against the same decoder run eagerly, the same records."""
     from service.engine.decoder import graphs
-    from service.engine.moe import layer as moe
+    from service.engine.moe import grouped_gemm
     from service.engine.ops.attention import choose_backend
     from service.engine.ops.elementwise import Ops
 
     device = torch.device("cuda")
     backend = choose_backend("torch_varlen", device)
     model = packed_model(name).to(device=device, dtype=torch.bfloat16)
-    kernel = moe.choose("auto", device, torch.bfloat16)
+    kernel = grouped_gemm.choose("auto", device, torch.bfloat16)
     ops = Ops.for_device(device, allow_triton=True)
     inner = FusedDecoder(model.base_model, backend.kernel, ops, 0, moe_kernel=kernel)
     decoder = GraphedDecoder(inner, graphs.CudaRecorder(device), 512, False, limit=16)

@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+from service.engine.batch.asks import Extras
 from service.engine.heads import chunked
-from service.engine.heads.base import Extras, ExtraScores, LogitTransform
+from service.engine.heads.base import ExtraScores, LogitTransform
 from service.engine.heads.chunked import score_actions
-from service.engine.heads.vocab_parallel import VocabParallelHead
 from service.engine.heads.vocab_parallel import score_actions as sharded_scores
 from service.engine.parallel import sharding
+from service.engine.parallel.vocab_layers import VocabParallelHead
 from tests import distribution as ref
-from tests.engine.heads.test_vocab_parallel import _run
+from tests.engine.parallel.thread_ranks import run_ranks
 
 VOCAB, HIDDEN = 60, 8
 # (top_k, top_p, min_p): off, each alone, combined, and the edges (k = 1, k = V, p = 1, min_p = 0)
@@ -164,7 +165,7 @@ def test_vocabulary_parallel_extras_equal_the_reference(world: int) -> None:
 
     with torch.no_grad():
         logits = head(hidden).double().numpy()
-    every = _run(world, rank)
+    every = run_ranks(world, rank)
     for got in every:
         _check(extras, got, logits, targets, t)
         assert got is not None

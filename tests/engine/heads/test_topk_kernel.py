@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from service.engine.batch.asks import Extras
 from service.engine.heads import chunked, extras_radix, topk_kernel
 from service.engine.heads import extras as extra
-from service.engine.heads.base import Extras, ExtraScores, LogitTransform
+from service.engine.heads.base import ExtraScores, LogitTransform
 from service.engine.heads.chunked import score_actions
 from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
 

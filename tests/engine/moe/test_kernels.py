@@ -1,5 +1,5 @@
 """The MoE layer's steps around its GEMMs (moe_ops). Combining: the torch twin against a per-token loop
-written here, the Triton kernel against the twin. Routing: moe.plan_kernel against moe.plan (torch's
+written here, the Triton kernel against the twin. Routing: dispatch.plan_kernel against dispatch.plan (torch's
 softmax, topk and stable sort). The kernels run on CPU in Triton's interpreter in float32, in a fresh
 process; on a GPU in bf16."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from service.engine.moe import dispatch, routing_rule
 from service.engine.moe import kernels as moe_ops
-from service.engine.moe import layer as moe
 from service.engine.runtime import triton_jit
 from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
 
@@ -115,7 +115,7 @@ def distinct_logits(t: int, experts: int, seed: int, device: str = "cpu") -> tor
     return rows.to(device)
 
 
-def assert_same_plan(got: moe.Plan, want: moe.Plan) -> None:
+def assert_same_plan(got: dispatch.Plan, want: dispatch.Plan) -> None:
     assert torch.equal(got.rows, want.rows)
     assert torch.equal(got.slots, want.slots)
     assert torch.equal(got.groups.offsets, want.groups.offsets)
@@ -124,29 +124,29 @@ def assert_same_plan(got: moe.Plan, want: moe.Plan) -> None:
 
 
 RULES = [
-    moe.Routing(2, normalise=True, round_weights=True),  # Qwen3-MoE
-    moe.Routing(2, normalise=True, round_weights=False),  # Mixtral
-    moe.Routing(8, normalise=False, round_weights=True),  # Qwen2-MoE without norm_topk_prob, top-8
+    routing_rule.Routing(2, normalise=True, round_weights=True),  # Qwen3-MoE
+    routing_rule.Routing(2, normalise=True, round_weights=False),  # Mixtral
+    routing_rule.Routing(8, normalise=False, round_weights=True),  # Qwen2-MoE without norm_topk_prob, top-8
 ]
 
 
 @only_interpreted
 @pytest.mark.parametrize("rule", RULES, ids=["qwen3", "mixtral", "qwen2_top8"])
 @pytest.mark.parametrize(("tokens", "experts"), [(1, 8), (31, 8), (77, 12), (100, 128), (1100, 16)])
-def test_interpreter_plan_kernel_equals_torch(rule: moe.Routing, tokens: int, experts: int) -> None:
+def test_interpreter_plan_kernel_equals_torch(rule: routing_rule.Routing, tokens: int, experts: int) -> None:
     """Every block size around the kernel's 32 tokens, more blocks than one step of the prefix sum over
     them, E a power of two and not; the router an identity so the logits are exactly the ones given."""
     if rule.top_k > experts:
         pytest.skip("top-k over the experts")
     logits = distinct_logits(tokens, experts, seed=tokens) + torch.randn(tokens, experts) * 1e-3
     router = torch.eye(experts)
-    assert_same_plan(moe.plan_kernel(logits, router, rule), moe.plan(logits, router, rule))
+    assert_same_plan(dispatch.plan_kernel(logits, router, rule), dispatch.plan(logits, router, rule))
 
 
 @only_interpreted
 def test_interpreter_plan_kernel_of_no_tokens() -> None:
     rule = RULES[0]
-    got = moe.plan_kernel(torch.zeros(0, 8), torch.eye(8), rule)
+    got = dispatch.plan_kernel(torch.zeros(0, 8), torch.eye(8), rule)
     assert got.rows.shape == (0,)
     assert got.slots.shape == (0, 2)
     assert got.groups.offsets.tolist() == [0] * 9
@@ -156,14 +156,14 @@ def test_interpreter_plan_kernel_of_no_tokens() -> None:
 def test_interpreter_ties_go_to_the_lower_expert_whatever_the_batch() -> None:
     """Rows of four equal logits ahead of the rest: the two lowest ids of the tie, the same for a token
     alone as among others."""
-    rule = moe.Routing(2, normalise=True, round_weights=False)
+    rule = routing_rule.Routing(2, normalise=True, round_weights=False)
     tied = torch.full((40, 8), -1.0)
     for t in range(40):
         tied[t, torch.randperm(8, generator=torch.Generator().manual_seed(t))[:4]] = 2.0
     router = torch.eye(8)
-    whole = moe.plan_kernel(tied, router, rule)
+    whole = dispatch.plan_kernel(tied, router, rule)
     for t in (0, 17, 39):
-        alone = moe.plan_kernel(tied[t : t + 1], router, rule)
+        alone = dispatch.plan_kernel(tied[t : t + 1], router, rule)
         lowest = torch.nonzero(tied[t] == 2.0).flatten()[:2].tolist()
         assert sorted(alone.rows.tolist()) == [0, 0]
         assert torch.equal(alone.weights[0], whole.weights[t])
@@ -175,11 +175,11 @@ def test_interpreter_ties_go_to_the_lower_expert_whatever_the_batch() -> None:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("rule", RULES, ids=["qwen3", "mixtral", "qwen2_top8"])
-def test_plan_kernel_equals_torch_on_cuda(rule: moe.Routing) -> None:
+def test_plan_kernel_equals_torch_on_cuda(rule: routing_rule.Routing) -> None:
     """Qwen3-30B-A3B's router shape at 16k + 5 tokens in bf16, no ties: the same plan as torch's."""
     logits = distinct_logits(16389, 128, seed=1, device="cuda").to(torch.bfloat16)
     router = torch.eye(128, device="cuda", dtype=torch.bfloat16)
-    assert_same_plan(moe.plan_kernel(logits, router, rule), moe.plan(logits, router, rule))
+    assert_same_plan(dispatch.plan_kernel(logits, router, rule), dispatch.plan(logits, router, rule))
 
 
 @pytest.mark.gpu
@@ -199,7 +199,7 @@ def test_routing_kernels_compile_once_whatever_the_token_count() -> None:
         router = torch.eye(128, device="cuda", dtype=torch.bfloat16)
         for tokens in (128, 256, 1024, 1152, 4096, 8192, 16384):  # whole and odd counts of 512
             logits = distinct_logits(tokens, 128, seed=tokens, device="cuda").to(torch.bfloat16)
-            moe.plan_kernel(logits, router, moe.Routing(8, normalise=True, round_weights=False))
+            dispatch.plan_kernel(logits, router, routing_rule.Routing(8, normalise=True, round_weights=False))
         torch.cuda.synchronize()
     finally:
         triton.knobs.runtime.jit_post_compile_hook = before
@@ -211,7 +211,7 @@ def test_routing_kernels_compile_once_whatever_the_token_count() -> None:
 def test_tied_routing_on_cuda_does_not_depend_on_the_batch() -> None:
     """bf16 logits with four-way ties at the top in every token: each token's experts and weights are
     the same alone as among 16k others, and the tie goes to the lowest ids."""
-    rule = moe.Routing(2, normalise=True, round_weights=True)
+    rule = routing_rule.Routing(2, normalise=True, round_weights=True)
     gen = torch.Generator().manual_seed(0)
     tied = torch.full((16384, 8), -1.0)
     tied[:, :4] = 2.0  # a tie among experts 0-3, and every 97th token among four others
@@ -220,9 +220,9 @@ def test_tied_routing_on_cuda_does_not_depend_on_the_batch() -> None:
         tied[t, torch.randperm(8, generator=gen)[:4]] = 2.0
     logits = tied.to("cuda", torch.bfloat16)
     router = torch.eye(8, device="cuda", dtype=torch.bfloat16)
-    whole = moe.plan_kernel(logits, router, rule)
+    whole = dispatch.plan_kernel(logits, router, rule)
     for t in (0, 97, 5044, 16383):
-        alone = moe.plan_kernel(logits[t : t + 1], router, rule)
+        alone = dispatch.plan_kernel(logits[t : t + 1], router, rule)
         lowest = torch.nonzero(tied[t] == 2.0).flatten()[:2].tolist()
         assert torch.equal(alone.weights[0], whole.weights[t])
         assert torch.searchsorted(whole.groups.offsets[1:], whole.slots[t], right=True).tolist() == lowest
@@ -232,11 +232,11 @@ def test_tied_routing_on_cuda_does_not_depend_on_the_batch() -> None:
 # ---- counting ------------------------------------------------------------------------------------
 
 
-def routed(tokens: int, experts: int, seed: int, device: str = "cpu") -> tuple[moe.Plan, torch.Tensor]:
+def routed(tokens: int, experts: int, seed: int, device: str = "cpu") -> tuple[dispatch.Plan, torch.Tensor]:
     """The plan of top-2 routing over distinct logits, and each token's expert ids [tokens, 2]."""
     logits = distinct_logits(tokens, experts, seed=seed, device=device)
-    rule = moe.Routing(2, normalise=True, round_weights=False)
-    return moe.plan(logits, torch.eye(experts, device=device), rule), rule(logits)[1]
+    rule = routing_rule.Routing(2, normalise=True, round_weights=False)
+    return dispatch.plan(logits, torch.eye(experts, device=device), rule), rule(logits)[1]
 
 
 def loop_counts(experts: torch.Tensor, real: int, first: int, count: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The mixture-of-experts layer (moe.py) against transformers' own MoE blocks, and in the fused decoder.
+"""The mixture-of-experts layer (moe/layer.py) against transformers' own MoE blocks, and in the fused decoder.
 
 CPU, float32. The grouped path runs torch's grouped GEMM, which this torch also runs on CPU; a
 reference grouped GEMM written here checks the grouping (order and group ends) on its own.
@@ -21,6 +21,7 @@ from service.engine import decoder
 from service.engine.batch.packing import PackedBatch, pack
 from service.engine.decoder import FusedDecoder, TransformersDecoder
 from service.engine.decoder.graphs import EagerRecorder, GraphedDecoder
+from service.engine.moe import grouped_gemm, routing_rule
 from service.engine.moe import kernels as moe_ops
 from service.engine.moe import layer as moe
 from service.engine.ops import elementwise as decoder_ops
@@ -33,17 +34,17 @@ from tests import models
 from tests.engine.decoder.test_fused import CPU, KERNEL, batch_of, every_row, packed_model
 
 MOE = models.MOE_ARCHITECTURES
-GROUPED = moe.choose("grouped_mm", CPU, torch.float32)
+GROUPED = grouped_gemm.choose("grouped_mm", CPU, torch.float32)
 
 
-def _reference_grouped(x: torch.Tensor, weight: torch.Tensor, groups: moe.Groups) -> torch.Tensor:
+def _reference_grouped(x: torch.Tensor, weight: torch.Tensor, groups: grouped_gemm.Groups) -> torch.Tensor:
     """Row r of x belongs to the expert whose group holds it (ends: each group's end): x[r] @ W[e]ᵀ."""
     rows = torch.arange(x.shape[0])
     expert = torch.searchsorted(groups.ends.long(), rows, right=True)  # the first group ending past r
     return torch.einsum("rk,rnk->rn", x, weight[expert])
 
 
-REFERENCE = moe.MoeKernel("grouped_mm", _reference_grouped)
+REFERENCE = grouped_gemm.MoeKernel("grouped_mm", _reference_grouped)
 
 
 def sparse_block(name: str, seed: int = 0) -> tuple[Any, Any]:
@@ -52,7 +53,7 @@ def sparse_block(name: str, seed: int = 0) -> tuple[Any, Any]:
     return model, model.base_model.layers[-1].mlp
 
 
-def ours(model: Any, block: Any, kernel: moe.MoeKernel) -> moe.SparseMoe:
+def ours(model: Any, block: Any, kernel: grouped_gemm.MoeKernel) -> moe.SparseMoe:
     """The fused decoder's layer over the block's own modules."""
     fused = FusedDecoder(model.base_model, KERNEL, TORCH, 0, moe_kernel=kernel)
     layer = fused.layers[-1].mlp
@@ -67,8 +68,12 @@ def tokens(n: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", MOE)
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
-@pytest.mark.parametrize("kernel", [moe.LOOP, GROUPED, REFERENCE], ids=["loop", "grouped", "reference"])
-def test_layer_equals_the_transformers_block(name: str, implementation: str, kernel: moe.MoeKernel) -> None:
+@pytest.mark.parametrize(
+    "kernel", [grouped_gemm.LOOP, GROUPED, REFERENCE], ids=["loop", "grouped", "reference"]
+)
+def test_layer_equals_the_transformers_block(
+    name: str, implementation: str, kernel: grouped_gemm.MoeKernel
+) -> None:
     model, block = sparse_block(name)
     model.set_experts_implementation(implementation)
     h = tokens(200)
@@ -78,7 +83,7 @@ def test_layer_equals_the_transformers_block(name: str, implementation: str, ker
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-6)
 
 
-class _OtherTie(moe.Routing):
+class _OtherTie(routing_rule.Routing):
     """The same routing with a three-way tie of experts 0, 1, 2 resolved another way."""
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,9 +101,9 @@ def test_tied_router_logits_resolve_as_transformers(name: str) -> None:
         block.gate.weight[0:3] *= 20
     row = block.gate.weight[0].detach()
     h = tokens(64, seed=1) + 4 * row / row.norm()  # the tied logits positive: ahead
-    rule = moe.routing(name, model.config)
+    rule = routing_rule.routing(name, model.config)
     assert rule is not None
-    layer = ours(model, block, moe.LOOP)
+    layer = ours(model, block, grouped_gemm.LOOP)
     with torch.inference_mode():
         _, _, want_experts = block.gate(h)
         _, got_experts = rule(F.linear(h, block.gate.weight))
@@ -113,8 +118,8 @@ def test_tied_router_logits_resolve_as_transformers(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", MOE)
-@pytest.mark.parametrize("kernel", [moe.LOOP, GROUPED], ids=["loop", "grouped"])
-def test_a_token_does_not_depend_on_the_batch(name: str, kernel: moe.MoeKernel) -> None:
+@pytest.mark.parametrize("kernel", [grouped_gemm.LOOP, GROUPED], ids=["loop", "grouped"])
+def test_a_token_does_not_depend_on_the_batch(name: str, kernel: grouped_gemm.MoeKernel) -> None:
     """A token alone, in 7s and among 301: the same up to the CPU GEMM's one-row path (which rounds
     apart from the many-row one; a token reading another's rows would be off by O(1))."""
     model, block = sparse_block(name)
@@ -134,30 +139,11 @@ def test_grouped_gemm_equals_the_loop(name: str) -> None:
     model, block = sparse_block(name)
     h = tokens(150, seed=3)
     with torch.inference_mode():
-        loop = ours(model, block, moe.LOOP)(h)
+        loop = ours(model, block, grouped_gemm.LOOP)(h)
         grouped = ours(model, block, GROUPED)(h)
         reference = ours(model, block, REFERENCE)(h)
     torch.testing.assert_close(grouped, loop, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(reference, loop, atol=1e-5, rtol=1e-5)  # einsum sums in its own order
-
-
-def test_the_blocked_loop_gives_a_row_the_same_bits_whatever_its_group_holds() -> None:
-    """Batch-invariant mode's loop (moe.blocked): every call EXPERT_ROWS rows, so a row's bits do not
-    depend on how many rows its expert took; the same products as the loop."""
-    gen = torch.Generator().manual_seed(6)
-    weight = torch.randn(3, 48, 40, generator=gen)
-    x = torch.randn(300, 40, generator=gen)
-    kernel = moe.blocked(moe.LOOP)
-    assert moe.blocked(GROUPED) is GROUPED
-    assert kernel.row_invariant
-    outs = []
-    for ends in ([1, 150, 300], [130, 200, 300], [5, 10, 300]):
-        groups = moe.Groups(torch.tensor([0, *ends], dtype=torch.int32))
-        got = kernel.matmul(x, weight, groups)
-        torch.testing.assert_close(got, moe.LOOP.matmul(x, weight, groups), atol=1e-5, rtol=1e-5)
-        outs.append(got)
-    assert torch.equal(outs[0][0], outs[1][0])  # expert 0 either way: row 0 alone, then among 130
-    assert torch.equal(outs[1][250], outs[2][250])  # expert 2: among 100, then among 290
 
 
 def test_groups_are_stable_and_end_where_each_expert_ends() -> None:
@@ -166,13 +152,13 @@ def test_groups_are_stable_and_end_where_each_expert_ends() -> None:
     model, block = sparse_block("qwen3_moe")
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def spy(x: torch.Tensor, weight: torch.Tensor, groups: moe.Groups) -> torch.Tensor:
+    def spy(x: torch.Tensor, weight: torch.Tensor, groups: grouped_gemm.Groups) -> torch.Tensor:
         seen.append((x.clone(), groups.offsets.clone()))
-        return moe.LOOP.matmul(x, weight, groups)
+        return grouped_gemm.LOOP.matmul(x, weight, groups)
 
     h = tokens(40, seed=4)
     with torch.inference_mode():
-        ours(model, block, moe.MoeKernel("loop", spy))(h)
+        ours(model, block, grouped_gemm.MoeKernel("loop", spy))(h)
         _, _, experts = block.gate(h)
     grouped, offsets = seen[0]
     counts = torch.bincount(experts.flatten(), minlength=8)
@@ -183,29 +169,6 @@ def test_groups_are_stable_and_end_where_each_expert_ends() -> None:
         rows = torch.nonzero((experts == expert).any(-1)).flatten()  # ascending token ids
         assert torch.equal(grouped[start:end], h[rows])
         start = end
-
-
-def test_the_kernel_setting(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    assert moe.choose("auto", CPU, torch.float32) is moe.LOOP
-    assert moe.choose("loop", CPU, torch.float32) is moe.LOOP
-    assert GROUPED.name == "grouped_mm"
-
-    def broken(*_: Any, **__: Any) -> torch.Tensor:
-        raise RuntimeError("no kernel image for this architecture")
-
-    monkeypatch.setattr(moe, "_grouped_function", lambda: broken)
-    with pytest.raises(RuntimeError, match="moe_kernel=grouped_mm: RuntimeError: no kernel image"):
-        moe.choose("grouped_mm", CPU, torch.float32)
-    with pytest.raises(RuntimeError, match="moe_kernel=quack: "):  # no quack on a CPU
-        moe.choose("quack", CPU, torch.float32)
-    monkeypatch.setattr(moe, "_wants_fast", lambda device: True)
-    with caplog.at_level(logging.WARNING):
-        assert moe.choose("auto", CPU, torch.float32) is moe.LOOP
-    assert "grouped_mm cannot run here (RuntimeError: no kernel image" in caplog.text
-    assert "experts run one by one" in caplog.text
-    monkeypatch.setattr(moe, "_grouped_function", lambda: None)
-    with pytest.raises(RuntimeError, match="has no grouped GEMM"):
-        moe.choose("grouped_mm", CPU, torch.float32)
 
 
 # ---- the device kernels (GPU) -------------------------------------------------------------------
@@ -227,7 +190,11 @@ def test_device_kernels_are_within_bf16_noise_of_transformers(name: str, setting
         model = model.to(cuda, bf16)
         noise = float((block(h.to(bf16)[None])[0].float() - want).abs().max())
         fused = FusedDecoder(
-            model.base_model, KERNEL, decoder_ops.TRITON, 0, moe_kernel=moe.choose(setting, cuda, bf16)
+            model.base_model,
+            KERNEL,
+            decoder_ops.TRITON,
+            0,
+            moe_kernel=grouped_gemm.choose(setting, cuda, bf16),
         )
         layer = fused.layers[-1].mlp
         assert isinstance(layer, moe.SparseMoe)
@@ -355,60 +322,6 @@ def test_other_mixtures_keep_the_transformers_decoder() -> None:
     assert "layer 1: experts.is_transposed" in str(decoder.unsupported(mixtral.base_model))
 
 
-def _sparse_model(name: str) -> Any:
-    """A tiny model of a parity MoE architecture, or of OLMoE or gpt-oss (router bias, expert biases,
-    interleaved gate|up in transposed weights, its own gate function, a block that returns a tuple)."""
-    if name in MOE:
-        return packed_model(name)
-    from transformers import AutoModelForCausalLM, GptOssConfig, OlmoeConfig
-
-    config: Any = OlmoeConfig(**models.COMMON, num_experts=8, num_experts_per_tok=2)
-    if name == "gpt_oss":
-        common = {**models.COMMON, "intermediate_size": 32}
-        config = GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, head_dim=16)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    return model.eval()
-
-
-def _output(out: Any) -> torch.Tensor:
-    return out if isinstance(out, torch.Tensor) else out[0]
-
-
-@pytest.mark.parametrize("name", [*MOE, "olmoe", "gpt_oss"])
-def test_blocked_sparse_blocks_compute_transformers_function(name: str) -> None:
-    """Batch-invariant mode's sparse blocks in the transformers decoder (moe.block_sparse): the block's
-    output as transformers computes it (a tuple's other tensors too), and a token's bits fixed when the
-    other tokens of its GEMM block change."""
-    model = _sparse_model(name)
-    blocks = [m for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)]
-    h = tokens(96, seed=4)[None]
-    other = h.clone()
-    other[0, 1:32] = tokens(31, seed=5)
-    with torch.inference_mode():
-        want = [block(h) for block in blocks]
-        assert moe.block_sparse(model, 32) == len(blocks)
-        for block, before in zip(blocks, want, strict=True):
-            got = block(h)
-            torch.testing.assert_close(_output(got), _output(before), atol=2e-6, rtol=1e-6)
-            if not isinstance(before, torch.Tensor):
-                for a, b in zip(got[1:], before[1:], strict=True):
-                    torch.testing.assert_close(a, b)
-            assert float(_output(got).abs().max()) > 1e-3
-            assert torch.equal(_output(block(other))[0, 0], _output(got)[0, 0])
-
-
-def test_experts_in_their_own_code_refuse_batch_invariance() -> None:
-    class OwnExperts(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
-
-    with pytest.raises(RuntimeError, match="batch_invariant: the experts of OwnExperts run their own code"):
-        moe.block_sparse(OwnExperts(), 32)
-
-
 def test_self_check_catches_a_misread_router() -> None:
     model = packed_model("qwen3_moe")
     fused = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
@@ -416,12 +329,12 @@ def test_self_check_catches_a_misread_router() -> None:
     assert check_hidden(model.base_model, fused, job, CPU, "policy") < 1e-5
     layer = fused.layers[1].mlp
     assert isinstance(layer, moe.SparseMoe)
-    layer.routing = moe.Routing(layer.routing.top_k, normalise=False, round_weights=True)
+    layer.routing = routing_rule.Routing(layer.routing.top_k, normalise=False, round_weights=True)
     with pytest.raises(RuntimeError, match="fused decoder"):
         check_hidden(model.base_model, fused, job, CPU, "policy")
 
 
-class _Flipped(moe.Routing):
+class _Flipped(routing_rule.Routing):
     """The same routing but every 20th token's first expert swapped for the next expert id that it did
     not choose: the near-tie flips rounding makes in half precision, on 5 % of the tokens."""
 
@@ -437,7 +350,7 @@ class _Flipped(moe.Routing):
         return weights, experts
 
 
-class _Elsewhere(moe.Routing):
+class _Elsewhere(routing_rule.Routing):
     """Every token to other experts: a misread router."""
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -445,7 +358,7 @@ class _Elsewhere(moe.Routing):
         return weights, (experts + 1) % logits.shape[1]
 
 
-def _fused_with(name: str, rule: type[moe.Routing]) -> tuple[Any, FusedDecoder]:
+def _fused_with(name: str, rule: type[routing_rule.Routing]) -> tuple[Any, FusedDecoder]:
     model = packed_model(name)
     fused = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
     for layer in fused.sparse_layers:

@@ -1,5 +1,5 @@
 """Replay and recording in the routing kernel (moe_ops.route_kernel given LayerRoutes) against its
-torch twin (moe.plan, LayerRoutes.choose): the same plan (ids, grouping, weights), the same ids
+torch twin (dispatch.plan, replay.choose): the same plan (ids, grouping, weights), the same ids
 written to `used`, the same top-k to `live`, the same |given ∩ live| to `matches`. The routes are a
 layer's strided views of BatchRoutes' [N, layers, k] buffers, the call's rows from `first` on. On CPU in
 Triton's interpreter (a fresh process), on a GPU in bf16."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine.moe import layer as moe
-from service.engine.moe.replay import BatchRoutes
+from service.engine.batch.device_routes import BatchRoutes
+from service.engine.moe import dispatch, routing_rule
 from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
 from tests.engine.moe.test_kernels import RULES, assert_same_plan, distinct_logits
 
@@ -50,12 +50,12 @@ def batch_routes(  # noqa: PLR0917
 
 def both(  # noqa: PLR0917
     logits: torch.Tensor,
-    rule: moe.Routing,
+    rule: routing_rule.Routing,
     given: bool,
     first: int,
     rows: int,
     own: torch.Tensor | None = None,
-) -> tuple[moe.Plan, moe.Plan, BatchRoutes, BatchRoutes]:
+) -> tuple[dispatch.Plan, dispatch.Plan, BatchRoutes, BatchRoutes]:
     """The kernel's and the twin's plans of logits (the router an identity) as rows first .. of a row
     of `rows`, each writing its own copy of the same routes."""
     experts = logits.shape[1]
@@ -63,8 +63,8 @@ def both(  # noqa: PLR0917
     kernel = batch_routes(rows, rule.top_k, experts, rows, given, device, own)
     twin = batch_routes(rows, rule.top_k, experts, rows, given, device, own)
     router = torch.eye(experts, device=logits.device, dtype=logits.dtype)
-    got = moe.plan_kernel(logits, router, rule, routes=kernel.layer(LAYER), first=first)
-    want = moe.plan(logits, router, rule, routes=twin.layer(LAYER), first=first)
+    got = dispatch.plan_kernel(logits, router, rule, routes=kernel.layer(LAYER), first=first)
+    want = dispatch.plan(logits, router, rule, routes=twin.layer(LAYER), first=first)
     return got, want, kernel, twin
 
 
@@ -81,7 +81,7 @@ def assert_same_records(kernel: BatchRoutes, twin: BatchRoutes) -> None:
 @pytest.mark.parametrize("given", [True, False], ids=["replay", "record"])
 @pytest.mark.parametrize(("tokens", "experts", "first"), [(1, 8, 0), (31, 8, 4), (77, 12, 9), (100, 128, 0)])
 def test_interpreter_replay_kernel_equals_the_twin(
-    rule: moe.Routing, given: bool, tokens: int, experts: int, first: int
+    rule: routing_rule.Routing, given: bool, tokens: int, experts: int, first: int
 ) -> None:
     """Covered and uncovered tokens in one block and across blocks, E a power of two and not, a call
     from row `first` of a longer row: the same plan and the same records."""
@@ -109,13 +109,13 @@ def test_interpreter_replay_kernel_equals_the_twin(
 
 @only_interpreted
 @pytest.mark.parametrize("rule", RULES, ids=["qwen3", "mixtral", "qwen2_top8"])
-def test_interpreter_given_live_routes_replay_as_live(rule: moe.Routing) -> None:
+def test_interpreter_given_live_routes_replay_as_live(rule: routing_rule.Routing) -> None:
     """Given ids equal to the router's own top-k (in its slot order): the live plan exactly, the same
     weights bit for bit, full agreement at covered tokens."""
     tokens, experts = 70, 16
     logits = distinct_logits(tokens, experts, seed=3) + torch.randn(tokens, experts) * 1e-3
     router = torch.eye(experts)
-    live = moe.plan_kernel(logits, router, rule)
+    live = dispatch.plan_kernel(logits, router, rule)
     got, _, kernel, _ = both(logits, rule, True, 0, tokens, own=live.experts.long())
     assert torch.equal(got.weights, live.weights)
     assert torch.equal(got.slots, live.slots)
@@ -142,7 +142,7 @@ def test_agreement_counts_from_matches() -> None:
 @gpu
 @pytest.mark.parametrize("rule", RULES, ids=["qwen3", "mixtral", "qwen2_top8"])
 @pytest.mark.parametrize("given", [True, False], ids=["replay", "record"])
-def test_replay_kernel_equals_the_twin_on_cuda(rule: moe.Routing, given: bool) -> None:
+def test_replay_kernel_equals_the_twin_on_cuda(rule: routing_rule.Routing, given: bool) -> None:
     """Qwen3-30B-A3B's router shape, 4k + 5 tokens from row 100 of a longer row, bf16, no ties."""
     logits = distinct_logits(4101, 128, seed=1, device="cuda").to(torch.bfloat16)
     got, want, kernel, twin = both(logits, rule, given, 100, 4301)

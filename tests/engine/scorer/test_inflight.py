@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from service.core.jobs import SequenceJob
-from service.engine.heads.base import Extras, ExtraScores
+from service.engine.batch.asks import Extras
+from service.engine.heads.base import ExtraScores
 from service.engine.scorer.inflight import HOST_ID_DTYPE, InFlight, extra_host
 
 VOCAB = 151_936

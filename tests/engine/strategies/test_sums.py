@@ -12,7 +12,7 @@ import torch
 
 from service.engine.strategies.gemm import ONE_CALL, FixedRows
 from service.engine.strategies.sums import LOCAL, AllReduce
-from tests.engine.heads.test_vocab_parallel import ThreadRanks
+from tests.engine.parallel.thread_ranks import ThreadRanks
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Linear:

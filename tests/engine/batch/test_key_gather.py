@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from service.engine.ops import key_gather
+from service.engine.batch import key_gather
 from service.engine.runtime import triton_jit
 from tests.engine.interpreter import only_interpreted, run_interpreter_cases
 

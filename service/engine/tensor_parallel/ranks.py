@@ -2,8 +2,8 @@
 
 `load` starts N - 1 processes (multiprocessing spawn, daemonic), joins them in one torch.distributed
 group (NCCL on CUDA, gloo on CPU; rendezvous through a file store in a fresh temporary directory)
-and loads rank 0's shards. Each rank loads its own shard of every model (loading/shards.py) into a
-PackedScorer of its own.
+and loads rank 0's shards (replica.py: what can run, each rank's device, the group, its scorer).
+Each rank loads its own shard of every model (loading/shards.py) into a PackedScorer of its own.
 
 Data flow stays one way: the batcher calls rank 0's engine as it calls any ScoringEngine. Every call
 that runs collectives or changes state (launch, release, warm_up, apply) is first sent, in order,
@@ -25,7 +25,6 @@ the same way (its parent's sentinel) and exits at once when rank 0 is gone. An e
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -56,90 +55,13 @@ from service.engine.contract import (
     WeightsRejected,
     WeightsState,
 )
-from service.engine.loading import shards as sharded
-from service.engine.loading.load import Shards, load_models
-from service.engine.loading.pretrained import require_model_dir, resolve_device, resolve_dtype, text_config
-from service.engine.ops.attention import choose_backend, register
-from service.engine.parallel.sharding import Shard
 from service.engine.scorer.engine import PackedScorer
+from service.engine.tensor_parallel import replica
 
 log = logging.getLogger(__name__)
 
 # after a rank fails: how long the app has to stop before this process ends itself
 EXIT_GRACE_S = 10.0
-# a collective that waits longer than this for a peer fails (a peer busy meeting GEMM shapes or
-# staging weights is never that far behind)
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-# NCCL's NVLink multicast (NVLS) and symmetric-memory multicast stay off in every rank, unless the
-# operator set them: they need a fabric manager set-up that GPU hosts often lack, and fail late.
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def refusal(config: EngineConfig) -> str | None:
-    """Why `config` cannot run tensor parallel (checked before any process starts); None: they can."""
-    if config.model is None:
-        return "the demo model is not sharded; give --model"
-    if config.decoder == "transformers" or config.kernels == "liger":
-        return "tensor parallel runs logprobd's fused decoder (not decoder=transformers or kernels=liger)"
-    if config.cuda_graphs == "on":
-        return "cuda_graphs=on: CUDA graphs are not captured under tensor parallel yet"
-    if config.batch_invariant:
-        return "batch_invariant: the all-reduces' sums are not batch-invariant"
-    device = resolve_device(config.device)
-    if device.type == "cpu" and config.tensor_parallel_collectives == "nccl":
-        return "tensor_parallel_collectives=nccl runs on GPUs; on CPU the ranks use gloo"
-    shared = _backend(config, device) == "gloo"  # gloo ranks may share a GPU
-    if device.type == "cuda" and not shared and torch.cuda.device_count() < config.tensor_parallel_size:
-        seen = torch.cuda.device_count()
-        return f"{config.tensor_parallel_size} ranks need as many GPUs; this process sees {seen}"
-    return None
-
-
-def _backend(config: EngineConfig, device: torch.device) -> str:
-    """The process group's backend: nccl on GPUs unless gloo is asked for; gloo on CPU."""
-    if config.tensor_parallel_collectives == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    return config.tensor_parallel_collectives
-
-
-def _device(config: EngineConfig, rank: int) -> torch.device:
-    """A rank's device: GPU `rank` (under gloo, ranks past the GPUs share them, round robin)."""
-    device = resolve_device(config.device)
-    return torch.device("cuda", rank % torch.cuda.device_count()) if device.type == "cuda" else device
-
-
-def _join(rank: int, world: int, store: Path, device: torch.device, backend: str) -> Shard:
-    """Join the replica's process group (every rank calls it; it returns once all have)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=COLLECTIVE_TIMEOUT,
-        device_id=device if backend == "nccl" else None,
-    )
-    return Shard(rank, world)
-
-
-def _load_scorer(config: EngineConfig, shard: Shard) -> PackedScorer:
-    """This rank's PackedScorer over its shards of the configured models."""
-    assert config.model is not None
-    device = _device(config, shard.rank)
-    dtype = resolve_dtype(config.dtype, device)
-    backend = choose_backend(config.attention, device)
-    attn = register(backend)
-    models = load_models(config, Shards(sharded.Placement(dtype, device, attn, shard)))
-    return PackedScorer(
-        models.policy,
-        device,
-        backend,
-        config,
-        reference=models.reference,
-        critic=models.critic,
-        sharded=models.sharded,
-    )
 
 
 @dataclass(slots=True)
@@ -296,17 +218,8 @@ class TensorParallelEngine:
 
 def load(config: EngineConfig) -> TensorParallelEngine:
     """Start ranks 1..N-1, join them, load rank 0's shards; the followers load theirs meanwhile."""
-    reason = refusal(config)
-    if reason is not None:
-        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: {reason}")
-    models = (("policy", config.model), ("reference", config.ref_model), ("critic", config.critic))
-    for role, path in models:
-        if path is not None:  # before any process starts: a clear error, at once
-            require_model_dir(path, role)
-            why = sharded.refusal(text_config(path), config.tensor_parallel_size)
-            if why is not None:
-                raise ValueError(f"{role} {path}: cannot run tensor parallel: {why}")
-    for name, value in NCCL_ENV.items():
+    replica.check(config)  # before any process starts: a clear error, at once
+    for name, value in replica.NCCL_ENV.items():
         os.environ.setdefault(name, value)  # the followers inherit the environment
     world = config.tensor_parallel_size
     store = Path(tempfile.mkdtemp(prefix="logprobd-tp-")) / "rendezvous"
@@ -322,9 +235,9 @@ def load(config: EngineConfig) -> TensorParallelEngine:
         followers.append(_Follower(rank, process, here, threading.Lock()))
         log.info("tensor parallel: started rank %d of %d (pid %d)", rank, world, process.pid)
     try:
-        device = _device(config, 0)
-        shard = _join(0, world, store, device, _backend(config, device))
-        scorer = _load_scorer(config, shard)
+        device = replica.device_of(config, 0)
+        shard = replica.join(config, 0, store, device)
+        scorer = replica.load_scorer(config, shard)
         for follower in followers:
             status, error = follower.conn.recv()
             if status != "loaded":
@@ -347,13 +260,11 @@ def follow(rank: int, config: EngineConfig, store: Path, conn: Connection) -> No
     parent = multiprocessing.parent_process()
     assert parent is not None
     threading.Thread(target=_exit_with, args=(parent,), name="logprobd-tp-parent", daemon=True).start()
-    device = _device(config, rank)
+    device = replica.device_of(config, rank)
     if device.type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
     try:
-        scorer = _load_scorer(
-            config, _join(rank, config.tensor_parallel_size, store, device, _backend(config, device))
-        )
+        scorer = replica.load_scorer(config, replica.join(config, rank, store, device))
     except Exception as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from exc
