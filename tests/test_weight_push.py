@@ -84,11 +84,15 @@ def rank0(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainer]:
 
 
 @contextmanager
-def group(rank0: Trainer, urls: list[str], name: str = "g", **init: Any) -> Iterator[dict[str, Any]]:
-    """A group of the trainer and `urls` (ranks 1..); yields what every push needs; destroyed after."""
-    offsets = list(range(1, len(urls) + 1))
+def group(
+    rank0: Trainer, urls: list[str], name: str = "g", ranks: list[int] | None = None, **init: Any
+) -> Iterator[dict[str, Any]]:
+    """A group of the trainer and `urls` (each of `ranks` ranks: its tensor-parallel size, 1 by
+    default), ranks 1.. in order; yields what every push needs; destroyed after."""
+    sizes = ranks or [1] * len(urls)
+    offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
     joined = rank0.call(
-        "init", urls=urls, rank_offsets=offsets, port=free_port(), world_size=len(urls) + 1, group=name,
+        "init", urls=urls, rank_offsets=offsets, port=free_port(), world_size=1 + sum(sizes), group=name,
         headers=AS_ADMIN, timeout_s=60, **init,
     )  # fmt: skip
     assert [r["status"] for r in joined["replies"]] == [200] * len(urls), joined
@@ -397,3 +401,40 @@ def empty_bucket(url: str, name: str) -> httpx.Response:
     """A bucket of no tensors for group `name`: answered once the calls before it are."""
     body = {"names": [], "dtypes": [], "shapes": [], "group_name": name}
     return httpx.post(f"{url}/update_weights_from_distributed", json=body, headers=AS_ADMIN, timeout=120)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_replica_joins_as_its_ranks(
+    rank0: Trainer, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """A replica of 2 ranks (gloo) joins as ranks 1 and 2 of 3; each rank receives every tensor whole
+    and keeps its slice (vocabulary rows, heads, MLP columns), the tied head included."""
+    port = free_port()
+    command = serve_command(port, checkpoints["r0"], "--tensor-parallel-size", "2")
+    with serving(command, port, tmp_path / "tp.log") as url:
+        assert httpx.get(f"{url}/server_info", headers=AS_ADMIN).json()["tp_size"] == 2
+        refused = httpx.post(
+            f"{url}/init_weights_update_group",
+            json={
+                "master_address": "127.0.0.1",
+                "master_port": free_port(),
+                "rank_offset": 1,
+                "world_size": 2,
+            },
+            headers=AS_ADMIN,
+        )
+        assert refused.status_code == 400  # ranks 1..2 do not fit a world of 2
+        with group(rank0, [url], ranks=[2]) as g:
+            per_tensor = rank0.call("push", checkpoint=str(checkpoints["r1"]), version="tp1", buckets=2, **g)
+            assert set(statuses(per_tensor["calls"])) == {200}, per_tensor
+            check_reply(httpx.post(f"{url}/logprobs", json=BODY, timeout=60), BODY, eager(checkpoints["r1"]))
+            flat = rank0.call("push", checkpoint=str(checkpoints["r0"]), version="tp0", flattened=True, **g)
+            assert set(statuses(flat["calls"])) == {200}, flat
+            refused = rank0.call(
+                "raw", body={"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[65]],
+                             "group_name": "g", "weight_version": "x"}, send=[("float32", [65])], **g,
+            )  # fmt: skip
+            assert refused["replies"][0]["status"] == 400
+        reply = httpx.post(f"{url}/logprobs", json=BODY, timeout=60)
+        assert reply.json()["weights_version"] == "tp0"
+        check_reply(reply, BODY, eager(checkpoints["r0"]))
