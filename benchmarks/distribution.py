@@ -12,7 +12,7 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
   round's ms after a warm-up round and its cost over plain.
 - `teacher`: one TRL-style distillation call, `POST /v1/completions` with 8 token-id prompts of
   --teacher-tokens tokens, `max_tokens: 1`, `prompt_logprobs: 100` (every position's top 100, vLLM's
-  form), from a client process as a trainer makes it (benchmarks/teacher_host.py --client), timed
+  form), from a client process as a trainer makes it (benchmarks/client.py --mode teacher), timed
   from the request sent to the answer's last byte received (the client's JSON parse, TRL's own cost,
   is not counted; it is reported apart, from one more call in this process). Its floor counts the
   head over every position (2 · vocab · hidden per position) besides the layers and attention;
@@ -39,18 +39,12 @@ import httpx
 import numpy as np
 import torch
 
-from benchmarks.run import (
-    HttpServer,
-    build_model,
-    histogram_totals,
-    http_rounds,
-    non_embedding_params,
-    run_models,
-)
-from benchmarks.workload import SHAPES, Sample, floor_flops, grpo_short, unique_floor_flops
+from benchmarks.harness import RESULTS, active_params, packed_model, run_models
+from benchmarks.server import HttpServer, histogram_totals, http_rounds
+from benchmarks.shapes import SHAPES
+from benchmarks.workload import Sample, floor_flops, grpo_short, unique_floor_flops
 from service.client.wire import to_frame
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.http.completions.plan import plan_completion
 from service.http.completions.schemas import CompletionRequest
@@ -127,7 +121,7 @@ def in_process_ms(engine: PackedScorer, body: dict[str, Any], name: str, vocab: 
 
 
 def teacher_calls(url: str, body: dict[str, Any], reps: int, device: torch.device) -> dict[str, Any]:
-    """The call from a client process, as a TRL trainer makes it (benchmarks/teacher_host.py --client:
+    """The call from a client process, as a TRL trainer makes it (benchmarks/client.py --mode teacher:
     a fresh httpx.Client per call, `client.post`, `reply.content`), a warm-up and `reps` timed calls;
     the device's peak allocation over them; then one call from this process for the answer's size,
     its entries and the client-side parse time."""
@@ -138,7 +132,7 @@ def teacher_calls(url: str, body: dict[str, Any], reps: int, device: torch.devic
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "body.json"
         path.write_text(json.dumps(body))
-        cmd = [sys.executable, "-m", "benchmarks.teacher_host", "--client", url, str(path), str(reps)]
+        cmd = [sys.executable, "-m", "benchmarks.client", url, str(path), str(reps), "--mode", "teacher"]
         timed = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     after = histogram_totals(url, FORWARD)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
@@ -172,11 +166,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         cuda_graphs=args.cuda_graphs,
         max_top_logprobs=max(1000, TEACHER_K),
     )
-    backend = choose_backend(args.attention, device)
-    packed_impl = register(backend)
-    model = build_model(name, dtype, device, packed_impl)
+    backend, _, model = packed_model(dict(SHAPES[name]), dtype, device, args.attention)
     shape = SHAPES[name]
-    vocab, params = int(shape["vocab_size"]), non_embedding_params(model)
+    vocab, params = int(shape["vocab_size"]), active_params(model)
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
     engine.warm_up()
@@ -294,7 +286,8 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.distribution", description=__doc__)
     parser.add_argument("--models", nargs="+", default=["qwen2.5-7b"])
     parser.add_argument("--device", default="cuda")
@@ -323,11 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="the call again to a server with a tokenizer (words t<id>): it draws, every entry has text",
     )
-    parser.add_argument(
-        "--output", type=Path, default=Path(__file__).parent / "results" / "distribution-latest.json"
-    )
-    args = parser.parse_args(argv)
-    results = run_models(args, argv, bench_model, module="benchmarks.distribution")
+    parser.add_argument("--output", type=Path, default=RESULTS / "distribution-latest.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    results = run_models("distribution", args, argv, bench_model)
     print(table(results))
     return 0
 

@@ -4,7 +4,7 @@ the rollout took).
     python -m benchmarks.replay                      # Qwen3-30B-A3B, 48 layers; results/replay-latest.json
     python -m benchmarks.replay --models tiny-moe --device cpu --dtype float32 --sequences 8 --reps 1
 
-One engine (random bf16 weights with the real shapes, benchmarks/moe.py's SHAPES), the real app on
+One engine (random bf16 weights with the real shapes, benchmarks/shapes.py's MOE_SHAPES), the real app on
 loopback, the standard workload (workload.py) in 8 requests from 8 client processes, compact frames:
 
 - live: plain requests;
@@ -28,12 +28,12 @@ import httpx
 import numpy as np
 import torch
 
-from benchmarks.moe import SHAPES, active_params, build_model, floor_shape
-from benchmarks.run import HttpServer, http_rounds, run_models
+from benchmarks.harness import RESULTS, active_params, packed_model, run_models
+from benchmarks.server import HttpServer, http_rounds
+from benchmarks.shapes import MOE_SHAPES, floor_shape
 from benchmarks.workload import Sample, floor_flops, workload
 from service.client.wire import from_frame, to_frame
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.settings import CudaGraphs, Settings
 from service.wire.frame import MEDIA_TYPE
@@ -88,15 +88,12 @@ def replayed(url: str, bodies: list[dict[str, Any]]) -> tuple[list[list[np.ndarr
 
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
-    shape = dict(SHAPES[name])
+    shape = dict(MOE_SHAPES[name])
     dtype = getattr(torch, args.dtype)
-    backend = choose_backend(args.attention, device)
-    model = build_model(shape, dtype, device, register(backend))
+    backend, _, model = packed_model(shape, dtype, device, args.attention)
     samples = workload(int(shape["vocab_size"]), sequences=args.sequences)
     tokens = sum(len(s.tokens) for s in samples)
-    floor_s = (
-        floor_flops(floor_shape(shape, int(shape["num_hidden_layers"])), active_params(model), samples) / rate
-    )
+    floor_s = floor_flops(floor_shape(shape), active_params(model), samples) / rate
     settings = Settings(device=device.type, dtype=args.dtype, cuda_graphs=args.cuda_graphs, decoder="fused")
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
     engine.warm_up()
@@ -167,20 +164,23 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.replay", description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], choices=list(SHAPES))
+    parser.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], choices=list(MOE_SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument(
-        "--output", type=Path, default=Path(__file__).parent / "results" / "replay-latest.json"
-    )
-    args = parser.parse_args(argv)
-    results = run_models(args, argv, bench_model, module="benchmarks.replay")
+    parser.add_argument("--output", type=Path, default=RESULTS / "replay-latest.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    results = run_models("replay", args, argv, bench_model)
     print(table(results))
     return 0
 

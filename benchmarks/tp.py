@@ -9,16 +9,15 @@
 Per model and tensor-parallel size N: a checkpoint of random weights with the real shapes is written
 once (safetensors, one file per layer, under --checkpoints), a real `python -m service serve
 --tensor-parallel-size N` serves it (one process per GPU), and the workload goes over HTTP from 8
-client processes in compact frames (run.py's clients). Reported: milliseconds (median of --reps),
+client processes in compact frames (client.py). Reported: milliseconds (median of --reps),
 tokens/s, and the fraction of the FLOP floor, whose denominator is the dense matmul rate measured on
 one GPU times N. `standard`: 64 RL-shaped sequences (workload.py); `long`: 8 sequences of 9k-25k
-tokens (long.py), chunked at max_batch_tokens.
+tokens (workload.py's long_workload), chunked at max_batch_tokens.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import re
@@ -36,31 +35,11 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.long import long_workload
-from benchmarks.run import http_bodies, http_seconds, matmul_rate
-from benchmarks.workload import SHAPES, Sample, floor_flops, workload
+from benchmarks.harness import RESULTS, matmul_rate, provenance, write_result
+from benchmarks.server import http_bodies, http_seconds
+from benchmarks.shapes import SHAPES, TP_SHAPES
+from benchmarks.workload import Sample, floor_flops, long_workload, workload
 
-# config.json of each checkpoint, as SHAPES
-TP_SHAPES: dict[str, dict[str, int | bool]] = {
-    "qwen2.5-32b": {
-        "hidden_size": 5120,
-        "intermediate_size": 27648,
-        "num_hidden_layers": 64,
-        "num_attention_heads": 40,
-        "num_key_value_heads": 8,
-        "vocab_size": 152064,
-        "tie_word_embeddings": False,
-    },
-    "qwen2.5-72b": {
-        "hidden_size": 8192,
-        "intermediate_size": 29568,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "vocab_size": 152064,
-        "tie_word_embeddings": False,
-    },
-}
 ALL_SHAPES = {**SHAPES, **TP_SHAPES}
 POSITIONS = 32768
 
@@ -205,7 +184,8 @@ def bench(name: str, tp: int, args: argparse.Namespace, rate_per_gpu: float) -> 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["qwen2.5-32b"], choices=sorted(ALL_SHAPES))
     parser.add_argument("--tp", nargs="+", type=int, default=[2], help="tensor-parallel sizes to run")
@@ -218,17 +198,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--start-timeout", type=float, default=1800.0)
     parser.add_argument("--checkpoints", type=Path, default=Path(tempfile.gettempdir()) / "logprobd-tp-ckpt")
-    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--output", type=Path, default=RESULTS / "tp-latest.json")
     parser.add_argument("--verbose", action="store_true", help="echo the servers' logs")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device(args.device)
     dtype = getattr(torch, args.dtype if args.dtype != "auto" else "bfloat16")
     rate = matmul_rate(device, dtype)  # one GPU's; the floor's denominator is N of them
     runs = [bench(name, tp, args, rate) for name in args.models for tp in args.tp]
     result = {
-        "date": dt.date.today().isoformat(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
+        **provenance("tp", device, argv, gpus=max(args.tp)),
         "matmul_tflops_per_gpu": rate / 1e12,
         "runs": runs,
     }
@@ -238,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{run['ms']:9.1f} ms  {run['tokens_per_s']:10.0f} tok/s  "
             f"{100 * run['floor_fraction']:5.1f} % of the floor"
         )
-    if args.output is not None:
-        args.output.write_text(json.dumps(result, indent=2))
+    write_result(args.output, result)
     return 0
 
 

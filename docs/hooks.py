@@ -4,7 +4,8 @@
   response and schema), with the YAML itself beside it for download. No network, no plugin.
 - `benchmarks.md` and `contributing.md`: the repository's `BENCHMARKS.md` and `CONTRIBUTING.md`,
   their links to `docs/` made site links; the pages' links to `../BENCHMARKS.md` and
-  `../CONTRIBUTING.md` (right when read in the repository) lead to them in the site.
+  `../CONTRIBUTING.md` (right when read in the repository) lead to them in the site; the result
+  files `BENCHMARKS.md` links (`benchmarks/results/...`) are served at the same paths.
 - `img/dashboard.svg`: the Grafana dashboard's layout (rows and panels, where the JSON puts them).
 - the metrics table of `observability.md`: every metric of `service/metrics.py`, in place of
   `<!-- metrics-table -->`.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,8 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
     for name, site_page in ROOT_PAGES.items():
         content = (ROOT / name).read_text().replace("](docs/", "](")
         files.append(File.generated(config, site_page, content=content))
+        for cited in sorted(set(re.findall(r"\]\((benchmarks/results/[^)]+)\)", content))):
+            files.append(File.generated(config, cited, content=(ROOT / cited).read_bytes()))
     dashboard = json.loads(DASHBOARD.read_text())
     files.append(File.generated(config, "img/dashboard.svg", content=render_dashboard(dashboard)))
     return files

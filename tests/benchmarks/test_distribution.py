@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from benchmarks import distribution
+from tests.benchmarks.page_rows import page_rows
 
 
 def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
@@ -36,3 +37,5 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     assert teacher["tokenizer"]["ms"] > 0
     # "t<id>" rather than null: a byte more an entry at least
     assert teacher["tokenizer"]["answer_bytes"] >= teacher["answer_bytes"] + teacher["entries"]
+    (row,) = page_rows("distribution", out)  # the results page reads what the suite wrote
+    assert row[1:3] == ["tiny", f"{model['grpo-short']['variants']['plain']['ms']:,.1f}"]

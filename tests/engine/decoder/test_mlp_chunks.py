@@ -37,7 +37,7 @@ def test_non_tensor_outputs_fall_back_to_one_call() -> None:
 def test_unset_chunk_keeps_gate_up_activations_within_the_bound() -> None:
     from transformers import Qwen2Config
 
-    from benchmarks.workload import SHAPES
+    from benchmarks.shapes import SHAPES
 
     def config(name: str) -> Any:
         return Qwen2Config(**dict(SHAPES[name]))  # type: ignore[arg-type]
