@@ -22,12 +22,8 @@ Last, the scores after a push equal, bit for bit, those after reloading the same
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
 import re
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,8 +36,9 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from benchmarks.run import build_model
-from benchmarks.workload import SHAPES
+from benchmarks.harness import RESULTS, build_model, provenance, write_result
+from benchmarks.server import serve_process
+from benchmarks.shapes import SHAPES
 from service.engine.contract import WeightGroup
 from service.engine.transfer import group as groups
 
@@ -51,42 +48,15 @@ GIB = 2**30
 
 
 @contextmanager
-def server(checkpoint: Path, args: argparse.Namespace) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """`python -m service serve` on --server-gpu, once ready: its URL and process."""
-    cmd = [sys.executable, "-m", "service", "serve", "--port", "0", "--model", str(checkpoint),
-           "--device", args.device, "--dtype", args.dtype, "--weights-version", "v0",
-           "--weight-push-timeout-s", "600", "--batch-wait-ms", "0"]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGPROBD_ADMIN_API_KEYS": ADMIN}
+def server(checkpoint: Path, args: argparse.Namespace) -> Iterator[str]:
+    """`python -m service serve` on --server-gpu, with the admin key, once ready: its URL."""
+    argv = ["--model", str(checkpoint), "--device", args.device, "--dtype", args.dtype,
+            "--weights-version", "v0", "--weight-push-timeout-s", "600", "--batch-wait-ms", "0"]  # fmt: skip
+    env = {"LOGPROBD_ADMIN_API_KEYS": ADMIN}
     if args.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = str(args.server_gpu)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-    found: list[str] = []
-    started = threading.Event()
-
-    def read() -> None:
-        for line in proc.stderr or ():
-            if match := re.search(r"Uvicorn running on (http://\S+)", line):
-                found.append(match.group(1))
-                started.set()
-            if args.verbose:
-                sys.stderr.write(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        if not started.wait(args.start_timeout):
-            raise TimeoutError("the server did not start")
-        while httpx.get(f"{found[0]}/health/ready").status_code != 200:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.poll()}")
-            time.sleep(0.2)
-        yield found[0], proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
-        reader.join(10)
-        if proc.stderr is not None:
-            proc.stderr.close()
+    with serve_process(argv, start_timeout=args.start_timeout, env=env, verbose=args.verbose) as url:
+        yield url
 
 
 class DeviceMemory:
@@ -216,7 +186,7 @@ def measured(
     }
 
 
-def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.push", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen2.5-7b", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -228,17 +198,21 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
     parser.add_argument(
         "--save-dir", type=Path, default=None, help="where save_pretrained writes (a tempdir)"
     )
-    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--output", type=Path, default=RESULTS / "push-latest.json")
     parser.add_argument("--start-timeout", type=float, default=900)
-    parser.add_argument("--verbose", action="store_true")
-    args = parser.parse_args(argv)
+    parser.add_argument("--verbose", action="store_true", help="echo the server's log")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
+    args = parser().parse_args(argv)
     cuda = args.device == "cuda"
     device = torch.device("cuda", args.trainer_gpu) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dtype: torch.dtype = getattr(torch, args.dtype)
     vocab = int(SHAPES[args.model]["vocab_size"])
-    model = build_model(args.model, dtype, device, "sdpa")
+    model = build_model(dict(SHAPES[args.model]), dtype, device, "sdpa")
     named = [(n, p.detach()) for n, p in model.state_dict(keep_vars=True).items()]
     named = [(n, t) for n, t in named if not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
     memory = DeviceMemory(args.server_gpu if cuda else None)
@@ -246,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
     with tempfile.TemporaryDirectory(dir=args.save_dir) as tmp:
         root = Path(tmp)
         model.save_pretrained(root / "v0")
-        with server(root / "v0", args) as (url, _), httpx.Client(headers=HEADERS, timeout=3600) as http:
+        with server(root / "v0", args) as url, httpx.Client(headers=HEADERS, timeout=3600) as http:
             port = _free_port()
             init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
                     "group_name": "benchmark", "backend": args.backend}  # fmt: skip
@@ -291,6 +265,15 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
             http.post(f"{url}/destroy_weights_update_group", json={"group_name": "benchmark"})
             dist.destroy_process_group(pg)
     report(args, runs, join_s, bitwise)
+    rows = [{k: v for k, v in r.items() if k != "scores"} for r in runs]
+    settings = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "backend": args.backend,
+        "bucket_mib": args.bucket_mib,
+    }
+    result = {**provenance("push", device, argv, gpus=2), "settings": settings, "join_s": join_s}
+    write_result(args.output, {**result, "push_equals_reload_bitwise": bitwise, "runs": rows})
     return 0 if bitwise else 1
 
 
@@ -305,14 +288,6 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], join_s: float, 
         fmt = ("flattened" if r.get("flattened") else "per tensor") if r["how"] == "push" else "-"
         peak = "-" if r["extra_peak_gib"] is None else f"{r['extra_peak_gib']:.2f}"
         print(f"| {r['how']} | {r['mode']} | {fmt} | {r['push_s']:.2f} | {r['pause_ms']:.2f} | {peak} |")
-    if args.output is not None:
-        rows = [{k: v for k, v in r.items() if k != "scores"} for r in runs]
-        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-        args.output.write_text(json.dumps({
-            "date": dt.date.today().isoformat(), "device": device, "model": args.model, "dtype": args.dtype,
-            "backend": args.backend, "bucket_mib": args.bucket_mib, "join_s": join_s,
-            "push_equals_reload_bitwise": bitwise, "runs": rows,
-        }, indent=2))  # fmt: skip
 
 
 def _free_port() -> int:
