@@ -187,7 +187,8 @@ class FakePushEngine(FakeEngine):
     """A FakeEngine that takes pushed weights (contract.WeightReceiver). The policy holds the tensors
     REQUIRED; applying a push makes the shift the count of its tensors received. A name that starts
     with "unknown" is refused (PushRefused), "die" breaks the group (PushBroken); `receive_delay`
-    makes each bucket slow; `received` records each bucket's (version, names), in order."""
+    makes each bucket slow; `received` records each bucket's (version, names), in order, and
+    `drained` the names of buckets refused before they were looked at."""
 
     REQUIRED = ("a", "b", "c")
 
@@ -197,6 +198,7 @@ class FakePushEngine(FakeEngine):
         self.receive_delay = 0.0
         self.received: list[tuple[str, tuple[str, ...]]] = []
         self.left: list[str] = []
+        self.drained: list[tuple[str, ...]] = []  # buckets refused before they were looked at
         self._pushed: dict[str, tuple[str, set[str]]] = {}  # target -> (version, names received)
 
     def join_group(self, group: WeightGroup) -> None:
@@ -228,6 +230,9 @@ class FakePushEngine(FakeEngine):
         return Received(
             bucket.target, version, "swap", len(bucket.names), 4 * len(bucket.names), not missing, missing
         )
+
+    def drain(self, bucket: Bucket) -> None:
+        self.drained.append(bucket.names)
 
     def stage_received(self, target: Target, version: str) -> StagedWeights:
         _, names = self._pushed.pop(target, ("", set()))

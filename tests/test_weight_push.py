@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
+from service.weights.push import next_version
 from tests import critics, models
 from tests.conftest import TOLERANCE, eager, free_port, server_process
 from tests.reference import check_reply, expected
@@ -143,13 +144,14 @@ def test_a_push_serves_bitwise_what_a_reload_of_the_same_weights_serves(
 ) -> None:
     """AReaL: master_port as a string, pause, flattened buckets with abort_all_requests and no
     version, continue; then the same checkpoint reloaded from disk, and pushed again in copy mode."""
+    served = score(server)["weights_version"]
     with group(rank0, [server], port_as_string=True) as g:
         pushed = rank0.call(
             "push", checkpoint=str(checkpoints["p2"]), buckets=2, flattened=True, style="areal", **g
         )
         assert set(statuses(pushed["calls"])) == {200}, pushed
         by_push = score(server)
-        assert by_push["weights_version"] == "s1+1"  # no version: the served one's, plus one push
+        assert by_push["weights_version"] == next_version(served)  # no version: the served one's + 1
         reload = httpx.post(
             f"{server}/admin/weights",
             json={"path": str(checkpoints["p2"]), "version": "disk"},
@@ -282,13 +284,16 @@ def test_metadata_that_does_not_fit_is_drained_then_refused(
          "model.norm.weight: shape [65], the served policy takes [64]"),
         ({"names": ["model.norm.weight"], "dtypes": ["int64"], "shapes": [[64]]}, [("int64", [64])],
          "model.norm.weight: dtype torch.int64 for a tensor served in torch.float32"),
+        ({"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
+          "weight_version": "not one"},  # refused before it is looked at: drained all the same
+         [("float32", [64])], "weight_version 'not one' is not a version"),
         ({"names": ["model.norm.weight", "lm_head.weight"], "dtypes": ["float32", "float32"],
           "shapes": [[64], [96, 64]]}, [("float32", [64]), ("float32", [96, 64])], None),
     ]  # fmt: skip
     with group(rank0, [server]) as g:
         for body, send, reason in cases:
             replies = rank0.call(
-                "raw", body={**body, "group_name": "g", "weight_version": "raw"}, send=send, **g
+                "raw", body={"group_name": "g", "weight_version": "raw", **body}, send=send, **g
             )["replies"]
             if reason is None:  # fits: a partial version, dropped by the next case's other version
                 assert replies[0]["status"] == 200, replies

@@ -194,6 +194,10 @@ class WeightReceiver(Protocol):
 
     def receive(self, bucket: Bucket) -> Received: ...
 
+    def drain(self, bucket: Bucket) -> None:
+        """Meet the bucket's broadcasts and drop them (it was refused before it was looked at);
+        PushBroken where they cannot be met."""
+
     def stage_received(self, target: Target, version: str) -> StagedWeights:
         """What is pending for `target` (complete or not: the rest keeps its values), as `version`;
         with nothing pending, the served weights relabelled `version`."""

@@ -145,7 +145,8 @@ class Pusher:
         return "Succeeded to initialize custom process group."
 
     async def update(self, order: UpdateWeights) -> str:
-        """Receive one bucket; answers once it is staged (and applied, when it completes a version)."""
+        """Receive one bucket; answers once it is staged (and applied, when it completes a version).
+        A bucket refused before it is received is drained all the same (the trainer is broadcasting)."""
         receiver = self._receiver("Failed to update parameter online")
         group = self._groups.get(order.group_name)
         if group is None or not group.joined:
@@ -153,19 +154,23 @@ class Pusher:
             raise WeightPushFailed(
                 f"Group {order.group_name} not in {groups}. Please call `init_weights_update_group` first."
             )
-        if order.target not in self._engine.weights:
-            raise WeightPushFailed(
-                f"Failed to update parameter online: this server has no {order.target} model."
-            )
         async with group.lock:
             if group.gone:
                 raise WeightPushFailed(
                     f"Failed to update parameter online: group {group.spec.name!r} is gone."
                 )
-            return await self._update(receiver, group, order)
+            try:
+                pending = await self._begin(group, order)
+            except WeightPushFailed:
+                await self._drain(receiver, group, order)
+                raise
+            return await self._receive(receiver, group, order, pending)
 
-    async def _update(self, receiver: WeightReceiver, group: _Group, order: UpdateWeights) -> str:
+    async def _begin(self, group: _Group, order: UpdateWeights) -> _Version:
+        """The version the bucket belongs to, pending (the one before it served if it differs)."""
         target = order.target
+        if target not in self._engine.weights:
+            raise WeightPushFailed(f"Failed to update parameter online: this server has no {target} model.")
         pending = self._pending.get(target)
         if pending is not None and pending.group is not group:
             raise WeightPushConflict(
@@ -178,28 +183,24 @@ class Pusher:
                 f"Failed to update parameter online: weight_version {version!r} is not a version "
                 "(1-128 of A-Z a-z 0-9 . _ : + / @ -)."
             )
-        if pending is not None and pending.version != version:
+        if pending is not None and pending.version == version:
+            return pending
+        if pending is not None:
             await self._commit(pending, f"a bucket of version {version!r} began")
-            pending = None
-        if pending is None:
-            busy = self._gate.begin_push(target, f"a push of the {target} to {version!r}")
-            if busy is not None:
-                raise WeightPushConflict(f"Failed to update parameter online: {busy}.")
-            pending = _Version(target, version, group, time.perf_counter(), order.weight_version is not None)
-            self._pending[target] = pending
-        bucket = Bucket(
-            group.spec.name,
-            target,
-            version,
-            tuple(order.names),
-            tuple(order.dtypes),
-            tuple(tuple(shape) for shape in order.shapes),
-            flattened=order.load_format == "flattened_bucket",
-            mode=order.mode or self._mode,
-        )
+        busy = self._gate.begin_push(target, f"a push of the {target} to {version!r}")
+        if busy is not None:
+            raise WeightPushConflict(f"Failed to update parameter online: {busy}.")
+        pending = _Version(target, version, group, time.perf_counter(), order.weight_version is not None)
+        self._pending[target] = pending
+        return pending
+
+    async def _receive(
+        self, receiver: WeightReceiver, group: _Group, order: UpdateWeights, pending: _Version
+    ) -> str:
+        target, version = pending.target, pending.version
         try:
             received = await asyncio.get_running_loop().run_in_executor(
-                group.executor, receiver.receive, bucket
+                group.executor, receiver.receive, self._bucket(group, order, version)
             )
         except PushRefused as exc:
             self._metrics.weights_push_buckets.labels(target, "refused").inc()
@@ -221,6 +222,28 @@ class Pusher:
         return (
             f"{UPDATED} Weight version {version} is staged: it serves once complete ({received.missing} "
             "tensors to come) or committed (/continue_generation, /end_weight_update)."
+        )
+
+    async def _drain(self, receiver: WeightReceiver, group: _Group, order: UpdateWeights) -> None:
+        """Meet a refused bucket's broadcasts and drop them, so that the trainer does not hang."""
+        self._metrics.weights_push_buckets.labels(order.target, "refused").inc()
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                group.executor, receiver.drain, self._bucket(group, order, "drained")
+            )
+        except PushBroken as exc:
+            self._lost(group, str(exc))
+
+    def _bucket(self, group: _Group, order: UpdateWeights, version: str) -> Bucket:
+        return Bucket(
+            group.spec.name,
+            order.target,
+            version,
+            tuple(order.names),
+            tuple(order.dtypes),
+            tuple(tuple(shape) for shape in order.shapes),
+            flattened=order.load_format == "flattened_bucket",
+            mode=order.mode or self._mode,
         )
 
     async def commit_all(self, why: str) -> list[str]:
@@ -274,14 +297,19 @@ class Pusher:
         return "Succeeded to destroy custom process group."
 
     async def stop(self) -> None:
-        """Drop what is pending and leave every group (the server stops)."""
+        """Drop what is pending and leave every group (the server stops). A group in the middle of a
+        call is left as it is: the call ends by itself (at most weight_push_timeout_s) before the
+        process exits."""
         for pending in list(self._pending.values()):
             self._drop(pending, "the server stops")
         for group in list(self._groups.values()):
+            busy = group.lock.locked()
             self._forget(group)
-            if group.joined and isinstance(self._engine, WeightReceiver):
+            if busy:
+                log.warning("group %r stops in the middle of a push call", group.spec.name)
+            elif group.joined and isinstance(self._engine, WeightReceiver):
                 try:
-                    await asyncio.to_thread(self._engine.leave_group, group.spec.name)
+                    await asyncio.wait_for(asyncio.to_thread(self._engine.leave_group, group.spec.name), 10)
                 except Exception:  # the trainer may be gone: nothing more to do
                     log.debug("leaving group %r at stop", group.spec.name, exc_info=True)
 

@@ -223,6 +223,7 @@ def test_a_reload_and_a_push_exclude_each_other(client: TestClient, engine: Fake
     assert push.status_code == 409
     assert push.json()["success"] is False
     assert "a reload of the policy to 'r5' is under way" in push.json()["message"]
+    assert engine.drained == [("a",)]  # the trainer's broadcasts were met all the same
 
 
 def test_pins_see_the_pushed_version(client: TestClient) -> None:
@@ -247,7 +248,7 @@ def test_update_weight_version_names_the_pending_or_the_served_weights(client: T
     assert (bad.status_code, bad.json()["success"]) == (400, False)
 
 
-def test_sglang_bodies_are_parsed_as_sglang_parses_them(client: TestClient) -> None:
+def test_sglang_bodies_are_parsed_as_sglang_parses_them(client: TestClient, engine: FakePushEngine) -> None:
     # unknown fields ignored, a port as a string (AReaL), no body where SGLang has defaults
     assert (
         client.post("/destroy_weights_update_group", json={"rid": "x"}, headers=AS_ADMIN).status_code == 200
@@ -273,6 +274,7 @@ def test_sglang_bodies_are_parsed_as_sglang_parses_them(client: TestClient) -> N
     bad = bucket(client, ["a"], "a b", group_name="update_weight_group")
     assert (bad.status_code, bad.json()["success"]) == (400, False)
     assert "is not a version" in bad.json()["message"]
+    assert engine.drained == [("a",)]  # refused before it was looked at, its broadcasts met
     fine = bucket(client, ["a"], "v1", group_name="update_weight_group", flush_cache=False, selector="all")
     assert fine.status_code == 200
 

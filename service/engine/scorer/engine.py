@@ -149,6 +149,9 @@ class PackedScorer:
     def receive(self, bucket: Bucket) -> Received:
         return self.receiver.receive(bucket)
 
+    def drain(self, bucket: Bucket) -> None:
+        self.receiver.drain(bucket)
+
     def stage_received(self, target: Target, version: str) -> StagedWeights:
         return self.receiver.stage_received(target, version)
 

@@ -72,6 +72,13 @@ class Pushes:
             raise PushRefused(f"{_message(errors)}; the ranks disagreed: the pending version was dropped")
         raise _joined(errors)
 
+    def drain(self, bucket: Bucket) -> None:
+        errors = self._across("drain", bucket, lambda: self._scorer.drain(bucket))
+        if any(isinstance(e, PushBroken) for _, e in errors):
+            self._across("abort_group", bucket.group, lambda: self._scorer.receiver.abort_group(bucket.group))
+        if errors:
+            raise _joined(errors)
+
     def stage_received(self, target: Target, version: str) -> StagedWeights:
         box: list[StagedWeights] = []
         errors = self._across(
@@ -121,6 +128,8 @@ def serve(
             scorer.receiver.abort_group(argument)
         elif op == "receive":
             scorer.receive(argument)
+        elif op == "drain":
+            scorer.drain(argument)
         elif op == "stage_received":
             staged["weights"] = scorer.stage_received(*argument)
         elif op == "drop_received":

@@ -218,6 +218,9 @@ class TensorParallelEngine:
     def receive(self, bucket: Bucket) -> Received:
         return self._pushes.receive(bucket)
 
+    def drain(self, bucket: Bucket) -> None:
+        self._pushes.drain(bucket)
+
     def stage_received(self, target: Target, version: str) -> StagedWeights:
         return ParallelStaged(self._pushes.stage_received(target, version))
 

@@ -130,6 +130,16 @@ class PushReceiver:
             missing=missing,
         )
 
+    def drain(self, bucket: Bucket) -> None:
+        with self._lock:
+            joined = self._groups.get(bucket.group)
+        if joined is None:
+            return
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        with contextlib.suppress(PushRefused):  # misaligned offsets: the bytes arrived all the same
+            self._arrive(bucket, joined, None)
+
     def stage_received(self, target: Target, version: str) -> staging.Staged:
         with self._lock:
             pending = self._pending.pop(target, None)
@@ -161,8 +171,9 @@ class PushReceiver:
         names = self._names(bucket.target)
         return Pending(bucket.target, bucket.version, bucket.group, source, mode, names, ignores)
 
-    def _arrive(self, bucket: Bucket, joined: groups.Joined, pending: Pending) -> list[torch.Tensor]:
-        """Every broadcast of the bucket, met; PushRefused (after them) when its metadata does not fit."""
+    def _arrive(self, bucket: Bucket, joined: groups.Joined, pending: Pending | None) -> list[torch.Tensor]:
+        """Every broadcast of the bucket, met; PushRefused (after them) when its metadata does not fit
+        `pending`'s model (None: not looked at)."""
         try:
             wanted = entries(bucket)
         except Undrainable as exc:
@@ -170,7 +181,7 @@ class PushReceiver:
             raise PushBroken(
                 f"{exc}: the trainer's broadcasts cannot be met; the group is torn down"
             ) from exc
-        problems = pending.problems(wanted)
+        problems = pending.problems(wanted) if pending is not None else []
         deadline = time.monotonic() + joined.spec.timeout_s + GRACE_S
         try:
             tensors = receive(joined.pg, bucket, joined.device, deadline)
