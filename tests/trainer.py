@@ -128,7 +128,7 @@ def _import_sglang() -> tuple[Any, Any]:
             pass
 
     extra = [p for p in os.environ.get("LOGPROBD_SGLANG_PATH", "").split(":") if p]
-    sys.path[1:1] = [*extra, str(FRAMEWORKS)]
+    sys.path += [*extra, str(FRAMEWORKS)]  # after the environment's own packages: they win
     sys.meta_path.insert(0, StandIn())
     from sglang.srt.utils import init_custom_process_group  # type: ignore[import-not-found]
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket  # type: ignore[import-not-found]
