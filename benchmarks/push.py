@@ -16,7 +16,9 @@ Reported per run: seconds from the trainer's first call to the first scores answ
 version (`push_s`; for the reload, from save_pretrained's start), the scoring pause of the apply
 (the server's logprobd_weights_pause_seconds), and the server GPU's peak memory in use during the
 push above what it used before (nvidia-smi, polled; the caching allocator's reserve included).
-Last, the scores after a push equal, bit for bit, those after reloading the same weights.
+The scores after a push equal, bit for bit, those after reloading the same weights. Last, a trainer
+that stalls mid-bucket: the server answers 400 once --push-timeout-s passes (under NCCL: the group's
+communicator aborted, never the server), keeps serving, and takes a new group that pushes again.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ GIB = 2**30
 def server(checkpoint: Path, args: argparse.Namespace) -> Iterator[str]:
     """`python -m service serve` on --server-gpu, with the admin key, once ready: its URL."""
     argv = ["--model", str(checkpoint), "--device", args.device, "--dtype", args.dtype,
-            "--weights-version", "v0", "--weight-push-timeout-s", "600", "--batch-wait-ms", "0"]  # fmt: skip
+            "--weights-version", "v0", "--weight-push-timeout-s", str(args.push_timeout_s),
+            "--batch-wait-ms", "0"]  # fmt: skip
     env = {"LOGPROBD_ADMIN_API_KEYS": ADMIN}
     if args.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = str(args.server_gpu)
@@ -120,7 +123,7 @@ def push(
             "names": [n for n, _ in bucket],
             "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
             "shapes": [list(t.shape) for _, t in bucket],
-            "group_name": "benchmark",
+            "group_name": run.get("group", "benchmark"),
             "flush_cache": False,
             "weight_version": run["version"],
             "mode": run["mode"],
@@ -200,11 +203,80 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "push-latest.json")
     parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument(
+        "--push-timeout-s", type=float, default=120, help="the server's (and this trainer's) group timeout"
+    )
     parser.add_argument("--verbose", action="store_true", help="echo the server's log")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
+def join(http: httpx.Client, url: str, args: argparse.Namespace, device: torch.device, name: str) -> Any:
+    """The server joined to a new group of this trainer (rank 0, the store's host): the group, and
+    seconds from the call to both joined."""
+    port = _free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": name, "backend": args.backend}  # fmt: skip
+    replies: list[httpx.Response] = []
+    call = threading.Thread(
+        target=lambda: replies.append(http.post(f"{url}/init_weights_update_group", json=init))
+    )
+    started = time.perf_counter()
+    call.start()
+    spec = WeightGroup(name, "127.0.0.1", port, 1, 2, args.backend, args.push_timeout_s)
+    joined = groups.join(spec, 0, device)
+    call.join()
+    assert replies[0].status_code == 200, replies[0].text
+    return joined, time.perf_counter() - started
+
+
+def stall(http: httpx.Client, url: str, joined: Any, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """A bucket of two tensors of which the trainer broadcasts one, then nothing: the server gives the
+    push up once its group's timeout passes (NCCL: the communicator aborted, the server alive)."""
+    body = {
+        "names": [n for n, _ in named[:2]],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named[:2]],
+        "shapes": [list(t.shape) for _, t in named[:2]],
+        "group_name": joined.spec.name,
+        "weight_version": "stalled",
+    }
+    reply: list[httpx.Response] = []
+    call = threading.Thread(
+        target=lambda: reply.append(http.post(f"{url}/update_weights_from_distributed", json=body))
+    )
+    call.start()
+    dist.broadcast(named[0][1], src=0, group=joined.pg)
+    started = time.perf_counter()
+    call.join()
+    groups.abort(joined)
+    return {
+        "status": reply[0].status_code,
+        "given_up_s": time.perf_counter() - started,
+        "body": reply[0].json(),
+    }
+
+
+def push_again(
+    http: httpx.Client, url: str, args: argparse.Namespace, device: torch.device, *, model: Any, vocab: int
+) -> bool:
+    """After a stall: a new group is taken, and a version pushed over it serves."""
+    again, _ = join(http, url, args, device, "after-stall")
+    perturb(model, 99)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    run = {
+        "mode": "swap",
+        "flattened": False,
+        "bucket_bytes": int(args.bucket_mib * 2**20),
+        "version": "again",
+        "group": "after-stall",
+    }
+    push(http, url, again.pg, named, run)
+    served = bool(scores(http, url, vocab, "again"))
+    http.post(f"{url}/destroy_weights_update_group", json={"group_name": "after-stall"})
+    dist.destroy_process_group(again.pg)
+    return served
+
+
+def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     cuda = args.device == "cuda"
     device = torch.device("cuda", args.trainer_gpu) if cuda else torch.device("cpu")
@@ -217,37 +289,27 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
     named = [(n, t) for n, t in named if not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
     memory = DeviceMemory(args.server_gpu if cuda else None)
     runs: list[dict[str, Any]] = []
+    bucket_bytes = int(args.bucket_mib * 2**20)
     with tempfile.TemporaryDirectory(dir=args.save_dir) as tmp:
         root = Path(tmp)
         model.save_pretrained(root / "v0")
         with server(root / "v0", args) as url, httpx.Client(headers=HEADERS, timeout=3600) as http:
-            port = _free_port()
-            init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-                    "group_name": "benchmark", "backend": args.backend}  # fmt: skip
-            replies: list[httpx.Response] = []
-            call = threading.Thread(
-                target=lambda: replies.append(http.post(f"{url}/init_weights_update_group", json=init))
-            )
-            started = time.perf_counter()
-            call.start()
-            spec = WeightGroup("benchmark", "127.0.0.1", port, 1, 2, args.backend, 600.0)
-            pg = groups.join(spec, 0, device).pg  # the trainer: rank 0, the store's host
-            call.join()
-            assert replies[0].status_code == 200, replies[0].text
-            join_s = time.perf_counter() - started
+            joined, join_s = join(http, url, args, device, "benchmark")
             step = 0
             for mode in ("swap", "copy"):
                 for flattened in (False, True):
                     step += 1
                     perturb(model, step)
-                    run: dict[str, Any] = {
+                    run = {
                         "mode": mode,
                         "flattened": flattened,
-                        "bucket_bytes": int(args.bucket_mib * 2**20),
+                        "bucket_bytes": bucket_bytes,
                         "version": f"push-{step}",
                     }
-                    deliver = lambda r=run: push(http, url, pg, named, r)  # noqa: E731
-                    row = measured(http, url, memory, vocab=vocab, version=run["version"], deliver=deliver)
+                    deliver = lambda r=run: push(http, url, joined.pg, named, r)  # noqa: E731
+                    row = measured(
+                        http, url, memory, vocab=vocab, version=str(run["version"]), deliver=deliver
+                    )
                     runs.append({"how": "push", **run, **row})
             last = runs[-1]["scores"]
             for mode in ("swap", "copy"):
@@ -262,25 +324,37 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
                 row = measured(http, url, memory, vocab=vocab, version=f"reload-{mode}", deliver=reload)
                 runs.append({"how": "save_pretrained + reload", "mode": mode, **row})
             bitwise = runs[-1]["scores"] == last  # the last push's weights, reloaded from disk
-            http.post(f"{url}/destroy_weights_update_group", json={"group_name": "benchmark"})
-            dist.destroy_process_group(pg)
-    report(args, runs, join_s, bitwise)
+            stalled = stall(http, url, joined, named)
+            stalled["still_served"] = scores(http, url, vocab, "reload-copy") == runs[-1]["scores"]
+            stalled["pushed_after"] = push_again(http, url, args, device, model=model, vocab=vocab)
+    report(args, runs, join_s, bitwise, stalled)
     rows = [{k: v for k, v in r.items() if k != "scores"} for r in runs]
     settings = {
         "model": args.model,
         "dtype": args.dtype,
         "backend": args.backend,
         "bucket_mib": args.bucket_mib,
+        "push_timeout_s": args.push_timeout_s,
     }
     result = {**provenance("push", device, argv, gpus=2), "settings": settings, "join_s": join_s}
-    write_result(args.output, {**result, "push_equals_reload_bitwise": bitwise, "runs": rows})
-    return 0 if bitwise else 1
+    result.update(push_equals_reload_bitwise=bitwise, stall=stalled, runs=rows)
+    write_result(args.output, result)
+    survived = stalled["status"] == 400 and stalled["still_served"] and stalled["pushed_after"]
+    return 0 if bitwise and survived else 1
 
 
-def report(args: argparse.Namespace, runs: list[dict[str, Any]], join_s: float, bitwise: bool) -> None:
+def report(
+    args: argparse.Namespace,
+    runs: list[dict[str, Any]],
+    join_s: float,
+    bitwise: bool,
+    stalled: dict[str, Any],
+) -> None:
     print(
         f"{args.model} {args.dtype} over {args.backend}: group joined in {join_s:.2f} s; "
-        f"push == reload bitwise: {bitwise}"
+        f"push == reload bitwise: {bitwise}; a stalled trainer given up after {stalled['given_up_s']:.1f} s "
+        f"(timeout {args.push_timeout_s:g} s), answered {stalled['status']}, the last version still served: "
+        f"{stalled['still_served']}, a new group pushed: {stalled['pushed_after']}"
     )
     print("| how | mode | format | first call to scores, s | pause ms | server GPU peak beyond, GiB |")
     print("| --- | --- | --- | ---: | ---: | ---: |")

@@ -188,7 +188,8 @@ class FakePushEngine(FakeEngine):
     REQUIRED; applying a push makes the shift the count of its tensors received. A name that starts
     with "unknown" is refused (PushRefused), "die" breaks the group (PushBroken); `receive_delay`
     makes each bucket slow; `received` records each bucket's (version, names), in order, and
-    `drained` the names of buckets refused before they were looked at."""
+    `drained` the names of buckets refused before they were looked at; while `staging` is clear, a
+    reload's stage waits."""
 
     REQUIRED = ("a", "b", "c")
 
@@ -199,7 +200,13 @@ class FakePushEngine(FakeEngine):
         self.received: list[tuple[str, tuple[str, ...]]] = []
         self.left: list[str] = []
         self.drained: list[tuple[str, ...]] = []  # buckets refused before they were looked at
+        self.staging = threading.Event()  # cleared: a reload's stage waits until it is set
+        self.staging.set()
         self._pushed: dict[str, tuple[str, set[str]]] = {}  # target -> (version, names received)
+
+    def stage(self, order: ReloadOrder) -> StagedWeights:
+        self.staging.wait(30)
+        return super().stage(order)
 
     def join_group(self, group: WeightGroup) -> None:
         if group.master_address == "unreachable":

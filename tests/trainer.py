@@ -69,7 +69,14 @@ class Trainer:
         reader.start()
         reader.join(timeout)
         if not box or not box[0]:
-            raise RuntimeError(f"the trainer did not answer in {timeout} s\n{self.log.read_text()[-4000:]}")
+            hint = (
+                ""
+                if self.process.poll() is None
+                else " (it exited: are the releases installed? make install)"
+            )
+            raise RuntimeError(
+                f"the trainer did not answer in {timeout} s{hint}\n{self.log.read_text()[-4000:]}"
+            )
         answer: dict[str, Any] = json.loads(box[0])
         if "error" in answer:
             raise RuntimeError(f"trainer: {answer['error']}\n{self.log.read_text()[-4000:]}")

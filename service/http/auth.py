@@ -1,7 +1,7 @@
 """Optional bearer API keys: from LOGPROBD_API_KEYS and/or a file, compared in constant time.
 
 Keys are never logged or echoed. With no API key configured, the scoring routes are open; the admin
-routes (weight reload) need an admin key, and are off (403) when none is configured.
+routes (weight reload, weight push) need an admin key, and are off (403) when none is configured.
 """
 
 from __future__ import annotations

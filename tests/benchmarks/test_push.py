@@ -1,5 +1,6 @@
 """CPU smoke test of the weight-push benchmark: a tiny model pushed over gloo to a real server, per
-mode and format, then saved and reloaded; the pushes' scores equal the reload's bitwise."""
+mode and format, then saved and reloaded (the pushes' scores equal the reload's bitwise); a trainer
+that stalls mid-bucket is given up after the group's timeout, and a new group pushes again."""
 
 from __future__ import annotations
 
@@ -16,10 +17,22 @@ from benchmarks import push
 def test_push_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "push.json"
     argv = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--backend", "gloo"]
-    argv += ["--bucket-mib", "0.05", "--save-dir", str(tmp_path), "--output", str(out)]
+    argv += [
+        "--bucket-mib",
+        "0.05",
+        "--save-dir",
+        str(tmp_path),
+        "--output",
+        str(out),
+        "--push-timeout-s",
+        "10",
+    ]
     assert push.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["push_equals_reload_bitwise"] is True
+    stall = report["stall"]
+    assert (stall["status"], stall["still_served"], stall["pushed_after"]) == (400, True, True)
+    assert 10 <= stall["given_up_s"] < 10 + 15
     runs = report["runs"]
     assert [(r["how"], r["mode"]) for r in runs] == [
         ("push", "swap"), ("push", "swap"), ("push", "copy"), ("push", "copy"),

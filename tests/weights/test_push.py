@@ -214,12 +214,13 @@ def test_a_reload_and_a_push_exclude_each_other(client: TestClient, engine: Fake
     assert reload.json()["error"]["type"] == "reload_in_progress"
     assert "a push of the policy to 'v1' is pending" in reload.json()["error"]["message"]
     assert bucket(client, ["b", "c"], "v1").status_code == 200  # served: the gate is free again
-    engine.stage_delay = 0.5
+    engine.staging.clear()  # the reload stays under way until set
     started = client.post(
         "/admin/weights", json={"path": "/w/5", "version": "r5", "wait": False}, headers=AS_ADMIN
     )
     assert started.status_code == 202
     push = bucket(client, ["a"], "v2")
+    engine.staging.set()
     assert push.status_code == 409
     assert push.json()["success"] is False
     assert "a reload of the policy to 'r5' is under way" in push.json()["message"]
