@@ -12,22 +12,19 @@ version's tensors stay pending, never served, until:
 - or nothing more comes for weight_push_partial_timeout_s: it is dropped; what served goes on.
 
 A bucket with no weight_version belongs to the version pending for its target, or starts a new one
-named after the version served: "v7" -> "v7+1" -> "v7+2" (next_version). One group at a time; its
-calls run one at a time in arrival order (FIFO), its receives on a thread of their own. A push and a
-checkpoint reload exclude each other (gate.py). A group that fails mid-push is torn down with what it
-left pending; the next init is accepted.
+named after the version served: "v7" -> "v7+1" -> "v7+2" (next_version). One group at a time, whose
+calls run one at a time in arrival order (groups.py). A push and a checkpoint reload exclude each
+other (gate.py). A group that fails mid-push is torn down with what it left pending; the next init is
+accepted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import re
-import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from service.batcher import Batcher
 from service.core.errors import WeightPushConflict, WeightPushFailed
@@ -38,12 +35,12 @@ from service.engine.contract import (
     ScoringEngine,
     StagedWeights,
     Target,
-    WeightGroup,
     WeightReceiver,
 )
 from service.metrics import Metrics
 from service.settings import Settings
 from service.weights.gate import UpdateGate
+from service.weights.groups import Group, Groups
 from service.wire.weight_sync import InitGroup, UpdateWeights
 
 log = logging.getLogger(__name__)
@@ -60,23 +57,12 @@ def next_version(served: str) -> str:
 
 
 @dataclass(slots=True)
-class _Group:
-    spec: WeightGroup
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # FIFO: one call of the group at a time
-    executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="logprobd-push")
-    )
-    joined: bool = False
-    gone: bool = False
-
-
-@dataclass(slots=True)
 class _Version:
     """A version pending for one target."""
 
     target: Target
     version: str
-    group: _Group
+    group: Group
     started: float  # perf_counter of its first bucket
     named: bool  # the trainer named it
     buckets: int = 0  # received
@@ -91,12 +77,9 @@ class Pusher:
         self._batcher = batcher
         self._metrics = metrics
         self._gate = gate
-        self._timeout_s = settings.weight_push_timeout_s
         self._partial_s = settings.weight_push_partial_timeout_s
         self._mode = settings.reload_mode
-        self._networks = settings.push_networks()
-        self._tp = engine.info.tensor_parallel_size
-        self._groups: dict[str, _Group] = {}
+        self._groups = Groups(settings, engine.info.tensor_parallel_size)
         self._pending: dict[Target, _Version] = {}
         for target in engine.weights:
             metrics.observe_push_targets(target)
@@ -106,53 +89,18 @@ class Pusher:
 
     async def init_group(self, order: InitGroup) -> str:
         """Join the trainer's group; returns once the rendezvous is done."""
-        receiver = self._receiver("Failed to initialize custom process group")
-        if order.group_name in self._groups:
-            raise WeightPushFailed(
-                "Failed to initialize custom process group: The specified group name has already been used."
-            )
-        if self._groups:
-            raise WeightPushConflict(
-                f"Failed to initialize custom process group: group {next(iter(self._groups))!r} is open; "
-                "this server takes one group at a time (destroy it first)"
-            )
-        if order.rank_offset < 1 or order.rank_offset + self._tp > order.world_size:
-            last = order.rank_offset + self._tp - 1
-            raise WeightPushFailed(
-                f"Failed to initialize custom process group: ranks {order.rank_offset}..{last} "
-                f"(rank_offset + this replica's {self._tp} tensor-parallel ranks) do not fit a world of "
-                f"{order.world_size} whose rank 0 is the trainer."
-            )
-        spec = WeightGroup(
-            order.group_name,
-            order.master_address,
-            order.master_port,
-            order.rank_offset,
-            order.world_size,
-            order.backend,
-            self._timeout_s,
-        )
-        group = self._groups[spec.name] = _Group(spec)
-        try:
-            await self._allowed(order.master_address, order.master_port)
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(group.executor, receiver.join_group, spec)
-        except Exception as exc:
-            self._forget(group)
-            log.warning("joining weight-update group %r failed: %s", spec.name, exc)
-            raise WeightPushFailed(f"Failed to initialize custom process group: {exc}.") from exc
-        group.joined = True
+        await self._groups.join(order, self._receiver("Failed to initialize custom process group"))
         return "Succeeded to initialize custom process group."
 
     async def update(self, order: UpdateWeights) -> str:
         """Receive one bucket; answers once it is staged (and applied, when it completes a version).
         A bucket refused before it is received is drained all the same (the trainer is broadcasting)."""
         receiver = self._receiver("Failed to update parameter online")
-        group = self._groups.get(order.group_name)
-        if group is None or not group.joined:
-            groups = [name for name, g in self._groups.items() if g.joined]
+        group = self._groups.joined(order.group_name)
+        if group is None:
             raise WeightPushFailed(
-                f"Group {order.group_name} not in {groups}. Please call `init_weights_update_group` first."
+                f"Group {order.group_name} not in {self._groups.names()}. Please call "
+                "`init_weights_update_group` first."
             )
         async with group.lock:
             if group.gone:
@@ -166,7 +114,7 @@ class Pusher:
                 raise
             return await self._receive(receiver, group, order, pending)
 
-    async def _begin(self, group: _Group, order: UpdateWeights) -> _Version:
+    async def _begin(self, group: Group, order: UpdateWeights) -> _Version:
         """The version the bucket belongs to, pending (the one before it served if it differs)."""
         target = order.target
         if target not in self._engine.weights:
@@ -195,7 +143,7 @@ class Pusher:
         return pending
 
     async def _receive(
-        self, receiver: WeightReceiver, group: _Group, order: UpdateWeights, pending: _Version
+        self, receiver: WeightReceiver, group: Group, order: UpdateWeights, pending: _Version
     ) -> str:
         target, version = pending.target, pending.version
         try:
@@ -224,7 +172,7 @@ class Pusher:
             "tensors to come) or committed (/continue_generation, /end_weight_update)."
         )
 
-    async def _drain(self, receiver: WeightReceiver, group: _Group, order: UpdateWeights) -> None:
+    async def _drain(self, receiver: WeightReceiver, group: Group, order: UpdateWeights) -> None:
         """Meet a refused bucket's broadcasts and drop them, so that the trainer does not hang."""
         self._metrics.weights_push_buckets.labels(order.target, "refused").inc()
         try:
@@ -234,7 +182,7 @@ class Pusher:
         except PushBroken as exc:
             self._lost(group, str(exc))
 
-    def _bucket(self, group: _Group, order: UpdateWeights, version: str) -> Bucket:
+    def _bucket(self, group: Group, order: UpdateWeights, version: str) -> Bucket:
         return Bucket(
             group.spec.name,
             order.target,
@@ -281,37 +229,22 @@ class Pusher:
         return version
 
     async def destroy_group(self, name: str) -> str:
-        group = self._groups.get(name)
-        if group is None or not group.joined:
+        group = self._groups.joined(name)
+        if group is None:
             raise WeightPushFailed("The group to be destroyed does not exist.")
         receiver = self._receiver("Failed to destroy custom process group")
         async with group.lock:
             for pending in [p for p in self._pending.values() if p.group is group]:
                 self._drop(pending, "its group was destroyed")
-            try:
-                await asyncio.get_running_loop().run_in_executor(group.executor, receiver.leave_group, name)
-            except Exception as exc:
-                raise WeightPushFailed(f"Failed to destroy custom process group: {exc}.") from exc
-            finally:
-                self._forget(group)
+            await self._groups.leave(group, receiver)
         return "Succeeded to destroy custom process group."
 
     async def stop(self) -> None:
-        """Drop what is pending and leave every group (the server stops). A group in the middle of a
-        call is left as it is: the call ends by itself (at most weight_push_timeout_s) before the
-        process exits."""
+        """Drop what is pending and leave every group (the server stops)."""
         for pending in list(self._pending.values()):
             self._drop(pending, "the server stops")
-        for group in list(self._groups.values()):
-            busy = group.lock.locked()
-            self._forget(group)
-            if busy:
-                log.warning("group %r stops in the middle of a push call", group.spec.name)
-            elif group.joined and isinstance(self._engine, WeightReceiver):
-                try:
-                    await asyncio.wait_for(asyncio.to_thread(self._engine.leave_group, group.spec.name), 10)
-                except Exception:  # the trainer may be gone: nothing more to do
-                    log.debug("leaving group %r at stop", group.spec.name, exc_info=True)
+        receiver = self._engine if isinstance(self._engine, WeightReceiver) else None
+        await self._groups.stop(receiver)
 
     # ---- internals --------------------------------------------------------------------------------
 
@@ -319,18 +252,6 @@ class Pusher:
         if not isinstance(self._engine, WeightReceiver):
             raise WeightPushFailed(f"{failure}: this engine does not take pushed weights.")
         return self._engine
-
-    async def _allowed(self, host: str, port: int) -> None:
-        """ValueError unless every address `host` resolves to lies in weight_push_addresses (unset: any)."""
-        if not self._networks:
-            return
-        infos = await asyncio.to_thread(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
-        addresses = {ipaddress.ip_address(info[4][0]) for info in infos}
-        outside = sorted(str(a) for a in addresses if not any(a in net for net in self._networks))
-        if outside:
-            raise ValueError(
-                f"master_address {host} ({', '.join(outside)}) is not in this server's weight_push_addresses"
-            )
 
     async def _commit(self, pending: _Version, why: str | None) -> None:
         """Serve what is pending (the caller holds its group's lock)."""
@@ -393,7 +314,7 @@ class Pusher:
             del self._pending[pending.target]
         self._gate.end_push(pending.target)
 
-    def _lost(self, group: _Group, why: str) -> None:
+    def _lost(self, group: Group, why: str) -> None:
         """The group broke (the engine tore it down): forget it and what it left pending."""
         for pending in [p for p in self._pending.values() if p.group is group]:
             if pending.expiry is not None:
@@ -401,10 +322,4 @@ class Pusher:
             self._end(pending)
             self._metrics.weights_pushes.labels(pending.target, "dropped").inc()
             log.warning("pushed %s %r dropped: %s", pending.target, pending.version, why)
-        self._forget(group)
-
-    def _forget(self, group: _Group) -> None:
-        group.gone = True
-        if self._groups.get(group.spec.name) is group:
-            del self._groups[group.spec.name]
-        group.executor.shutdown(wait=False)
+        self._groups.forget(group)
