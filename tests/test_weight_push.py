@@ -435,11 +435,12 @@ def test_a_tensor_parallel_replica_joins_as_its_ranks(
             check_reply(httpx.post(f"{url}/logprobs", json=BODY, timeout=60), BODY, eager(checkpoints["r1"]))
             flat = rank0.call("push", checkpoint=str(checkpoints["r0"]), version="tp0", flattened=True, **g)
             assert set(statuses(flat["calls"])) == {200}, flat
-            refused = rank0.call(
+            drained = rank0.call(
                 "raw", body={"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[65]],
                              "group_name": "g", "weight_version": "x"}, send=[("float32", [65])], **g,
             )  # fmt: skip
-            assert refused["replies"][0]["status"] == 400
+            assert drained["replies"][0]["status"] == 400  # every rank drained it, every rank refused it
+            assert "shape [65], the served policy takes [64]" in drained["replies"][0]["body"]["message"]
         reply = httpx.post(f"{url}/logprobs", json=BODY, timeout=60)
         assert reply.json()["weights_version"] == "tp0"
         check_reply(reply, BODY, eager(checkpoints["r0"]))
