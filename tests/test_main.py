@@ -11,8 +11,7 @@ import pytest
 
 from service.__main__ import _parser
 from service.settings import Settings
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT
 
 
 def test_every_setting_has_a_flag() -> None:

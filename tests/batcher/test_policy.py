@@ -384,7 +384,7 @@ def test_beside_a_chunk_whole_sequences_take_at_most_half_the_budget() -> None:
 
 
 def test_prefixes_are_shared_in_batch_invariant_mode_too() -> None:
-    """A shared prefix changes which rows run, not a row's bits (tests/test_invariant.py)."""
+    """A shared prefix changes which rows run, not a row's bits (tests/parity/test_invariant.py)."""
     assert sharing(Settings(batch_invariant=True, share_min_tokens=24)) == 24
     assert sharing(Settings(batch_invariant=True, share_prefixes=False)) is None
 

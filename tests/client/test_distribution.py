@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from service.client import AsyncClient, Client
-from tests.client.conftest import serving
+from tests.support.servers import serving
 
 IDS = [[5, 9, 13, 40, 41, 77, 2, 8], [3, 3, 60, 61, 62]]
 

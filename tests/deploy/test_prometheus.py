@@ -33,10 +33,10 @@ import httpx
 import pytest
 
 from service.http.app import create_app
-from tests.conftest import loopback, settings_for
-from tests.deploy.chart import CHART, NAMESPACE, only, render
-from tests.deploy.prometheus import MONITORED, Prometheus, rule_groups, running_prometheus, scrape_config
-from tests.deploy.test_metric_names import EXTERNAL, _panels
+from tests.support.chart import CHART, EXTERNAL, NAMESPACE, every_panel, only, render
+from tests.support.device import settings_for
+from tests.support.prometheus import MONITORED, Prometheus, rule_groups, running_prometheus, scrape_config
+from tests.support.servers import loopback
 
 INTERVAL = "1s"
 DASHBOARD_DATA = "LOGPROBD_DASHBOARD_DATA"  # a file to write every panel's answers to
@@ -195,7 +195,7 @@ def panel_queries() -> list[tuple[str, str, str]]:
     """(panel title, panel type, expression) of every target of every panel."""
     return [
         (panel["title"], panel["type"], target["expr"])
-        for panel in _panels(dashboard()["panels"])
+        for panel in every_panel(dashboard()["panels"])
         for target in panel.get("targets", [])
     ]
 

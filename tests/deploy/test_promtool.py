@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.chart import NAMESPACE, render
-from tests.deploy.prometheus import MONITORED, binary, rule_groups
+from tests.support.chart import NAMESPACE, render
+from tests.support.prometheus import MONITORED, binary, rule_groups
 
 SERVICE = "rl-logprobd"
 OURS = f'namespace="{NAMESPACE}", service="{SERVICE}"'

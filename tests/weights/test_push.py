@@ -1,5 +1,5 @@
 """Weight pushes in SGLang's protocol over HTTP, on an engine that takes pushed weights without a
-model (tests/fakes.py FakePushEngine: the policy holds tensors a, b, c; a push serves a shift of the
+model (tests/support/fakes.py FakePushEngine: the policy holds tensors a, b, c; a push serves a shift of the
 count of its tensors): when a version serves (complete, committed, another version, dropped after the
 timeout), how versions are named, FIFO per group, the conflicts, the refusals, the admin key and
 SGLang's answers."""
@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient
 from service.http.app import create_app
 from service.settings import Settings
 from service.weights.push import next_version
-from tests.conftest import Reply, loopback, wait_ready
-from tests.fakes import FakeEngine, FakePushEngine
+from tests.support.fakes import FakeEngine, FakePushEngine
+from tests.support.servers import Reply, loopback, wait_ready
 
 ADMIN = "admin-key"
 AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}

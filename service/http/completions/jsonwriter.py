@@ -7,7 +7,7 @@ Each position shows its own token first, then the K most likely; a token among t
 in first place, with the K's log-prob and rank (a dict's key written twice). OpenAI's dicts are keyed
 by text: tokens of one text keep the first one's place and the last one's log-prob. Log-probs are
 clamped to -9999.0 (vLLM's floor for -inf); NaN is written null. The bytes are those orjson.dumps
-writes for the same dicts of Python floats (tests/completions/test_jsonwriter.py holds them to it):
+writes for the same dicts of Python floats (tests/http/completions/test_jsonwriter.py holds them to it):
 numbers are orjson's own, of float64 arrays, and the rest is pieces.py's text copied by token id
 (bytepool.py). Memory: one block of BLOCK_ENTRIES entries at a time besides the bytes written.
 """

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from service.engine.decoder.mlp_chunks import ACTIVATION_BYTES, chunk_mlps, resolve_tokens
-from tests import models
+from tests.support import models
 
 
 def test_chunked_model_gives_identical_hidden_states() -> None:

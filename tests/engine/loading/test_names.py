@@ -17,9 +17,9 @@ from service.engine.contract import ReloadOrder
 from service.engine.loading.names import WHOLE
 from service.engine.loading.names import of as names_of
 from service.engine.scorer.engine import PackedScorer
-from tests import models
-from tests.conftest import TOLERANCE, eager, settings_for
 from tests.engine.loading.test_reload import _jobs, _reference
+from tests.support import models
+from tests.support.device import TOLERANCE, eager, settings_for
 
 
 @pytest.mark.parametrize("arch", models.EVERY)
