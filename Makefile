@@ -26,7 +26,7 @@ $(SERVE_STAMP): requirements.txt pyproject.toml
 
 $(STAMP): $(SERVE_STAMP) requirements-dev.txt requirements-frameworks.txt
 	$(PY) -m pip install -q -r requirements-dev.txt "$(TRANSFORMERS_REQ)"
-	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/frameworks -r requirements-frameworks.txt  # RL trainers' releases for tests/client/test_releases.py
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/frameworks -r requirements-frameworks.txt  # RL trainers' releases (tests/client/test_releases.py), SGLang's push helpers (tests/support/trainer.py)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
