@@ -26,8 +26,8 @@ $(SERVE_STAMP): requirements.txt pyproject.toml
 
 $(STAMP): $(SERVE_STAMP) requirements-dev.txt requirements-frameworks.txt requirements-lm-eval.txt
 	$(PY) -m pip install -q -r requirements-dev.txt "$(TRANSFORMERS_REQ)"
-	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/frameworks -r requirements-frameworks.txt  # RL trainers' releases for tests/client/test_releases.py
-	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/lm-eval -r requirements-lm-eval.txt  # lm-eval's command line for tests/completions/test_lm_eval_cli.py
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/frameworks -r requirements-frameworks.txt  # RL trainers' releases (tests/client/test_releases.py), SGLang's push helpers (tests/support/trainer.py)
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/lm-eval -r requirements-lm-eval.txt  # lm-eval's command line for tests/e2e/test_lm_eval_cli.py
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -1,8 +1,9 @@
 """The real app on loopback and the rounds sent to it: what the suites that measure over HTTP share.
 
 `HttpServer` serves an engine (already built, or built by a factory as the app starts) under uvicorn
-in this process; `http_bodies` cuts a workload into the 8 clients' request bodies (compact frames, as
-logprobd's client sends them, or JSON); `http_rounds` sends them all at once from client processes
+in this process (`serve_process`: a `python -m service serve` process of its own); `http_bodies`
+cuts a workload into the 8 clients' request bodies (compact frames, as logprobd's client sends them,
+or JSON); `http_rounds` sends them all at once from client processes
 (benchmarks/client.py) and returns each round's wall seconds; the server's /metrics histograms say
 what it did meanwhile (`batch_counts`).
 """
@@ -10,6 +11,8 @@ what it did meanwhile (`batch_counts`).
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import statistics
 import subprocess
@@ -17,7 +20,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +72,45 @@ class HttpServer:
     def __exit__(self, *_: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60)
+
+
+@contextmanager
+def serve_process(
+    argv: list[str], *, start_timeout: float, env: dict[str, str] | None = None, verbose: bool = False
+) -> Iterator[str]:
+    """`python -m service serve --port 0 <argv>` on loopback (`env` added to this one's), once ready:
+    its URL; its log goes to stderr with `verbose`."""
+    cmd = [sys.executable, "-m", "service", "serve", "--port", "0", *argv]
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=environment)
+    found: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr or ():
+            if match := re.search(r"listening on (http://\S+)", line):
+                found.append(match.group(1))
+                started.set()
+            if verbose:
+                sys.stderr.write(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if not started.wait(start_timeout):
+            raise TimeoutError("the server did not start")
+        deadline = time.monotonic() + start_timeout
+        while httpx.get(f"{found[0]}/health/ready").status_code != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not become ready (exit status {proc.poll()})")
+            time.sleep(0.2)
+        yield found[0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+        reader.join(10)
+        if proc.stderr is not None:
+            proc.stderr.close()
 
 
 def http_bodies(

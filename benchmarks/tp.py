@@ -19,13 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.harness import RESULTS, matmul_rate, provenance, write_result
-from benchmarks.server import http_bodies, http_seconds
+from benchmarks.server import http_bodies, http_seconds, serve_process
 from benchmarks.shapes import SHAPES, TP_SHAPES
 from benchmarks.workload import Sample, floor_flops, long_workload, workload
 
@@ -117,39 +112,10 @@ def non_embedding_params(shape: dict[str, int | bool]) -> int:
 @contextmanager
 def server(checkpoint: Path, tp: int, args: argparse.Namespace) -> Iterator[str]:
     """`python -m service serve --tensor-parallel-size tp` on loopback, once ready; its URL."""
-    cmd = [sys.executable, "-m", "service", "serve", "--port", "0", "--model", str(checkpoint),
-           "--device", args.device, "--dtype", args.dtype, "--tensor-parallel-size", str(tp),
-           "--max-batch-tokens", str(args.max_batch_tokens)]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-    found: list[str] = []
-    started = threading.Event()
-
-    def read() -> None:
-        for line in proc.stderr or ():
-            if match := re.search(r"listening on (http://\S+)", line):
-                found.append(match.group(1))
-                started.set()
-            if args.verbose:
-                sys.stderr.write(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        if not started.wait(args.start_timeout):
-            raise TimeoutError("the server did not start")
-        deadline = time.monotonic() + args.start_timeout
-        while httpx.get(f"{found[0]}/health/ready").status_code != 200:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not become ready (exit status {proc.poll()})")
-            time.sleep(0.2)
-        yield found[0]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
-        reader.join(10)
-        if proc.stderr is not None:
-            proc.stderr.close()
+    argv = ["--model", str(checkpoint), "--device", args.device, "--dtype", args.dtype,
+            "--tensor-parallel-size", str(tp), "--max-batch-tokens", str(args.max_batch_tokens)]  # fmt: skip
+    with serve_process(argv, start_timeout=args.start_timeout, verbose=args.verbose) as url:
+        yield url
 
 
 def samples_of(name: str, args: argparse.Namespace) -> list[Sample]:

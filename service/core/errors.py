@@ -121,6 +121,30 @@ class WeightsRefused(ServiceError):
     kind = "weights_rejected"
 
 
+class WeightPushFailed(ServiceError):
+    """A route of SGLang's weight-push protocol failed; the answer is SGLang's own shape."""
+
+    kind = "weight_push_failed"
+
+    def body(self) -> dict[str, Any]:
+        return {"success": False, "message": self.message}
+
+
+class WeightPushConflict(WeightPushFailed):
+    """A second trainer group, or a push while a checkpoint reload runs (or the other way round)."""
+
+    kind = "weight_push_conflict"
+
+
+class WeightPushInvalid(ServiceError):
+    """A body of SGLang's weight-push protocol that does not validate: SGLang's error object."""
+
+    kind = "weight_push_invalid"
+
+    def body(self) -> dict[str, Any]:
+        return {"object": "error", "message": self.message, "type": "Bad Request", "param": None, "code": 400}
+
+
 class Forbidden(ServiceError):
     """The route is switched off on this server."""
 
@@ -169,6 +193,9 @@ _STATUS: dict[type[ServiceError], int] = {
     VersionMismatch: 409,
     ReloadConflict: 409,
     WeightsRefused: 422,
+    WeightPushFailed: 400,
+    WeightPushConflict: 409,
+    WeightPushInvalid: 400,
     Overloaded: 429,
     DeadlineExceeded: 504,
     ClientDisconnected: 499,

@@ -7,10 +7,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 
-from service.core.errors import EngineFailure, Forbidden, WeightsRefused
-from service.http.auth import ApiKeys
+from service.core.errors import EngineFailure, WeightsRefused
+from service.http.auth import admin_only
 from service.http.bodies import read_body
 from service.http.state import ServiceState
 from service.wire.schemas import ErrorBody, ReloadStatus, WeightsReport, WeightsUpdate, parse_body
@@ -35,19 +35,7 @@ ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def build_admin_router(state: ServiceState, bearer: HTTPBearer) -> APIRouter:
-    keys = ApiKeys.admin(state.settings)
-
-    async def admin(
-        http: Request,
-        _: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008 (documents the scheme)
-    ) -> None:
-        if not keys.enabled:
-            raise Forbidden(
-                "weight reload is off: start the server with an admin key (LOGPROBD_ADMIN_API_KEYS or "
-                "--admin-api-keys-file)"
-            )
-        keys.check(http.headers.get("authorization"))
-
+    admin = admin_only(state.settings, bearer, "weight reload")
     router = APIRouter(prefix="/admin", dependencies=[Depends(admin)])
 
     body_schema = {"application/json": {"schema": WeightsUpdate.model_json_schema()}}

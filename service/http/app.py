@@ -27,6 +27,8 @@ from service.metrics import Metrics
 from service.normalise import ModelLimits
 from service.settings import Settings
 from service.weights.follow import follow_version_file
+from service.weights.gate import UpdateGate
+from service.weights.push import Pusher
 from service.weights.updates import Reloader
 from service.wire import jsonrows
 
@@ -69,6 +71,8 @@ def create_app(
                     state.serving.follower.cancel()
                     await asyncio.gather(state.serving.follower, return_exceptions=True)
                 await state.serving.reloader.stop()
+                if state.serving.pusher is not None:
+                    await state.serving.pusher.stop()
                 await state.serving.batcher.stop()
                 if state.serving.supervised is not None:
                     await asyncio.to_thread(state.serving.supervised.close)
@@ -128,7 +132,9 @@ async def _start(
         max_timeout_s=settings.max_request_timeout_s,
         moe=info.moe,
     )
-    reloader = Reloader(engine, batcher, state.metrics, settings)
+    gate = UpdateGate()  # a reload and a push exclude each other
+    reloader = Reloader(engine, batcher, state.metrics, settings, gate)
+    pusher = Pusher(engine, batcher, state.metrics, settings, gate)
     follower = None
     if settings.weights_follow is not None:
         follow = follow_version_file(reloader, settings.weights_follow, settings.weights_follow_interval_s)
@@ -141,6 +147,7 @@ async def _start(
         follower=follower,
         supervised=supervised,
         token_text=token_text,
+        pusher=pusher,
     )
     frozen = heap.freeze()  # what lives until exit stays out of the full collections while serving
     log.debug("%d objects kept out of the full collections (%.2f s)", frozen.objects, frozen.seconds)

@@ -20,6 +20,7 @@ from service.http.auth import ApiKeys
 from service.http.bodies import answer_or_give_up, read_body
 from service.http.completions.endpoints import build_completions_router
 from service.http.state import ServiceState
+from service.http.weight_sync import build_weight_sync_router
 from service.metrics import CONTENT_TYPE, Metrics
 from service.normalise import ScoringPlan, normalise
 from service.wire.arrays import parse_frame, to_frame
@@ -198,5 +199,6 @@ def build_router(state: ServiceState) -> APIRouter:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     router.include_router(build_admin_router(state, bearer))
+    router.include_router(build_weight_sync_router(state, bearer))
     router.include_router(build_completions_router(state, guarded, ERRORS))
     return router

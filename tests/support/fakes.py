@@ -13,10 +13,16 @@ import numpy as np
 from service.core.jobs import Chunk, SequenceJob, SequenceScores
 from service.core.prefixes import Forest
 from service.engine.contract import (
+    Bucket,
     EngineInfo,
     OutOfMemory,
+    PushBroken,
+    PushRefused,
+    Received,
     ReloadOrder,
     StagedWeights,
+    Target,
+    WeightGroup,
     WeightsRejected,
     WeightsState,
 )
@@ -24,7 +30,9 @@ from service.engine.contract import (
 
 @dataclass(frozen=True, slots=True)
 class FakeStaged:
-    order: ReloadOrder
+    target: Target
+    version: str
+    source: str
     mode: str
     nbytes: int
     shift: float
@@ -149,7 +157,7 @@ class FakeEngine:
         if order.path.name == "corrupt":
             raise WeightsRejected(f"{order.path}: unreadable")
         mode = "copy" if order.mode == "auto" else order.mode
-        return FakeStaged(order, mode, 8, float(order.path.name))
+        return FakeStaged(order.target, order.version, str(order.path), mode, 8, float(order.path.name))
 
     def apply(self, staged: StagedWeights) -> WeightsState:
         assert isinstance(staged, FakeStaged)
@@ -160,8 +168,8 @@ class FakeEngine:
         old = self._weights["policy"]
         state = dataclasses.replace(
             old,
-            version=staged.order.version,
-            source=str(staged.order.path),
+            version=staged.version,
+            source=staged.source,
             mode=staged.mode,
             reloads=old.reloads + 1,
         )
@@ -173,6 +181,73 @@ def expected_scores(job: SequenceJob, shift: float = 0.0) -> SequenceScores:
     values = -(job.targets + job.actions).astype(np.float32) / np.float32(job.temperature)
     values -= np.float32(shift)
     return SequenceScores(logprobs=values, entropy=job.actions.astype(np.float32))
+
+
+class FakePushEngine(FakeEngine):
+    """A FakeEngine that takes pushed weights (contract.WeightReceiver). The policy holds the tensors
+    REQUIRED; applying a push makes the shift the count of its tensors received. A name that starts
+    with "unknown" is refused (PushRefused), "die" breaks the group (PushBroken); `receive_delay`
+    makes each bucket slow; `received` records each bucket's (version, names), in order, and
+    `drained` the names of buckets refused before they were looked at; while `staging` is clear, a
+    reload's stage waits."""
+
+    REQUIRED = ("a", "b", "c")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: dict[str, WeightGroup] = {}
+        self.receive_delay = 0.0
+        self.received: list[tuple[str, tuple[str, ...]]] = []
+        self.left: list[str] = []
+        self.drained: list[tuple[str, ...]] = []  # buckets refused before they were looked at
+        self.staging = threading.Event()  # cleared: a reload's stage waits until it is set
+        self.staging.set()
+        self._pushed: dict[str, tuple[str, set[str]]] = {}  # target -> (version, names received)
+
+    def stage(self, order: ReloadOrder) -> StagedWeights:
+        self.staging.wait(30)
+        return super().stage(order)
+
+    def join_group(self, group: WeightGroup) -> None:
+        if group.master_address == "unreachable":
+            raise TimeoutError("no trainer came")
+        self.groups[group.name] = group
+
+    def leave_group(self, name: str) -> None:
+        self.left.append(name)
+        del self.groups[name]
+        self._pushed.clear()
+
+    def receive(self, bucket: Bucket) -> Received:
+        if bucket.group not in self.groups:
+            raise PushRefused(f"Group {bucket.group} not in {list(self.groups)}")
+        time.sleep(self.receive_delay)
+        if any(name.startswith("die") for name in bucket.names):
+            del self.groups[bucket.group]
+            self._pushed.clear()
+            raise PushBroken("the trainer went away")
+        unknown = [name for name in bucket.names if name not in self.REQUIRED]
+        if unknown:
+            raise PushRefused(f"{unknown[0]}: the served policy has no such tensor")
+        self.received.append((bucket.version, bucket.names))
+        version, names = self._pushed.setdefault(bucket.target, (bucket.version, set()))
+        assert version == bucket.version, "a bucket of another version before the pending one was staged"
+        names.update(bucket.names)
+        missing = len(set(self.REQUIRED) - names)
+        return Received(
+            bucket.target, version, "swap", len(bucket.names), 4 * len(bucket.names), not missing, missing
+        )
+
+    def drain(self, bucket: Bucket) -> None:
+        self.drained.append(bucket.names)
+
+    def stage_received(self, target: Target, version: str) -> StagedWeights:
+        _, names = self._pushed.pop(target, ("", set()))
+        shift = float(len(names)) if names else self.shift
+        return FakeStaged(target, version, "push", "swap", 4 * len(names), shift)
+
+    def drop_received(self, target: Target) -> None:
+        self._pushed.pop(target, None)
 
 
 def with_top(job: SequenceJob, scores: SequenceScores, vocab: int) -> SequenceScores:
