@@ -20,6 +20,7 @@ import pytest
 
 from service.http.app import create_app
 from tests import critics
+from tests.client import pushing
 from tests.conftest import free_port, loopback, settings_for
 
 
@@ -94,3 +95,10 @@ def requests_ok(url: str) -> float:
     text = httpx.get(f"{url}/metrics").text
     found = re.search(r'^logprobd_requests_total\{outcome="ok"\} (\S+)$', text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
+
+
+@pytest.fixture(scope="session")
+def push_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pushing.Replicas]:
+    """Two replica processes that take pushed weights (tests/client/pushing.py)."""
+    with pushing.replicas(tmp_path_factory.mktemp("push")) as started:
+        yield started
