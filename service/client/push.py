@@ -21,6 +21,7 @@ torch is imported when a group is made or a push runs (a trainer has it; the pla
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import threading
@@ -31,10 +32,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from service.client._buckets import FLATTENED, Packed, buckets, named_tensors
+from service.client._buckets import FLATTENED, named_tensors
 from service.client._common import serving_version
 from service.client._fleet import Fleet, Reply, failure
-from service.client._rank0 import Rank0, reach_address, uses_cuda
+from service.client._rank0 import Rank0, reach_address
+from service.client._transfer import Push, send
 from service.client.errors import LogprobdError
 
 if TYPE_CHECKING:
@@ -44,8 +46,6 @@ log = logging.getLogger(__name__)
 
 TARGETS = ("policy", "reference", "critic")
 VERSION = re.compile(r"^[A-Za-z0-9._:+/@-]{1,128}$")  # what a replica takes as a version
-REFUSAL_GRACE_S = 2.0  # a refusal before the broadcasts completed: how long they may still complete
-_POLL_S = (1e-4, 0.01)  # first and longest pause between looks at a bucket's broadcasts
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,16 +63,6 @@ class PushResult:
     serving: bool
 
 
-@dataclass(slots=True)
-class _Flight:
-    """A bucket under way: its broadcasts' works and the replicas' answers to come."""
-
-    index: int
-    packed: Packed
-    replies: list[Future[Reply]]
-    works: list[Any]
-
-
 class WeightPusher:
     """Rank 0 of a weight-update group with `urls` (one replica, or a fleet: `resolve_replicas`).
 
@@ -81,7 +71,7 @@ class WeightPusher:
     the address this host uses to reach the first replica); `master_port`: 0 picks a free one. The
     replicas must dial it (their `--weight-push-addresses` allow-list). `load_format`:
     "flattened_bucket" (one broadcast per bucket) or None (one per tensor). `timeout_s` bounds the
-    rendezvous, each bucket's broadcasts and each call. Not for concurrent use by several threads.
+    rendezvous, each bucket's broadcasts and each call. Pushes from several threads run one at a time.
     """
 
     def __init__(
@@ -193,9 +183,26 @@ class WeightPusher:
                 raise LogprobdError(
                     f"no {target} model on {', '.join(missing)}", error_type="invalid_request"
                 )
+            pairs = named_tensors(source)
+            first = next(pairs, None)
+            if first is None:
+                raise ValueError("the source holds no tensors")
+            fields: dict[str, Any] = {
+                "group_name": self.group_name,
+                "weight_version": version,
+                "target": target,
+                "flush_cache": False,
+            }
+            if self.load_format is not None:
+                fields["load_format"] = self.load_format
+            if mode is not None:
+                fields["mode"] = mode
+            what = f"the {target}'s version {version!r}"
+            spec = Push(fields, self.bucket_bytes, self.load_format is not None, dtype, self.timeout_s, what)
             started = time.perf_counter()
             try:
-                sent = self._send(source, version, target, dtype, mode)
+                assert self._rank0 is not None
+                sent = send(self._fleet, self._rank0, itertools.chain([first], pairs), spec)
                 if commit:
                     ended = self._fleet.call("POST", "/continue_generation", [{}] * len(self.urls))
                     _raise(failure(ended, "POST /continue_generation"))
@@ -203,8 +210,9 @@ class WeightPusher:
                 self._abandon()
                 raise
             serving = self._serving(version, target, required=commit)
+        seconds = time.perf_counter() - started
         return PushResult(
-            version, target, self.urls, sent[0], sent[1], sent[2], time.perf_counter() - started, serving
+            version, target, self.urls, sent.buckets, sent.tensors, sent.nbytes, seconds, serving
         )
 
     def close(self) -> None:
@@ -224,86 +232,6 @@ class WeightPusher:
         self.close()
 
     # ---- internals --------------------------------------------------------------------------------
-
-    def _send(
-        self, source: Any, version: str, target: str, dtype: torch.dtype | None, mode: str | None
-    ) -> tuple[int, int, int]:
-        """Every bucket of `source`, the next packed while the one before is under way; (buckets,
-        tensors, bytes) sent."""
-        import torch
-
-        assert self._rank0 is not None
-        device = torch.device("cuda", torch.cuda.current_device()) if uses_cuda(self.backend) else None
-        extra: dict[str, Any] = {
-            "group_name": self.group_name,
-            "weight_version": version,
-            "target": target,
-            "flush_cache": False,
-        }
-        if self.load_format is not None:
-            extra["load_format"] = self.load_format
-        if mode is not None:
-            extra["mode"] = mode
-        flight: _Flight | None = None
-        count = tensors = nbytes = 0
-        pairs = named_tensors(source)
-        for bucket in buckets(pairs, self.bucket_bytes, device or torch.device("cpu"), dtype):
-            packed = bucket.packed(self.load_format is not None)
-            del bucket
-            if flight is not None:
-                self._land(flight, version, target)
-            body = {**packed.metadata, **extra}
-            bodies = [body] * len(self.urls)
-            replies = self._fleet.send(
-                "POST", "/update_weights_from_distributed", bodies, timeout=self.timeout_s + 60
-            )
-            works = [self._rank0.broadcast(t) for t in packed.broadcasts]
-            flight = _Flight(count, packed, replies, works)
-            count, tensors, nbytes = count + 1, tensors + packed.count, nbytes + packed.nbytes
-        if flight is None:
-            raise ValueError("the source holds no tensors")
-        self._land(flight, version, target)
-        return count, tensors, nbytes
-
-    def _land(self, flight: _Flight, version: str, target: str) -> None:
-        """Wait for a bucket's broadcasts and every replica's answer; raise naming each replica that
-        failed. A replica that refuses before the broadcasts completed (it will not receive them) ends
-        the wait REFUSAL_GRACE_S later."""
-        what = f"bucket {flight.index} of the {target}'s version {version!r}"
-        deadline = time.monotonic() + self.timeout_s + 60
-        refused_at: float | None = None
-        pause = _POLL_S[0]
-        while True:
-            sent = all(work.is_completed() for work in flight.works)
-            answered = [f.result() for f in flight.replies if f.done()]
-            if sent and len(answered) == len(flight.replies):
-                break
-            now = time.monotonic()
-            refused = [reply for reply in answered if not reply.ok]
-            if refused and not sent and refused_at is None:
-                refused_at = now
-            if refused_at is not None and now - refused_at > REFUSAL_GRACE_S:
-                _raise(failure(refused, f"{what} (refused before its broadcasts were received)"))
-            if now > deadline:
-                waiting = [url for url, f in zip(self.urls, flight.replies, strict=True) if not f.done()]
-                raise LogprobdError(
-                    f"{what}: no end within {self.timeout_s:g} s (broadcasts "
-                    f"{'sent' if sent else 'under way'}; no answer from {', '.join(waiting) or 'none'})",
-                    error_type="timeout",
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_S[1])
-        error = failure(answered, what)
-        try:
-            for work in flight.works:
-                work.wait()
-        except Exception as exc:
-            broken = f"{what}: broadcasting failed: {exc}"
-            if error is None:
-                raise LogprobdError(broken, error_type="broadcast_failed") from exc
-            error.args = (f"{error.message}; {broken}",)
-            error.message = error.args[0]
-        _raise(error)
 
     def _serving(self, version: str, target: str, required: bool) -> bool:
         """Whether every replica's /info says `target` serves `version`; raises when required and not."""
