@@ -47,12 +47,30 @@ def checkpoints(root: Path) -> dict[str, Path]:
     }
 
 
-def command(port: int, policy: Path, *extra: str) -> list[str]:
+def command(port: int, policy: Path, *extra: str, device: str = "cpu") -> list[str]:
     return [
-        sys.executable, "-m", "service", "serve", "--port", str(port), "--device", "cpu",
+        sys.executable, "-m", "service", "serve", "--port", str(port), "--device", device,
         "--model", str(policy), "--batch-wait-ms", "0", "--drain-seconds", "0",
         "--weight-push-timeout-s", str(PUSH_TIMEOUT_S), "--weights-version", "start", *extra,
     ]  # fmt: skip
+
+
+@contextmanager
+def started(root: Path, commands: dict[int, list[str]], **env: str) -> Iterator[list[str]]:
+    """A server process per port, started at once, with the admin key (and `env`); their URLs once
+    all are ready; stopped on the way out."""
+    environment = {**os.environ, "LOGPROBD_ADMIN_API_KEYS": ADMIN, **env}
+    with ExitStack() as stack:
+        processes = []
+        for port, argv in commands.items():
+            log = root / f"replica-{port}.log"
+            sink = stack.enter_context(log.open("wb"))
+            process = subprocess.Popen(argv, cwd=ROOT, env=environment, stdout=sink, stderr=subprocess.STDOUT)
+            stack.callback(_stop, process)
+            processes.append((f"http://127.0.0.1:{port}", process, log))
+        for url, process, log in processes:
+            wait_served(url, process, log, timeout=300, what="a replica")
+        yield [url for url, _, _ in processes]
 
 
 @contextmanager
@@ -67,18 +85,8 @@ def replicas(root: Path) -> Iterator[Replicas]:
         ),
         second: command(second, made["policy"]),
     }  # fmt: skip
-    env = {**os.environ, "LOGPROBD_ADMIN_API_KEYS": ADMIN}
-    with ExitStack() as stack:
-        urls = []
-        for port, argv in commands.items():
-            log = root / f"replica-{port}.log"
-            sink = stack.enter_context(log.open("wb"))
-            process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
-            stack.callback(_stop, process)
-            urls.append((f"http://127.0.0.1:{port}", process, log))
-        for url, process, log in urls:
-            wait_served(url, process, log, timeout=300, what="a replica")
-        yield Replicas(urls[0][0], urls[1][0], made)
+    with started(root, commands) as urls:
+        yield Replicas(urls[0], urls[1], made)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

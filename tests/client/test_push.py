@@ -9,6 +9,7 @@ joins a new group."""
 from __future__ import annotations
 
 import copy
+import re
 import time
 import weakref
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 
 from service.client import LogprobdConnectionError, LogprobdError, WeightPusher, push_weights
 from tests import critics, models
+from tests.client import pushing
 from tests.client.pushing import ADMIN, BODY, PUSH_TIMEOUT_S, Replicas, score, version
 from tests.conftest import TOLERANCE, eager, free_port
 from tests.reference import check_reply, expected
@@ -233,3 +235,32 @@ def test_a_replica_that_left_the_group_fails_the_push_not_the_trainer(push_repli
     assert "Please call `init_weights_update_group` first" in failed.value.replicas[second]
     for url in (main, second):
         check_reply(score(url), BODY, model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: the trainer's and the replica's")
+def test_nccl_from_this_gpu_to_a_replica_on_another(tmp_path: Path) -> None:
+    """The NCCL path end to end: tensors from cuda:0 (this process) to a replica on the second GPU,
+    flattened and per tensor; a bucket refused (the group's communicator then aborted and destroyed
+    on both sides) and a push over a new group."""
+    saved = models.save("qwen3_moe", tmp_path / "policy", seed=0)
+    port = free_port()
+    argv = pushing.command(port, saved, "--dtype", "float32", device="cuda")
+    torch.cuda.set_device(0)
+    with pushing.started(tmp_path, {port: argv}, CUDA_VISIBLE_DEVICES="1") as [url]:
+        with WeightPusher(url, admin_key=ADMIN, backend="nccl", bucket_bytes=64 * KIB) as p:
+            for load_format in ("flattened_bucket", None):
+                p.load_format = load_format
+                model = policy(seed=101 if load_format else 102).cuda()
+                assert p.push(model, version=f"nccl-{load_format}").serving
+                check_reply(score(url), BODY, model)
+            state = {name: t.detach() for name, t in model.named_parameters()}
+            state["model.norm.weight"] = torch.ones(models.COMMON["hidden_size"] + 1, device="cuda")
+            with pytest.raises(LogprobdError, match=re.escape("model.norm.weight: shape [65]")):
+                p.push(state, version="refused")
+            assert version(url) == "nccl-None"
+            model = policy(seed=103).cuda()
+            assert p.push(model, version="nccl-again", dtype=torch.bfloat16).serving
+        rounded = copy.deepcopy(model)
+        rounded.load_state_dict({n: t.to(torch.bfloat16).float() for n, t in model.state_dict().items()})
+        check_reply(score(url), BODY, rounded)
