@@ -50,8 +50,9 @@ VERSION = re.compile(r"^[A-Za-z0-9._:+/@-]{1,128}$")  # what a replica takes as 
 
 @dataclass(frozen=True, slots=True)
 class PushResult:
-    """What one push sent, and whether every replica serves it (`serving`; False only with commit=False
-    when the version did not arrive whole)."""
+    """What one push sent; `seconds` from its first bucket until every replica served it (making the
+    group excluded); `serving`: every replica serves it (False only with commit=False when the version
+    did not arrive whole)."""
 
     version: str
     target: str
@@ -187,18 +188,7 @@ class WeightPusher:
             first = next(pairs, None)
             if first is None:
                 raise ValueError("the source holds no tensors")
-            fields: dict[str, Any] = {
-                "group_name": self.group_name,
-                "weight_version": version,
-                "target": target,
-                "flush_cache": False,
-            }
-            if self.load_format is not None:
-                fields["load_format"] = self.load_format
-            if mode is not None:
-                fields["mode"] = mode
-            what = f"the {target}'s version {version!r}"
-            spec = Push(fields, self.bucket_bytes, self.load_format is not None, dtype, self.timeout_s, what)
+            spec = self._spec(version, target, dtype, mode)
             started = time.perf_counter()
             try:
                 assert self._rank0 is not None
@@ -232,6 +222,21 @@ class WeightPusher:
         self.close()
 
     # ---- internals --------------------------------------------------------------------------------
+
+    def _spec(self, version: str, target: str, dtype: torch.dtype | None, mode: str | None) -> Push:
+        """What each bucket of this push carries besides its tensors."""
+        fields: dict[str, Any] = {
+            "group_name": self.group_name,
+            "weight_version": version,
+            "target": target,
+            "flush_cache": False,
+        }
+        if self.load_format is not None:
+            fields["load_format"] = self.load_format
+        if mode is not None:
+            fields["mode"] = mode
+        what = f"the {target}'s version {version!r}"
+        return Push(fields, self.bucket_bytes, self.load_format is not None, dtype, self.timeout_s, what)
 
     def _serving(self, version: str, target: str, required: bool) -> bool:
         """Whether every replica's /info says `target` serves `version`; raises when required and not."""
