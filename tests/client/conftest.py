@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import critics
+from tests.support import critics, pushing
 from tests.support.servers import PpoServer, free_port, serving
 
 
@@ -60,3 +60,10 @@ def ppo_server(
 def dead_url() -> str:
     """A loopback URL where nothing listens: every connection is refused."""
     return f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="session")
+def push_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pushing.Replicas]:
+    """Two replica processes that take pushed weights (tests/support/pushing.py)."""
+    with pushing.replicas(tmp_path_factory.mktemp("push")) as started:
+        yield started
