@@ -2,7 +2,9 @@
 one sparse layer of 8 experts, top-2): the routes a request records come back in its format (JSON
 lists, base64 int32, a frame), replaying them in any form gives the same scores as not replaying
 (agreement 1.0), random routes change the scores and lower the agreement, the metrics see it, and
-bad routes are 422s naming the field and the row while the server keeps serving.
+bad routes are 422s naming the field and the row while the server keeps serving. Every test runs with
+JSON bodies read by pydantic (small bodies) and by the fast reader (jsonrows.parse_json, its native
+route reader decoding base64 and lists; LOGPROBD_REQUIRE_NATIVE=1 fails where it is not built).
 
 The engine's replay against transformers' own forward is tested on the engine's side; here the
 reference is the server's own live scores and the routes it recorded.
@@ -11,6 +13,7 @@ reference is the server's own live scores and the routes it recorded.
 from __future__ import annotations
 
 import base64
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +25,10 @@ from fastapi.testclient import TestClient
 
 from service.client.routed_experts import decode
 from service.client.wire import from_frame, to_frame
+from service.http import router
 from service.wire.frame import MEDIA_TYPE, unpack
-from tests.conftest import running, settings_for
+from service.wire.jsonrows import parse_json
+from tests.conftest import native_or_skip, running, settings_for
 
 FRAMED = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
 RAGGED = {"input_ids": [[3, 14, 15, 92, 65, 35, 89], [79, 32, 38, 46]], "num_actions": [3, 2]}
@@ -33,6 +38,15 @@ PADDED = {
     "attention_mask": [[0, 0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0, 0]],
     "action_mask": [[0, 0, 0, 0, 0, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0]],
 }
+
+
+@pytest.fixture(autouse=True, params=["pydantic", "native"])
+def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Small JSON bodies go to pydantic; "native": every body through the fast reader."""
+    if request.param == "native":
+        native_or_skip()
+        monkeypatch.setattr(router, "parse_json", functools.partial(parse_json, min_bytes=0))
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")

@@ -139,7 +139,10 @@ def build_router(state: ServiceState) -> APIRouter:
             agreement=agreement,
         )
         media_type = MEDIA_TYPE if MEDIA_TYPE in http.headers.get("accept", "") else "application/json"
-        body = to_frame(answered) if media_type == MEDIA_TYPE else to_json(answered)
+        if media_type == MEDIA_TYPE:
+            body = to_frame(answered)
+        else:
+            body = to_json(answered, routes=plan.route_format, distribution=plan.distribution_format)
         metrics.requests.labels("ok").inc()
         metrics.input_tokens.inc(plan.input_tokens)
         metrics.scored_tokens.inc(plan.scored_tokens)
