@@ -4,8 +4,8 @@ Recorded routes (R2) go back per column of a padded row (0 at padding, as verl l
 per position of a ragged or grouped row's sequence, as the engine's narrow arrays; route agreement
 per row and over the request. `to_json` writes the answer in the request's JSON forms: routes and
 the [window, K] blocks of the distribution as nested lists, or as base64 little-endian int32 /
-float32 strings, one a row (SGLang's encoding of routes; wire/base64rows.py), with `columns` giving
-the blocks' K.
+float32 strings, one a row (SGLang's encoding of routes), with `columns` giving the blocks' K; the
+routes' text written natively (wire/jsonarrays.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from service.core.errors import EngineFailure
 from service.core.jobs import RouteAgreement, RouteArray, SequenceScores
 from service.engine.contract import EngineInfo
 from service.normalise import RowWindow, ScoringPlan
-from service.wire.base64rows import json_strings
+from service.wire.jsonarrays import base64_rows, int_lists
 from service.wire.schemas import RolloutMismatch, RouteAgreementSummary
 
 
@@ -144,13 +144,15 @@ def to_json(body: dict[str, Any], *, routes: str = "lists", distribution: str = 
     """An answer (see `answer`) as the JSON body of a LogprobsResponse: recorded routes and the
     distribution's blocks as nested lists, or (base64) one base64 string a row (`columns`: K)."""
     out = body
-    if routes == "base64" and body.get("routed_experts") is not None:
-        out = {**out, "routed_experts": orjson.Fragment(json_strings(body["routed_experts"], "<i4"))}
+    recorded = body.get("routed_experts")
+    if recorded is not None:
+        text = base64_rows(recorded, "<i4") if routes == "base64" else int_lists(recorded)
+        out = {**out, "routed_experts": orjson.Fragment(text)}
     if distribution == "base64":
         blocks = {name: body[name] for name in BLOCKS if body.get(name) is not None}
         if blocks:
             out = {**out, "columns": {name: _width(rows) for name, rows in blocks.items()}}
-            out |= {name: orjson.Fragment(json_strings(rows, BLOCKS[name])) for name, rows in blocks.items()}
+            out |= {name: orjson.Fragment(base64_rows(rows, BLOCKS[name])) for name, rows in blocks.items()}
     return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
 
 

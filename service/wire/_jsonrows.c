@@ -30,6 +30,10 @@
    the buffer protocol, C-contiguous), each block's bytes base64-encoded (standard alphabet, padded),
    or with itemsize 1 or 2 its unsigned items first widened to little-endian int32. The GIL released.
 
+   int_lists(blocks, itemsize, signed) writes the JSON array of the blocks (C-contiguous arrays of
+   native integers of `itemsize` bytes, 1 to 8 dimensions, none empty but the first) each as nested
+   lists, as orjson writes a numpy array; the GIL released.
+
    The limited API (abi3), so one build serves every CPython from 3.11. */
 #define Py_LIMITED_API 0x030B0000
 #define PY_SSIZE_T_CLEAN
@@ -617,6 +621,185 @@ done:
     return out;
 }
 
+/* ---- int_lists ---- */
+
+static const char DIGIT_PAIRS[] = "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+                                  "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+                                  "8081828384858687888990919293949596979899";
+
+static int digits_of(uint64_t v) {
+    if (v < 10) return 1;
+    if (v < 100) return 2;
+    if (v < 1000) return 3;
+    if (v < 10000) return 4;
+    if (v < 100000) return 5;
+    if (v < 1000000) return 6;
+    int n = 7;
+    for (v /= 1000000; v >= 10; v /= 10) n++;
+    return n;
+}
+
+/* item i of a block of `itemsize` (1, 2, 4 or 8) native integers, signed or not, as (negative, magnitude) */
+static inline uint64_t item(const unsigned char *data, Py_ssize_t i, int itemsize, int is_signed, int *negative) {
+    int64_t s = 0;
+    uint64_t u = 0;
+    switch (itemsize) {
+    case 1: if (is_signed) s = ((const int8_t *)data)[i]; else u = data[i]; break;
+    case 2: if (is_signed) s = ((const int16_t *)data)[i]; else u = ((const uint16_t *)data)[i]; break;
+    case 4: if (is_signed) s = ((const int32_t *)data)[i]; else u = ((const uint32_t *)data)[i]; break;
+    default: if (is_signed) s = ((const int64_t *)data)[i]; else u = ((const uint64_t *)data)[i]; break;
+    }
+    if (!is_signed) {
+        *negative = 0;
+        return u;
+    }
+    *negative = s < 0;
+    return s < 0 ? (uint64_t)0 - (uint64_t)s : (uint64_t)s;
+}
+
+static inline char *write_uint(char *w, uint64_t v) {
+    int n = digits_of(v);
+    char *end = w + n;
+    while (v >= 100) {
+        end -= 2;
+        memcpy(end, DIGIT_PAIRS + 2 * (v % 100), 2);
+        v /= 100;
+    }
+    if (v >= 10) memcpy(end - 2, DIGIT_PAIRS + 2 * v, 2);
+    else end[-1] = (char)('0' + v);
+    return w + n;
+}
+
+/* The bytes of one block as nested lists (every dimension > 0, or an empty first one) */
+static Py_ssize_t block_length(const Py_buffer *b, int itemsize, int is_signed) {
+    Py_ssize_t n = b->len / itemsize, lists = 1, elements = 0, width = 1;
+    if (n == 0) return 2;
+    for (int d = 0; d < b->ndim; d++) {
+        width *= b->shape[d];
+        elements += width;
+        if (d < b->ndim - 1) lists += width;
+    }
+    Py_ssize_t total = 2 * lists + (elements - lists); /* brackets, and a comma between siblings */
+    const unsigned char *data = (const unsigned char *)b->buf;
+    if (itemsize == 1 && !is_signed) {
+        for (Py_ssize_t i = 0; i < n; i++) total += 1 + (data[i] >= 10) + (data[i] >= 100);
+        return total;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int negative;
+        uint64_t v = item(data, i, itemsize, is_signed, &negative);
+        total += digits_of(v) + negative;
+    }
+    return total;
+}
+
+static char *write_block(char *w, const Py_buffer *b, int itemsize, int is_signed) {
+    Py_ssize_t n = b->len / itemsize, per_list[8];
+    int dims = b->ndim;
+    if (n == 0) {
+        memcpy(w, "[]", 2);
+        return w + 2;
+    }
+    /* rows: the innermost lists, `last` items each; per_list[d]: rows in one list of depth d (1 ..
+       dims - 2: the lists between the outermost and the rows) */
+    Py_ssize_t last = b->shape[dims - 1], rows = n / last, size = 1;
+    for (int d = dims - 2; d >= 1; d--) {
+        size *= b->shape[d];
+        per_list[d] = size;
+    }
+    memset(w, '[', (size_t)(dims - 1));
+    w += dims - 1;
+    const unsigned char *data = (const unsigned char *)b->buf;
+    Py_ssize_t i = 0;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        if (r) {
+            int closing = 0;
+            for (int d = dims - 2; d >= 1 && r % per_list[d] == 0; d--) closing++;
+            memset(w, ']', (size_t)closing);
+            w += closing;
+            *w++ = ',';
+            memset(w, '[', (size_t)closing);
+            w += closing;
+        }
+        *w++ = '[';
+        for (Py_ssize_t j = 0; j < last; j++, i++) {
+            if (j) *w++ = ',';
+            if (itemsize == 1 && !is_signed) {
+                unsigned v = data[i];
+                if (v >= 100) {
+                    *w++ = (char)('0' + v / 100);
+                    memcpy(w, DIGIT_PAIRS + 2 * (v % 100), 2);
+                    w += 2;
+                } else if (v >= 10) {
+                    memcpy(w, DIGIT_PAIRS + 2 * v, 2);
+                    w += 2;
+                } else {
+                    *w++ = (char)('0' + v);
+                }
+                continue;
+            }
+            int negative;
+            uint64_t v = item(data, i, itemsize, is_signed, &negative);
+            if (negative) *w++ = '-';
+            w = write_uint(w, v);
+        }
+        *w++ = ']';
+    }
+    memset(w, ']', (size_t)(dims - 1));
+    return w + dims - 1;
+}
+
+static PyObject *int_lists(PyObject *self, PyObject *args) {
+    PyObject *blocks;
+    int itemsize, is_signed;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Oip:int_lists", &blocks, &itemsize, &is_signed)) return NULL;
+    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "itemsize is 1, 2, 4 or 8");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(blocks, "blocks: a sequence of arrays");
+    if (seq == NULL) return NULL;
+    Py_ssize_t count = PySequence_Size(seq), got = 0;
+    Py_buffer *views = count ? calloc((size_t)count, sizeof(Py_buffer)) : NULL;
+    PyObject *out = NULL;
+    if (count && views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < count; got++) {
+        PyObject *block = PySequence_GetItem(seq, got);
+        int failed = block == NULL || PyObject_GetBuffer(block, &views[got], PyBUF_ND) != 0;
+        Py_XDECREF(block);
+        if (failed) goto done;
+        const Py_buffer *b = &views[got];
+        int empty_inside = b->len == 0 && b->ndim > 0 && b->shape[0] != 0;
+        if (b->ndim < 1 || b->ndim > 8 || b->len % itemsize || empty_inside) {
+            got++;
+            PyErr_SetString(PyExc_ValueError, "a block: 1 to 8 dimensions, none empty but the first");
+            goto done;
+        }
+    }
+    Py_ssize_t total = 2 + (count ? count - 1 : 0);
+    for (Py_ssize_t i = 0; i < count; i++) total += block_length(&views[i], itemsize, is_signed);
+    out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL) goto done;
+    char *w = PyBytes_AsString(out);
+    Py_BEGIN_ALLOW_THREADS
+    *w++ = '[';
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (i) *w++ = ',';
+        w = write_block(w, &views[i], itemsize, is_signed);
+    }
+    *w++ = ']';
+    Py_END_ALLOW_THREADS
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    free(views);
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"int_rows", int_rows, METH_VARARGS,
      "int_rows(buffer, start, end) -> (values, counts) | None: buffer[start:end] as rows of int64"},
@@ -624,6 +807,8 @@ static PyMethodDef methods[] = {
      "members(buffer) -> bytes | None: the top-level members of a JSON object, five int64 each"},
     {"route_rows", route_rows, METH_VARARGS,
      "route_rows(buffer, start, end) -> (values, rows, itemsize) | None: buffer[start:end] as routed_experts"},
+    {"int_lists", int_lists, METH_VARARGS,
+     "int_lists(blocks, itemsize, signed) -> bytes: the JSON array of the blocks as nested lists"},
     {"b64_strings", b64_strings, METH_VARARGS,
      "b64_strings(blocks, itemsize) -> bytes: the JSON array of the blocks' base64 strings"},
     {NULL, NULL, 0, NULL},

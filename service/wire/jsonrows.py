@@ -201,6 +201,8 @@ class _Reader(Protocol):
 
     def b64_strings(self, blocks: Sequence[Any], itemsize: int, /) -> bytes: ...
 
+    def int_lists(self, blocks: Sequence[Any], itemsize: int, signed: bool, /) -> bytes: ...
+
 
 @functools.cache
 def native() -> _Reader | None:
