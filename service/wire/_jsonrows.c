@@ -34,6 +34,13 @@
    native integers of `itemsize` bytes, 1 to 8 dimensions, none empty but the first) each as nested
    lists, as orjson writes a numpy array; the GIL released.
 
+   prompt_entries(numbers, ids, first_rank, keep, slots, pool, start, length) writes a block of vLLM's
+   prompt_logprobs positions (service/http/completions/jsonwriter.py), each `,{entry,...}`, an entry
+   `,"<id>":{"logprob":<number>,"rank":<rank>,"decoded_token":<piece>` for every slot kept: the
+   numbers are orjson's text of every slot's log-prob, ids and keep [positions * slots] (int64, u1),
+   first_rank [positions] (slot j > 0 has rank j), the pieces `pool[start[id] : start[id] +
+   length[id]]`. The GIL released; a ValueError where the arrays do not fit together.
+
    The limited API (abi3), so one build serves every CPython from 3.11. */
 #define Py_LIMITED_API 0x030B0000
 #define PY_SSIZE_T_CLEAN
@@ -800,6 +807,133 @@ done:
     return out;
 }
 
+/* ---- prompt_entries ---- */
+
+typedef struct {
+    const char *numbers; /* orjson's "[a,b,...]" of every slot's log-prob */
+    Py_ssize_t numbers_len;
+    const int64_t *ids, *first_rank;
+    const unsigned char *keep;
+    Py_ssize_t positions, slots;
+    const unsigned char *pool;
+    const int64_t *start, *length;
+    Py_ssize_t pool_len, vocab;
+    Py_ssize_t *stops; /* [positions * slots]: where each slot's number ends in the text */
+} Entries;
+
+/* The bytes of the entries, or -1 where an id is outside the pool or the numbers run short; notes
+   where each number ends (stops) for write_entries. */
+static Py_ssize_t entries_length(const Entries *e) {
+    const char *text = e->numbers, *end = e->numbers + e->numbers_len;
+    Py_ssize_t total = 0, at = 0, p = 1;
+    for (Py_ssize_t i = 0; i < e->positions; i++) {
+        total += 1; /* the position's closing brace */
+        for (Py_ssize_t j = 0; j < e->slots; j++, at++) {
+            if (text + p >= end) return -1;
+            const char *q = text + p;
+            while (q < end && *q != ',' && *q != ']') q++;
+            Py_ssize_t stop = q - text;
+            e->stops[at] = stop;
+            if (e->keep[at]) {
+                int64_t id = e->ids[at];
+                uint64_t rank = j ? (uint64_t)j : (uint64_t)e->first_rank[i];
+                if (id < 0 || id >= e->vocab || e->start[id] + e->length[id] > e->pool_len) return -1;
+                total += (j ? 2 : 3) + digits_of((uint64_t)id) + 13; /* ,"<id>":{"logprob": */
+                total += stop - p;                                  /* the number */
+                total += 8 + digits_of(rank) + 17;                  /* ,"rank":<r>,"decoded_token": */
+                total += e->length[id];                             /* "<decoded>"} */
+            }
+            p = stop + 1;
+        }
+    }
+    return total;
+}
+
+static void write_entries(const Entries *e, char *w) {
+    Py_ssize_t at = 0, p = 1;
+    for (Py_ssize_t i = 0; i < e->positions; i++) {
+        for (Py_ssize_t j = 0; j < e->slots; j++, at++) {
+            Py_ssize_t begin = p;
+            p = e->stops[at] + 1;
+            if (!e->keep[at]) continue;
+            int64_t id = e->ids[at];
+            uint64_t rank = j ? (uint64_t)j : (uint64_t)e->first_rank[i];
+            if (j) {
+                memcpy(w, ",\"", 2);
+                w += 2;
+            } else {
+                memcpy(w, ",{\"", 3);
+                w += 3;
+            }
+            w = write_uint(w, (uint64_t)id);
+            memcpy(w, "\":{\"logprob\":", 13);
+            w += 13;
+            memcpy(w, e->numbers + begin, (size_t)(p - 1 - begin));
+            w += p - 1 - begin;
+            memcpy(w, ",\"rank\":", 8);
+            w += 8;
+            w = write_uint(w, rank);
+            memcpy(w, ",\"decoded_token\":", 17);
+            w += 17;
+            memcpy(w, e->pool + e->start[id], (size_t)e->length[id]);
+            w += e->length[id];
+        }
+        *w++ = '}';
+    }
+}
+
+static PyObject *prompt_entries(PyObject *self, PyObject *args) {
+    Py_buffer numbers, ids, first_rank, keep, pool, start, length;
+    Py_ssize_t slots;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*ny*y*y*:prompt_entries", &numbers, &ids, &first_rank, &keep, &slots,
+                          &pool, &start, &length))
+        return NULL;
+    Entries e = {
+        .numbers = (const char *)numbers.buf,
+        .numbers_len = numbers.len,
+        .ids = (const int64_t *)ids.buf,
+        .first_rank = (const int64_t *)first_rank.buf,
+        .keep = (const unsigned char *)keep.buf,
+        .positions = first_rank.len / 8,
+        .slots = slots,
+        .pool = (const unsigned char *)pool.buf,
+        .start = (const int64_t *)start.buf,
+        .length = (const int64_t *)length.buf,
+        .pool_len = pool.len,
+        .vocab = start.len / 8 < length.len / 8 ? start.len / 8 : length.len / 8,
+    };
+    PyObject *out = NULL;
+    int sized = slots > 0 && numbers.len >= 2 && ids.len == e.positions * slots * 8 &&
+                keep.len == e.positions * slots;
+    Py_ssize_t total = -1;
+    e.stops = sized ? malloc((size_t)(e.positions * slots + 1) * sizeof(Py_ssize_t)) : NULL;
+    if (sized && e.stops == NULL) {
+        PyErr_NoMemory();
+    } else if (sized) {
+        Py_BEGIN_ALLOW_THREADS
+        total = entries_length(&e);
+        Py_END_ALLOW_THREADS
+    }
+    if (total < 0 && !PyErr_Occurred()) {
+        PyErr_SetString(PyExc_ValueError, "prompt_entries: the arrays do not fit together");
+    } else if (total >= 0 && (out = PyBytes_FromStringAndSize(NULL, total)) != NULL) {
+        char *w = PyBytes_AsString(out);
+        Py_BEGIN_ALLOW_THREADS
+        write_entries(&e, w);
+        Py_END_ALLOW_THREADS
+    }
+    free(e.stops);
+    PyBuffer_Release(&numbers);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&first_rank);
+    PyBuffer_Release(&keep);
+    PyBuffer_Release(&pool);
+    PyBuffer_Release(&start);
+    PyBuffer_Release(&length);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"int_rows", int_rows, METH_VARARGS,
      "int_rows(buffer, start, end) -> (values, counts) | None: buffer[start:end] as rows of int64"},
@@ -809,6 +943,8 @@ static PyMethodDef methods[] = {
      "route_rows(buffer, start, end) -> (values, rows, itemsize) | None: buffer[start:end] as routed_experts"},
     {"int_lists", int_lists, METH_VARARGS,
      "int_lists(blocks, itemsize, signed) -> bytes: the JSON array of the blocks as nested lists"},
+    {"prompt_entries", prompt_entries, METH_VARARGS,
+     "prompt_entries(numbers, ids, first_rank, keep, slots, pool, start, length) -> bytes: vLLM's entries"},
     {"b64_strings", b64_strings, METH_VARARGS,
      "b64_strings(blocks, itemsize) -> bytes: the JSON array of the blocks' base64 strings"},
     {NULL, NULL, 0, NULL},

@@ -203,6 +203,19 @@ class _Reader(Protocol):
 
     def int_lists(self, blocks: Sequence[Any], itemsize: int, signed: bool, /) -> bytes: ...
 
+    def prompt_entries(  # noqa: PLR0917 (the C function's arguments)
+        self,
+        numbers: bytes,
+        ids: Any,
+        first_rank: Any,
+        keep: Any,
+        slots: int,
+        pool: Any,
+        start: Any,
+        length: Any,
+        /,
+    ) -> bytes: ...
+
 
 @functools.cache
 def native() -> _Reader | None:
