@@ -210,7 +210,8 @@ def _repeats(experts: RouteArray) -> np.ndarray | None:
 def _padded(
     experts: RouteArray | None, start: int | None, row: Row, moe: MoeShape, *, i: int, width: int
 ) -> GivenRoutes | None:
-    """Columns start .. start+P-1 of a padded row; padding columns' entries are ignored."""
+    """Columns start .. start+P-1 of a padded row; padding columns' entries are ignored. Real columns
+    in one run (a row padded on either side) keep their routes as a view, others are gathered."""
     if experts is None or experts.shape[0] == 0:
         return None
     assert row.columns is not None
@@ -228,7 +229,9 @@ def _padded(
     if not inside.size:
         return None
     first = int(np.searchsorted(row.columns, inside[0]))  # the position of the first covered token
-    return GivenRoutes(start=first, experts=np.ascontiguousarray(experts[real]))
+    a, b = int(inside[0]) - s, int(inside[-1]) - s + 1
+    kept = experts[a:b] if b - a == inside.size else experts[real]
+    return GivenRoutes(start=first, experts=np.ascontiguousarray(kept))
 
 
 def _positions(
