@@ -138,15 +138,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         }
         entries = sum(r.size for rs in routes for r in rs)
         for variant, bodies in wire.items():
-            rounds = http_rounds(url, bodies, args.reps)
-            ms = statistics.median(rounds) * 1e3
-            variants[variant] = {
-                "ms": ms,
-                "rounds_ms": [round(r * 1e3, 1) for r in rounds],
-                "floor_fraction": floor_s * 1e3 / ms,
-                "request_bytes": sum(map(len, bodies)),
-            }
-            print(f"  {name} {variant:>7}: {ms:9.1f} ms  {floor_s * 1e3 / ms:6.1%} of floor", flush=True)
+            variants[variant] = timed(http_rounds(url, bodies, args.reps), bodies, floor_s)
+            print(f"  {name} {variant:>7}: {variants[variant]['ms']:9.1f} ms", flush=True)
         if args.json_forms:
             json_rounds(url, plain, routes, live_scores, args, floor_s, variants)
     for v in variants.values():
@@ -192,15 +185,19 @@ def json_rounds(  # noqa: PLR0917
     for variant, sent_bodies in bodies.items():
         raw = [orjson.dumps(b) for b in sent_bodies]
         rounds = http_rounds(url, raw, args.reps, args.json_client, frames=False)
-        ms = statistics.median(rounds) * 1e3
-        variants[variant] = {
-            "ms": ms,
-            "rounds_ms": [round(r * 1e3, 1) for r in rounds],
-            "floor_fraction": floor_s * 1e3 / ms,
-            "request_bytes": sum(map(len, raw)),
-            "over": "live_json",
-        }
-        print(f"  {variant:>14}: {ms:9.1f} ms  {floor_s * 1e3 / ms:6.1%} of floor", flush=True)
+        variants[variant] = timed(rounds, raw, floor_s) | {"over": "live_json"}
+        print(f"  {variant:>14}: {variants[variant]['ms']:9.1f} ms", flush=True)
+
+
+def timed(rounds: list[float], bodies: list[bytes], floor_s: float) -> dict[str, Any]:
+    """A variant's figures from its rounds' seconds."""
+    ms = statistics.median(rounds) * 1e3
+    return {
+        "ms": ms,
+        "rounds_ms": [round(r * 1e3, 1) for r in rounds],
+        "floor_fraction": floor_s * 1e3 / ms,
+        "request_bytes": sum(map(len, bodies)),
+    }
 
 
 def table(results: dict[str, Any]) -> str:

@@ -382,58 +382,52 @@ static int read_int(const unsigned char **pp, const unsigned char *end, int64_t 
     return 1;
 }
 
+/* After an item of a list: 1 at a comma (p past it and whitespace), 0 at the closing bracket (p on
+   it), -1 at anything else. */
+static int next_item(const unsigned char **pp, const unsigned char *end) {
+    const unsigned char *p = skip(*pp, end);
+    if (p < end && *p == ',') {
+        *pp = skip(p + 1, end);
+        return 1;
+    }
+    *pp = p;
+    return p < end && *p == ']' ? 0 : -1;
+}
+
 /* One row of nested lists at p (its `[`): [positions][layers][top_k], the same shape throughout. */
 static int read_lists(const unsigned char **pp, const unsigned char *end, Routes *r) {
     const unsigned char *p = skip(*pp + 1, end);
-    Py_ssize_t first = r->n, layers = -1, k = -1, positions = 0;
+    Py_ssize_t first = r->n, layers = -1, k = -1;
+    int more;
     if (p < end && *p == ']') {
         *pp = p + 1;
         return add_row(r, KIND_LISTS, first, 0, 0, 0);
     }
-    for (;;) { /* a position */
+    do { /* a position */
         if (p >= end || *p != '[') return DECLINE;
         p = skip(p + 1, end);
         Py_ssize_t l = 0;
-        for (;;) { /* a layer */
+        do { /* a layer */
             if (p >= end || *p != '[') return DECLINE;
             p = skip(p + 1, end);
             Py_ssize_t ids = 0;
-            for (;;) {
+            do {
                 int64_t id;
                 if (!read_int(&p, end, &id)) return DECLINE;
                 int status = put(r, id);
                 if (status != OK) return status;
                 ids++;
-                p = skip(p, end);
-                if (p < end && *p == ',') {
-                    p = skip(p + 1, end);
-                    continue;
-                }
-                if (p < end && *p == ']') break;
-                return DECLINE;
-            }
-            if (k < 0) k = ids;
-            if (ids != k) return DECLINE;
+            } while ((more = next_item(&p, end)) == 1);
+            if (more < 0 || (k >= 0 && ids != k)) return DECLINE;
+            k = ids;
             l++;
-            p = skip(p + 1, end);
-            if (p < end && *p == ',') {
-                p = skip(p + 1, end);
-                continue;
-            }
-            if (p < end && *p == ']') break;
-            return DECLINE;
-        }
-        if (layers < 0) layers = l;
-        if (l != layers) return DECLINE;
-        positions++;
-        p = skip(p + 1, end);
-        if (p < end && *p == ',') {
-            p = skip(p + 1, end);
-            continue;
-        }
-        if (p < end && *p == ']') break;
-        return DECLINE;
-    }
+            p++;
+        } while ((more = next_item(&p, end)) == 1);
+        if (more < 0 || (layers >= 0 && l != layers)) return DECLINE;
+        layers = l;
+        p++;
+    } while ((more = next_item(&p, end)) == 1);
+    if (more < 0) return DECLINE;
     *pp = p + 1;
     return add_row(r, KIND_LISTS, first, r->n - first, layers, k);
 }
@@ -458,7 +452,8 @@ static int read_routes(const unsigned char *base, Py_ssize_t start, Py_ssize_t e
     if (p >= end || *p != '[') return DECLINE;
     p = skip(p + 1, end);
     if (p < end && *p == ']') return skip(p + 1, end) == end ? OK : DECLINE;
-    for (;;) {
+    int more;
+    do {
         int status;
         if (p < end && *p == '"') {
             status = read_string(&p, base, end, r);
@@ -471,13 +466,8 @@ static int read_routes(const unsigned char *base, Py_ssize_t start, Py_ssize_t e
             return DECLINE;
         }
         if (status != OK) return status;
-        p = skip(p, end);
-        if (p < end && *p == ',') {
-            p = skip(p + 1, end);
-            continue;
-        }
-        return p < end && *p == ']' && skip(p + 1, end) == end ? OK : DECLINE;
-    }
+    } while ((more = next_item(&p, end)) == 1);
+    return more == 0 && skip(p + 1, end) == end ? OK : DECLINE;
 }
 
 static PyObject *route_rows(PyObject *self, PyObject *args) {
