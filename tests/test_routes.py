@@ -19,7 +19,7 @@ import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -191,7 +191,9 @@ def test_given_routes_in_every_form_score_as_the_forced_float64_forward(
     sent = [b64(r) if form == "base64" else r.tolist() for r in given]
     body = {**RAGGED, "routed_experts": sent, "routed_experts_start": [1, 0]}
     answer = post(server, body, framed=form == "frames")
-    for i, (tokens, n) in enumerate(zip(RAGGED["input_ids"], RAGGED["num_actions"], strict=True)):
+    rows = cast("list[list[int]]", RAGGED["input_ids"])
+    actions = cast("list[int]", RAGGED["num_actions"])
+    for i, (tokens, n) in enumerate(zip(rows, actions, strict=True)):
         start = 1 if i == 0 else 0
         job = SequenceJob(
             tokens=np.asarray(tokens),

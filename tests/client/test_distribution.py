@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -22,6 +23,7 @@ IDS = [[5, 9, 13, 40, 41, 77, 2, 8], [3, 3, 60, 61, 62]]
 def test_client_asks_and_reads_the_distribution(model_dirs: dict[str, Path], form: str) -> None:
     with serving(model_dirs["qwen2"]) as url:
         client = Client(url, frames=form == "frames")
+        options: dict[str, Any] = {"distribution_format": "base64"} if form == "base64" else {}
         scores = client.score(
             IDS,
             num_actions=[4, 3],
@@ -29,7 +31,7 @@ def test_client_asks_and_reads_the_distribution(model_dirs: dict[str, Path], for
             top_logprobs=3,
             candidate_ids=np.asarray([1, 2]),
             sampling={"top_k": 2, "top_p": 0.5},
-            **({"distribution_format": "base64"} if form == "base64" else {}),
+            **options,
         )
         plain = httpx.post(
             f"{url}/logprobs",
