@@ -19,7 +19,7 @@ from service.engine.contract import MoeShape
 from service.normalise import ModelLimits, normalise
 from service.wire import jsonrows
 from service.wire.jsonrows import _fast, parse_json
-from service.wire.schemas import MATRIX_FIELDS, LogprobsRequest, parse_request
+from service.wire.schemas import MATRIX_FIELDS, Base64Ids, LogprobsRequest, parse_request
 from tests.conftest import native_or_skip
 
 RAGGED = {"input_ids": [[5, 17, 0, 151935], [3, 4, 5]], "num_actions": [2, 1]}
@@ -240,7 +240,7 @@ def test_routes_in_base64_and_lists_normalise_as_parse_request_reads_them(
     if reader == "native":  # decoded straight from the body into one array of the field's ids
         rows = request.prompt_routed_experts if "prompt_ids" in body else request.routed_experts
         assert rows is not None
-        assert isinstance(rows[0], jsonrows.Base64Ids)
+        assert isinstance(rows[0], Base64Ids)
         assert isinstance(rows[1], np.ndarray)
         assert rows[0].ids.dtype == (np.uint8 if experts <= 256 else np.dtype("<i4"))
         assert rows[0].ids.base is rows[1].base  # views of the field's one array

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from service.wire.jsonrows import Base64Ids, _int_rows, _members, _numpy_members, _orjson_rows, _route_rows
+from service.wire.jsonrows import _int_rows, _members, _numpy_members, _orjson_rows, _route_rows
+from service.wire.schemas import Base64Ids
 from tests.conftest import native_or_skip
 
 

@@ -34,8 +34,7 @@ from service.core.errors import InvalidRequest
 from service.core.jobs import GivenRoutes, RouteArray, route_dtype
 from service.engine.contract import MoeShape
 from service.normalise.rows import Row, per_row
-from service.wire.jsonrows import Base64Ids
-from service.wire.schemas import LogprobsRequest
+from service.wire.schemas import Base64Ids, LogprobsRequest
 
 FIELD, PROMPT_FIELD = "routed_experts", "prompt_routed_experts"
 

@@ -39,7 +39,14 @@ import orjson
 from pydantic import ValidationError
 
 from service.core.jobs import IntArray
-from service.wire.schemas import MATRIX_FIELDS, ROUTE_FIELDS, JsonOptions, LogprobsRequest, parse_request
+from service.wire.schemas import (
+    MATRIX_FIELDS,
+    ROUTE_FIELDS,
+    Base64Ids,
+    JsonOptions,
+    LogprobsRequest,
+    parse_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +64,6 @@ def parse_json(raw: bytes, min_bytes: int = FAST_MIN_BYTES) -> LogprobsRequest:
     `min_bytes` go to parse_request directly."""
     fast = _fast(raw) if len(raw) >= min_bytes else None
     return fast if fast is not None else parse_request(raw)
-
-
-@dataclass(frozen=True, slots=True)
-class Base64Ids:
-    """A row of routes sent as SGLang's base64 string, decoded by the native reader: its ids, flat
-    (a view of the field's ids: u1 where every id of the field fits, else int32)."""
-
-    ids: np.ndarray
 
 
 @dataclass(frozen=True, slots=True)

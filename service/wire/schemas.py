@@ -6,12 +6,17 @@ These check types and single-field bounds. Rules that relate fields to each othe
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, create_model
 
 from service.core.errors import from_pydantic
 from service.settings import ReloadMode, Version
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 Body = TypeVar("Body", bound=BaseModel)
 TokenId = Annotated[int, Strict(), Field(ge=0)]
@@ -23,6 +28,15 @@ ExpertId = Annotated[int, Strict()]
 RowRoutes = list[list[list[ExpertId]]] | str | None
 RouteFormat = Literal["lists", "base64"]
 DistributionFormat = Literal["lists", "base64"]
+
+
+@dataclass(frozen=True, slots=True)
+class Base64Ids:
+    """A row of routes sent as SGLang's base64 string and decoded by the JSON reader (jsonrows.py):
+    its ids, flat, a numpy view of the field's ids (u1 where every id of the field fits, else int32).
+    A request read by the reader holds these where pydantic would hold the str."""
+
+    ids: npt.NDArray[np.integer[Any]]
 
 
 class SamplingParams(BaseModel):
