@@ -21,7 +21,8 @@ round (and the connections) comes first.
   about 1 ms of the client's loop per concurrent request (service/client/transport.py).
 - `plain`: what a trainer that does not use logprobd's client writes: a default `httpx.AsyncClient()`
   (httpcore's pool), each body posted with `json=` (the standard library's json.dumps, inside the
-  round) and each answer read with `response.json()` (json.loads); JSON bodies only. `--timeline
+  round) and each answer read with `response.json()` (json.loads; with `distribution_format:
+  "base64"` its blocks then decoded as docs/api.md shows: plain_read); JSON bodies only. `--timeline
   PATH` writes when each round's requests were posted, read and parsed (benchmarks.probes.overhead lays
   them beside the server's events).
 - `load`: continuous load (`poisson_load`): N tasks on one asyncio loop (logprobd's StreamTransport,
@@ -35,8 +36,8 @@ round (and the connections) comes first.
   posted to /v1/completions by a fresh `httpx.Client` with `json=`, the answer read whole
   (`reply.content`), one call after another: ms to the last byte and to the status line.
 - `plain-processes`: `processes` with each rank a plain trainer: a default `httpx.Client()`, its body
-  (a dict of lists, built before the rounds) posted with `json=` and the answer read with
-  `response.json()`. Each rank encodes only its own body, as 8 trainer ranks on their own hosts do;
+  (a dict of lists, built before the rounds) posted with `json=` and the answer read as `plain`
+  reads it. Each rank encodes only its own body, as 8 trainer ranks on their own hosts do;
   `plain` encodes all of them one after another in one thread before its first socket write.
 """
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import multiprocessing as mp
@@ -57,6 +59,7 @@ from typing import Any, Literal
 
 import httpcore
 import httpx
+import numpy as np
 import orjson
 
 from service.client.transport import StreamTransport
@@ -96,10 +99,20 @@ def _post(client: httpx.Client, body: bytes, frames: bool) -> None:
     _parse(r.content, frames)
 
 
+def plain_read(response: httpx.Response) -> Any:
+    """A plain client's read of an answer: `response.json()`, and with `distribution_format: "base64"`
+    its blocks decoded as docs/api.md shows (base64, then numpy of little-endian int32 / float32)."""
+    body = response.json()
+    for name, k in (body.get("columns") or {}).items():
+        wire = "<i4" if name == "top_ids" else "<f4"
+        body[name] = [np.frombuffer(base64.b64decode(row), wire).reshape(-1, k) for row in body[name]]
+    return body
+
+
 def _post_plain(client: httpx.Client, body: Any) -> None:
     r = client.post("/logprobs", json=body)
     r.raise_for_status()
-    r.json()
+    plain_read(r)
 
 
 Wire = Literal["json", "frames", "plain"]  # a rank's bodies: JSON bytes, compact frames, or json= of a dict
@@ -218,7 +231,7 @@ async def _plain_round(
         r = await client.post("/logprobs", json=body)
         read = time.perf_counter()
         r.raise_for_status()
-        r.json()
+        plain_read(r)
         requests.append((posted, read, time.perf_counter()))
 
     start = time.perf_counter()

@@ -1,6 +1,7 @@
 """What the distribution's extras cost (issue: top-K distributions and the completions surface).
 
     python -m benchmarks.distribution --models qwen2.5-7b   # GPU host; results/distribution-latest.json
+    python -m benchmarks.distribution --models qwen2.5-7b --json-forms lists base64 --teacher-budgets
     python -m benchmarks.distribution --models tiny --device cpu --dtype float32 --scale 0.05 \\
         --teacher-tokens 128 --reps 1                                # CPU smoke test
 
@@ -10,6 +11,11 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
   frames, prefix sharing on): plain scoring, then the same requests asking `top_logprobs` 100 and
   1000, and `sampling` {top_k 50, top_p 0.9, min_p 0.05} (processed log-probs). Each: the median
   round's ms after a warm-up round and its cost over plain.
+- with `--json-forms lists base64`, the same GRPO rounds as JSON from a plain client (`--json-client`:
+  plain-processes, a process per request, or plain, one process; httpx's `json=` and
+  `response.json()`, benchmarks/client.py): `<variant>_json` the [window, K] blocks as nested lists,
+  `<variant>_base64` with `distribution_format: "base64"` (top_logprobs variants; the client decodes
+  each row as docs/api.md shows), each over `plain_json`.
 - `teacher`: one TRL-style distillation call, `POST /v1/completions` with 8 token-id prompts of
   --teacher-tokens tokens, `max_tokens: 1`, `prompt_logprobs: 100` (every position's top 100, vLLM's
   form), from a client process as a trainer makes it (benchmarks/client.py --mode teacher), timed
@@ -37,6 +43,7 @@ from typing import Any, get_args
 
 import httpx
 import numpy as np
+import orjson
 import torch
 
 from benchmarks.harness import RESULTS, active_params, packed_model, run_models
@@ -77,6 +84,55 @@ def group_bodies(samples: list[Sample], extra: dict[str, Any]) -> list[bytes]:
         assert frame is not None
         bodies.append(frame)
     return bodies
+
+
+def json_group_bodies(samples: list[Sample], extra: dict[str, Any]) -> list[bytes]:
+    """group_bodies as JSON."""
+    per = len(samples) // CLIENTS
+    return [
+        orjson.dumps(
+            {
+                "input_ids": [s.tokens for s in samples[i : i + per]],
+                "num_actions": [len(s.response) for s in samples[i : i + per]],
+                **extra,
+            }
+        )
+        for i in range(0, len(samples), per)
+    ]
+
+
+def json_variants(variants: list[str], forms: list[str]) -> dict[str, dict[str, Any]]:
+    """The JSON rounds: `plain_json`, then each variant in each form (base64: the top_logprobs ones)."""
+    out: dict[str, dict[str, Any]] = {"plain_json": {}}
+    for variant in variants:
+        for form in forms:
+            if form == "base64" and "top_logprobs" not in EXTRAS[variant]:
+                continue  # nothing in the base64 form
+            suffix = "json" if form == "lists" else form
+            extra = EXTRAS[variant] | ({"distribution_format": "base64"} if form == "base64" else {})
+            if variant != "plain":
+                out[f"{variant}_{suffix}"] = extra
+    return out
+
+
+def json_rounds(
+    url: str, samples: list[Sample], args: argparse.Namespace, unique_floor_s: float
+) -> dict[str, dict[str, Any]]:
+    """The GRPO rounds as JSON from a plain client (json_variants), each over `plain_json`."""
+    out: dict[str, dict[str, Any]] = {}
+    for variant, extra in json_variants(args.variants, args.json_forms).items():
+        bodies = json_group_bodies(samples, extra)
+        rounds = http_rounds(url, bodies, args.reps, args.json_client, frames=False)
+        ms = statistics.median(rounds) * 1e3
+        out[variant] = {
+            "ms": ms,
+            "rounds_ms": [round(r * 1e3, 1) for r in rounds],
+            "unique_floor_fraction": unique_floor_s * 1e3 / ms,
+        }
+        print(f"  grpo-short {variant:>24}: {ms:9.1f} ms", flush=True)
+    for v in out.values():
+        v["cost_over_plain_json"] = v["ms"] / out["plain_json"]["ms"] - 1
+    return out
 
 
 def teacher_prompts(vocab: int, tokens: int, count: int = 8, seed: int = 13) -> list[list[int]]:
@@ -194,6 +250,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         plain = out["grpo-short"]["variants"].get("plain", {}).get("ms")
         for v in out["grpo-short"]["variants"].values():
             v["cost_over_plain"] = v["ms"] / plain - 1 if plain else float("nan")
+        if args.json_forms:
+            out["grpo-short"]["json"] = json_rounds(url, samples, args, unique_floor_s)
     if not args.teacher_budgets:
         return {"attention": engine.info.attention_backend, "decoder": engine.info.decoder, **out}
     body = teacher_body(name, prompts)
@@ -267,6 +325,11 @@ def table(results: dict[str, Any]) -> str:
                 f"| {name} | {variant} | {v['ms']:.1f} | {v['unique_floor_fraction']:.1%} | "
                 f"{v['cost_over_plain']:+.1%} |"
             )
+        for variant, v in m["grpo-short"].get("json", {}).items():  # over plain_json
+            lines.append(
+                f"| {name} | {variant} | {v['ms']:.1f} | {v['unique_floor_fraction']:.1%} | "
+                f"{v['cost_over_plain_json']:+.1%} (over plain_json) |"
+            )
     lines += [
         "",
         "| model | teacher call | ms | floor ms | of the floor | answer MB | client parse ms | "
@@ -300,6 +363,19 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--teacher-tokens", type=int, default=4096)
     parser.add_argument("--variants", nargs="*", default=list(EXTRAS), choices=list(EXTRAS))
+    parser.add_argument(
+        "--json-forms",
+        nargs="*",
+        default=[],
+        choices=["lists", "base64"],
+        help="also the GRPO variants as JSON from a plain client, the blocks in these forms",
+    )
+    parser.add_argument(
+        "--json-client",
+        default="plain-processes",
+        choices=["plain-processes", "plain"],
+        help="the JSON rounds' client (benchmarks/client.py's modes)",
+    )
     parser.add_argument(
         "--teacher-budgets",
         nargs="*",

@@ -2,6 +2,7 @@
 the rollout took).
 
     python -m benchmarks.replay                      # Qwen3-30B-A3B, 48 layers; results/replay-latest.json
+    python -m benchmarks.replay --json-forms base64 lists   # and the JSON forms, from a plain client
     python -m benchmarks.replay --models tiny-moe --device cpu --dtype float32 --sequences 8 --reps 1
 
 One engine (random bf16 weights with the real shapes, benchmarks/shapes.py's MOE_SHAPES), the real app on
@@ -11,6 +12,13 @@ loopback, the standard workload (workload.py) in 8 requests from 8 client proces
 - record (R2): the same with `return_routed_experts` (every position's experts come back, u1 in frames);
 - replay (R3): the same with `routed_experts`: the routes the record pass returned, sent back (u1),
   so the replayed scores must equal the live ones and the agreement must be 1.0 (both checked).
+
+With `--json-forms base64 lists`, the same rounds as JSON from a plain client (`--json-client`:
+plain-processes, a process per request as trainer ranks are, or plain, one process; httpx's `json=`
+and `response.json()`, benchmarks/client.py): `live_json` plain requests; `record_<form>` with
+`return_routed_experts` and `routed_experts_format` <form>; `replay_<form>` with the recorded routes
+as SGLang's base64 strings (`base64`) or nested lists (`lists`), each checked once to give the live
+scores with agreement 1.0. Their cost is over `live_json`.
 
 Each: the median round's ms after a warm-up round and its cost over live. `route_bytes_per_entry`:
 the frames' extra request bytes over the plain frames, per (position, layer, slot) sent.
@@ -26,12 +34,14 @@ from typing import Any, get_args
 
 import httpx
 import numpy as np
+import orjson
 import torch
 
 from benchmarks.harness import RESULTS, active_params, packed_model, run_models
 from benchmarks.server import HttpServer, http_rounds
 from benchmarks.shapes import MOE_SHAPES, floor_shape
 from benchmarks.workload import Sample, floor_flops, workload
+from service.client.routed_experts import encode
 from service.client.wire import from_frame, to_frame
 from service.engine.loading.pretrained import LoadedModel
 from service.engine.scorer.engine import PackedScorer
@@ -40,6 +50,7 @@ from service.wire.frame import MEDIA_TYPE
 
 CLIENTS = 8
 FRAME_HEADERS = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
+JSON_FORMS = ("base64", "lists")
 
 
 def plain_bodies(samples: list[Sample]) -> list[dict[str, Any]]:
@@ -73,15 +84,21 @@ def recorded(url: str, bodies: list[dict[str, Any]]) -> tuple[list[list[np.ndarr
     return routes, scores
 
 
-def replayed(url: str, bodies: list[dict[str, Any]]) -> tuple[list[list[np.ndarray]], list[float]]:
-    """Each body's log-probs and exact-agreement fractions when its routes are replayed."""
+def replayed(
+    url: str, bodies: list[dict[str, Any]], framed: bool = True
+) -> tuple[list[list[np.ndarray]], list[float]]:
+    """Each body's log-probs and exact-agreement fractions when its routes are replayed (sent as a
+    frame, or as JSON)."""
     scores, agreement = [], []
     with httpx.Client(base_url=url, timeout=600) as client:
         for body in bodies:
-            reply = client.post("/logprobs", content=to_frame(body), headers=FRAME_HEADERS)
+            if framed:
+                reply = client.post("/logprobs", content=to_frame(body), headers=FRAME_HEADERS)
+            else:
+                reply = client.post("/logprobs", json=body)
             if reply.status_code != 200:
                 raise RuntimeError(reply.text)
-            answer = from_frame(reply.content)
+            answer = from_frame(reply.content) if framed else reply.json()
             scores.append([np.asarray(r, dtype=np.float64) for r in answer["logprobs"]])
             agreement.append(float(answer["route_agreement"]["exact_fraction"]))
     return scores, agreement
@@ -118,18 +135,12 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         }
         entries = sum(r.size for rs in routes for r in rs)
         for variant, bodies in wire.items():
-            rounds = http_rounds(url, bodies, args.reps)
-            ms = statistics.median(rounds) * 1e3
-            variants[variant] = {
-                "ms": ms,
-                "rounds_ms": [round(r * 1e3, 1) for r in rounds],
-                "floor_fraction": floor_s * 1e3 / ms,
-                "request_bytes": sum(map(len, bodies)),
-            }
-            print(f"  {name} {variant:>7}: {ms:9.1f} ms  {floor_s * 1e3 / ms:6.1%} of floor", flush=True)
-    live = variants["live"]["ms"]
+            variants[variant] = timed(http_rounds(url, bodies, args.reps), bodies, floor_s)
+            print(f"  {name} {variant:>7}: {variants[variant]['ms']:9.1f} ms", flush=True)
+        if args.json_forms:
+            json_rounds(url, plain, routes, live_scores, args, floor_s, variants)
     for v in variants.values():
-        v["cost_over_live"] = v["ms"] / live - 1
+        v["cost_over_live"] = v["ms"] / variants[v.pop("over", "live")]["ms"] - 1
     return {
         "moe_kernel": engine.info.moe_kernel,
         "tokens": tokens,
@@ -143,9 +154,52 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     }
 
 
+def json_rounds(  # noqa: PLR0917
+    url: str,
+    plain: list[dict[str, Any]],
+    routes: list[list[np.ndarray]],
+    live_scores: list[list[np.ndarray]],
+    args: argparse.Namespace,
+    floor_s: float,
+    variants: dict[str, dict[str, Any]],
+) -> None:
+    """The JSON forms' rounds from a plain client, into `variants` (each over `live_json`); every
+    replay checked once against the live scores."""
+    bodies: dict[str, list[dict[str, Any]]] = {"live_json": plain}
+    for form in args.json_forms:
+        asked = {"return_routed_experts": True, "routed_experts_format": form}
+        bodies[f"record_{form}"] = [{**b, **asked} for b in plain]
+        sent = [encode(rs) if form == "base64" else [r.tolist() for r in rs] for rs in routes]
+        bodies[f"replay_{form}"] = [{**b, "routed_experts": s} for b, s in zip(plain, sent, strict=True)]
+        scores, agreement = replayed(url, bodies[f"replay_{form}"], framed=False)
+        diff = max(
+            float(np.max(np.abs(a - b)))
+            for got, want in zip(scores, live_scores, strict=True)
+            for a, b in zip(got, want, strict=True)
+        )
+        if min(agreement) != 1.0 or diff > 1e-3:
+            raise RuntimeError(f"replay_{form}: agreement {min(agreement)}, max |live - replayed| {diff}")
+    for variant, sent_bodies in bodies.items():
+        raw = [orjson.dumps(b) for b in sent_bodies]
+        rounds = http_rounds(url, raw, args.reps, args.json_client, frames=False)
+        variants[variant] = timed(rounds, raw, floor_s) | {"over": "live_json"}
+        print(f"  {variant:>14}: {variants[variant]['ms']:9.1f} ms", flush=True)
+
+
+def timed(rounds: list[float], bodies: list[bytes], floor_s: float) -> dict[str, Any]:
+    """A variant's figures from its rounds' seconds."""
+    ms = statistics.median(rounds) * 1e3
+    return {
+        "ms": ms,
+        "rounds_ms": [round(r * 1e3, 1) for r in rounds],
+        "floor_fraction": floor_s * 1e3 / ms,
+        "request_bytes": sum(map(len, bodies)),
+    }
+
+
 def table(results: dict[str, Any]) -> str:
     lines = [
-        "| model | variant | ms | of the floor | cost over live |",
+        "| model | variant | ms | of the floor | cost over live (JSON: over live_json) |",
         "| --- | --- | ---: | ---: | ---: |",
     ]
     for name, m in results["models"].items():
@@ -174,6 +228,15 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--json-forms", nargs="*", default=[], choices=JSON_FORMS, help="also these JSON forms (plain client)"
+    )
+    parser.add_argument(
+        "--json-client",
+        default="plain-processes",
+        choices=["plain-processes", "plain"],
+        help="the JSON rounds' client (benchmarks/client.py's modes)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "replay-latest.json")
     return parser
 

@@ -1,5 +1,5 @@
-"""CPU smoke test of the routing-replay benchmark: a tiny Qwen3-MoE, its routes recorded and sent
-back, the replayed scores those of live routing."""
+"""CPU smoke test of the routing-replay benchmark on the tiny MoE: frames and both JSON forms from a
+plain client, each replay checked against the live scores (agreement 1.0) before it is timed."""
 
 from __future__ import annotations
 
@@ -13,16 +13,29 @@ from tests.benchmarks.page_rows import page_rows
 
 
 @pytest.mark.slow
-def test_replay_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
+def test_replay_benchmark_runs_every_form_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "replay.json"
     argv = ["--models", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--sequences", "8"]
-    assert main([*argv, "--reps", "1", "--output", str(out)]) == 0
+    argv += ["--reps", "1", "--json-forms", "base64", "lists", "--output", str(out)]
+    assert main(argv) == 0
     tiny = json.loads(out.read_text())["models"]["tiny-moe"]
-    assert set(tiny["variants"]) == {"live", "record", "replay"}
+    assert list(tiny["variants"]) == [
+        "live",
+        "record",
+        "replay",
+        "live_json",
+        "record_base64",
+        "replay_base64",
+        "record_lists",
+        "replay_lists",
+    ]
     assert tiny["variants"]["live"]["cost_over_live"] == 0
+    assert tiny["variants"]["live_json"]["cost_over_live"] == 0.0
     assert tiny["replay_vs_live_max_abs_diff"] < 1e-4  # float32: the recorded routes are the live ones
     assert tiny["replay_exact_agreement_min"] == 1.0
     assert 1 <= tiny["route_bytes_per_entry"] < 1.1  # one byte an entry (u1), and the rows' lengths
+    base64_bytes = tiny["variants"]["replay_base64"]["request_bytes"]
+    assert base64_bytes > tiny["variants"]["replay"]["request_bytes"]  # 4/3 x 4 bytes an id, not 1
     (row,) = page_rows("replay", out)  # the results page reads what the suite wrote
     assert row[1] == "tiny-moe"
     assert row[2].startswith(f"{tiny['variants']['live']['ms']:,.1f} (")

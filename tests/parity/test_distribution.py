@@ -1,12 +1,15 @@
 """POST /logprobs' top_logprobs, candidate_ids and sampling, end to end, for every parity
 architecture, against tests/support/distribution.py's float64 reference on the model's own eager logits:
 ragged and padded layouts, the grouped form with shared prefixes, a sequence scored in chunks, the
-client, and the 422s (docs/api.md, 'Beyond the log-prob')."""
+client, the three forms of the answer's [window, K] blocks (JSON lists, JSON base64 read by
+docs/api.md's own snippet, a frame: the same float32 bits), and the 422s (docs/api.md, 'Beyond the
+log-prob')."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,21 @@ from tests.support.servers import running
 
 SAMPLING = {"top_k": 20, "top_p": 0.9, "min_p": 0.01}
 ATOL = 2e-4
+BLOCKS = ("top_ids", "top_logprobs", "candidate_logprobs")
+
+
+def documented_decoder() -> Callable[[dict[str, Any]], dict[str, list[np.ndarray]]]:
+    """docs/api.md's snippet for `distribution_format: "base64"`, run as it is written there."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    (code,) = [
+        b
+        for b in re.findall(r"^```python\n(.*?)^```", page, re.MULTILINE | re.DOTALL)
+        if "def distribution_blocks" in b
+    ]
+    scope: dict[str, Any] = {}
+    exec(code, scope)  # the documentation's own code
+    decoder: Callable[[dict[str, Any]], dict[str, list[np.ndarray]]] = scope["distribution_blocks"]
+    return decoder
 
 
 @pytest.fixture(scope="module", params=models.EVERY)
@@ -95,9 +113,35 @@ def _ragged(rng: random.Random, lengths: tuple[int, ...] = (9, 17, 30)) -> dict[
     }
 
 
-@pytest.mark.parametrize("framed", [False, True])
+def _post(client: TestClient, body: dict[str, Any], form: str) -> dict[str, Any]:
+    """The answer in `form`: JSON lists, JSON base64 (its blocks decoded by docs/api.md's snippet) or
+    a frame (read by the client's from_frame)."""
+    if form == "frames":
+        raw = to_frame(body)
+        assert raw is not None
+        reply = client.post(
+            "/logprobs", content=raw, headers={"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["content-type"] == MEDIA_TYPE
+        return from_frame(reply.content)
+    asked = {**body, "distribution_format": "base64"} if form == "base64" else body
+    reply = client.post("/logprobs", json=asked)
+    assert reply.status_code == 200, reply.text
+    answer: dict[str, Any] = reply.json()
+    if form == "base64":
+        assert all(
+            isinstance(row, str) for name in BLOCKS if name in answer["columns"] for row in answer[name]
+        )
+        answer |= documented_decoder()(answer)
+    else:
+        assert "columns" not in answer or answer["columns"] is None
+    return answer
+
+
+@pytest.mark.parametrize("form", ["lists", "base64", "frames"])
 def test_ragged_top_k_candidates_and_sampler(
-    served: tuple[str, TestClient], reference_models: dict[str, Any], framed: bool
+    served: tuple[str, TestClient], reference_models: dict[str, Any], form: str
 ) -> None:
     name, client = served
     body = _ragged(random.Random(name)) | {
@@ -105,21 +149,41 @@ def test_ragged_top_k_candidates_and_sampler(
         "candidate_ids": [3, 1, 95],
         "sampling": SAMPLING,
     }
-    if framed:
-        raw = to_frame(body)
-        assert raw is not None
-        reply = client.post(
-            "/logprobs", content=raw, headers={"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
-        )
-        assert reply.headers["content-type"] == MEDIA_TYPE
-    else:
-        reply = client.post("/logprobs", json=body)
-    assert reply.status_code == 200, reply.text
-    answer = from_frame(reply.content) if framed else reply.json()
-    _check(reference_models[name], body, answer, framed=framed)
+    answer = _post(client, body, form)
+    _check(reference_models[name], body, answer, framed=form == "frames")
     processed = [v for row in answer["processed_logprobs"] for v in row]
     outside = sum(v is None or v == -np.inf for v in processed)
     assert answer["rollout"]["outside_kept_fraction"] == pytest.approx(outside / len(processed))
+
+
+def test_every_form_carries_the_same_bits(served: tuple[str, TestClient]) -> None:
+    """JSON lists (the shortest decimal of each float32), JSON base64 and a frame: the same ids and
+    float32 log-probs, bit for bit, padding entries (zeros) too."""
+    name, client = served
+    rng = random.Random(f"forms-{name}")
+    body = {
+        "input_ids": [
+            [0, 0, *[rng.randrange(3, 96) for _ in range(10)]],
+            [rng.randrange(3, 96) for _ in range(12)],
+        ],
+        "attention_mask": [[0, 0, *[1] * 10], [1] * 9 + [0] * 3],
+        "response_length": 5,
+        "temperature": 0.7,
+        "top_logprobs": 7,
+        "candidate_ids": [5, 9],
+    }
+    answers = {form: _post(client, body, form) for form in ("lists", "base64", "frames")}
+    framed = answers["frames"]
+    for form in ("lists", "base64"):
+        for field, dtype in (
+            ("top_ids", np.int64),
+            ("top_logprobs", np.float32),
+            ("candidate_logprobs", np.float32),
+        ):
+            for row, want in zip(answers[form][field], framed[field], strict=True):
+                got = np.asarray(row, dtype=dtype)
+                assert got.shape == want.shape, (form, field)
+                assert got.tobytes() == np.asarray(want, dtype=dtype).tobytes(), (form, field)
 
 
 def test_padded_k1_and_whole_vocabulary(

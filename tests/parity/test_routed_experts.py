@@ -2,19 +2,24 @@
 one sparse layer of 8 experts, top-2): the routes a request records come back in its format (JSON
 lists, base64 int32, a frame), replaying them in any form gives the same scores as not replaying
 (agreement 1.0), random routes change the scores and lower the agreement, the metrics see it, and
-bad routes are 422s naming the field and the row while the server keeps serving.
+bad routes are 422s naming the field and the row while the server keeps serving. Every test runs with
+JSON bodies read by pydantic (small bodies) and by the fast reader (jsonrows.parse_json, its native
+route reader decoding base64 and lists; LOGPROBD_REQUIRE_NATIVE=1 fails where it is not built).
 
 The engine's replay against transformers' own forward is tested on the engine's side; here the
-reference is the server's own live scores and the routes it recorded.
+reference is the server's own live scores and the routes it recorded, and for routes that differ
+from the live router's, in every form, that float64 forward with its routers forced
+(tests/engine/moe/test_replay.py's reference).
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -22,8 +27,13 @@ from fastapi.testclient import TestClient
 
 from service.client.routed_experts import decode
 from service.client.wire import from_frame, to_frame
+from service.core.jobs import GivenRoutes, SequenceJob
+from service.http import router
 from service.wire.frame import MEDIA_TYPE, unpack
+from service.wire.jsonrows import parse_json
+from tests.engine.moe.test_replay import reference
 from tests.support.device import settings_for
+from tests.support.needs import native_or_skip
 from tests.support.servers import running
 
 FRAMED = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
@@ -34,6 +44,15 @@ PADDED = {
     "attention_mask": [[0, 0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0, 0]],
     "action_mask": [[0, 0, 0, 0, 0, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0]],
 }
+
+
+@pytest.fixture(autouse=True, params=["pydantic", "native"])
+def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Small JSON bodies go to pydantic; "native": every body through the fast reader."""
+    if request.param == "native":
+        native_or_skip()
+        monkeypatch.setattr(router, "parse_json", functools.partial(parse_json, min_bytes=0))
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +179,33 @@ def test_other_routes_change_the_scores_and_the_agreement_shows_it(server: TestC
     assert now["exact_count"] - after["exact_count"] == 1
     assert now["exact_sum"] - after["exact_sum"] == pytest.approx(agreement["exact_fraction"])
     assert now["overlap_sum"] - after["overlap_sum"] == pytest.approx(agreement["mean_overlap"])
+
+
+@pytest.mark.parametrize("form", ["lists", "base64", "frames"])
+def test_given_routes_in_every_form_score_as_the_forced_float64_forward(
+    server: TestClient, reference_models: dict[str, Any], form: str
+) -> None:
+    """Random routes from position 1 (row 0) and over every position (row 1), sent as nested lists,
+    SGLang's base64 or a frame: each row's log-probs within 1e-4 of transformers' float64 forward
+    with its routers forced to those routes."""
+    rng = np.random.default_rng(3)
+    given = [random_routes(rng, 6), random_routes(rng, 4)]
+    sent = [b64(r) if form == "base64" else r.tolist() for r in given]
+    body = {**RAGGED, "routed_experts": sent, "routed_experts_start": [1, 0]}
+    answer = post(server, body, framed=form == "frames")
+    rows = cast("list[list[int]]", RAGGED["input_ids"])
+    actions = cast("list[int]", RAGGED["num_actions"])
+    for i, (tokens, n) in enumerate(zip(rows, actions, strict=True)):
+        start = 1 if i == 0 else 0
+        job = SequenceJob(
+            tokens=np.asarray(tokens),
+            actions=np.arange(len(tokens) - n, len(tokens)),
+            temperature=1.0,
+            return_entropy=False,
+            routes=GivenRoutes(start, given[i].astype(np.uint8)),
+        )
+        want, _ = reference(reference_models["qwen3_moe"], job)
+        np.testing.assert_allclose(np.asarray(answer["logprobs"][i], np.float64), want, atol=1e-4)
 
 
 def observed(server: TestClient) -> dict[str, float]:

@@ -6,6 +6,8 @@ does not read goes to parse_request). Every test runs with each row reader: the 
 
 from __future__ import annotations
 
+import base64
+import functools
 import json
 from typing import Any
 
@@ -13,9 +15,11 @@ import numpy as np
 import pytest
 
 from service.core.errors import ServiceError
+from service.engine.contract import MoeShape
+from service.normalise import ModelLimits, normalise
 from service.wire import jsonrows
 from service.wire.jsonrows import _fast, parse_json
-from service.wire.schemas import MATRIX_FIELDS, LogprobsRequest, parse_request
+from service.wire.schemas import MATRIX_FIELDS, Base64Ids, LogprobsRequest, parse_request
 from tests.support.needs import native_or_skip
 
 RAGGED = {"input_ids": [[5, 17, 0, 151935], [3, 4, 5]], "num_actions": [2, 1]}
@@ -163,8 +167,6 @@ def test_small_bodies_go_to_parse_request() -> None:
 
 
 def test_a_large_body_takes_the_fast_path_and_normalises_alike() -> None:
-    from service.normalise import ModelLimits, normalise
-
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 151936, size=int(n)).tolist() for n in rng.integers(300, 900, size=8)]
     raw = json.dumps({"input_ids": rows, "num_actions": [100] * 8}).encode()
@@ -174,3 +176,103 @@ def test_a_large_body_takes_the_fast_path_and_normalises_alike() -> None:
     for a, b in zip(fast.jobs, slow.jobs, strict=True):
         assert np.array_equal(a.tokens, b.tokens)
         assert np.array_equal(a.actions, b.actions)
+
+
+# routes: 3 sparse layers, top-2; ids past 255 with 300 experts (the field then reads as int32)
+def _routes(rng: np.random.Generator, positions: int, experts: int) -> np.ndarray:
+    keys = rng.random((positions, 3, experts))
+    return np.argpartition(keys, 2, axis=-1)[..., :2]
+
+
+def _b64(routes: np.ndarray) -> str:
+    return base64.b64encode(routes.astype("<i4").tobytes()).decode()
+
+
+def _routed_body(experts: int) -> dict[str, Any]:
+    rng = np.random.default_rng(experts)
+    rows = [rng.integers(3, 500, size=n).tolist() for n in (9, 6, 12)]
+    given = [_routes(rng, n, experts) for n in (9, 5, 12)]
+    return {
+        "input_ids": rows,
+        "num_actions": [3, 2, 4],
+        "routed_experts": [_b64(given[0]), given[1].tolist(), None],
+        "routed_experts_start": [0, 1, 0],
+        "return_routed_experts": True,
+    }
+
+
+def _grouped_routed_body() -> dict[str, Any]:
+    rng = np.random.default_rng(5)
+    return {
+        "prompt_ids": [[7, 8, 9, 10], [11, 12]],
+        "prompt_index": [0, 1, 0],
+        "input_ids": [[1, 2], [3], [4, 5, 6]],
+        "prompt_routed_experts": [_b64(_routes(rng, 4, 8)), _routes(rng, 2, 8).tolist()],
+        "routed_experts": [_routes(rng, 2, 8).tolist(), _b64(_routes(rng, 1, 8)), None],
+    }
+
+
+def _limits(experts: int) -> ModelLimits:
+    return ModelLimits(vocab_size=600, max_sequence_tokens=64, moe=MoeShape(3, experts, 2))
+
+
+@pytest.mark.parametrize(
+    ("body", "experts"),
+    [(_routed_body(8), 8), (_routed_body(300), 300), (_grouped_routed_body(), 8)],
+    ids=["u1", "int32", "grouped"],
+)
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")], ids=["compact", "spaced"])
+def test_routes_in_base64_and_lists_normalise_as_parse_request_reads_them(
+    reader: str, body: dict[str, Any], experts: int, separators: tuple[str, str]
+) -> None:
+    """Each row's GivenRoutes (start, ids, narrow dtype) and the answer's route format are those of
+    the pydantic path, whether the native reader decoded the routes or pydantic read them."""
+    raw = json.dumps(body, separators=separators).encode()
+    request = parse_json(raw, min_bytes=0)
+    fast, slow = normalise(request, _limits(experts)), normalise(parse_request(raw), _limits(experts))
+    assert fast.route_format == slow.route_format == "base64"
+    for a, b in zip(fast.jobs, slow.jobs, strict=True):
+        assert (a.routes is None) == (b.routes is None)
+        if a.routes is not None and b.routes is not None:
+            assert a.routes.start == b.routes.start
+            assert a.routes.experts.dtype == b.routes.experts.dtype
+            np.testing.assert_array_equal(a.routes.experts, b.routes.experts)
+    if reader == "native":  # decoded straight from the body into one array of the field's ids
+        rows = request.prompt_routed_experts if "prompt_ids" in body else request.routed_experts
+        assert rows is not None
+        assert isinstance(rows[0], Base64Ids)
+        assert isinstance(rows[1], np.ndarray)
+        assert rows[0].ids.dtype == (np.uint8 if experts <= 256 else np.dtype("<i4"))
+        assert rows[0].ids.base is rows[1].base  # views of the field's one array
+        if "prompt_ids" not in body and experts <= 256:  # ragged u1 rows: the routes are those views
+            assert np.shares_memory(fast.jobs[0].routes.experts, rows[0].ids)
+            assert np.shares_memory(fast.jobs[1].routes.experts, rows[1])
+
+
+@pytest.mark.parametrize(
+    ("routes", "row"),
+    [
+        (["@@@=", None], 0),  # not base64
+        ([None, "QUJD"], 1),  # 3 bytes: not whole int32
+        ([None, base64.b64encode(b"\0" * 20).decode()], 1),  # 5 ids: not whole [layers, top_k]
+        ([None, [[[1, 2], [3, 9], [4, 5]]]], 1),  # an id past the experts
+        ([[[[1, 2], [3, -1], [4, 5]]], None], 0),  # a negative id
+        ([None, [[[1, 1], [3, 2], [4, 5]]]], 1),  # an expert twice
+        ([None, [[[1, 2], [3, 4]]]], 1),  # 2 layers for 3
+        ([None, [[[1, 2], [3, 4], [5, 6]], [[1, 2]]]], 1),  # ragged nesting
+        ([None, [[[1, 2.0], [3, 4], [5, 6]]]], None),  # not an integer: pydantic's 422
+    ],
+)
+def test_bad_routes_are_refused_with_parse_requests_error(
+    reader: str, routes: list[Any], row: int | None
+) -> None:
+    """Malformed base64, a wrong length, an id out of range, a repeat, a wrong shape: the same 422,
+    naming the field and the row, whichever reader read the body."""
+    raw = json.dumps({"input_ids": [[3, 4, 5], [6, 7]], "num_actions": 1, "routed_experts": routes}).encode()
+    errors = []
+    for parse in (functools.partial(parse_json, min_bytes=0), parse_request):
+        with pytest.raises(ServiceError) as caught:
+            normalise(parse(raw), _limits(8))
+        errors.append((caught.value.message, caught.value.field, caught.value.row))
+    assert errors[0] == errors[1]
+    assert errors[0][1:] == ("routed_experts", row)

@@ -1,7 +1,8 @@
 """jsonwriter.py's bytes against orjson.dumps of the dicts built the obvious way from the same scores:
 equal bytes, for vLLM's prompt_logprobs and OpenAI's top_logprobs / tokens / token_logprobs /
 text_offset, over K = 0, 1, 5, 100 and the whole vocabulary, ties, the token among the K or not,
--inf (the -9999.0 floor), NaN (null), texts that need escaping and texts shared by several ids."""
+-inf (the -9999.0 floor), NaN (null), texts that need escaping and texts shared by several ids.
+prompt_logprobs are checked as the native writer writes them and as numpy's copies do."""
 
 from __future__ import annotations
 
@@ -25,17 +26,30 @@ from tests.support.completions import (
     vllm_reference,
     vocabulary,
 )
+from tests.support.needs import native_or_skip
 
 
 def joined(chunks: Iterable[bytes]) -> bytes:
     return b"".join(chunks)
 
 
+@pytest.fixture(params=["native", "numpy"])
+def writer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """prompt_logprobs' entries written by service.wire._jsonrows.prompt_entries, or by numpy's copies."""
+    if request.param == "native":
+        native_or_skip()
+    else:
+        monkeypatch.setattr(jsonwriter, "native", lambda: None)
+    return str(request.param)
+
+
 @pytest.mark.parametrize(
     ("k", "v", "n"), [(0, 50, 9), (1, 50, 40), (5, 300, 40), (100, 1000, 30), (64, 64, 20)]
 )
 @pytest.mark.parametrize("with_tokenizer", [True, False])
-def test_prompt_logprobs_are_orjson_of_the_dicts(k: int, v: int, n: int, with_tokenizer: bool) -> None:
+def test_prompt_logprobs_are_orjson_of_the_dicts(
+    writer: str, k: int, v: int, n: int, with_tokenizer: bool
+) -> None:
     rng = np.random.default_rng(k + v)
     table = vocabulary(v, rng) if with_tokenizer else None
     pieces = TokenPieces.build(table, v)
@@ -63,7 +77,7 @@ def test_top_logprobs_are_orjson_of_the_dicts(
         assert got == orjson.dumps([None, *expected] if null_first else expected)
 
 
-def test_blocks_join_into_one_array(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_blocks_join_into_one_array(writer: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Positions over several blocks (and a block of one position) write one array."""
     monkeypatch.setattr(jsonwriter, "BLOCK_ENTRIES", 7)
     rng = np.random.default_rng(5)
@@ -75,7 +89,7 @@ def test_blocks_join_into_one_array(monkeypatch: pytest.MonkeyPatch) -> None:
     assert got == orjson.dumps(openai_reference(p, 3, table))
 
 
-def test_no_positions() -> None:
+def test_no_positions(writer: str) -> None:
     pieces = TokenPieces.build(None, 10)
     empty = (
         positions(0, 10, 2, np.random.default_rng(0))
@@ -126,7 +140,7 @@ def test_spills_land_in_pieces_copied_later() -> None:
 
 
 @pytest.mark.parametrize("value", [0.0, -0.0, float("nan"), float("-inf")])
-def test_the_shortest_entries(value: float) -> None:
+def test_the_shortest_entries(writer: str, value: float) -> None:
     """Entries of one-digit ids, empty texts and the shortest numbers: every copy's spill at its widest."""
     v, k, n = 10, 9, 12
     rng = np.random.default_rng(3)
@@ -144,3 +158,29 @@ def test_the_shortest_entries(value: float) -> None:
         assert joined(jsonwriter.prompt_logprobs(pieces, p, k)) == orjson.dumps(vllm_reference(p, k, t))
         got = joined(jsonwriter.top_logprobs(pieces, p, k, null_first=True))
         assert got == orjson.dumps([None, *openai_reference(p, k, t)])
+
+
+def test_the_native_writer_refuses_an_id_it_has_no_piece_for() -> None:
+    """prompt_entries checks every shown id against the pieces (response.py refuses such scores
+    before writing; the writer never reads past its pool either way)."""
+    native_or_skip()
+    from service.wire.jsonrows import native
+
+    writer = native()
+    assert writer is not None
+    pieces = TokenPieces.build(None, 10)
+    d = pieces.decoded
+    numbers = orjson.dumps([0.0] * 4)
+    ids = np.array([[1, 2], [3, 10]], dtype=np.int64)
+    keep = np.ones((2, 2), dtype=np.uint8)
+    first = np.array([1, 1], dtype=np.int64)
+    with pytest.raises(ValueError, match="do not fit"):
+        writer.prompt_entries(numbers, ids, first, keep, 2, d.data, d.start, d.length)
+    ids[1, 1] = 9
+    written = writer.prompt_entries(numbers, ids, first, keep, 2, d.data, d.start, d.length)
+    assert orjson.loads(b"[null" + written + b"]")[2] == {
+        "3": {"logprob": 0.0, "rank": 1, "decoded_token": None},
+        "9": {"logprob": 0.0, "rank": 1, "decoded_token": None},
+    }
+    with pytest.raises(ValueError, match="do not fit"):  # fewer numbers than slots
+        writer.prompt_entries(orjson.dumps([0.0] * 3), ids, first, keep, 2, d.data, d.start, d.length)

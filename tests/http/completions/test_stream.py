@@ -65,7 +65,7 @@ def test_the_engine_failing_for_choice_2_is_an_error_response(served: tuple[str,
 def fails_on_choice_2(monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer fails on prompt_logprobs' block of choice 2 (its first token is prompt 2's); every
     piece is its own chunk, so choices 0 and 1 are sent before."""
-    block = jsonwriter._prompt_block
+    block = jsonwriter._prompt_bytes
     marker = prompts()[2][1]
 
     def failing(pieces: TokenPieces, positions: jsonwriter.Positions, k: int) -> Any:
@@ -73,7 +73,7 @@ def fails_on_choice_2(monkeypatch: pytest.MonkeyPatch) -> None:
             raise MemoryError("injected: the writer failed on choice 2")
         return block(pieces, positions, k)
 
-    monkeypatch.setattr(jsonwriter, "_prompt_block", failing)
+    monkeypatch.setattr(jsonwriter, "_prompt_bytes", failing)
     monkeypatch.setattr(response, "CHUNK_BYTES", 1)
 
 
