@@ -39,3 +39,15 @@ def test_replay_benchmark_runs_every_form_on_cpu(tmp_path: Path) -> None:
     (row,) = page_rows("replay", out)  # the results page reads what the suite wrote
     assert row[1] == "tiny-moe"
     assert row[2].startswith(f"{tiny['variants']['live']['ms']:,.1f} (")
+
+
+def test_a_json_replay_is_held_to_the_frame_replay_of_the_same_routes() -> None:
+    from benchmarks.replay import RouteCheck
+
+    exact = RouteCheck(agreement=1.0, max_abs_diff=0.0)
+    assert exact.holds(RouteCheck(1.0, 5e-4))
+    assert not exact.holds(RouteCheck(0.98, 0.0))  # float32: a route lost in the JSON form shows
+    bf16 = RouteCheck(agreement=0.975, max_abs_diff=0.03)  # other micro-batches, near-ties flip
+    assert bf16.holds(RouteCheck(0.977, 0.0285))
+    assert not bf16.holds(RouteCheck(0.5, 0.03))  # routes read misaligned
+    assert not bf16.holds(RouteCheck(0.975, 0.5))
