@@ -2,15 +2,20 @@
 answer scores, how long scoring pauses, and how much device memory each mode takes.
 
     python -m benchmarks.push --model qwen2.5-7b                # a host of 2 GPUs: trainer 0, server 1
+    python -m benchmarks.push --model qwen3-30b-a3b --no-reload-baseline --save-dir DISK
+                                                                # the push alone (61 GB: one checkpoint)
     python -m benchmarks.push --model tiny --device cpu --dtype float32 --backend gloo --bucket-mib 1
                                                                 # CPU smoke test (tests/benchmarks runs it)
 
 This process is the trainer (rank 0, on --trainer-gpu): it holds the model (random weights with the
-real shapes, transformers' Qwen2), joins a real `python -m service serve` (on --server-gpu) to its
-group as SGLang's trainers do, then for each mode (swap, copy) and load format (one broadcast per
-tensor, flattened) perturbs its weights and pushes them as slime does: /pause_generation, buckets of
---bucket-mib with one weight_version, /continue_generation. Then the same weights reach the server
-as a trainer without the protocol sends them: save_pretrained to --save-dir, POST /admin/weights.
+real shapes, transformers' Qwen2 or Qwen3-MoE), joins a real `python -m service serve` (on
+--server-gpu) to its group as SGLang's trainers do, then for each of --modes (swap, copy) and load
+format (one broadcast per tensor, flattened) perturbs its weights and pushes them as slime does:
+/pause_generation, buckets of --bucket-mib with one weight_version, /continue_generation. Then the
+same weights reach the server as a trainer without the protocol sends them: save_pretrained to
+--save-dir, POST /admin/weights (left out with --no-reload-baseline). --model is a dense or a
+mixture-of-experts shape (shapes.py).
+benchmarks/push_soak.py pushes under concurrent scoring with this module's server and helpers.
 
 Reported per run: seconds from the trainer's first call to the first scores answered on the new
 version (`push_s`; for the reload, from save_pretrained's start), the scoring pause of the apply
@@ -29,7 +34,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,7 +45,7 @@ import torch.distributed as dist
 
 from benchmarks.harness import RESULTS, build_model, provenance, write_result
 from benchmarks.server import serve_process
-from benchmarks.shapes import SHAPES
+from benchmarks.shapes import MOE_SHAPES, SHAPES, shape_of
 from service.engine.contract import WeightGroup
 from service.engine.transfer import group as groups
 
@@ -50,11 +55,14 @@ GIB = 2**30
 
 
 @contextmanager
-def server(checkpoint: Path, args: argparse.Namespace) -> Iterator[str]:
-    """`python -m service serve` on --server-gpu, with the admin key, once ready: its URL."""
+def server(
+    checkpoint: Path, args: argparse.Namespace, version: str = "v0", extra: Sequence[str] = ()
+) -> Iterator[str]:
+    """`python -m service serve` on --server-gpu serving `checkpoint` as `version` (with `extra`
+    arguments), with the admin key, once ready: its URL."""
     argv = ["--model", str(checkpoint), "--device", args.device, "--dtype", args.dtype,
-            "--weights-version", "v0", "--weight-push-timeout-s", str(args.push_timeout_s),
-            "--batch-wait-ms", "0"]  # fmt: skip
+            "--weights-version", version, "--weight-push-timeout-s", str(args.push_timeout_s),
+            "--batch-wait-ms", "0", *extra]  # fmt: skip
     env = {"LOGPROBD_ADMIN_API_KEYS": ADMIN}
     if args.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = str(args.server_gpu)
@@ -147,10 +155,16 @@ def push(
     assert http.post(f"{url}/continue_generation", json={}).status_code == 200
 
 
-def pause_sum(http: httpx.Client, url: str) -> float:
+def pauses(http: httpx.Client, url: str) -> tuple[float, int]:
+    """The server's scoring pauses so far (logprobd_weights_pause_seconds: the engine's apply of each
+    new version, between micro-batches): their sum in seconds and their count."""
     text = http.get(f"{url}/metrics").text
-    match = re.search(r"^logprobd_weights_pause_seconds_sum ([0-9.e+-]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    found = [
+        re.search(rf"^logprobd_weights_pause_seconds_{part} ([0-9.e+-]+)$", text, re.MULTILINE)
+        for part in ("sum", "count")
+    ]
+    total, count = (float(m.group(1)) if m else 0.0 for m in found)
+    return total, int(count)
 
 
 def scores(http: httpx.Client, url: str, vocab: int, version: str) -> list[list[float]]:
@@ -174,7 +188,7 @@ def measured(
 ) -> dict[str, Any]:
     """Run `deliver()` (a push or a save + reload); time it to the first scores on `version`."""
     before = memory.now()
-    paused = pause_sum(http, url)
+    paused, _ = pauses(http, url)
     with memory.watching():
         started = time.perf_counter()
         deliver()
@@ -183,7 +197,7 @@ def measured(
     return {
         "version": version,
         "push_s": seconds,
-        "pause_ms": (pause_sum(http, url) - paused) * 1e3,
+        "pause_ms": (pauses(http, url)[0] - paused) * 1e3,
         "extra_peak_gib": None if before is None else (memory.peak - before) / 1024,
         "scores": got,
     }
@@ -191,23 +205,45 @@ def measured(
 
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.push", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="qwen2.5-7b", choices=sorted(SHAPES))
+    common_arguments(parser, model="qwen2.5-7b", output="push-latest.json")
+    parser.add_argument("--modes", nargs="+", default=["swap", "copy"], choices=["swap", "copy"])
+    parser.add_argument(
+        "--no-reload-baseline",
+        dest="reload_baseline",
+        action="store_false",
+        help="push only: no save_pretrained + POST /admin/weights per mode (Qwen3-30B-A3B: 61 GB each)",
+    )
+    return parser
+
+
+def common_arguments(parser: argparse.ArgumentParser, *, model: str, output: str) -> None:
+    """What the push benchmarks share: the model, the trainer's and the server's devices, the group."""
+    parser.add_argument("--model", default=model, choices=sorted(SHAPES | MOE_SHAPES))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
     parser.add_argument("--trainer-gpu", type=int, default=0)
     parser.add_argument("--server-gpu", type=int, default=1)
     parser.add_argument("--bucket-mib", type=float, default=1024, help="slime's --update-weight-buffer-size")
+    parser.add_argument("--output", type=Path, default=RESULTS / output)
     parser.add_argument(
         "--save-dir", type=Path, default=None, help="where save_pretrained writes (a tempdir)"
     )
-    parser.add_argument("--output", type=Path, default=RESULTS / "push-latest.json")
     parser.add_argument("--start-timeout", type=float, default=900)
     parser.add_argument(
         "--push-timeout-s", type=float, default=120, help="the server's (and this trainer's) group timeout"
     )
     parser.add_argument("--verbose", action="store_true", help="echo the server's log")
-    return parser
+
+
+def trainer(args: argparse.Namespace) -> tuple[torch.device, Any]:
+    """This process's device (--trainer-gpu, made current) and the model it trains: random weights of
+    --model's shape in --dtype, built there."""
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", args.trainer_gpu) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return device, build_model(shape_of(args.model), getattr(torch, args.dtype), device, "sdpa")
 
 
 def join(http: httpx.Client, url: str, args: argparse.Namespace, device: torch.device, name: str) -> Any:
@@ -278,16 +314,11 @@ def push_again(
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", args.trainer_gpu) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dtype: torch.dtype = getattr(torch, args.dtype)
-    vocab = int(SHAPES[args.model]["vocab_size"])
-    model = build_model(dict(SHAPES[args.model]), dtype, device, "sdpa")
+    device, model = trainer(args)
+    vocab = int(model.config.vocab_size)
     named = [(n, p.detach()) for n, p in model.state_dict(keep_vars=True).items()]
     named = [(n, t) for n, t in named if not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
-    memory = DeviceMemory(args.server_gpu if cuda else None)
+    memory = DeviceMemory(args.server_gpu if device.type == "cuda" else None)
     runs: list[dict[str, Any]] = []
     bucket_bytes = int(args.bucket_mib * 2**20)
     with tempfile.TemporaryDirectory(dir=args.save_dir) as tmp:
@@ -296,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         with server(root / "v0", args) as url, httpx.Client(headers=HEADERS, timeout=3600) as http:
             joined, join_s = join(http, url, args, device, "benchmark")
             step = 0
-            for mode in ("swap", "copy"):
+            for mode in args.modes:
                 for flattened in (False, True):
                     step += 1
                     perturb(model, step)
@@ -312,20 +343,12 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     runs.append({"how": "push", **run, **row})
             last = runs[-1]["scores"]
-            for mode in ("swap", "copy"):
-                path = root / f"reload-{mode}"
-
-                def reload(path: Path = path, mode: str = mode) -> None:
-                    model.save_pretrained(path)
-                    body = {"path": str(path), "version": f"reload-{mode}", "mode": mode}
-                    answer = http.post(f"{url}/admin/weights", json=body)
-                    assert answer.status_code == 200, answer.text
-
-                row = measured(http, url, memory, vocab=vocab, version=f"reload-{mode}", deliver=reload)
-                runs.append({"how": "save_pretrained + reload", "mode": mode, **row})
-            bitwise = runs[-1]["scores"] == last  # the last push's weights, reloaded from disk
+            bitwise: bool | None = None  # no reload to compare with
+            if args.reload_baseline:
+                runs += reloads(http, url, memory, args, model=model, root=root, vocab=vocab)
+                bitwise = runs[-1]["scores"] == last  # the last push's weights, reloaded from disk
             stalled = stall(http, url, joined, named)
-            stalled["still_served"] = scores(http, url, vocab, "reload-copy") == runs[-1]["scores"]
+            stalled["still_served"] = scores(http, url, vocab, runs[-1]["version"]) == runs[-1]["scores"]
             stalled["pushed_after"] = push_again(http, url, args, device, model=model, vocab=vocab)
     report(args, runs, join_s, bitwise, stalled)
     rows = [{k: v for k, v in r.items() if k != "scores"} for r in runs]
@@ -335,24 +358,54 @@ def main(argv: list[str] | None = None) -> int:
         "backend": args.backend,
         "bucket_mib": args.bucket_mib,
         "push_timeout_s": args.push_timeout_s,
+        "modes": args.modes,
+        "reload_baseline": args.reload_baseline,
     }
     result = {**provenance("push", device, argv, gpus=2), "settings": settings, "join_s": join_s}
     result.update(push_equals_reload_bitwise=bitwise, stall=stalled, runs=rows)
     write_result(args.output, result)
     survived = stalled["status"] == 400 and stalled["still_served"] and stalled["pushed_after"]
-    return 0 if bitwise and survived else 1
+    return 0 if bitwise is not False and survived else 1
+
+
+def reloads(
+    http: httpx.Client,
+    url: str,
+    memory: DeviceMemory,
+    args: argparse.Namespace,
+    *,
+    model: Any,
+    root: Path,
+    vocab: int,
+) -> list[dict[str, Any]]:
+    """The baseline, per mode: the trainer's weights as they stand saved (save_pretrained) and
+    reloaded (POST /admin/weights), timed to the first scores on them."""
+    runs = []
+    for mode in args.modes:
+        path = root / f"reload-{mode}"
+
+        def reload(path: Path = path, mode: str = mode) -> None:
+            model.save_pretrained(path)
+            body = {"path": str(path), "version": f"reload-{mode}", "mode": mode}
+            answer = http.post(f"{url}/admin/weights", json=body)
+            assert answer.status_code == 200, answer.text
+
+        row = measured(http, url, memory, vocab=vocab, version=f"reload-{mode}", deliver=reload)
+        runs.append({"how": "save_pretrained + reload", "mode": mode, **row})
+    return runs
 
 
 def report(
     args: argparse.Namespace,
     runs: list[dict[str, Any]],
     join_s: float,
-    bitwise: bool,
+    bitwise: bool | None,
     stalled: dict[str, Any],
 ) -> None:
     print(
-        f"{args.model} {args.dtype} over {args.backend}: group joined in {join_s:.2f} s; "
-        f"push == reload bitwise: {bitwise}; a stalled trainer given up after {stalled['given_up_s']:.1f} s "
+        f"{args.model} {args.dtype} over {args.backend}: group joined in {join_s:.2f} s; push == reload "
+        f"bitwise: {'not measured' if bitwise is None else bitwise}; "
+        f"a stalled trainer given up after {stalled['given_up_s']:.1f} s "
         f"(timeout {args.push_timeout_s:g} s), answered {stalled['status']}, the last version still served: "
         f"{stalled['still_served']}, a new group pushed: {stalled['pushed_after']}"
     )
