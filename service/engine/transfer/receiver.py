@@ -47,6 +47,13 @@ GRACE_S = 5.0
 _CRITIC_IGNORES = ("lm_head.",)
 
 
+def indexed(device: torch.device, current: Callable[[], int] = torch.cuda.current_device) -> torch.device:
+    """`device` with its index: a bare "cuda" (as --device cuda gives) is the current GPU."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", current())
+    return device
+
+
 class PushReceiver:
     """One rank's groups and pending pushes. `modules(target)`: the module a target's weights are
     (None: not served); `names(target)`: the checkpoint names it takes (loading/names.py); `weights`:
@@ -63,7 +70,7 @@ class PushReceiver:
     ) -> None:
         self._modules = modules
         self._names = names
-        self._device = device
+        self._device = indexed(device)  # torch.cuda.set_device takes no bare "cuda"
         self._weights = weights
         self._rank = rank
         self._groups: dict[str, groups.Joined] = {}
