@@ -269,9 +269,9 @@ class Settings(BaseSettings):
     reload_mode: ReloadMode = Field(
         "auto",
         description="How POST /admin/weights and a weight push apply new weights. swap: stage a second copy "
-        "on the device, then rebind (no pause); copy: stage in host memory, then copy in place between "
-        "micro-batches (no second device copy; a push holds one bucket at most on the device beyond the "
-        "served weights); auto: swap when the device has room, else copy.",
+        "on the device, then copy it in there (a pause of milliseconds); copy: stage in host memory, then "
+        "copy in place between micro-batches (no second device copy; a push holds one bucket at most on "
+        "the device beyond the served weights); auto: swap when the device has room, else copy.",
     )
     reload_roots: str | None = Field(
         None,

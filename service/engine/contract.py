@@ -77,7 +77,8 @@ class WeightsState:
     """Which weights one model serves, and how they arrived.
 
     mode: "initial" (loaded at start), "swap" (staged on the device beside the old weights, then
-    the parameters rebound) or "copy" (staged in host memory, then copied into the parameters in place).
+    copied into the parameters there) or "copy" (staged in host memory, then copied into the
+    parameters in place).
     """
 
     target: Target

@@ -437,9 +437,9 @@ class WeightsUpdate(BaseModel):
     target: Target = Field("policy", description="Which model to reload.")
     mode: ReloadMode | None = Field(
         None,
-        description="swap: stage a second copy on the device, then rebind; copy: stage on the host, then "
-        "copy in place between micro-batches; auto: swap when there is room. Default: the server's "
-        "reload_mode.",
+        description="swap: stage a second copy on the device, then copy it in there; copy: stage on the "
+        "host, then copy in place between micro-batches; auto: swap when there is room. Default: the "
+        "server's reload_mode.",
     )
     wait: Annotated[bool, Strict()] = Field(
         True, description="Answer once the weights serve (200) or were refused (422); false: 202 at once."

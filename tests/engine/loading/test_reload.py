@@ -108,6 +108,22 @@ def test_staged_tensors_live_where_the_mode_says(
             assert slot.new.is_pinned() == (slot.served.device.type == "cuda")
 
 
+@pytest.mark.parametrize("mode", ["copy", "swap"])
+def test_applying_keeps_the_served_addresses_on_a_gpu(
+    engine: PackedScorer, checkpoints: dict[str, Path], mode: str
+) -> None:
+    """On a GPU both modes copy into the served tensors, so the CUDA graphs captured over their
+    addresses stay valid (on the CPU, swap rebinds them); in both, the new values serve."""
+    staged = engine.stage(ReloadOrder("policy", checkpoints["v11"], "v11", mode))  # type: ignore[arg-type]
+    assert isinstance(staged, Staged)
+    pairs = [(slot.served, slot.served.data_ptr(), slot.new.clone()) for slot in staged.slots]
+    engine.apply(staged)
+    for served, before, value in pairs:
+        if served.device.type == "cuda" or mode == "copy":
+            assert served.data_ptr() == before
+        assert torch.equal(served.detach(), value.to(served.device))
+
+
 def test_auto_mode_swaps_when_there_is_room(engine: PackedScorer, checkpoints: dict[str, Path]) -> None:
     # a tiny model: a second copy fits beside the working memory on any device
     assert engine.stage(ReloadOrder("policy", checkpoints["v11"], "v11")).mode == "swap"
