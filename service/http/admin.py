@@ -1,4 +1,5 @@
-"""The admin routes: hot weight reload (POST /admin/weights) and its report. Admin keys only."""
+"""The admin routes: hot weight reload (POST /admin/weights) and its report, and SGLang's GET or POST
+/flush_cache (the prefix cache emptied). Admin keys only."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.core.errors import EngineFailure, Forbidden, WeightsRefused
@@ -16,11 +17,16 @@ from service.http.state import ServiceState
 from service.wire.schemas import ErrorBody, ReloadStatus, WeightsReport, WeightsUpdate, parse_body
 
 MAX_BODY_BYTES = 64 << 10
+# SGLang's answer to /flush_cache, word for word (its clients check it)
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
 ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text}
     for status, text in [
         (401, "No valid admin key"),
-        (403, "Weight reload is off: the server has no admin key"),
+        (403, "The admin routes (weight reload, flush_cache) are off: the server has no admin key"),
         (409, "Another reload is under way"),
         (413, "Body over 64 KiB"),
         (
@@ -43,17 +49,18 @@ def build_admin_router(state: ServiceState, bearer: HTTPBearer) -> APIRouter:
     ) -> None:
         if not keys.enabled:
             raise Forbidden(
-                "weight reload is off: start the server with an admin key (LOGPROBD_ADMIN_API_KEYS or "
+                "the admin routes (weight reload, flush_cache) are off: start the server with an admin key "
+                "(LOGPROBD_ADMIN_API_KEYS or "
                 "--admin-api-keys-file)"
             )
         keys.check(http.headers.get("authorization"))
 
-    router = APIRouter(prefix="/admin", dependencies=[Depends(admin)])
+    router = APIRouter(dependencies=[Depends(admin)])
 
     body_schema = {"application/json": {"schema": WeightsUpdate.model_json_schema()}}
 
     @router.post(
-        "/weights",
+        "/admin/weights",
         response_model=ReloadStatus,
         responses={
             202: {"model": ReloadStatus, "description": "Reload started (wait=false)"},
@@ -78,10 +85,22 @@ def build_admin_router(state: ServiceState, bearer: HTTPBearer) -> APIRouter:
             raise EngineFailure(f"reload failed: {status.error}")
         return JSONResponse(status.model_dump())
 
-    @router.get("/weights", response_model=WeightsReport, responses=ADMIN_ERRORS)
+    @router.get("/admin/weights", response_model=WeightsReport, responses=ADMIN_ERRORS)
     async def weights_report() -> WeightsReport:
         """What every model serves, and the latest reload of each."""
         reloader = state.require_serving().reloader
         return WeightsReport(weights=reloader.serving(), reloads=reloader.reloads)
+
+    @router.api_route(
+        "/flush_cache",
+        methods=["GET", "POST"],
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/plain": {}}, "description": "The cache is empty"}, **ADMIN_ERRORS},
+    )
+    async def flush_cache() -> PlainTextResponse:
+        """Empty the prefix cache of every model (SGLang's route and answer). Micro-batches already
+        planned finish on what they read; every later one reads only what is computed from now on."""
+        state.require_serving().batcher.flush_cache()
+        return PlainTextResponse(FLUSHED)
 
     return router
