@@ -91,16 +91,24 @@ def build_admin_router(state: ServiceState, bearer: HTTPBearer) -> APIRouter:
         reloader = state.require_serving().reloader
         return WeightsReport(weights=reloader.serving(), reloads=reloader.reloads)
 
-    @router.api_route(
-        "/flush_cache",
-        methods=["GET", "POST"],
-        response_class=PlainTextResponse,
-        responses={200: {"content": {"text/plain": {}}, "description": "The cache is empty"}, **ADMIN_ERRORS},
-    )
+    flushed = {200: {"content": {"text/plain": {}}, "description": "The cache is empty"}, **ADMIN_ERRORS}
+
+    @router.post("/flush_cache", response_class=PlainTextResponse, responses=flushed)
     async def flush_cache() -> PlainTextResponse:
-        """Empty the prefix cache of every model (SGLang's route and answer). Micro-batches already
-        planned finish on what they read; every later one reads only what is computed from now on."""
+        """Empty the prefix cache of every model (SGLang's route and answer; also GET). Micro-batches
+        already planned finish on what they read; every later one reads only what is computed from
+        now on."""
         state.require_serving().batcher.flush_cache()
         return PlainTextResponse(FLUSHED)
+
+    router.add_api_route(
+        "/flush_cache",
+        flush_cache,
+        methods=["GET"],
+        response_class=PlainTextResponse,
+        responses=flushed,
+        operation_id="flush_cache_get",
+        summary="Flush Cache (GET)",
+    )
 
     return router
