@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.client import groups
-from service.client import AsyncClient, Client, LogprobdError, resolve_replicas
+from service.client import AsyncClient, Client, LogprobdError, groups, resolve_replicas
 from tests.client.conftest import serving
 from tests.conftest import TOLERANCE
 from tests.reference import expected

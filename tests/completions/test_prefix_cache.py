@@ -31,7 +31,7 @@ def _check(choice: dict[str, Any], prompt: list[int], reference: Reference, k: i
 def test_a_repeated_system_prompt_is_computed_once(teacher_dir: Path, reference: Reference) -> None:
     rng = random.Random("teacher-system-prompt")
     system = [rng.randrange(3, models.VOCAB) for _ in range(5 * BLOCK + 4)]
-    prompts = [system + [3 + i, *(rng.randrange(3, models.VOCAB) for _ in range(20))] for i in range(4)]
+    prompts = [[*system, 3 + i, *(rng.randrange(3, models.VOCAB) for _ in range(20))] for i in range(4)]
     k = 2
     with running(settings_for(teacher_dir)) as client:
 

@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from service.core.jobs import Chunk, SequenceJob, SequenceScores
+from service.core.prefix_cache import CachePlan
 from service.core.prefixes import Forest
 from service.http.app import create_app
 from service.http.completions import jsonwriter, response
@@ -62,11 +63,15 @@ class TopEngine(FakeEngine):
         self.seeds: list[int | None] = []
 
     def launch(
-        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+        self,
+        jobs: Sequence[SequenceJob],
+        chunk: Chunk | None = None,
+        forest: Forest | None = None,
+        cache: CachePlan | None = None,
     ) -> FakeLaunched:
         assert chunk is None
         self.seeds += [job.draw_seed for job in jobs]
-        launched = super().launch(jobs, chunk, forest)
+        launched = super().launch(jobs, chunk, forest, cache)
         launched.scores = [
             with_top(job, s, self.info.vocab_size) for job, s in zip(jobs, launched.scores, strict=True)
         ]

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 import service
-from service.client import groups
 from service.__main__ import _parser
+from service.client import groups
 from service.core.errors import ServiceError, status_for
 from service.http.server import GRACEFUL_SHUTDOWN_S
 from service.settings import (
