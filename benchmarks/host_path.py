@@ -56,8 +56,9 @@ from benchmarks.workload import Sample, grpo_long, grpo_short, host_info, worklo
 from service.answer.layout import answer, to_json
 from service.client.wire import Scores, from_frame
 from service.client.wire import to_frame as client_frame
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, SequenceJob, SequenceScores
-from service.core.prefix_cache import CachePlan, PrefixIndex
+from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest, share
 from service.engine.contract import ReloadOrder, StagedWeights, WeightsState
 from service.engine.scorer.inflight import HOST_ID_DTYPE, HostExtras, InFlight

@@ -11,9 +11,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import Info as InfoMetric
 from prometheus_client.core import HistogramMetricFamily, Metric
 
+from service.core.cache_plan import BLOCK
 from service.core.errors import OUTCOMES
 from service.core.jobs import IntArray
-from service.core.prefix_cache import BLOCK, Stats
+from service.core.prefix_cache import Stats
 from service.wire.schemas import RolloutMismatch, RouteAgreementSummary
 
 PREFIX = "logprobd"

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, SequenceJob, SequenceScores
-from service.core.prefix_cache import CachePlan, PrefixIndex
+from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest
 from service.engine.contract import (
     EngineInfo,

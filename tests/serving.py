@@ -11,8 +11,8 @@ from typing import Any, cast
 
 from fastapi.testclient import TestClient
 
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk
-from service.core.prefix_cache import CachePlan
 from service.core.prefixes import Forest
 from service.engine import ScoringEngine, load_engine
 from service.engine.config import EngineConfig

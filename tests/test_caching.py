@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.core.prefix_cache import BLOCK
+from service.core.cache_plan import BLOCK
 from service.core.prefixes import share
 from service.http.admin import FLUSHED
 from tests import critics, models

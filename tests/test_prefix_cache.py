@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from service.core.cache_plan import BLOCK
 from service.core.jobs import GivenRoutes, SequenceJob
-from service.core.prefix_cache import BLOCK, ChunkStep, PrefixIndex, scored_by
+from service.core.prefix_cache import ChunkStep, PrefixIndex, scored_by
 
 MODELS = ("policy", "reference")
 

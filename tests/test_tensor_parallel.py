@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.core.prefix_cache import BLOCK
+from service.core.cache_plan import BLOCK
 from service.engine.tensor_parallel import ranks
 from tests import critics, models
 from tests.conftest import TOLERANCE, TP_COLLECTIVES, running, settings_for

@@ -20,7 +20,8 @@ micro-batch. Synchronous and clock-free; `runner.py` calls it and moves what it 
 - The prefix cache (core/prefix_cache.py): a sequence's first tokens that the cache holds are
   neither computed nor counted (its cost starts past them; only sequences reading the same cached
   prefix share further), and a sequence is chunked only when what it computes passes the budget. A
-  micro-batch gathers at most READS_PER_TOKEN x the budget cached keys (beside a first sequence).
+  micro-batch gathers at most caching.READS_PER_TOKEN x the budget cached keys (beside a first
+  sequence).
   Its plan (what it reads and writes) is made with it, and settled once its launch is queued or
   failed (`settle`); the parts of one that ran out of memory read what it read and write nothing.
 """
@@ -32,18 +33,18 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic
+from typing import Generic
 
+from service.batcher.caching import Caching, Lookups
 from service.batcher.queue import Batch, Chunked, F, Pending, Request
 from service.core.errors import Overloaded, VersionMismatch
 from service.core.jobs import Chunk, SequenceJob
-from service.core.prefix_cache import MISS, CachePlan, ChunkStep, Hit, PrefixIndex, Reuse
+from service.core.prefix_cache import MISS, ChunkStep, Hit, PrefixIndex
 from service.core.prefixes import Grouper, common_routed_prefix
 from service.engine.contract import SHAPE_STEP
 from service.settings import Settings
 
 LOOKAHEAD = 256  # queued sequences looked at, behind the first that does not fit, for prefix sharers
-READS_PER_TOKEN = 8  # cached keys a micro-batch gathers, per token of the budget
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +72,7 @@ class Policy(Generic[F]):
     ) -> None:
         self.budget = budget
         self.cache = cache
+        self.caching: Caching[F] = Caching(cache, share_min_tokens, budget)
         self.versions = versions  # model -> the version served: what a request starting now runs on
         self.max_queued = max_queued_tokens
         self.share_min = share_min_tokens
@@ -126,11 +128,11 @@ class Policy(Generic[F]):
         sequence being scored. With `only_started` (a swap is waiting) only sequences of started
         requests are taken."""
         if self.cache is None:
-            return self._take(only_started, _Lookups(None))
+            return self._take(only_started, Lookups(None))
         with self.cache.lock:  # no weights dropped or flush between a lookup and the plan made of it
-            return self._take(only_started, _Lookups(self.cache))
+            return self._take(only_started, Lookups(self.cache))
 
-    def _take(self, only_started: bool, hit: _Lookups) -> Taken[F]:  # noqa: PLR0915 (one pass over the queue)
+    def _take(self, only_started: bool, hit: Lookups) -> Taken[F]:  # noqa: PLR0915 (one pass over the queue)
         taken: Taken[F] = Taken(Batch([]))
         if self.chunked is not None and self.chunked.pending.future.done():  # its request is gone
             taken.release = self._end_chunked()
@@ -155,7 +157,12 @@ class Policy(Generic[F]):
                 h = hit(p)
                 cost = grouper.cost(p.job.tokens, p.job.routes, h.cached, h.root)
                 alone = cost == p.job.num_tokens - h.cached
-                if alone or tokens + cost > min(room, cap, _cap(p)) or p.gone or not self._reads(reads, h):
+                if (
+                    alone
+                    or tokens + cost > min(room, cap, _cap(p))
+                    or p.gone
+                    or not self.caching.reads_fit(reads, h)
+                ):
                     skipped.append(p)  # shares nothing with the micro-batch, or does not fit
                     continue
             if not p.gone and p.request.versions is None and not only_started:
@@ -179,7 +186,7 @@ class Policy(Generic[F]):
                 computed = p.job.num_tokens - h.cached
                 cost = grouper.cost(p.job.tokens, p.job.routes, h.cached, h.root) if grouper else computed
             limit = min(room, cap, _cap(p))
-            too_much = tokens + cost > limit or not self._reads(reads, h)
+            too_much = tokens + cost > limit or not self.caching.reads_fit(reads, h)
             if batch and (too_much or self._would_split(p, cost, limit - tokens, limit, h)):
                 if grouper is None:
                     self._queue.appendleft(p)
@@ -198,21 +205,9 @@ class Policy(Generic[F]):
         taken.batch = self._with_chunk(batch, tokens, cap, hit)
         return taken
 
-    def _reads(self, reads: int, h: Hit) -> bool:
-        """Whether a micro-batch that gathers `reads` cached keys may gather h's too."""
-        return reads + h.cached <= READS_PER_TOKEN * self.budget
-
     def settle(self, batch: Batch[F], queued: bool) -> None:
-        """After `batch`'s launch: queued (what it pinned may go) or failed (what it was to write is
-        not held; a chunked sequence writes no more)."""
-        if self.cache is None or batch.lease is None:
-            return
-        if queued:
-            self.cache.release(batch.lease)
-            return
-        self.cache.abandon(batch.lease)
-        if batch.chunked is not None:
-            batch.chunked.tail = None
+        """After `batch`'s launch (queued, or failed): caching.py's."""
+        self.caching.settle(batch, queued)
 
     def _would_split(self, p: Pending[F], cost: int, left: int, limit: int, h: Hit = MISS) -> bool:
         """Whether p opens a prefix group that does not fit in the `left` tokens of the micro-batch
@@ -238,23 +233,17 @@ class Policy(Generic[F]):
         """The parts to retry a micro-batch that ran out of memory as: its whole sequences apart from
         its chunk, else two halves; none when it is one sequence or one chunk (that one fails)."""
         if batch.chunk is not None and batch.pending:
-            return [self._part(batch, 0, len(batch.pending), False), self._part(batch, 0, 0, True)]
+            return [
+                self.caching.part(batch, 0, len(batch.pending), False),
+                self.caching.part(batch, 0, 0, True),
+            ]
         if len(batch.pending) > 1:
             half = len(batch.pending) // 2
-            return [self._part(batch, 0, half, False), self._part(batch, half, len(batch.pending), False)]
+            return [
+                self.caching.part(batch, 0, half, False),
+                self.caching.part(batch, half, len(batch.pending), False),
+            ]
         return []
-
-    def _part(self, batch: Batch[F], lo: int, hi: int, chunk: bool) -> Batch[F]:
-        """Sequences lo .. hi - 1 of `batch` (with its chunk), reading what they read, writing nothing."""
-        hits = None if batch.hits is None else batch.hits[lo:hi]
-        part = Batch.of(batch.pending[lo:hi], self.share_min, hits=hits)
-        if chunk:
-            part = Batch([], batch.chunk, batch.chunked)
-        if batch.plan is not None:
-            reads = tuple(Reuse(read=r.read) for r in batch.plan.jobs[lo:hi])
-            own = batch.plan.chunk if chunk else None
-            part.plan = CachePlan(reads, None if own is None else Reuse(read=own.read))
-        return part
 
     def abandon(self, batch: Batch[F]) -> int | None:
         """After `batch` failed: the engine sequence whose stores to drop, if it held a chunk (the
@@ -273,14 +262,14 @@ class Policy(Generic[F]):
         self.queued_tokens -= chunked.pending.job.num_tokens - chunked.next_start
         return chunked.sequence
 
-    def _with_chunk(self, batch: list[Pending[F]], tokens: int, cap: int, hit: _Lookups) -> Batch[F]:
+    def _with_chunk(self, batch: list[Pending[F]], tokens: int, cap: int, hit: Lookups) -> Batch[F]:
         """`batch`, ended by the next chunk of the chunked sequence, in what `cap` leaves (the budget,
         or the least batch_tokens of batch's requests below it); planned with the prefix cache."""
         hits = None if self.cache is None else [hit(p) for p in batch]
         chunked = self.chunked
         least = min(SHAPE_STEP, max(1, self.budget // 8))
         if chunked is None or (batch and cap - tokens < least):  # no room: the next one
-            return self._planned(Batch.of(batch, self.share_min, hits=hits), None)
+            return self.caching.planned(Batch.of(batch, self.share_min, hits=hits), None)
         job = chunked.pending.job
         if self.cache is not None and chunked.next_start == chunked.cached:  # its first chunk: looked up now
             fresh = hit(chunked.pending)
@@ -296,22 +285,7 @@ class Policy(Generic[F]):
         step = None
         if self.cache is not None and chunked.hit is not None:
             step = ChunkStep(job, start, end, chunked.hit, chunked.tail)
-        return self._planned(Batch.of(batch, self.share_min, chunk, chunked, hits), step)
-
-    def _planned(self, batch: Batch[F], step: ChunkStep | None) -> Batch[F]:
-        """`batch` with its plan of the prefix cache (its reads pinned until `settle`)."""
-        if self.cache is None or batch.hits is None:
-            return batch
-        lease = self.cache.plan(list(zip(batch.jobs, batch.hits, strict=True)), step)
-        batch.lease = lease
-        plan = lease.plan
-        if any(r.read or r.write for r in plan.jobs) or (
-            plan.chunk is not None and (plan.chunk.read or plan.chunk.write)
-        ):
-            batch.plan = plan
-        if step is not None and batch.chunked is not None:
-            batch.chunked.tail = lease.tail
-        return batch
+        return self.caching.planned(Batch.of(batch, self.share_min, chunk, chunked, hits), step)
 
     def _start(self, request: Request[F], refused: list[Request[F]]) -> None:
         try:
@@ -321,22 +295,6 @@ class Policy(Generic[F]):
             refused.append(request)
             return
         request.versions = self.versions
-
-
-class _Lookups:
-    """Each queued sequence's lookup in the prefix cache, made once within one take (MISS: no cache)."""
-
-    def __init__(self, cache: PrefixIndex | None) -> None:
-        self._cache = cache
-        self._hits: dict[int, Hit] = {}
-
-    def __call__(self, p: Pending[Any]) -> Hit:
-        if self._cache is None:
-            return MISS
-        found = self._hits.get(id(p))
-        if found is None:
-            found = self._hits[id(p)] = self._cache.lookup(p.job)
-        return found
 
 
 def _cap(p: Pending[F]) -> int:

@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from service.core.cache_plan import NOTHING, CachePlan, Reuse
 from service.core.errors import VersionMismatch
 from service.core.jobs import Chunk, SequenceJob, SequenceScores
-from service.core.prefix_cache import NOTHING, Block, CachePlan, Hit, Lease, Reuse
+from service.core.prefix_cache import Block, Hit, Lease
 from service.core.prefixes import Forest, alone, share
 
 

@@ -39,45 +39,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.core.cache_plan import BLOCK, CachePlan, Reuse
 from service.core.jobs import SequenceJob
-
-BLOCK = 16  # tokens a block (vLLM's default block size): a prefix is served in whole blocks
-
-
-@dataclass(frozen=True, slots=True)
-class Reuse:
-    """What one sequence of a micro-batch takes from the cache and gives it.
-
-    read:   slots of its first len(read) blocks: tokens [0, cached) come from the pool
-    write:  slots its blocks write_from, write_from + 1, ... go into (the keys, values and the hidden
-            states of its action rows there), for `models`
-    """
-
-    read: tuple[int, ...] = ()
-    write_from: int = 0
-    write: tuple[int, ...] = ()
-    models: frozenset[str] = frozenset()
-
-    @property
-    def cached(self) -> int:
-        return len(self.read) * BLOCK
-
-
-NOTHING = Reuse()
-
-
-@dataclass(frozen=True, slots=True)
-class CachePlan:
-    """A micro-batch's reads and writes: one Reuse per whole sequence, in order, and the chunk's
-    (its reads on its sequence's first chunk only; its writes: the blocks that end inside it, their
-    keys and values read from the chunked sequence's store)."""
-
-    jobs: tuple[Reuse, ...]
-    chunk: Reuse | None = None
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(r.cached for r in self.jobs) + (self.chunk.cached if self.chunk is not None else 0)
 
 
 @dataclass(slots=True, eq=False)
@@ -308,7 +271,9 @@ class PrefixIndex:
         stops where no slot is free."""
         data = np.ascontiguousarray(job.tokens, dtype=np.int64).tobytes()
         rows = job.actions - 1
-        rows = rows[rows >= computed_from]
+        rows = rows[(rows >= max(computed_from, first * BLOCK)) & (rows < end * BLOCK)]
+        masks = np.zeros(max(0, end - first), dtype=np.int64)  # per block: its rows with hidden states
+        np.bitwise_or.at(masks, rows // BLOCK - first, np.left_shift(1, rows % BLOCK))
         blocks: list[Block] = []
         for k in range(first, end):
             key = (parent.slot if parent is not None else -1, data[k * BLOCK * 8 : (k + 1) * BLOCK * 8])
@@ -322,8 +287,7 @@ class PrefixIndex:
                 if parent is not None:
                     parent.children += 1
             self._pin([block], lease)
-            inside = rows[(rows >= k * BLOCK) & (rows < (k + 1) * BLOCK)] - k * BLOCK
-            bits = int(np.bitwise_or.reduce(np.left_shift(1, inside))) if inside.size else 0
+            bits = int(masks[k - first])
             for m in models:
                 generation = self._generation[m]
                 held = block.hidden.get(m, 0) if block.valid.get(m) == generation else 0

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, IntArray, SequenceJob, SequenceScores
-from service.core.prefix_cache import CachePlan, PrefixIndex
+from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest
 
 # Token and action counts are padded up to a multiple of this, so that a micro-batch's GEMMs take one

@@ -13,7 +13,7 @@ import numpy as np
 
 from service.client import Client, groups
 from service.client.fanout import merge, reorder, split
-from service.core.prefix_cache import BLOCK
+from service.core.cache_plan import BLOCK
 from tests import models
 from tests.client.faults import sent_body
 from tests.conftest import TOLERANCE

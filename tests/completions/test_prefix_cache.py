@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from service.core.prefix_cache import BLOCK
+from service.core.cache_plan import BLOCK
 from tests import models
 from tests.completions.conftest import TOLERANCE, Reference
 from tests.conftest import running, settings_for

@@ -16,8 +16,8 @@ import orjson
 import pytest
 import requests
 
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, SequenceJob, SequenceScores
-from service.core.prefix_cache import CachePlan
 from service.core.prefixes import Forest
 from service.http.app import create_app
 from service.http.completions import jsonwriter, response

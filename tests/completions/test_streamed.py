@@ -18,8 +18,8 @@ import orjson
 import pytest
 import requests
 
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, SequenceJob
-from service.core.prefix_cache import CachePlan
 from service.core.prefixes import Forest
 from service.http.app import create_app
 from service.http.completions import stream

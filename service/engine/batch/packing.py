@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, SequenceJob
-from service.core.prefix_cache import CachePlan
 from service.core.prefixes import Forest, alone
 from service.engine.batch import asks
 from service.engine.batch import route_buffers as moe_routes

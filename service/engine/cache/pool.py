@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from service.core.prefix_cache import BLOCK
+from service.core.cache_plan import BLOCK
 
 
 def kv_shape(config: Any) -> tuple[int, int, int]:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from service.core.cache_plan import BLOCK, CachePlan, Reuse
 from service.core.jobs import Chunk, SequenceJob
-from service.core.prefix_cache import BLOCK, CachePlan, Reuse
 from service.core.prefixes import Forest
 from service.engine.cache.pool import ModelPool, PoolIO, Saves
 

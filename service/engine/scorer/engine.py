@@ -34,8 +34,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from service.core.cache_plan import BLOCK, CachePlan
 from service.core.jobs import Chunk, SequenceJob, SequenceScores
-from service.core.prefix_cache import BLOCK, CachePlan, PrefixIndex
+from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest
 from service.engine.batch.kv_store import KVStore
 from service.engine.batch.packing import PackedBatch, pack

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from service.core.prefix_cache import BLOCK
+from service.core.cache_plan import BLOCK
 from service.engine.batch.kv_store import cache_bytes_per_token
 from service.engine.batch.packing import SHAPE_STEP
 from service.engine.cache import pool

@@ -45,8 +45,9 @@ import torch
 import torch.distributed as dist
 
 from service.core import heap
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, SequenceJob
-from service.core.prefix_cache import CachePlan, PrefixIndex
+from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest
 from service.engine.config import EngineConfig
 from service.engine.contract import (

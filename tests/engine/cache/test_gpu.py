@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from service.batcher import Batcher, Scored
+from service.core.cache_plan import BLOCK
 from service.core.jobs import SequenceJob
-from service.core.prefix_cache import BLOCK
 from service.engine.decoder.graphs import GraphedDecoder
 from service.engine.scorer.engine import PackedScorer
 from service.metrics import Metrics

@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from service.core.cache_plan import BLOCK
 from service.core.jobs import Chunk, SequenceJob
-from service.core.prefix_cache import BLOCK, ChunkStep, PrefixIndex
+from service.core.prefix_cache import ChunkStep, PrefixIndex
 from service.core.prefixes import alone, share
 from service.engine.batch.kv_store import KVStore
 from service.engine.batch.packing import PackedBatch, pack
