@@ -50,7 +50,7 @@ def test_over_replicas_a_keys_rows_go_to_one_replica_and_come_back_in_order() ->
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 90) for _ in range(8)] for _ in range(6)]
     rows = [(p, [rng.randrange(3, 90) for _ in range(3)]) for _ in range(3) for p in prompts]
-    body = {"input_ids": [p + r for p, r in rows], "num_actions": [len(r) for _, r in rows]}
+    body: dict[str, Any] = {"input_ids": [p + r for p, r in rows], "num_actions": [len(r) for _, r in rows]}
     keys = groups.row_keys(body)
     chunks = split(body, max_chunk_tokens=30, max_chunk_rows=100, min_chunks=2, keys=keys, replicas=2)
     for chunk in chunks:
@@ -116,7 +116,7 @@ def test_split_groups_from_several_ranks_reach_one_replica_each(
             assert header == groups.header_value(
                 groups.row_keys({"input_ids": sent_rows[:1], "num_actions": 6})[0]
             )
-            for row in sent_rows:
-                assert replica_of.setdefault(prompts.index(row[: len(prompts[0])]), url) == url
+            for sent_row in sent_rows:
+                assert replica_of.setdefault(prompts.index(sent_row[: len(prompts[0])]), url) == url
     assert len(set(replica_of.values())) == 2  # the groups spread over both
     assert sum(cached_tokens(url) for url in qwen2_replicas) - before == 3 * len(prompts) * 3 * BLOCK
