@@ -23,7 +23,7 @@ from service.core.prefixes import share
 from service.http.admin import FLUSHED
 from tests import critics, models
 from tests.conftest import TOLERANCE, VALUE_RTOL, eager, running, settings_for
-from tests.reference import assert_values_close, check_reply, expected, max_diff, row_tokens_and_window
+from tests.reference import assert_values_close, check_reply, expected, max_diff
 from tests.serving import serve
 
 ADMIN = "admin-key"
@@ -167,16 +167,7 @@ def test_values_and_reference_log_probs_read_their_own_models_cache(
             check_reply(reply, request, reference_models["qwen2"])
             body = reply.json()
             assert max_diff(body["ref_logprobs"], expected(ref_model, request).logprobs) <= TOLERANCE
-            values = []
-            for i, row_mask in enumerate(body["action_mask"]):
-                tokens, window = row_tokens_and_window(request, i)
-                per_position = critics.expected_values(critic_dir, tokens)
-                values.append(
-                    [
-                        per_position[p - 1] if m and p is not None else 0.0
-                        for p, m in zip(window, row_mask, strict=True)
-                    ]
-                )
+            values = critics.window_values(critic_dir, request, body["action_mask"])
             assert_values_close(body["values"], values, TOLERANCE, VALUE_RTOL)
             cached = 0 if sample == 1 else sum(len(p) // BLOCK * BLOCK for p, _ in rows)
             assert _usage(reply)[1] == cached

@@ -149,9 +149,14 @@ class PackedScorer:
         target = staged.order.target
         state = weight_update.apply(self._served, staged, self._weights[target])
         self._weights = {**self._weights, target: state}
-        if self._index is not None:  # what the old weights computed is no longer theirs
-            self._index.drop(target)
+        self.weights_changed(target)
         return state
+
+    def weights_changed(self, target: Target) -> None:
+        """`target`'s weights changed (a reload, a push): the prefix cache drops what the old ones
+        computed. Engine thread, between micro-batches."""
+        if self._index is not None:
+            self._index.drop(target)
 
     def launch(
         self,
