@@ -63,19 +63,21 @@ def qwen2(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["qwen2"]
 
 
+@pytest.mark.parametrize("name", models.ARCHITECTURES)
 def test_split_groups_posted_one_after_another_compute_each_prompt_once(
-    qwen2: Path, reference_models: dict[str, Any]
+    model_dirs: dict[str, Path], reference_models: dict[str, Any], name: str
 ) -> None:
     """Rank s posts sample s of every group (verl's balance_batch): the first request computes every
-    prompt, each later one reads the prompt's whole blocks and computes the rest of each row."""
-    rng = random.Random("split-sequential")
+    prompt, each later one reads the prompt's whole blocks and computes the rest of each row; every
+    architecture (sliding windows, soft-capping, the transformers decoder for gemma2 and phi3)."""
+    rng = random.Random(f"split-sequential-{name}")
     groups = _groups(rng, 4, 4)
-    with serve(settings_for(qwen2, share_min_tokens=8)) as s:
+    with serve(settings_for(model_dirs[name], share_min_tokens=8)) as s:
         for sample in range(4):
             rows = [(prompt, responses[sample]) for prompt, responses in groups]
             request = _request(rows)
             reply = s.client.post("/logprobs", json=request)
-            check_reply(reply, request, reference_models["qwen2"])
+            check_reply(reply, request, reference_models[name])
             cached = 0 if sample == 0 else sum(len(p) // BLOCK * BLOCK for p, _ in rows)
             assert _usage(reply) == (sum(len(p + r) for p, r in rows) - cached, cached)
         metrics = s.client.get("/metrics").text
@@ -266,7 +268,9 @@ def test_batch_invariant_bits_are_the_same_with_and_without_hits(qwen2: Path) ->
     assert bits[0] == bits[1]
 
 
-def test_sequences_that_give_moe_routes_are_not_cached(model_dirs: dict[str, Path]) -> None:
+def test_sequences_that_give_moe_routes_are_not_cached(
+    model_dirs: dict[str, Path], reference_models: dict[str, Any]
+) -> None:
     """Routing replay: the rollout's routes decide the keys, so those sequences neither read nor write
     the cache (docs/semantics.md); a live-routed one after them reads nothing they computed."""
     rng = random.Random("routes-cache")
@@ -281,5 +285,7 @@ def test_sequences_that_give_moe_routes_are_not_cached(model_dirs: dict[str, Pat
         assert reply.status_code == 200, reply.text
         assert _usage(reply)[1] == 0  # read nothing, though the recording wrote its live keys
         assert reply.json()["logprobs"] == recorded.json()["logprobs"]
-        after = client.post("/logprobs", json=_request([(prompt, [4, 5, 6])]))
+        live_again = _request([(prompt, [4, 5, 6])])
+        after = client.post("/logprobs", json=live_again)
+        check_reply(after, live_again, reference_models["qwen3_moe"])  # the live router over cached keys
         assert _usage(after)[1] == 3 * BLOCK  # the recording one's live keys; the replay wrote none

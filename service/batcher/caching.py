@@ -15,7 +15,7 @@ from service.batcher.queue import Batch, F, Pending
 from service.core.cache_plan import CachePlan, Reuse
 from service.core.prefix_cache import MISS, ChunkStep, Hit, PrefixIndex
 
-READS_PER_TOKEN = 8  # cached keys a micro-batch gathers, per token of the budget (beside its first sequence)
+READS_PER_TOKEN = 16  # cached keys a micro-batch gathers, per token of the budget (beside its first sequence)
 
 
 class Lookups:

@@ -20,7 +20,7 @@ micro-batch. Synchronous and clock-free; `runner.py` calls it and moves what it 
 - The prefix cache (core/prefix_cache.py): a sequence's first tokens that the cache holds are
   neither computed nor counted (its cost starts past them; only sequences reading the same cached
   prefix share further), and a sequence is chunked only when what it computes passes the budget. A
-  micro-batch gathers at most caching.READS_PER_TOKEN x the budget cached keys (beside a first
+  micro-batch gathers at most caching.READS_PER_TOKEN (16) x the budget cached keys (beside a first
   sequence).
   Its plan (what it reads and writes) is made with it, and settled once its launch is queued or
   failed (`settle`); the parts of one that ran out of memory read what it read and write nothing.
