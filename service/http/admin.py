@@ -91,9 +91,10 @@ def build_admin_router(state: ServiceState, bearer: HTTPBearer) -> APIRouter:
         reloader = state.require_serving().reloader
         return WeightsReport(weights=reloader.serving(), reloads=reloader.reloads)
 
-    flushed = {200: {"content": {"text/plain": {}}, "description": "The cache is empty"}, **ADMIN_ERRORS}
+    text = {"text/plain": {"schema": {"type": "string", "example": FLUSHED}}}
+    flushed = {200: {"content": text, "description": "The cache is empty (SGLang's answer)"}, **ADMIN_ERRORS}
 
-    @router.post("/flush_cache", response_class=PlainTextResponse, responses=flushed)
+    @router.post("/flush_cache", response_class=Response, responses=flushed)
     async def flush_cache() -> PlainTextResponse:
         """Empty the prefix cache of every model (SGLang's route and answer; also GET). Micro-batches
         already planned finish on what they read; every later one reads only what is computed from
@@ -105,7 +106,7 @@ def build_admin_router(state: ServiceState, bearer: HTTPBearer) -> APIRouter:
         "/flush_cache",
         flush_cache,
         methods=["GET"],
-        response_class=PlainTextResponse,
+        response_class=Response,
         responses=flushed,
         operation_id="flush_cache_get",
         summary="Flush Cache (GET)",
