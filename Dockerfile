@@ -73,12 +73,14 @@ RUN if [ -n "${FLASH_ATTN_VERSION}" ]; then \
         pip install --no-build-isolation -c constraints.txt "flash-attn==${FLASH_ATTN_VERSION}"; \
     fi
 
-# The service's dependencies and the extras named in EXTRAS, from pyproject.toml alone, so this layer
-# is rebuilt only when they change, not on every source edit.
+# The service's dependencies (the client's and the `server` extra) and the extras named in EXTRAS, from
+# pyproject.toml alone, so this layer is rebuilt only when they change, not on every source edit. An
+# extra's `logprobd[server]` (each GPU extra brings the server) is left out: `server` is listed anyway.
 COPY pyproject.toml ./
 RUN EXTRAS="${EXTRAS}" python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-extras = [e for e in os.environ['EXTRAS'].split(',') if e]; \
-print('\n'.join(p['dependencies'] + [r for e in extras for r in p['optional-dependencies'][e]] \
+extras = ['server'] + [e for e in os.environ['EXTRAS'].split(',') if e]; \
+print('\n'.join(p['dependencies'] + [r for e in extras for r in p['optional-dependencies'][e] \
+if not r.startswith(p['name'] + '[')] \
 + (['nvidia-cutlass-dsl[cu13]'] if 'hopper' in extras else [])))" > /tmp/requirements.txt \
     && pip install -c constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt

@@ -1,8 +1,9 @@
 """The package's one compiled module; everything else about the build is in pyproject.toml.
 
 service.wire._jsonrows reads a JSON body's integer rows natively (service/wire/jsonrows.py's fast path), one
-abi3 build for every CPython from 3.11. It is optional: where it cannot be compiled the install goes
-on, and jsonrows.py reads the rows with orjson instead.
+abi3 build for every CPython from 3.11. It is optional: where it cannot be compiled (no C compiler or
+Python headers, as on a trainer installing the client alone, which never reads it) the install goes on,
+and jsonrows.py reads the rows with orjson instead.
 """
 
 from setuptools import Extension, setup

@@ -6,6 +6,8 @@
     python -m benchmarks.client URL BODIES_FILE 0 --mode load --frames --rate R --seconds S --tasks N
         -> prints "ready" once connected, reads the start instant (time.perf_counter) from stdin,
            then prints a JSON object (poisson_load)
+    python -m benchmarks.client URL BODY.json REPS --mode teacher
+        -> prints a JSON object (teacher_calls)
 
 BODIES_FILE holds the request bodies, each after its length (8 bytes, little-endian): JSON, or with
 `--frames` compact frames (service/wire/frame.py), whose answers are asked for and read as frames too.
@@ -19,8 +21,9 @@ round (and the connections) comes first.
   about 1 ms of the client's loop per concurrent request (service/client/transport.py).
 - `plain`: what a trainer that does not use logprobd's client writes: a default `httpx.AsyncClient()`
   (httpcore's pool), each body posted with `json=` (the standard library's json.dumps, inside the
-  round) and each answer read with `response.json()` (json.loads); JSON bodies only. `--timeline
-  PATH` writes when each round's requests were posted, read and parsed (benchmarks.overhead lays
+  round) and each answer read with `response.json()` (json.loads; with `distribution_format:
+  "base64"` its blocks then decoded as docs/api.md shows: plain_read); JSON bodies only. `--timeline
+  PATH` writes when each round's requests were posted, read and parsed (benchmarks.probes.overhead lays
   them beside the server's events).
 - `load`: continuous load (`poisson_load`): N tasks on one asyncio loop (logprobd's StreamTransport,
   one connection each), each sending bodies at the instants of a Poisson process of rate R / N, so
@@ -29,9 +32,12 @@ round (and the connections) comes first.
 - `processes`: one client process per body, as N trainer ranks are, each with its own httpx.Client
   and keep-alive connection; a round starts at one instant of the shared monotonic clock
   (time.perf_counter is CLOCK_MONOTONIC on Linux) and lasts until the last process has its answer.
+- `teacher`: TRL's teacher call (VLLMClient.get_sequence_logprobs): the one JSON body in BODY.json
+  posted to /v1/completions by a fresh `httpx.Client` with `json=`, the answer read whole
+  (`reply.content`), one call after another: ms to the last byte and to the status line.
 - `plain-processes`: `processes` with each rank a plain trainer: a default `httpx.Client()`, its body
-  (a dict of lists, built before the rounds) posted with `json=` and the answer read with
-  `response.json()`. Each rank encodes only its own body, as 8 trainer ranks on their own hosts do;
+  (a dict of lists, built before the rounds) posted with `json=` and the answer read as `plain`
+  reads it. Each rank encodes only its own body, as 8 trainer ranks on their own hosts do;
   `plain` encodes all of them one after another in one thread before its first socket write.
 """
 
@@ -39,10 +45,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import multiprocessing as mp
 import random
+import statistics
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -51,6 +59,7 @@ from typing import Any, Literal
 
 import httpcore
 import httpx
+import numpy as np
 import orjson
 
 from service.client.transport import StreamTransport
@@ -90,10 +99,20 @@ def _post(client: httpx.Client, body: bytes, frames: bool) -> None:
     _parse(r.content, frames)
 
 
+def plain_read(response: httpx.Response) -> Any:
+    """A plain client's read of an answer: `response.json()`, and with `distribution_format: "base64"`
+    its blocks decoded as docs/api.md shows (base64, then numpy of little-endian int32 / float32)."""
+    body = response.json()
+    for name, k in (body.get("columns") or {}).items():
+        wire = "<i4" if name == "top_ids" else "<f4"
+        body[name] = [np.frombuffer(base64.b64decode(row), wire).reshape(-1, k) for row in body[name]]
+    return body
+
+
 def _post_plain(client: httpx.Client, body: Any) -> None:
     r = client.post("/logprobs", json=body)
     r.raise_for_status()
-    r.json()
+    plain_read(r)
 
 
 Wire = Literal["json", "frames", "plain"]  # a rank's bodies: JSON bytes, compact frames, or json= of a dict
@@ -212,7 +231,7 @@ async def _plain_round(
         r = await client.post("/logprobs", json=body)
         read = time.perf_counter()
         r.raise_for_status()
-        r.json()
+        plain_read(r)
         requests.append((posted, read, time.perf_counter()))
 
     start = time.perf_counter()
@@ -287,12 +306,37 @@ async def poisson_load(
     return {"requests": done, "loop_lag_s": lags}
 
 
+def teacher_call(url: str, body: dict[str, Any]) -> dict[str, float]:
+    """One teacher call as TRL makes it: ms to the last byte (and to the status line), its bytes."""
+    seen: list[float] = []
+    hooks = {"response": [lambda _: seen.append(time.perf_counter())]}
+    with httpx.Client(base_url=url, timeout=600, event_hooks=hooks) as client:
+        started = time.perf_counter()
+        reply = client.post("/v1/completions", json=body)
+        content = reply.content
+        seconds = time.perf_counter() - started
+    reply.raise_for_status()
+    return {"ms": seconds * 1e3, "headers_ms": (seen[0] - started) * 1e3, "bytes": len(content)}
+
+
+def teacher_calls(url: str, body: dict[str, Any], reps: int) -> dict[str, Any]:
+    """Medians over `reps` teacher calls after a warm-up one."""
+    made = [teacher_call(url, body) for _ in range(reps + 1)][1:]
+    return {
+        "ms": statistics.median(c["ms"] for c in made),
+        "min_ms": min(c["ms"] for c in made),
+        "headers_ms": statistics.median(c["headers_ms"] for c in made),
+        "calls_ms": [round(c["ms"], 1) for c in made],
+        "bytes": made[0]["bytes"],
+    }
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.client")
     parser.add_argument("url")
     parser.add_argument("bodies", type=Path)
     parser.add_argument("reps", type=int)
-    modes = ["asyncio", "httpcore", "plain", "processes", "plain-processes", "load"]
+    modes = ["asyncio", "httpcore", "plain", "processes", "plain-processes", "load", "teacher"]
     parser.add_argument("--mode", choices=modes, default="asyncio")
     parser.add_argument("--frames", action="store_true", help="the bodies are compact frames")
     parser.add_argument("--rate", type=float, help="load: requests/s of this process")
@@ -301,6 +345,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="load: of the arrival times and bodies")
     parser.add_argument("--timeline", type=Path, help="plain: each round's request times, as JSON")
     args = parser.parse_args(argv)
+    if args.mode == "teacher":
+        print(json.dumps(teacher_calls(args.url, json.loads(args.bodies.read_bytes()), args.reps)))
+        return 0
     bodies = read_bodies(args.bodies)
     if args.mode == "load":
         if not args.frames:

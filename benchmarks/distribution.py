@@ -1,6 +1,7 @@
 """What the distribution's extras cost (issue: top-K distributions and the completions surface).
 
     python -m benchmarks.distribution --models qwen2.5-7b   # GPU host; results/distribution-latest.json
+    python -m benchmarks.distribution --models qwen2.5-7b --json-forms lists base64 --teacher-budgets
     python -m benchmarks.distribution --models tiny --device cpu --dtype float32 --scale 0.05 \\
         --teacher-tokens 128 --reps 1                                # CPU smoke test
 
@@ -10,9 +11,14 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
   frames, prefix sharing on): plain scoring, then the same requests asking `top_logprobs` 100 and
   1000, and `sampling` {top_k 50, top_p 0.9, min_p 0.05} (processed log-probs). Each: the median
   round's ms after a warm-up round and its cost over plain.
+- with `--json-forms lists base64`, the same GRPO rounds as JSON from a plain client (`--json-client`:
+  plain-processes, a process per request, or plain, one process; httpx's `json=` and
+  `response.json()`, benchmarks/client.py): `<variant>_json` the [window, K] blocks as nested lists,
+  `<variant>_base64` with `distribution_format: "base64"` (top_logprobs variants; the client decodes
+  each row as docs/api.md shows), each over `plain_json`.
 - `teacher`: one TRL-style distillation call, `POST /v1/completions` with 8 token-id prompts of
   --teacher-tokens tokens, `max_tokens: 1`, `prompt_logprobs: 100` (every position's top 100, vLLM's
-  form), from a client process as a trainer makes it (benchmarks/teacher_host.py --client), timed
+  form), from a client process as a trainer makes it (benchmarks/client.py --mode teacher), timed
   from the request sent to the answer's last byte received (the client's JSON parse, TRL's own cost,
   is not counted; it is reported apart, from one more call in this process). Its floor counts the
   head over every position (2 · vocab · hidden per position) besides the layers and attention;
@@ -37,20 +43,15 @@ from typing import Any, get_args
 
 import httpx
 import numpy as np
+import orjson
 import torch
 
-from benchmarks.run import (
-    HttpServer,
-    build_model,
-    histogram_totals,
-    http_rounds,
-    non_embedding_params,
-    run_models,
-)
-from benchmarks.workload import SHAPES, Sample, floor_flops, grpo_short, unique_floor_flops
+from benchmarks.harness import RESULTS, active_params, packed_model, run_models
+from benchmarks.server import HttpServer, histogram_totals, http_rounds
+from benchmarks.shapes import SHAPES
+from benchmarks.workload import Sample, floor_flops, grpo_short, unique_floor_flops
 from service.client.wire import to_frame
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.http.completions.plan import plan_completion
 from service.http.completions.schemas import CompletionRequest
@@ -83,6 +84,55 @@ def group_bodies(samples: list[Sample], extra: dict[str, Any]) -> list[bytes]:
         assert frame is not None
         bodies.append(frame)
     return bodies
+
+
+def json_group_bodies(samples: list[Sample], extra: dict[str, Any]) -> list[bytes]:
+    """group_bodies as JSON."""
+    per = len(samples) // CLIENTS
+    return [
+        orjson.dumps(
+            {
+                "input_ids": [s.tokens for s in samples[i : i + per]],
+                "num_actions": [len(s.response) for s in samples[i : i + per]],
+                **extra,
+            }
+        )
+        for i in range(0, len(samples), per)
+    ]
+
+
+def json_variants(variants: list[str], forms: list[str]) -> dict[str, dict[str, Any]]:
+    """The JSON rounds: `plain_json`, then each variant in each form (base64: the top_logprobs ones)."""
+    out: dict[str, dict[str, Any]] = {"plain_json": {}}
+    for variant in variants:
+        for form in forms:
+            if form == "base64" and "top_logprobs" not in EXTRAS[variant]:
+                continue  # nothing in the base64 form
+            suffix = "json" if form == "lists" else form
+            extra = EXTRAS[variant] | ({"distribution_format": "base64"} if form == "base64" else {})
+            if variant != "plain":
+                out[f"{variant}_{suffix}"] = extra
+    return out
+
+
+def json_rounds(
+    url: str, samples: list[Sample], args: argparse.Namespace, unique_floor_s: float
+) -> dict[str, dict[str, Any]]:
+    """The GRPO rounds as JSON from a plain client (json_variants), each over `plain_json`."""
+    out: dict[str, dict[str, Any]] = {}
+    for variant, extra in json_variants(args.variants, args.json_forms).items():
+        bodies = json_group_bodies(samples, extra)
+        rounds = http_rounds(url, bodies, args.reps, args.json_client, frames=False)
+        ms = statistics.median(rounds) * 1e3
+        out[variant] = {
+            "ms": ms,
+            "rounds_ms": [round(r * 1e3, 1) for r in rounds],
+            "unique_floor_fraction": unique_floor_s * 1e3 / ms,
+        }
+        print(f"  grpo-short {variant:>24}: {ms:9.1f} ms", flush=True)
+    for v in out.values():
+        v["cost_over_plain_json"] = v["ms"] / out["plain_json"]["ms"] - 1
+    return out
 
 
 def teacher_prompts(vocab: int, tokens: int, count: int = 8, seed: int = 13) -> list[list[int]]:
@@ -127,7 +177,7 @@ def in_process_ms(engine: PackedScorer, body: dict[str, Any], name: str, vocab: 
 
 
 def teacher_calls(url: str, body: dict[str, Any], reps: int, device: torch.device) -> dict[str, Any]:
-    """The call from a client process, as a TRL trainer makes it (benchmarks/teacher_host.py --client:
+    """The call from a client process, as a TRL trainer makes it (benchmarks/client.py --mode teacher:
     a fresh httpx.Client per call, `client.post`, `reply.content`), a warm-up and `reps` timed calls;
     the device's peak allocation over them; then one call from this process for the answer's size,
     its entries and the client-side parse time."""
@@ -138,7 +188,7 @@ def teacher_calls(url: str, body: dict[str, Any], reps: int, device: torch.devic
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "body.json"
         path.write_text(json.dumps(body))
-        cmd = [sys.executable, "-m", "benchmarks.teacher_host", "--client", url, str(path), str(reps)]
+        cmd = [sys.executable, "-m", "benchmarks.client", url, str(path), str(reps), "--mode", "teacher"]
         timed = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     after = histogram_totals(url, FORWARD)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
@@ -172,11 +222,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         cuda_graphs=args.cuda_graphs,
         max_top_logprobs=max(1000, TEACHER_K),
     )
-    backend = choose_backend(args.attention, device)
-    packed_impl = register(backend)
-    model = build_model(name, dtype, device, packed_impl)
+    backend, _, model = packed_model(dict(SHAPES[name]), dtype, device, args.attention)
     shape = SHAPES[name]
-    vocab, params = int(shape["vocab_size"]), non_embedding_params(model)
+    vocab, params = int(shape["vocab_size"]), active_params(model)
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
     engine.warm_up()
@@ -202,6 +250,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         plain = out["grpo-short"]["variants"].get("plain", {}).get("ms")
         for v in out["grpo-short"]["variants"].values():
             v["cost_over_plain"] = v["ms"] / plain - 1 if plain else float("nan")
+        if args.json_forms:
+            out["grpo-short"]["json"] = json_rounds(url, samples, args, unique_floor_s)
     if not args.teacher_budgets:
         return {"attention": engine.info.attention_backend, "decoder": engine.info.decoder, **out}
     body = teacher_body(name, prompts)
@@ -275,6 +325,11 @@ def table(results: dict[str, Any]) -> str:
                 f"| {name} | {variant} | {v['ms']:.1f} | {v['unique_floor_fraction']:.1%} | "
                 f"{v['cost_over_plain']:+.1%} |"
             )
+        for variant, v in m["grpo-short"].get("json", {}).items():  # over plain_json
+            lines.append(
+                f"| {name} | {variant} | {v['ms']:.1f} | {v['unique_floor_fraction']:.1%} | "
+                f"{v['cost_over_plain_json']:+.1%} (over plain_json) |"
+            )
     lines += [
         "",
         "| model | teacher call | ms | floor ms | of the floor | answer MB | client parse ms | "
@@ -294,7 +349,8 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.distribution", description=__doc__)
     parser.add_argument("--models", nargs="+", default=["qwen2.5-7b"])
     parser.add_argument("--device", default="cuda")
@@ -307,6 +363,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--teacher-tokens", type=int, default=4096)
     parser.add_argument("--variants", nargs="*", default=list(EXTRAS), choices=list(EXTRAS))
+    parser.add_argument(
+        "--json-forms",
+        nargs="*",
+        default=[],
+        choices=["lists", "base64"],
+        help="also the GRPO variants as JSON from a plain client, the blocks in these forms",
+    )
+    parser.add_argument(
+        "--json-client",
+        default="plain-processes",
+        choices=["plain-processes", "plain"],
+        help="the JSON rounds' client (benchmarks/client.py's modes)",
+    )
     parser.add_argument(
         "--teacher-budgets",
         nargs="*",
@@ -323,11 +392,13 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="the call again to a server with a tokenizer (words t<id>): it draws, every entry has text",
     )
-    parser.add_argument(
-        "--output", type=Path, default=Path(__file__).parent / "results" / "distribution-latest.json"
-    )
-    args = parser.parse_args(argv)
-    results = run_models(args, argv, bench_model, module="benchmarks.distribution")
+    parser.add_argument("--output", type=Path, default=RESULTS / "distribution-latest.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    results = run_models("distribution", args, argv, bench_model)
     print(table(results))
     return 0
 

@@ -50,22 +50,20 @@ import orjson
 import torch
 
 from benchmarks import peers
-from benchmarks.run import (
+from benchmarks.harness import (
     ACCURACY_SAMPLE,
-    HttpServer,
-    batch_counts,
-    build_model,
-    http_bodies,
-    http_rounds,
+    RESULTS,
+    active_params,
     max_abs_diff,
-    non_embedding_params,
+    packed_model,
     peak_memory,
     reference_logprobs,
     run_models,
     timed,
 )
+from benchmarks.server import HttpServer, batch_counts, http_bodies, http_rounds
+from benchmarks.shapes import SHAPES
 from benchmarks.workload import (
-    SHAPES,
     Sample,
     chat_header,
     floor_flops,
@@ -77,7 +75,6 @@ from benchmarks.workload import (
     unique_tokens,
 )
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.settings import CudaGraphs, Settings
 
@@ -192,10 +189,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         # (benchmarks/prefix_cache.py measures it, flushing it between rounds)
         prefix_cache=False,
     )
-    backend = choose_backend(args.attention, device)
-    packed_impl = register(backend)
-    model = build_model(name, dtype, device, packed_impl)
-    vocab, params = int(SHAPES[name]["vocab_size"]), non_embedding_params(model)
+    backend, packed_impl, model = packed_model(dict(SHAPES[name]), dtype, device, args.attention)
+    vocab, params = int(SHAPES[name]["vocab_size"]), active_params(model)
     workloads = {w: WORKLOADS[w](vocab, args.scale) for w in args.workloads}
     results: dict[str, dict[str, Any]] = {}
     for w, samples in workloads.items():
@@ -357,7 +352,8 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grpo", description=__doc__)
     parser.add_argument("--models", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=DEFAULT_WORKLOADS)
@@ -385,9 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         "plain-processes: the same, each request from its own process (client.py)",
     )
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "grpo-latest.json")
-    args = parser.parse_args(argv)
-    results = run_models(args, argv, bench_model, module="benchmarks.grpo")
+    parser.add_argument("--output", type=Path, default=RESULTS / "grpo-latest.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    results = run_models("grpo", args, argv, bench_model)
     print(table(results))
     return 0
 

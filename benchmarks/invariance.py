@@ -2,7 +2,7 @@
 
     python -m benchmarks.invariance                                  # on a GPU host: 7B, every workload
     python -m benchmarks.invariance --models qwen2.5-1.5b qwen2.5-7b --workloads standard grpo-short
-    python -m benchmarks.invariance --models qwen3-30b-a3b-8l        # a mixture of experts (moe.py)
+    python -m benchmarks.invariance --models qwen3-30b-a3b-8l        # a mixture of experts (shapes.py)
     python -m benchmarks.invariance --models tiny --device cpu --dtype float32 --sequences 8 --scale 0.02 \\
         --max-batch-tokens 256 --reps 1                             # CPU smoke test (tests/benchmarks)
 
@@ -10,7 +10,7 @@ Expected time: about 2.5 minutes for the 7B shape with every workload on an H100
 warm-up round, both modes: model build and engine warm-up about 30 s, the long workload about half the
 rest); the 1.5B shape about a minute.
 
-Workloads (benchmarks/workload.py, benchmarks/long.py; fixed seeds; the response is the action window):
+Workloads (benchmarks/workload.py; fixed seeds; the response is the action window):
 
 - `standard`: 64 sequences, prompt U[256, 1024], response Exp(250) in [16, 1024];
 - `grpo-short`: 8 prompts x 8 responses, prompt U[256, 1024] (sharing);
@@ -35,8 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime as dt
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -45,14 +43,13 @@ from typing import Any, get_args
 
 import torch
 
-from benchmarks import moe
-from benchmarks.long import long_workload
-from benchmarks.run import CLIENTS, HttpServer, build_model, http_bodies, http_rounds
-from benchmarks.workload import SHAPES, Sample, _scaled, grpo_long, grpo_short, jobs, workload
+from benchmarks.harness import RESULTS, packed_model, run_models
+from benchmarks.server import CLIENTS, HttpServer, http_bodies, http_rounds
+from benchmarks.shapes import MOE_SHAPES, SHAPES, shape_of
+from benchmarks.workload import Sample, _scaled, grpo_long, grpo_short, jobs, long_workload, workload
 from service.batcher import Batcher
 from service.core.jobs import SequenceJob, SequenceScores
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.metrics import Metrics
 from service.settings import Kernels, Settings
@@ -124,20 +121,12 @@ async def check_bits(
     return out
 
 
-def build(name: str, dtype: torch.dtype, device: torch.device, attn: str) -> Any:
-    if name in moe.SHAPES:
-        return moe.build_model(moe.SHAPES[name], dtype, device, attn)
-    return build_model(name, dtype, device, attn)
-
-
-def vocab_of(name: str) -> int:
-    return int((moe.SHAPES[name] if name in moe.SHAPES else SHAPES[name])["vocab_size"])
-
-
-def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    backend = choose_backend("auto", device)
-    model = build(name, getattr(torch, args.dtype), device, register(backend))
-    vocab = vocab_of(name)
+def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
+    """Both modes of `name` on every workload asked (`rate`, the matmul rate, is not used: no floor)."""
+    del rate
+    shape = shape_of(name)
+    backend, _, model = packed_model(shape, getattr(torch, args.dtype), device)
+    vocab = int(shape["vocab_size"])
     workloads = {w: WORKLOADS[w](vocab, args.scale, args.sequences) for w in args.workloads}
     result: dict[str, Any] = {
         w: {
@@ -193,9 +182,10 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
     return {"engine": info, "workloads": result}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.invariance", description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["qwen2.5-7b"], choices=[*SHAPES, *moe.SHAPES])
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-7b"], choices=[*SHAPES, *MOE_SHAPES])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--decoder", default="auto", choices=["auto", "fused", "transformers"])
     parser.add_argument("--kernels", default="auto", choices=get_args(Kernels))
@@ -205,23 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequences", type=int, default=64, help="the standard workload's")
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
     parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
-    parser.add_argument(
-        "--output", type=Path, default=Path(__file__).parent / "results" / "invariance-latest.json"
-    )
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    results: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "date": dt.date.today().isoformat(),
-        "versions": {"torch": torch.__version__},
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "models": {},
-    }
-    print(f"{results['device']}: {args.models} x {args.workloads}, reps {args.reps}", flush=True)
-    for name in args.models:
-        results["models"][name] = bench_model(name, args, device)
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(results, indent=2))
+    parser.add_argument("--output", type=Path, default=RESULTS / "invariance-latest.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    results = run_models("invariance", args, argv, bench_model)
     every = [r["bitwise_on"] for m in results["models"].values() for r in m["workloads"].values()]
     print(f"bitwise with the mode on in every workload: {all(every)}", flush=True)
     return 0

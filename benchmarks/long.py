@@ -40,38 +40,25 @@ import numpy as np
 import torch
 
 from benchmarks.client import FRAME_HEADERS, read_bodies, write_bodies
-from benchmarks.run import (
-    HttpServer,
-    build_model,
-    http_bodies,
-    http_rounds,
+from benchmarks.harness import (
+    RESULTS,
+    active_params,
     max_abs_diff,
-    non_embedding_params,
+    packed_model,
     peak_memory,
     run_models,
     sync,
 )
-from benchmarks.workload import SHAPES, Sample, floor_flops, workload
+from benchmarks.server import HttpServer, http_bodies, http_rounds
+from benchmarks.shapes import SHAPES
+from benchmarks.workload import Sample, floor_flops, long_workload, workload
 from service.engine.batch.kv_store import cache_bytes_per_token
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.settings import Settings
 
 POSITIONS = 131072
 SHORT_CLIENTS = 4
-
-
-def long_workload(vocab: int, scale: float = 1.0, seed: int = 1) -> list[Sample]:
-    """8 sequences: a 1k-token prompt, a response uniform in [8k, 24k] (both times `scale`)."""
-    rng = np.random.default_rng(seed)
-    prompt = max(1, round(1024 * scale))
-    out = []
-    for _ in range(8):
-        response = int(rng.integers(round(8192 * scale), round(24576 * scale) + 1))
-        tokens = rng.integers(0, vocab, size=prompt + response).tolist()
-        out.append(Sample(tokens[:prompt], tokens[prompt:]))
-    return out
 
 
 def single(vocab: int, length: int, seed: int = 2) -> list[Sample]:
@@ -193,7 +180,7 @@ def fairness(url: str, shorts: list[Sample], longs: list[Sample], seconds: float
 async def _load(url: str, shorts: list[bytes], longs: list[bytes], seconds: float) -> dict[str, Any]:
     latencies: list[float] = []
     long_done = 0
-    end = time.perf_counter() + seconds
+    end = 0.0  # `seconds` from the end of the warm-up
 
     async def short(client: httpx.AsyncClient, body: bytes) -> None:
         while True:  # at least one request each
@@ -217,6 +204,7 @@ async def _load(url: str, shorts: list[bytes], longs: list[bytes], seconds: floa
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         for body in shorts:  # warm-up: connections, and every short shape once
             (await client.post("/logprobs", content=body, headers=FRAME_HEADERS)).raise_for_status()
+        end = time.perf_counter() + seconds
         tasks = [short(client, body) for body in shorts] + ([stream(client)] if longs else [])
         await asyncio.gather(*tasks)
     return {"short_latencies_s": latencies, "long_done": long_done}
@@ -238,7 +226,7 @@ def single_sequence(  # noqa: PLR0917
 ) -> dict[str, Any]:
     """One sequence of the model's positions (x --long-scale) on the default server."""
     one = single(int(SHAPES[name]["vocab_size"]), round(POSITIONS * args.long_scale))
-    one_floor = floor_flops(SHAPES[name], non_embedding_params(model), one) / rate
+    one_floor = floor_flops(SHAPES[name], active_params(model), one) / rate
     settings = Settings(device=device.type, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens)
     with HttpServer(engine, settings) as url:
         seconds, rounds = timed_http(url, one, max(1, args.reps - 1))
@@ -263,11 +251,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         cuda_graphs=args.cuda_graphs,
         max_batch_tokens=args.max_batch_tokens,
     )
-    backend = choose_backend("auto", device)
-    packed_impl = register(backend)
-    model = build_model(name, dtype, device, packed_impl, positions=POSITIONS)
+    backend, packed_impl, model = packed_model(dict(SHAPES[name]), dtype, device, positions=POSITIONS)
     vocab = int(SHAPES[name]["vocab_size"])
-    params = non_embedding_params(model)
+    params = active_params(model)
     longs = long_workload(vocab, args.long_scale)
     sample = min((s for s in longs if len(s.tokens) > settings.max_batch_tokens), key=lambda s: len(s.tokens))
     result: dict[str, Any] = {"long_tokens": [len(s.tokens) for s in longs]}
@@ -320,7 +306,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.long", description=__doc__)
     parser.add_argument("--models", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
     parser.add_argument("--device", default="cuda")
@@ -334,16 +321,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single-models", nargs="+", default=["qwen2.5-7b"])
     parser.add_argument("--fairness-seconds", type=float, default=0.0)
     parser.add_argument("--fairness-models", nargs="+", default=["qwen2.5-7b"])
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "long-latest.json")
+    parser.add_argument("--output", type=Path, default=RESULTS / "long-latest.json")
     parser.add_argument("--load", nargs=3, metavar=("URL", "SHORT_BODIES", "SECONDS"), help=argparse.SUPPRESS)
     parser.add_argument("--long", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.load:  # the fairness load, in its own process
         url, short_path, seconds = args.load
         longs = read_bodies(args.long) if args.long else []
         print(json.dumps(asyncio.run(_load(url, read_bodies(Path(short_path)), longs, float(seconds)))))
         return 0
-    run_models(args, argv, bench_model, module=None)
+    run_models("long", args, argv, bench_model)
     return 0
 
 

@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import gc
-import json
-import platform
 import statistics
 import sys
 import time
@@ -41,116 +38,26 @@ import numpy as np
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.run import (
-    HttpServer,
-    http_bodies,
-    http_rounds,
-    isolated,
-    matmul_rate,
+from benchmarks.harness import (
+    ACCURACY_SAMPLE,
+    RESULTS,
+    active_params,
     max_abs_diff,
+    packed_model,
     reference_logprobs,
+    run_models,
     sync,
 )
+from benchmarks.server import HttpServer, http_bodies, http_rounds
+from benchmarks.shapes import MOE_SHAPES, floor_shape
 from benchmarks.workload import Sample, floor_flops, jobs, workload
 from service.batcher import Batcher
 from service.core.jobs import SequenceJob
 from service.engine.config import EngineConfig
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.metrics import Metrics
 from service.settings import Settings
-
-ACCURACY_SAMPLE = 4
-
-_QWEN3_30B_A3B: dict[str, Any] = {  # Qwen/Qwen3-30B-A3B config.json
-    "family": "qwen3_moe",
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "norm_topk_prob": True,
-    "vocab_size": 151936,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-30b-a3b": _QWEN3_30B_A3B,
-    "qwen3-30b-a3b-8l": {**_QWEN3_30B_A3B, "num_hidden_layers": 8},
-    "mixtral-8l": {  # Mixtral-8x7B's layer, 8 of them: 11.6B parameters
-        "family": "mixtral",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-        "vocab_size": 32000,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-    },
-    "tiny-moe": {  # CPU smoke test only
-        "family": "qwen3_moe",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "vocab_size": 512,
-        "tie_word_embeddings": True,
-    },
-}
-
-
-def build_model(shape: dict[str, Any], dtype: torch.dtype, device: torch.device, attn: str) -> Any:
-    """A random-weight model of `shape`, built on `device` in `dtype` (no host copy of the weights)."""
-    from transformers import MixtralConfig, Qwen3MoeConfig
-
-    kwargs = {k: v for k, v in shape.items() if k != "family"}
-    family = {"qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[shape["family"]]
-    config = family(**kwargs, max_position_embeddings=32768)
-    from transformers import AutoModelForCausalLM
-
-    with torch.device(device), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)  # type: ignore[no-untyped-call]
-    return model.eval().requires_grad_(False)
-
-
-def active_params(model: Any) -> int:
-    """Non-embedding parameters a token runs through: all but the experts it is not routed to."""
-    embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    total = sum(p.numel() for p in model.parameters())
-    total -= embedding.numel() + (0 if head is embedding else head.numel())
-    k = int(model.config.num_experts_per_tok)
-    for layer in model.base_model.layers:
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is not None:
-            per_expert = experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()
-            total -= (experts.gate_up_proj.shape[0] - k) * per_expert
-    return int(total)
-
-
-def floor_shape(shape: dict[str, Any], layers: int) -> dict[str, int | bool]:
-    return {
-        "hidden_size": int(shape["hidden_size"]),
-        "num_hidden_layers": layers,
-        "vocab_size": int(shape["vocab_size"]),
-        "attention_width": int(shape["num_attention_heads"]) * int(shape["head_dim"]),
-    }
 
 
 def summary(rounds: list[float], tokens: int, floor_s: float, device: torch.device) -> dict[str, Any]:
@@ -260,19 +167,18 @@ def expert_load(text: str) -> dict[str, float]:
 
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
-    shape = dict(SHAPES[name])
+    shape = dict(MOE_SHAPES[name])
     if args.layers is not None:
         shape["num_hidden_layers"] = args.layers
     dtype = getattr(torch, args.dtype)
-    backend = choose_backend(args.attention, device)
-    model = build_model(shape, dtype, device, register(backend))
+    backend, _, model = packed_model(shape, dtype, device, args.attention)
     loaded = time.perf_counter()  # the weights are in place: a server's start counts from here
     default = str(model.config._experts_implementation)
     samples: list[Sample] = workload(int(shape["vocab_size"]), sequences=args.sequences)
     the_jobs = jobs(samples)
     tokens = sum(len(s.tokens) for s in samples)
     active = active_params(model)
-    floor_s = floor_flops(floor_shape(shape, int(shape["num_hidden_layers"])), active, samples) / rate
+    floor_s = floor_flops(floor_shape(shape), active, samples) / rate
     common = {"device": device.type, "dtype": args.dtype, "max_batch_tokens": args.max_batch_tokens}
     variants: dict[str, dict[str, Any]] = {}
     scores: dict[str, list[np.ndarray]] = {}
@@ -394,7 +300,8 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe", description=__doc__)
     parser.add_argument("--models", nargs="+", default=["qwen3-30b-a3b-8l", "mixtral-8l", "qwen3-30b-a3b"])
     parser.add_argument("--layers", type=int, help="every model cut to this many layers")
@@ -410,29 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "moe-latest.json")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    import transformers
+    parser.add_argument("--output", type=Path, default=RESULTS / "moe-latest.json")
+    return parser
 
-    rate = matmul_rate(device, getattr(torch, args.dtype))
-    results: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "date": dt.date.today().isoformat(),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "matmul_tflops": rate / 1e12,
-        "models": {},
-    }
-    print(f"{results['device']}: measured {args.dtype} matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    for name in args.models:
-        if len(args.models) == 1:
-            results["models"][name] = bench_model(name, args, device, rate)
-        else:  # one process per model: its weights and caches go with it
-            argv = argv if argv is not None else sys.argv[1:]
-            results["models"][name] = isolated(name, argv, "benchmarks.moe")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2))
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    results = run_models("moe", args, argv, bench_model)
     print(table(results))
     return 0
 

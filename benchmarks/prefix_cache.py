@@ -1,8 +1,8 @@
 """The prefix cache's targets (issue 52), with the cache on and off in one run.
 
-    python -m benchmarks.prefix_cache --model qwen2.5-7b     # on a GPU host; results/prefix-cache-latest.json
-    python -m benchmarks.prefix_cache --model tiny --device cpu --dtype float32 --scale 0.02 --reps 1
-                                                             # CPU smoke test (tests/benchmarks runs it)
+    python -m benchmarks.prefix_cache                 # on a GPU host: 7B; results/prefix-cache-latest.json
+    python -m benchmarks.prefix_cache --models tiny --device cpu --dtype float32 --scale 0.02 --reps 1
+                                                      # CPU smoke test (tests/benchmarks runs it)
 
 Every request is plain JSON from a client process of its own (a trainer rank: a default
 httpx.Client, `json=`, `response.json()`), on the real app on loopback over a model of random bf16
@@ -24,7 +24,8 @@ that nothing of the cache runs): wall ms (median of --reps rounds after a warm-u
 flushed before every round, so each round computes what one training step would), tokens computed
 (the server's logprobd_computed_tokens_total over the round) against the unique tokens (a trie over
 the sequences) and the cached tokens the answers report, and the unique-token FLOP floor at the
-measured matmul rate as a share of the wall time.
+measured matmul rate as a share of the wall time. The result file starts with its provenance
+(benchmarks/harness.py).
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ import numpy as np
 import orjson
 import torch
 
-from benchmarks.run import HttpServer, build_model, http_bodies, non_embedding_params, run_models
-from benchmarks.workload import SHAPES, Sample, grpo_groups, grpo_long, unique_floor_flops, unique_tokens
+from benchmarks.harness import RESULTS, active_params, packed_model, run_models
+from benchmarks.server import HttpServer, http_bodies
+from benchmarks.shapes import SHAPES
+from benchmarks.workload import Sample, grpo_groups, grpo_long, unique_floor_flops, unique_tokens
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.settings import Settings
 
@@ -210,12 +212,15 @@ def rounds(url: str, scenario: Scenario, reps: int, seed: int) -> list[dict[str,
             p.join(timeout=10)
 
 
-def engine_for(name: str, args: argparse.Namespace, device: torch.device, settings: Settings) -> PackedScorer:
-    backend = choose_backend(args.attention, device)
-    model = build_model(name, getattr(torch, args.dtype), device, register(backend))
+def engine_for(
+    name: str, args: argparse.Namespace, device: torch.device, settings: Settings
+) -> tuple[PackedScorer, int]:
+    """A warmed-up engine over a fresh model of `name`'s shape, and the model's active parameters."""
+    backend, _, model = packed_model(dict(SHAPES[name]), getattr(torch, args.dtype), device, args.attention)
+    params = active_params(model)
     engine = PackedScorer(LoadedModel(model, "bench", demo=False), device, backend, settings.engine_config())
     engine.warm_up()
-    return engine
+    return engine, params
 
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
@@ -233,8 +238,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             prefix_cache=on,
             admin_api_keys=ADMIN,
         )
-        engine = engine_for(name, args, device, settings)
-        params = non_embedding_params(engine.served.policy.model)
+        engine, params = engine_for(name, args, device, settings)
         for s, scenario in scenarios.items():
             results[s]["floor_ms"] = unique_floor_flops(SHAPES[name], params, scenario.samples) / rate * 1e3
         print(f"  {name} {variant}: prefix cache {engine.info.prefix_cache_tokens} tokens", flush=True)
@@ -292,9 +296,10 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.prefix_cache", description=__doc__)
-    parser.add_argument("--model", dest="models", nargs="+", default=["qwen2.5-7b"])
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-7b"])
     parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
@@ -302,11 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
-    parser.add_argument(
-        "--output", type=Path, default=Path(__file__).parent / "results" / "prefix-cache-latest.json"
-    )
-    args = parser.parse_args(argv)
-    results = run_models(args, argv, bench_model, module="benchmarks.prefix_cache")
+    parser.add_argument("--output", type=Path, default=RESULTS / "prefix-cache-latest.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    results = run_models("prefix_cache", args, argv, bench_model)
     print(table(results))
     return 0
 

@@ -1,7 +1,7 @@
 """Hot weight reload on the GPU, per mode: how long staging takes, how long scoring pauses, and how
 much GPU memory the reload needs beyond the served model.
 
-    python -m benchmarks.reload --model qwen2.5-1.5b --model qwen2.5-7b
+    python -m benchmarks.reload --model qwen2.5-1.5b --model qwen2.5-7b    # results/reload-latest.json
 
 Per model: random bf16 weights with the real shapes serve as v0; a second random checkpoint (v1) is
 written with save_pretrained, then reloaded with mode copy, back to v0... and with mode swap. After
@@ -13,7 +13,6 @@ before it.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -23,8 +22,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from benchmarks.run import build_model
-from benchmarks.workload import SHAPES, jobs, workload
+from benchmarks.harness import RESULTS, build_model, provenance, write_result
+from benchmarks.shapes import SHAPES
+from benchmarks.workload import jobs, workload
 from service.engine.contract import ReloadOrder
 from service.engine.loading.pretrained import LoadedModel
 from service.engine.ops.attention import choose_backend, register
@@ -35,7 +35,7 @@ GIB = 2**30
 
 
 def save_checkpoint(name: str, directory: Path, device: torch.device, attn: str) -> None:
-    model = build_model(name, torch.bfloat16, device, attn)
+    model = build_model(dict(SHAPES[name]), torch.bfloat16, device, attn)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)  # other values than the served model's
@@ -85,7 +85,7 @@ def run_model(name: str, root: Path, device: torch.device) -> list[dict[str, Any
     new = root / f"{name}-v1"
     save_checkpoint(name, new, device, attn)
     old = root / f"{name}-v0"
-    model = build_model(name, torch.bfloat16, device, attn)
+    model = build_model(dict(SHAPES[name]), torch.bfloat16, device, attn)
     model.save_pretrained(old)
     settings = Settings(device="cuda", dtype="bfloat16")
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
@@ -111,11 +111,16 @@ def run_model(name: str, root: Path, device: torch.device) -> list[dict[str, Any
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.reload", description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", choices=sorted(SHAPES))
-    parser.add_argument("--output", type=Path, default=None)
-    args = parser.parse_args(argv)
+    parser.add_argument("--output", type=Path, default=RESULTS / "reload-latest.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     device = torch.device("cuda")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['pause_ms']:.1f} | {r['extra_peak_gib']:.2f} | {ok} | "
             f"{r['auto_would_pick']} |"
         )
-    if args.output is not None:
-        args.output.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+    write_result(args.output, {**provenance("reload", device, argv), "rows": rows})
     return 0
 
 

@@ -2,15 +2,23 @@
 the rollout took).
 
     python -m benchmarks.replay                      # Qwen3-30B-A3B, 48 layers; results/replay-latest.json
+    python -m benchmarks.replay --json-forms base64 lists   # and the JSON forms, from a plain client
     python -m benchmarks.replay --models tiny-moe --device cpu --dtype float32 --sequences 8 --reps 1
 
-One engine (random bf16 weights with the real shapes, benchmarks/moe.py's SHAPES), the real app on
+One engine (random bf16 weights with the real shapes, benchmarks/shapes.py's MOE_SHAPES), the real app on
 loopback, the standard workload (workload.py) in 8 requests from 8 client processes, compact frames:
 
 - live: plain requests;
 - record (R2): the same with `return_routed_experts` (every position's experts come back, u1 in frames);
 - replay (R3): the same with `routed_experts`: the routes the record pass returned, sent back (u1),
   so the replayed scores must equal the live ones and the agreement must be 1.0 (both checked).
+
+With `--json-forms base64 lists`, the same rounds as JSON from a plain client (`--json-client`:
+plain-processes, a process per request as trainer ranks are, or plain, one process; httpx's `json=`
+and `response.json()`, benchmarks/client.py): `live_json` plain requests; `record_<form>` with
+`return_routed_experts` and `routed_experts_format` <form>; `replay_<form>` with the recorded routes
+as SGLang's base64 strings (`base64`) or nested lists (`lists`), each checked once to give the live
+scores with agreement 1.0. Their cost is over `live_json`.
 
 Each: the median round's ms after a warm-up round and its cost over live. `route_bytes_per_entry`:
 the frames' extra request bytes over the plain frames, per (position, layer, slot) sent.
@@ -21,25 +29,29 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
 import httpx
 import numpy as np
+import orjson
 import torch
 
-from benchmarks.moe import SHAPES, active_params, build_model, floor_shape
-from benchmarks.run import HttpServer, http_rounds, run_models
+from benchmarks.harness import RESULTS, active_params, packed_model, run_models
+from benchmarks.server import HttpServer, http_rounds
+from benchmarks.shapes import MOE_SHAPES, floor_shape
 from benchmarks.workload import Sample, floor_flops, workload
+from service.client.routed_experts import encode
 from service.client.wire import from_frame, to_frame
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
 from service.settings import CudaGraphs, Settings
 from service.wire.frame import MEDIA_TYPE
 
 CLIENTS = 8
 FRAME_HEADERS = {"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE}
+JSON_FORMS = ("base64", "lists")
 
 
 def plain_bodies(samples: list[Sample]) -> list[dict[str, Any]]:
@@ -73,30 +85,33 @@ def recorded(url: str, bodies: list[dict[str, Any]]) -> tuple[list[list[np.ndarr
     return routes, scores
 
 
-def replayed(url: str, bodies: list[dict[str, Any]]) -> tuple[list[list[np.ndarray]], list[float]]:
-    """Each body's log-probs and exact-agreement fractions when its routes are replayed."""
+def replayed(
+    url: str, bodies: list[dict[str, Any]], framed: bool = True
+) -> tuple[list[list[np.ndarray]], list[float]]:
+    """Each body's log-probs and exact-agreement fractions when its routes are replayed (sent as a
+    frame, or as JSON)."""
     scores, agreement = [], []
     with httpx.Client(base_url=url, timeout=600) as client:
         for body in bodies:
-            reply = client.post("/logprobs", content=to_frame(body), headers=FRAME_HEADERS)
+            if framed:
+                reply = client.post("/logprobs", content=to_frame(body), headers=FRAME_HEADERS)
+            else:
+                reply = client.post("/logprobs", json=body)
             if reply.status_code != 200:
                 raise RuntimeError(reply.text)
-            answer = from_frame(reply.content)
+            answer = from_frame(reply.content) if framed else reply.json()
             scores.append([np.asarray(r, dtype=np.float64) for r in answer["logprobs"]])
             agreement.append(float(answer["route_agreement"]["exact_fraction"]))
     return scores, agreement
 
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
-    shape = dict(SHAPES[name])
+    shape = dict(MOE_SHAPES[name])
     dtype = getattr(torch, args.dtype)
-    backend = choose_backend(args.attention, device)
-    model = build_model(shape, dtype, device, register(backend))
+    backend, _, model = packed_model(shape, dtype, device, args.attention)
     samples = workload(int(shape["vocab_size"]), sequences=args.sequences)
     tokens = sum(len(s.tokens) for s in samples)
-    floor_s = (
-        floor_flops(floor_shape(shape, int(shape["num_hidden_layers"])), active_params(model), samples) / rate
-    )
+    floor_s = floor_flops(floor_shape(shape), active_params(model), samples) / rate
     settings = Settings(device=device.type, dtype=args.dtype, cuda_graphs=args.cuda_graphs, decoder="fused")
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
     engine.warm_up()
@@ -121,18 +136,13 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         }
         entries = sum(r.size for rs in routes for r in rs)
         for variant, bodies in wire.items():
-            rounds = http_rounds(url, bodies, args.reps)
-            ms = statistics.median(rounds) * 1e3
-            variants[variant] = {
-                "ms": ms,
-                "rounds_ms": [round(r * 1e3, 1) for r in rounds],
-                "floor_fraction": floor_s * 1e3 / ms,
-                "request_bytes": sum(map(len, bodies)),
-            }
-            print(f"  {name} {variant:>7}: {ms:9.1f} ms  {floor_s * 1e3 / ms:6.1%} of floor", flush=True)
-    live = variants["live"]["ms"]
+            variants[variant] = timed(http_rounds(url, bodies, args.reps), bodies, floor_s)
+            print(f"  {name} {variant:>7}: {variants[variant]['ms']:9.1f} ms", flush=True)
+        if args.json_forms:
+            frames_check = RouteCheck(min(agreement), diff)
+            json_rounds(url, plain, routes, live_scores, frames_check, args, floor_s, variants)
     for v in variants.values():
-        v["cost_over_live"] = v["ms"] / live - 1
+        v["cost_over_live"] = v["ms"] / variants[v.pop("over", "live")]["ms"] - 1
     return {
         "moe_kernel": engine.info.moe_kernel,
         "tokens": tokens,
@@ -146,9 +156,72 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     }
 
 
+def json_rounds(  # noqa: PLR0917
+    url: str,
+    plain: list[dict[str, Any]],
+    routes: list[list[np.ndarray]],
+    live_scores: list[list[np.ndarray]],
+    frames_check: RouteCheck,
+    args: argparse.Namespace,
+    floor_s: float,
+    variants: dict[str, dict[str, Any]],
+) -> None:
+    """The JSON forms' rounds from a plain client, into `variants` (each over `live_json`); every
+    replay checked once against the live scores, held to what the same routes replayed from a frame
+    gave (`frames_check`): exact in float32, and in bf16 within the drift that scoring the sequences in
+    other micro-batches leaves (a near-tie of the live router's flips, a few hundredths of a log-prob)."""
+    bodies: dict[str, list[dict[str, Any]]] = {"live_json": plain}
+    for form in args.json_forms:
+        asked = {"return_routed_experts": True, "routed_experts_format": form}
+        bodies[f"record_{form}"] = [{**b, **asked} for b in plain]
+        sent = [encode(rs) if form == "base64" else [r.tolist() for r in rs] for rs in routes]
+        bodies[f"replay_{form}"] = [{**b, "routed_experts": s} for b, s in zip(plain, sent, strict=True)]
+        scores, agreement = replayed(url, bodies[f"replay_{form}"], framed=False)
+        diff = max(
+            float(np.max(np.abs(a - b)))
+            for got, want in zip(scores, live_scores, strict=True)
+            for a, b in zip(got, want, strict=True)
+        )
+        if not frames_check.holds(RouteCheck(min(agreement), diff)):
+            raise RuntimeError(
+                f"replay_{form}: agreement {min(agreement)}, max |live - replayed| {diff}; from a frame "
+                f"{frames_check.agreement}, {frames_check.max_abs_diff}"
+            )
+    for variant, sent_bodies in bodies.items():
+        raw = [orjson.dumps(b) for b in sent_bodies]
+        rounds = http_rounds(url, raw, args.reps, args.json_client, frames=False)
+        variants[variant] = timed(rounds, raw, floor_s) | {"over": "live_json"}
+        print(f"  {variant:>14}: {variants[variant]['ms']:9.1f} ms", flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteCheck:
+    """A replay against the live scores: the least exact-route fraction of a request, and the largest
+    |live - replayed| log-prob."""
+
+    agreement: float
+    max_abs_diff: float
+
+    def holds(self, other: RouteCheck) -> bool:
+        """`other` (the same routes, another wire form) as good as this, up to numeric drift."""
+        close = other.max_abs_diff <= max(1e-3, 2 * self.max_abs_diff)
+        return other.agreement >= self.agreement - 0.01 and close
+
+
+def timed(rounds: list[float], bodies: list[bytes], floor_s: float) -> dict[str, Any]:
+    """A variant's figures from its rounds' seconds."""
+    ms = statistics.median(rounds) * 1e3
+    return {
+        "ms": ms,
+        "rounds_ms": [round(r * 1e3, 1) for r in rounds],
+        "floor_fraction": floor_s * 1e3 / ms,
+        "request_bytes": sum(map(len, bodies)),
+    }
+
+
 def table(results: dict[str, Any]) -> str:
     lines = [
-        "| model | variant | ms | of the floor | cost over live |",
+        "| model | variant | ms | of the floor | cost over live (JSON: over live_json) |",
         "| --- | --- | ---: | ---: | ---: |",
     ]
     for name, m in results["models"].items():
@@ -167,9 +240,10 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.replay", description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], choices=list(SHAPES))
+    parser.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], choices=list(MOE_SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention", default="auto")
@@ -177,10 +251,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
-        "--output", type=Path, default=Path(__file__).parent / "results" / "replay-latest.json"
+        "--json-forms", nargs="*", default=[], choices=JSON_FORMS, help="also these JSON forms (plain client)"
     )
-    args = parser.parse_args(argv)
-    results = run_models(args, argv, bench_model, module="benchmarks.replay")
+    parser.add_argument(
+        "--json-client",
+        default="plain-processes",
+        choices=["plain-processes", "plain"],
+        help="the JSON rounds' client (benchmarks/client.py's modes)",
+    )
+    parser.add_argument("--output", type=Path, default=RESULTS / "replay-latest.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    results = run_models("replay", args, argv, bench_model)
     print(table(results))
     return 0
 

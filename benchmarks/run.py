@@ -25,231 +25,42 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import gc
 import json
-import platform
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
 
-import httpx
-import numpy as np
-import orjson
 import torch
-import uvicorn
 
 from benchmarks import peers
 from benchmarks.client import write_bodies
-from benchmarks.workload import SHAPES, Sample, floor_flops, jobs, workload
+from benchmarks.harness import (
+    ACCURACY_SAMPLE,
+    RESULTS,
+    active_params,
+    max_abs_diff,
+    packed_model,
+    peak_memory,
+    reference_logprobs,
+    run_models,
+    timed,
+)
+from benchmarks.server import HttpServer, http_bodies, http_rounds, http_seconds
+from benchmarks.shapes import SHAPES
+from benchmarks.workload import Sample, floor_flops, jobs, workload
 from service.batcher import Batcher
-from service.client.wire import group_prompts, to_frame
 from service.core.jobs import SequenceScores
-from service.engine.config import EngineConfig
 from service.engine.loading.pretrained import LoadedModel
-from service.engine.ops.attention import choose_backend, register
 from service.engine.scorer.engine import PackedScorer
-from service.http.app import create_app
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings
 
-CLIENTS = 8
-ACCURACY_SAMPLE = 4
 LOAD_SEQUENCES = 8  # a load request: one client's share of the standard workload
-
-
-def _square_operands(device: torch.device, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """The matmul both rates time: n and two random [n, n] operands (8192 on CUDA, 512 on the CPU)."""
-    n = 8192 if device.type == "cuda" else 512
-    return n, torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-
-
-def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """Measured dense matmul FLOP/s on this device (the floor's denominator): the median of 20 matmuls,
-    each alone between synchronisations, so the GPU runs them at its boost clock."""
-    n, a, b = _square_operands(device, dtype)
-    seconds = timed(lambda: a @ b, device, reps=20)
-    return 2.0 * n**3 / seconds
-
-
-SUSTAINED_S = 0.25  # about one round of the standard workload at 1.5B on an H100
-
-
-def sustained_matmul_rate(device: torch.device, dtype: torch.dtype, seconds: float = SUSTAINED_S) -> float:
-    """Dense matmul FLOP/s kept over `seconds` of the same matmuls back to back, as a round's GEMMs run:
-    under a load that long an H100 meets its power cap and lowers its clock, so this is below
-    matmul_rate. Reported beside the floor, never its denominator."""
-    n, a, b = _square_operands(device, dtype)
-    out = torch.mm(a, b)
-    sync(device)
-    calls, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        for _ in range(10):
-            torch.mm(a, b, out=out)
-        calls += 10
-        sync(device)
-    return 2.0 * n**3 * calls / elapsed
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median seconds of fn() after one warm-up call (wall clock between device synchronisations)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def peak_memory(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type != "cuda":
-        return 0.0
-    gc.collect()  # cyclic garbage from an earlier variant must not count against this one
-    sync(device)
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    sync(device)
-    return torch.cuda.max_memory_allocated() / 2**30
-
-
-def build_model(
-    name: str, dtype: torch.dtype, device: torch.device, attn: str, positions: int = 32768
-) -> Any:
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    shape: dict[str, Any] = dict(SHAPES[name])
-    config = Qwen2Config(**shape, max_position_embeddings=positions)
-    with torch.device(device), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)  # type: ignore[no-untyped-call]
-    return model.eval().requires_grad_(False)
-
-
-def non_embedding_params(model: Any) -> int:
-    embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    total = sum(p.numel() for p in model.parameters())
-    return int(total - embedding.numel() - (0 if head is embedding else head.numel()))
-
-
-class HttpServer:
-    """The real app under uvicorn on loopback, in this process, serving an already-built engine (or
-    the one a factory builds as the app starts)."""
-
-    def __init__(
-        self, engine: PackedScorer | Callable[[EngineConfig], PackedScorer], settings: Settings
-    ) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        factory = engine if callable(engine) else lambda _: engine
-        app = create_app(settings, engine_factory=factory)
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        url = f"http://127.0.0.1:{self.port}"
-        for _ in range(6000):
-            try:
-                if httpx.get(f"{url}/health/ready").status_code == 200:
-                    return url
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError("server not ready")
-
-    def __exit__(self, *_: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-
-
-def http_bodies(
-    samples: list[Sample], frames: bool = True, per: int | None = None, grouped: bool = False
-) -> list[bytes]:
-    """The 8 clients' bodies (or bodies of `per` sequences): compact frames (what logprobd's client
-    sends) or JSON; `grouped`: each distinct prompt of a body once (prompt_ids + prompt_index), the
-    rows its responses (every response token an action, as num_actions says otherwise)."""
-    per = per or len(samples) // CLIENTS or 1
-    groups = [samples[i : i + per] for i in range(0, len(samples), per)]
-    bodies: list[dict[str, Any]] = []
-    for g in groups:
-        if grouped:
-            prompt_ids, prompt_index = group_prompts([s.prompt for s in g])
-            bodies.append(
-                {"prompt_ids": prompt_ids, "prompt_index": prompt_index, "input_ids": [s.response for s in g]}
-            )
-        else:
-            bodies.append({"input_ids": [s.tokens for s in g], "num_actions": [len(s.response) for s in g]})
-    if not frames:
-        return [orjson.dumps(body) for body in bodies]
-    framed = [to_frame(body) for body in bodies]
-    assert all(f is not None for f in framed)
-    return [f for f in framed if f is not None]
-
-
-def http_seconds(
-    url: str, bodies: list[bytes], reps: int, mode: str = "asyncio", frames: bool = True
-) -> float:
-    """Median wall seconds of all bodies sent at once, by clients in other processes (client.py)."""
-    return statistics.median(http_rounds(url, bodies, reps, mode, frames))
-
-
-def histogram_totals(url: str, name: str) -> tuple[float, float]:
-    """(count, sum) of the server's histogram `name` so far, from its /metrics."""
-    count = total = 0.0
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(f"{name}_count"):
-            count = float(line.split()[-1])
-        elif line.startswith(f"{name}_sum"):
-            total = float(line.split()[-1])
-    return count, total
-
-
-def batch_counts(url: str) -> tuple[float, float]:
-    """(micro-batches, their computed tokens) the server has collected so far."""
-    return histogram_totals(url, "logprobd_batch_tokens")
-
-
-def http_rounds(
-    url: str,
-    bodies: list[bytes],
-    reps: int,
-    mode: str = "asyncio",
-    frames: bool = True,
-    *,
-    timeline: Path | None = None,
-) -> list[float]:
-    """Wall seconds of each round of all bodies sent at once (after a warm-up round); with `timeline`
-    (the plain client), its requests' times written there (client.py's --timeline)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "bodies.bin"
-        write_bodies(path, bodies)
-        cmd = [sys.executable, "-m", "benchmarks.client", url, str(path), str(reps), "--mode", mode]
-        if timeline is not None:
-            cmd += ["--timeline", str(timeline)]
-        out = subprocess.run(
-            [*cmd, "--frames"] if frames else cmd, capture_output=True, text=True, check=True
-        )
-    seconds: list[float] = json.loads(out.stdout)
-    return seconds
 
 
 def load_variant(
@@ -308,23 +119,6 @@ def load_variant(
     }
 
 
-def reference_logprobs(model: Any, samples: list[Sample], device: torch.device) -> list[np.ndarray]:
-    """float32, the model's own forward (sdpa), one unpadded sequence at a time."""
-    out = []
-    with torch.inference_mode():
-        for s in samples:
-            ids = torch.tensor([s.tokens], device=device)
-            logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float(), dim=-1)
-            start = len(s.prompt) - 1
-            targets = ids[0, len(s.prompt) :]
-            out.append(logp[start : start + len(s.response)].gather(1, targets[:, None])[:, 0].cpu().numpy())
-    return out
-
-
-def max_abs_diff(got: list[np.ndarray], want: list[np.ndarray]) -> float:
-    return max(float(np.max(np.abs(g.astype(np.float64) - w))) for g, w in zip(got, want, strict=True))
-
-
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate: float) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     settings = Settings(
@@ -341,12 +135,10 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         # (benchmarks/prefix_cache.py measures it, flushing it between rounds)
         prefix_cache=False,
     )
-    backend = choose_backend(args.attention, device)
-    packed_impl = register(backend)
-    model = build_model(name, dtype, device, packed_impl)
+    backend, packed_impl, model = packed_model(dict(SHAPES[name]), dtype, device, args.attention)
     samples = workload(int(SHAPES[name]["vocab_size"]), sequences=args.sequences)
     tokens = sum(len(s.tokens) for s in samples)
-    floor_s = floor_flops(SHAPES[name], non_embedding_params(model), samples) / rate
+    floor_s = floor_flops(SHAPES[name], active_params(model), samples) / rate
     variants: dict[str, dict[str, float]] = {}
 
     def record(variant: str, fn: Callable[[], object]) -> None:
@@ -458,70 +250,6 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     return result
 
 
-Bench = Callable[[str, argparse.Namespace, torch.device, float], dict[str, Any]]
-
-
-def run_models(
-    args: argparse.Namespace, argv: list[str] | None, bench: Bench, module: str | None = "benchmarks.run"
-) -> dict[str, Any]:
-    """The matmul rate, then `bench` of each of args.models (each in a process of its own, `python
-    -m module`, when there are several and `module` is given: nothing one model patches or caches
-    reaches the next): a results file's content, written to args.output after each model."""
-    import transformers
-
-    device = torch.device(args.device)
-    rate = matmul_rate(device, getattr(torch, args.dtype))
-    sustained = sustained_matmul_rate(device, getattr(torch, args.dtype))
-    results: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "date": dt.date.today().isoformat(),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": sys.version.split()[0],
-        },
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "matmul_tflops": rate / 1e12,
-        "matmul_tflops_sustained": sustained / 1e12,
-        "models": {},
-    }
-    print(
-        f"{results['device']}: measured {args.dtype} matmul {rate / 1e12:.0f} TFLOP/s (the floor's rate; "
-        f"{sustained / 1e12:.0f} TFLOP/s kept over {SUSTAINED_S} s back to back)",
-        flush=True,
-    )
-    for name in args.models:
-        if len(args.models) == 1 or module is None:
-            results["models"][name] = bench(name, args, device, rate)
-        else:
-            results["models"][name] = isolated(name, argv if argv is not None else sys.argv[1:], module)
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(results, indent=2))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return results
-
-
-def isolated(name: str, argv: list[str], module: str = "benchmarks.run") -> dict[str, Any]:
-    """`python -m module ... --models name` in a process of its own: that model's result."""
-    keep: list[str] = []
-    skip = False
-    for arg in argv:  # drop --models and --output with their values
-        if arg in ("--models", "--output"):
-            skip = True
-            continue
-        if skip and not arg.startswith("--"):
-            continue
-        skip = False
-        keep.append(arg)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "one.json"
-        cmd = [sys.executable, "-m", module, *keep, "--models", name, "--output", str(out)]
-        subprocess.run(cmd, check=True, stdout=sys.stderr)
-        model_result: dict[str, Any] = json.loads(out.read_text())["models"][name]
-        return model_result
-
-
 def table(results: dict[str, Any]) -> str:
     lines = [
         "| model | variant | ms | tokens/s | floor | peak GiB |",
@@ -566,7 +294,8 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
     parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"])
     parser.add_argument("--device", default="cuda")
@@ -587,9 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-tasks", type=int, default=64)
     parser.add_argument("--load-processes", type=int, default=1, help="client processes sharing the tasks")
     parser.add_argument("--load-bodies", type=int, default=32, help="distinct request bodies of the load")
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "latest.json")
-    args = parser.parse_args(argv)
-    results = run_models(args, argv, bench_model)
+    parser.add_argument("--output", type=Path, default=RESULTS / "latest.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    results = run_models("run", args, argv, bench_model)
     print(table(results))
     return 0
 

@@ -27,7 +27,6 @@ import functools
 import importlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -148,8 +147,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     """One start in this process: build the model, instrument, start the server, report."""
     import torch
 
-    from benchmarks.moe import SHAPES, build_model
-    from benchmarks.run import HttpServer
+    from benchmarks.harness import build_model, device_name, versions
+    from benchmarks.server import HttpServer
+    from benchmarks.shapes import MOE_SHAPES
     from service.engine.config import EngineConfig
     from service.engine.loading.pretrained import LoadedModel
     from service.engine.ops.attention import choose_backend, register
@@ -159,7 +159,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     clock = Clock(lambda: torch.cuda.synchronize(device) if device.type == "cuda" else None)
     instrument(clock)
-    shape = dict(SHAPES[args.model])
+    shape = dict(MOE_SHAPES[args.model])
     backend = choose_backend(args.attention, device)
     built_at = time.perf_counter()
     model = build_model(shape, getattr(torch, args.dtype), device, register(backend))
@@ -183,6 +183,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         ready_s = time.perf_counter() - loaded
         info = engines[0].info
     return {
+        "device": device_name(device),
+        "versions": versions(),
         "ready_s": ready_s,
         "model_build_s": build_s,
         **clock.report(),
@@ -192,25 +194,20 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "triton", "quack-kernels", "flash-attn-4", "nvidia-cutlass-dsl"):
-        with contextlib.suppress(PackageNotFoundError):
-            found[name] = version(name)
-    return found
-
-
 def _summary(n: int, run: dict[str, Any]) -> str:
     phases = ", ".join(f"{k} {v:.1f}" for k, v in run["phases_s"].items() if "/" not in k)
     compiles = ", ".join(f"{k} {v['count']} in {v['seconds']:.1f} s" for k, v in run["compiles"].items())
     return f"start {n + 1}: ready {run['ready_s']:.1f} s ({phases}); compiles: {compiles}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
+    from benchmarks.harness import RESULTS
+
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.startup",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="qwen3-30b-a3b")
     parser.add_argument("--runs", type=int, default=2, help="starts, one after another, sharing the caches")
@@ -219,14 +216,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
-    parser.add_argument("--output", type=Path)
+    parser.add_argument("--output", type=Path, default=RESULTS / "startup-latest.json")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # write one start's result here
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.harness import command, commit, write_result
+
+    args = parser().parse_args(argv)
     if args.child is not None:
         args.child.write_text(json.dumps(child(args)))
         return 0
     with contextlib.ExitStack() as stack:
         root = args.cache_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="logprobd-cc-")))
+        root.mkdir(parents=True, exist_ok=True)
         env = os.environ | {var: str(root / sub) for var, sub in CACHES.items()}
         env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"  # as the image sets it
         runs = []
@@ -238,15 +242,20 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(cmd, check=True, env=env, stdout=sys.stderr)
             runs.append(json.loads(out.read_text()))
             print(_summary(n, runs[-1]), flush=True)
+    first = runs[0]
     result = {
+        "suite": "startup",
+        "device": first["device"],
+        "gpus": 1 if args.device == "cuda" else 0,
         "date": dt.date.today().isoformat(),
+        "commit": commit(),
+        "command": command("startup", argv),
+        "versions": first["versions"],
         "model": args.model,
-        "versions": _versions(),
         "cache_dir": str(args.cache_dir) if args.cache_dir else "fresh (the first start cold)",
         "starts": runs,
     }
-    if args.output is not None:
-        args.output.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.output, result)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -9,24 +9,18 @@
 Per model and tensor-parallel size N: a checkpoint of random weights with the real shapes is written
 once (safetensors, one file per layer, under --checkpoints), a real `python -m service serve
 --tensor-parallel-size N` serves it (one process per GPU), and the workload goes over HTTP from 8
-client processes in compact frames (run.py's clients). Reported: milliseconds (median of --reps),
+client processes in compact frames (client.py). Reported: milliseconds (median of --reps),
 tokens/s, and the fraction of the FLOP floor, whose denominator is the dense matmul rate measured on
 one GPU times N. `standard`: 64 RL-shaped sequences (workload.py); `long`: 8 sequences of 9k-25k
-tokens (long.py), chunked at max_batch_tokens.
+tokens (workload.py's long_workload), chunked at max_batch_tokens.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import re
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,31 +30,11 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.long import long_workload
-from benchmarks.run import http_bodies, http_seconds, matmul_rate
-from benchmarks.workload import SHAPES, Sample, floor_flops, workload
+from benchmarks.harness import RESULTS, matmul_rate, provenance, write_result
+from benchmarks.server import http_bodies, http_seconds, serve_process
+from benchmarks.shapes import SHAPES, TP_SHAPES
+from benchmarks.workload import Sample, floor_flops, long_workload, workload
 
-# config.json of each checkpoint, as SHAPES
-TP_SHAPES: dict[str, dict[str, int | bool]] = {
-    "qwen2.5-32b": {
-        "hidden_size": 5120,
-        "intermediate_size": 27648,
-        "num_hidden_layers": 64,
-        "num_attention_heads": 40,
-        "num_key_value_heads": 8,
-        "vocab_size": 152064,
-        "tie_word_embeddings": False,
-    },
-    "qwen2.5-72b": {
-        "hidden_size": 8192,
-        "intermediate_size": 29568,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "vocab_size": 152064,
-        "tie_word_embeddings": False,
-    },
-}
 ALL_SHAPES = {**SHAPES, **TP_SHAPES}
 POSITIONS = 32768
 
@@ -138,39 +112,10 @@ def non_embedding_params(shape: dict[str, int | bool]) -> int:
 @contextmanager
 def server(checkpoint: Path, tp: int, args: argparse.Namespace) -> Iterator[str]:
     """`python -m service serve --tensor-parallel-size tp` on loopback, once ready; its URL."""
-    cmd = [sys.executable, "-m", "service", "serve", "--port", "0", "--model", str(checkpoint),
-           "--device", args.device, "--dtype", args.dtype, "--tensor-parallel-size", str(tp),
-           "--max-batch-tokens", str(args.max_batch_tokens)]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-    found: list[str] = []
-    started = threading.Event()
-
-    def read() -> None:
-        for line in proc.stderr or ():
-            if match := re.search(r"Uvicorn running on (http://\S+)", line):
-                found.append(match.group(1))
-                started.set()
-            if args.verbose:
-                sys.stderr.write(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        if not started.wait(args.start_timeout):
-            raise TimeoutError("the server did not start")
-        deadline = time.monotonic() + args.start_timeout
-        while httpx.get(f"{found[0]}/health/ready").status_code != 200:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not become ready (exit status {proc.poll()})")
-            time.sleep(0.2)
-        yield found[0]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
-        reader.join(10)
-        if proc.stderr is not None:
-            proc.stderr.close()
+    argv = ["--model", str(checkpoint), "--device", args.device, "--dtype", args.dtype,
+            "--tensor-parallel-size", str(tp), "--max-batch-tokens", str(args.max_batch_tokens)]  # fmt: skip
+    with serve_process(argv, start_timeout=args.start_timeout, verbose=args.verbose) as url:
+        yield url
 
 
 def samples_of(name: str, args: argparse.Namespace) -> list[Sample]:
@@ -205,7 +150,8 @@ def bench(name: str, tp: int, args: argparse.Namespace, rate_per_gpu: float) -> 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/benchmarks/test_page.py parses each cited command with it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["qwen2.5-32b"], choices=sorted(ALL_SHAPES))
     parser.add_argument("--tp", nargs="+", type=int, default=[2], help="tensor-parallel sizes to run")
@@ -218,17 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--start-timeout", type=float, default=1800.0)
     parser.add_argument("--checkpoints", type=Path, default=Path(tempfile.gettempdir()) / "logprobd-tp-ckpt")
-    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--output", type=Path, default=RESULTS / "tp-latest.json")
     parser.add_argument("--verbose", action="store_true", help="echo the servers' logs")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device(args.device)
     dtype = getattr(torch, args.dtype if args.dtype != "auto" else "bfloat16")
     rate = matmul_rate(device, dtype)  # one GPU's; the floor's denominator is N of them
     runs = [bench(name, tp, args, rate) for name in args.models for tp in args.tp]
     result = {
-        "date": dt.date.today().isoformat(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
+        **provenance("tp", device, argv, gpus=max(args.tp)),
         "matmul_tflops_per_gpu": rate / 1e12,
         "runs": runs,
     }
@@ -238,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{run['ms']:9.1f} ms  {run['tokens_per_s']:10.0f} tok/s  "
             f"{100 * run['floor_fraction']:5.1f} % of the floor"
         )
-    if args.output is not None:
-        args.output.write_text(json.dumps(result, indent=2))
+    write_result(args.output, result)
     return 0
 
 

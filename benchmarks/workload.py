@@ -1,4 +1,5 @@
-"""The benchmark workload and its FLOP floor (no torch: shared by the GPU run and the CPU smoke test)."""
+"""The benchmarks' workloads (fixed seeds) and their FLOP floors; no torch: shared by the GPU runs and
+the CPU smoke tests. The model shapes are in shapes.py."""
 
 from __future__ import annotations
 
@@ -9,47 +10,6 @@ import numpy as np
 
 from service.core.jobs import SequenceJob
 from service.engine.contract import EngineInfo, MoeShape
-
-# The real shapes (config.json of each checkpoint): weights are random, shapes are what cost time.
-SHAPES: dict[str, dict[str, int | bool]] = {
-    "qwen2.5-0.5b": {
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
-    "qwen2.5-1.5b": {
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
-    "qwen2.5-7b": {
-        "hidden_size": 3584,
-        "intermediate_size": 18944,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-        "vocab_size": 152064,
-        "tie_word_embeddings": False,
-    },
-    # CPU smoke test only
-    "tiny": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 512,
-        "tie_word_embeddings": True,
-    },
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +120,18 @@ def grpo_long(vocab: int, scale: float = 1.0) -> list[Sample]:
         response_clip=_scaled(16, 1024, scale),
         seed=11,
     )
+
+
+def long_workload(vocab: int, scale: float = 1.0, seed: int = 1) -> list[Sample]:
+    """8 sequences: a 1k-token prompt, a response uniform in [8k, 24k] (both times `scale`)."""
+    rng = np.random.default_rng(seed)
+    prompt = max(1, round(1024 * scale))
+    out = []
+    for _ in range(8):
+        response = int(rng.integers(round(8192 * scale), round(24576 * scale) + 1))
+        tokens = rng.integers(0, vocab, size=prompt + response).tolist()
+        out.append(Sample(tokens[:prompt], tokens[prompt:]))
+    return out
 
 
 def chat_header(vocab: int, scale: float = 1.0, *, header: int = 32) -> list[Sample]:

@@ -1,23 +1,31 @@
 """MkDocs hooks: the pages generated from the repository's own files, so that they cannot drift.
 
+Committed, so that the repository shows them as the site does (GitHub renders docs/ and follows its
+links), and checked: the build fails when one differs from what its source renders, and
+`python docs/hooks.py` writes them all anew (`make openapi` runs it after openapi.yaml):
+
 - `openapi.md`: the committed `openapi.yaml` rendered to markdown (every route, request field,
-  response and schema), with the YAML itself beside it for download. No network, no plugin.
-- `benchmarks.md` and `contributing.md`: the repository's `BENCHMARKS.md` and `CONTRIBUTING.md`,
-  their links to `docs/` made site links; the pages' links to `../BENCHMARKS.md` and
-  `../CONTRIBUTING.md` (right when read in the repository) lead to them in the site.
+  response and schema); the site serves the YAML beside it for download. No network, no plugin.
 - `img/dashboard.svg`: the Grafana dashboard's layout (rows and panels, where the JSON puts them).
-- the metrics table of `observability.md`: every metric of `service/metrics.py`, in place of
-  `<!-- metrics-table -->`.
-- `configuration.md` is committed (`make config-docs`); the build fails when it differs from what
-  `service/settings.py` renders.
-- `img/architecture.svg`, the map of `service/` on architecture.md, is committed (GitHub shows it
-  too): `python docs/hooks.py` writes it from the boxes below; the build fails when it is stale.
+- the metrics table of `observability.md`, between its `<!-- metrics-table -->` markers: every
+  metric of `service/metrics.py`.
+- `img/architecture.svg`, the map of `service/` on architecture.md, from the boxes below.
+- `configuration.md` (`make config-docs`, from `service/settings.py`).
+
+Rendered at build time: `benchmarks.md` and `contributing.md`, the repository's `BENCHMARKS.md` and
+`CONTRIBUTING.md` with their links to `docs/` made site links; the pages' links to the repository's
+root files (`../BENCHMARKS.md`, `../CONTRIBUTING.md`, `../openapi.yaml`: right when read in the
+repository) lead to them in the site; the result files `BENCHMARKS.md` links
+(`benchmarks/results/...`) are served at the same paths.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import re
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +40,24 @@ ROOT = Path(__file__).resolve().parents[1]
 OPENAPI = ROOT / "openapi.yaml"
 DASHBOARD = ROOT / "helm" / "logprobd" / "dashboards" / "logprobd.json"
 CONFIGURATION = ROOT / "docs" / "configuration.md"
+OBSERVABILITY = ROOT / "docs" / "observability.md"
 ROOT_PAGES = {"BENCHMARKS.md": "benchmarks.md", "CONTRIBUTING.md": "contributing.md"}  # file -> site page
+ROOT_FILES = {**ROOT_PAGES, "openapi.yaml": "openapi.yaml"}  # what ../<file> links lead to in the site
 ARCHITECTURE_SVG = ROOT / "docs" / "img" / "architecture.svg"
+DASHBOARD_SVG = ROOT / "docs" / "img" / "dashboard.svg"
+OPENAPI_PAGE = ROOT / "docs" / "openapi.md"
+METRICS_MARKER = "<!-- metrics-table -->"
+METRICS_END = "<!-- /metrics-table -->"
+
+
+def generated() -> dict[Path, Callable[[], str]]:
+    """Each committed generated file and what it must read (docs/configuration.md has its own command)."""
+    return {
+        OPENAPI_PAGE: lambda: render_openapi(yaml.safe_load(OPENAPI.read_text())),
+        DASHBOARD_SVG: lambda: render_dashboard(json.loads(DASHBOARD.read_text())),
+        ARCHITECTURE_SVG: render_architecture,
+        OBSERVABILITY: lambda: with_metrics_table(OBSERVABILITY.read_text()),
+    }
 
 
 def on_pre_build(config: MkDocsConfig) -> None:
@@ -41,29 +65,34 @@ def on_pre_build(config: MkDocsConfig) -> None:
 
     if CONFIGURATION.read_text() != render_configuration():
         raise PluginError("docs/configuration.md is stale: run `make config-docs`")
-    if ARCHITECTURE_SVG.read_text() != render_architecture():
-        raise PluginError("docs/img/architecture.svg is stale: run `python docs/hooks.py`")
+    for path, render in generated().items():
+        if path.read_text() != render():
+            raise PluginError(f"{path.relative_to(ROOT)} is stale: run `python docs/hooks.py`")
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
-    spec = yaml.safe_load(OPENAPI.read_text())
-    files.append(File.generated(config, "openapi.md", content=render_openapi(spec)))
     files.append(File.generated(config, "openapi.yaml", content=OPENAPI.read_text()))
     for name, site_page in ROOT_PAGES.items():
         content = (ROOT / name).read_text().replace("](docs/", "](")
         files.append(File.generated(config, site_page, content=content))
-    dashboard = json.loads(DASHBOARD.read_text())
-    files.append(File.generated(config, "img/dashboard.svg", content=render_dashboard(dashboard)))
+        for cited in sorted(set(re.findall(r"\]\((benchmarks/results/[^)]+)\)", content))):
+            files.append(File.generated(config, cited, content=(ROOT / cited).read_bytes()))
     return files
 
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
-    for name, site_page in ROOT_PAGES.items():
-        markdown = markdown.replace(f"](../{name}", f"]({site_page}")
-    return markdown.replace(METRICS_MARKER, render_metrics()) if METRICS_MARKER in markdown else markdown
+    for name, site_file in ROOT_FILES.items():
+        markdown = markdown.replace(f"](../{name}", f"]({site_file}")
+    return markdown
 
 
-METRICS_MARKER = "<!-- metrics-table -->"
+def with_metrics_table(page: str) -> str:
+    """`page` with the metrics table between its markers rendered anew."""
+    if METRICS_MARKER not in page or METRICS_END not in page:
+        raise PluginError(f"observability.md has lost its {METRICS_MARKER} ... {METRICS_END} markers")
+    head, rest = page.split(METRICS_MARKER, 1)
+    tail = rest.split(METRICS_END, 1)[1]
+    return f"{head}{METRICS_MARKER}\n{render_metrics()}\n{METRICS_END}{tail}"
 
 
 def render_metrics() -> str:
@@ -142,8 +171,9 @@ def render_openapi(spec: dict[str, Any]) -> str:
         "",
         f"{info['description']} Version {info['version']}, OpenAPI {spec['openapi']}.",
         "",
-        "Rendered at build time from the committed [`openapi.yaml`](openapi.yaml), which a test keeps",
-        "equal to what the app serves at `/openapi.json`. The prose reference is [API reference](api.md).",
+        "Generated (`python docs/hooks.py`) from the committed [`openapi.yaml`](../openapi.yaml), which a",
+        "test keeps equal to what the app serves at `/openapi.json`. The prose reference is",
+        "[API reference](api.md).",
         "",
     ]
     nested: dict[str, Any] = {}  # the $defs of request bodies declared inline (their $refs link here)
@@ -205,7 +235,7 @@ def render_dashboard(dashboard: dict[str, Any]) -> str:
         parts.append(f'<text x="{x + 8}" y="{y + 18}" fill="#ccccdc">{title}</text>')
         parts.append(f'<text x="{x + 8}" y="{y + 34}" fill="#8e8e8e" font-size="10">{panel["type"]}</text>')
     parts.append("</svg>")
-    return "\n".join(parts)
+    return "\n".join(parts) + "\n"
 
 
 # --- the map of the code (docs/architecture.md) -> docs/img/architecture.svg ------------------------
@@ -446,5 +476,7 @@ def render_architecture() -> str:
     return "\n".join(parts) + "\n"
 
 
-if __name__ == "__main__":  # python docs/hooks.py: write docs/img/architecture.svg
-    ARCHITECTURE_SVG.write_text(render_architecture())
+if __name__ == "__main__":  # python docs/hooks.py: write every committed generated file anew
+    sys.path.insert(0, str(ROOT))  # this checkout's service/, whatever the venv has installed
+    for path, render in generated().items():
+        path.write_text(render())

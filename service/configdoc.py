@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from service.flags import BooleanFlag, UsageParser, add_setting_flags, setting_flags
-from service.settings import Settings
+from service.flags import BooleanFlag, UsageParser, add_setting_flags, metavar, setting_flags
+from service.settings import GROUPS, Settings
 
 HEADER = """\
 <!-- Generated from service/settings.py by `make config-docs`: do not edit by hand. -->
@@ -26,11 +26,10 @@ A value the service refuses stops the start with one line naming the flag or the
 status 2). In a container or the Helm chart, use the environment (`server.extraEnv`). Keys are
 better given as the environment or a file than as flags: command lines are visible to other users.
 What the kernel options do, and what they were measured to save, is in
-[Performance](performance.md#kernel-options).
-
-| flag | environment | default | meaning |
-| --- | --- | --- | --- |
+[Performance](performance.md#kernel-options). `python -m service serve --help` lists the same
+settings in the same groups.
 """
+TABLE = "| flag, environment variable | default | meaning |\n| --- | --- | --- |\n"
 
 
 def _default(value: Any) -> str:
@@ -48,8 +47,7 @@ def _flag(action: argparse.Action) -> str:
         return ", ".join(f"`{option}`" for option in action.option_strings)
     if action.choices:
         return f"`{action.option_strings[0]} {{{','.join(map(str, action.choices))}}}`"
-    metavar = getattr(action.type, "__name__", "str").upper()
-    return f"`{action.option_strings[0]} {'PATH' if metavar == 'PATH' else metavar}`"
+    return f"`{action.option_strings[0]} {metavar(action.dest)}`"
 
 
 def _cell(text: str) -> str:
@@ -61,14 +59,19 @@ def render_configuration() -> str:
     parser = UsageParser(prog="python -m service serve")
     add_setting_flags(parser)
     options = setting_flags(parser)
-    rows = []
-    for name, field in Settings.model_fields.items():
-        env = f"LOGPROBD_{name.upper()}"
-        rows.append(
-            f"| {_flag(options[name])} | `{env}` | {_cell(_default(field.default))} "
-            f"| {_cell(field.description or '')} |\n"
+    sections = []
+    for group in GROUPS:
+        rows = []
+        for name in group.names:
+            field = Settings.model_fields[name]
+            rows.append(
+                f"| {_flag(options[name])}<br>`LOGPROBD_{name.upper()}` | {_cell(_default(field.default))} "
+                f"| {_cell(field.description or '')} |\n"
+            )
+        sections.append(
+            f"\n## {group.title[0].upper()}{group.title[1:]}\n\n{group.about}\n\n{TABLE}{''.join(rows)}"
         )
-    return HEADER + "".join(rows)
+    return HEADER + "".join(sections)
 
 
 def write(path: Path) -> None:

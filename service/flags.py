@@ -9,13 +9,14 @@ Every refused value is one line on stderr naming the flag or the variable, exit 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, get_args
 
 from pydantic import SecretStr, TypeAdapter, ValidationError
 
-from service.settings import Settings
+from service.settings import GROUPS, Settings
 
 
 class UsageParser(argparse.ArgumentParser):
@@ -72,26 +73,59 @@ def flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
 
+def metavar(name: str) -> str:
+    """What a setting's value is, as --help and docs/configuration.md show it: PATH, INT, FLOAT, STR."""
+    annotation = Settings.model_fields[name].annotation
+    return "PATH" if Path in get_args(annotation) else getattr(_kind(annotation), "__name__", "str").upper()
+
+
+def _kind(annotation: Any) -> Any:
+    return Path if Path in get_args(annotation) else annotation if annotation in (int, float) else str
+
+
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    """`--<name>` for every field of Settings; unset flags stay None (the environment or default)."""
-    for name, field in Settings.model_fields.items():
-        annotation = field.annotation
-        help_text = f"{field.description} [env LOGPROBD_{name.upper()}; default {field.default}]"
-        if annotation is bool:
-            parser.add_argument(flag(name), dest=name, action=BooleanFlag, default=None, help=help_text)
-            continue
-        choices = get_args(annotation) or None
-        if choices and not all(isinstance(c, str) for c in choices):
-            choices = None
-        kind: Any = (
-            Path if Path in get_args(annotation) else annotation if annotation in (int, float) else str
-        )
-        parser.add_argument(flag(name), dest=name, type=kind, choices=choices, default=None, help=help_text)
+    """`--<name>` for every field of Settings, under its group's heading (settings.GROUPS); unset
+    flags stay None (the environment or default)."""
+    for group in GROUPS:
+        section = parser.add_argument_group(f"{group.title} settings", group.about)
+        for name in group.names:
+            _add_flag(section, name)
+
+
+def _add_flag(section: argparse._ArgumentGroup, name: str) -> None:
+    field = Settings.model_fields[name]
+    annotation = field.annotation
+    default = "unset" if field.default is None else field.default
+    help_text = f"{field.description} [env LOGPROBD_{name.upper()}; default {default}]"
+    if annotation is bool:
+        section.add_argument(flag(name), dest=name, action=BooleanFlag, default=None, help=help_text)
+        return
+    choices = get_args(annotation) or None
+    if choices and not all(isinstance(c, str) for c in choices):
+        choices = None
+    section.add_argument(
+        flag(name),
+        dest=name,
+        type=_kind(annotation),
+        choices=choices,
+        default=None,
+        help=help_text,
+        metavar=None if choices else metavar(name),
+    )
 
 
 def setting_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """The parser's setting flags by destination (the Settings field name)."""
     return {a.dest: a for a in parser._actions if a.dest in Settings.model_fields and a.option_strings}
+
+
+def named(name: str, args: argparse.Namespace) -> str:
+    """Where setting `name` came from, as a one-line error names it: `argument --x` (the command
+    line), `LOGPROBD_X` (the environment) or `--x` (its default)."""
+    if getattr(args, name, None) is not None:
+        return f"argument {flag(name)}"
+    variable = f"LOGPROBD_{name.upper()}"
+    return variable if variable in {key.upper() for key in os.environ} else flag(name)
 
 
 def settings_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:

@@ -7,7 +7,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, utils
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    utils,
+)
 from prometheus_client import Info as InfoMetric
 from prometheus_client.core import HistogramMetricFamily, Metric
 
@@ -29,6 +37,8 @@ LOAD_BUCKETS = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0,
 # how prometheus_client writes a bucket's `le` (untyped there)
 _go_float = cast(Callable[[float], str], utils.floatToGoString)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PUSH_OUTCOMES = ("applied", "committed", "dropped", "failed")
+BUCKET_OUTCOMES = ("received", "refused", "failed")
 
 
 class BulkHistogram:
@@ -66,9 +76,14 @@ class BulkHistogram:
 
 
 class Metrics:
-    """The service's metrics. Owns its registry, so apps (and tests) never share counters."""
+    """The service's metrics. Owns its registry, so apps (and tests) never share counters.
+
+    No `<counter>_created` / `<histogram>_created` series: like vLLM's /metrics, prometheus_client's
+    creation timestamps are turned off (process-wide), which would otherwise be one more series per
+    counter, histogram and label set (76 of them) that no dashboard or alert reads."""
 
     def __init__(self) -> None:
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "Scoring requests by outcome.", ["outcome"], registry=r)
@@ -217,6 +232,44 @@ class Metrics:
             buckets=(0.0001, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
             registry=r,
         )
+
+        self.weights_pushes = Counter(
+            f"{PREFIX}_weights_pushes",
+            "Pushed weight versions by model and outcome: applied (complete), committed (ended by the "
+            "trainer before complete: the rest kept its values), dropped (timed out, or its group failed or "
+            "was destroyed), failed (could not be applied).",
+            ["target", "outcome"],
+            registry=r,
+        )
+        self.weights_push_buckets = Counter(
+            f"{PREFIX}_weights_push_buckets",
+            "Pushed buckets (POST /update_weights_from_distributed) by model and outcome: received, refused "
+            "(metadata or values that do not fit the model; drained), failed (the group broke).",
+            ["target", "outcome"],
+            registry=r,
+        )
+        self.weights_push_bytes = Counter(
+            f"{PREFIX}_weights_push_bytes",
+            "Bytes of weights received from trainers, by model.",
+            ["target"],
+            registry=r,
+        )
+        self.weights_push_seconds = Histogram(
+            f"{PREFIX}_weights_push_duration_seconds",
+            "Time from a pushed version's first bucket to its weights serving, by model.",
+            ["target"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def observe_push_targets(self, target: str) -> None:
+        """Export the push series of `target` at 0 from the start, so rate() and alerts see the first."""
+        for outcome in PUSH_OUTCOMES:
+            self.weights_pushes.labels(target, outcome)
+        for outcome in BUCKET_OUTCOMES:
+            self.weights_push_buckets.labels(target, outcome)
+        self.weights_push_bytes.labels(target)
+        self.weights_push_seconds.labels(target)
 
     def observe_rollout(self, rollout: RolloutMismatch) -> None:
         if not rollout.tokens:

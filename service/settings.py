@@ -6,10 +6,12 @@ line wins; a boolean is also `--no-<name>`). The flags are built from these fiel
 
 from __future__ import annotations
 
+import ipaddress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, StringConstraints
+from pydantic import Field, SecretStr, StringConstraints, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine.config import (
@@ -32,6 +34,7 @@ Version = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern
 
 # the engine's choices (service/engine/config.py), under their settings names
 __all__ = [
+    "GROUPS",
     "Attention",
     "Collectives",
     "CudaGraphs",
@@ -45,6 +48,7 @@ __all__ = [
     "MlpKernel",
     "MoeKernel",
     "ReloadMode",
+    "SettingGroup",
     "Settings",
     "Version",
 ]
@@ -287,9 +291,10 @@ class Settings(BaseSettings):
     )
     reload_mode: ReloadMode = Field(
         "auto",
-        description="How POST /admin/weights applies new weights. swap: stage a second copy on the device, "
-        "then rebind (no pause); copy: stage in host memory, then copy in place between micro-batches (no "
-        "second device copy); auto: swap when the device has room, else copy.",
+        description="How POST /admin/weights and a weight push apply new weights. swap: stage a second copy "
+        "on the device, then rebind (no pause); copy: stage in host memory, then copy in place between "
+        "micro-batches (no second device copy; a push holds one bucket at most on the device beyond the "
+        "served weights); auto: swap when the device has room, else copy.",
     )
     reload_roots: str | None = Field(
         None,
@@ -302,6 +307,25 @@ class Settings(BaseSettings):
         "them): reload whatever it names that is not served yet, without an admin request.",
     )
     weights_follow_interval_s: float = Field(2.0, gt=0, description="How often to look at weights_follow.")
+    weight_push_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A trainer's weight-update group (SGLang's /init_weights_update_group): how long its "
+        "rendezvous and each bucket's broadcasts may take. Past it the push is given up, the group torn "
+        "down (the served weights stay; a new init is accepted).",
+    )
+    weight_push_partial_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A pushed version that is neither complete nor committed (/continue_generation, "
+        "/end_weight_update, a bucket of another version) this long after its last bucket is dropped; "
+        "the last complete version keeps serving.",
+    )
+    weight_push_addresses: str | None = Field(
+        None,
+        description="Comma-separated addresses or networks (CIDR) of the trainers this server may dial "
+        "for a weight push (master_address, resolved); unset: any.",
+    )
     auth_all_routes: bool = Field(
         False, description="Also require a key on /health/*, /info and /metrics (open by default)."
     )
@@ -313,6 +337,73 @@ class Settings(BaseSettings):
         "browser reaches the internet; /openapi.json is always served.",
     )
 
+    @field_validator("weight_push_addresses")
+    @classmethod
+    def _networks(cls, value: str | None) -> str | None:
+        for entry in (value or "").split(","):
+            if entry.strip():
+                ipaddress.ip_network(entry.strip(), strict=False)  # ValueError: not an address or network
+        return value
+
+    def push_networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        """weight_push_addresses as networks (an address is a network of one); empty: any."""
+        entries = (self.weight_push_addresses or "").split(",")
+        return [ipaddress.ip_network(entry.strip(), strict=False) for entry in entries if entry.strip()]
+
     def engine_config(self) -> EngineConfig:
         """What the engine reads of these settings (the engine never reads Settings itself)."""
         return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class SettingGroup:
+    """Settings on one topic: `serve --help` and docs/configuration.md list them together."""
+
+    title: str
+    about: str
+    names: tuple[str, ...]
+
+
+def _group(title: str, about: str, names: str) -> SettingGroup:
+    return SettingGroup(title, about, tuple(names.split()))
+
+
+# Every field of Settings in exactly one group (tests/test_flags_help.py), in the order shown.
+GROUPS = (
+    _group(
+        "model",
+        "The checkpoints, and the devices and precision they run in.",
+        "model critic ref_model model_name device dtype tensor_parallel_size tensor_parallel_collectives",
+    ),
+    _group(
+        "scoring",
+        "How the forward computes: kernels, batch invariance, shared prefixes and the prefix cache "
+        "(docs/performance.md).",
+        "attention decoder kernels mlp_kernel moe_kernel head_kernel cuda_graphs batch_invariant "
+        "share_prefixes share_min_tokens prefix_cache prefix_cache_tokens prefix_cache_memory_fraction",
+    ),
+    _group(
+        "batching",
+        "Micro-batches and the queue in front of them.",
+        "max_batch_tokens batch_wait_ms launch_hold_ms stream_batch_tokens max_queued_tokens",
+    ),
+    _group(
+        "memory",
+        "What a sequence and a micro-batch may hold at once.",
+        "max_sequence_tokens mlp_chunk_tokens logits_chunk_rows cuda_graph_limit",
+    ),
+    _group(
+        "HTTP",
+        "Where the server listens, what one request may ask, and the keys it needs.",
+        "host port max_body_bytes max_request_sequences max_request_tokens max_top_logprobs "
+        "request_timeout_s max_request_timeout_s api_keys api_keys_file admin_api_keys admin_api_keys_file "
+        "auth_all_routes docs_ui",
+    ),
+    _group(
+        "weights",
+        "The weights' version labels and how new weights are loaded or pushed while serving.",
+        "weights_version ref_weights_version critic_weights_version reload_mode reload_roots weights_follow "
+        "weights_follow_interval_s weight_push_timeout_s weight_push_partial_timeout_s weight_push_addresses",
+    ),
+    _group("operations", "Shutting down and logging.", "drain_seconds log_level"),
+)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from pydantic import ValidationError, model_validator
@@ -15,8 +14,8 @@ from pydantic import ValidationError, model_validator
 from service.__main__ import _parser, _subcommand
 from service.flags import _reason, settings_from
 from service.settings import Settings
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 BOOLEANS = [name for name, field in Settings.model_fields.items() if field.annotation is bool]
 
 

@@ -11,8 +11,7 @@ import pytest
 
 from service.__main__ import _parser
 from service.settings import Settings
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT
 
 
 def test_every_setting_has_a_flag() -> None:
@@ -49,6 +48,8 @@ def test_bad_choice_is_rejected() -> None:
 
 
 def test_serve_exits_non_zero_when_the_model_cannot_load(tmp_path: Path) -> None:
+    """A directory that passes the start's checks (it has a config.json) but does not load: exit 1."""
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
     done = subprocess.run(
         [sys.executable, "-m", "service", "serve", "--model", str(tmp_path), "--port", "0"],
         capture_output=True,
@@ -57,7 +58,8 @@ def test_serve_exits_non_zero_when_the_model_cannot_load(tmp_path: Path) -> None
         check=False,
     )
     assert done.returncode == 1
-    assert "no config.json" in done.stderr
+    assert "model failed to load" in done.stderr
+    assert "no-such-architecture" in done.stderr
 
 
 def test_nothing_imports_the_entry_point() -> None:

@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.metrics import LOAD_BUCKETS, BulkHistogram, Metrics
-from tests.conftest import DTYPE, running, settings_for
+from tests.support.device import DTYPE, settings_for
+from tests.support.servers import running
 
 
 def samples(text: str, name: str) -> dict[str, float]:

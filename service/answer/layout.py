@@ -1,13 +1,15 @@
 """Per-sequence scores -> the request's layout: one row per request row, aligned to its window.
 
 Recorded routes (R2) go back per column of a padded row (0 at padding, as verl lays them out) or
-per position of a ragged or grouped row's sequence, as arrays (a frame or JSON lists) or base64
-little-endian int32 strings (SGLang's encoding); route agreement per row and over the request.
+per position of a ragged or grouped row's sequence, as the engine's narrow arrays; route agreement
+per row and over the request. `to_json` writes the answer in the request's JSON forms: routes and
+the [window, K] blocks of the distribution as nested lists, or as base64 little-endian int32 /
+float32 strings, one a row (SGLang's encoding of routes), with `columns` giving the blocks' K; the
+routes' text written natively (wire/jsonarrays.py).
 """
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -20,6 +22,7 @@ from service.core.errors import EngineFailure
 from service.core.jobs import RouteAgreement, RouteArray, SequenceScores
 from service.engine.contract import EngineInfo
 from service.normalise import RowWindow, ScoringPlan
+from service.wire.jsonarrays import base64_rows, int_lists
 from service.wire.schemas import RolloutMismatch, RouteAgreementSummary
 
 
@@ -90,10 +93,9 @@ def distribution(plan: ScoringPlan, scores: list[SequenceScores]) -> dict[str, A
     return out
 
 
-def _recorded_routes(plan: ScoringPlan, scores: Sequence[SequenceScores]) -> list[RouteArray] | list[str]:
-    """Each row's recorded routes [L or width, layers, top_k], in the plan's layout and format, in the
-    engine's narrow dtype (a frame packs them as they are, orjson writes them as lists); base64: one
-    int32 conversion a row."""
+def _recorded_routes(plan: ScoringPlan, scores: Sequence[SequenceScores]) -> list[RouteArray]:
+    """Each row's recorded routes [L or width, layers, top_k], in the plan's layout, in the engine's
+    narrow dtype (a frame packs them as they are, to_json writes them in the request's form)."""
     rows: list[RouteArray] = []
     for i, s in enumerate(scores):
         if s.routes is None:
@@ -105,8 +107,6 @@ def _recorded_routes(plan: ScoringPlan, scores: Sequence[SequenceScores]) -> lis
         wide = np.zeros((plan.padded_width, *s.routes.shape[1:]), dtype=s.routes.dtype)
         wide[columns] = s.routes
         rows.append(wide)
-    if plan.route_format == "base64":
-        return [base64.b64encode(r.astype("<i4").tobytes()).decode("ascii") for r in rows]
     return rows
 
 
@@ -136,9 +136,29 @@ def _agreement_rows(
     return exact, overlap
 
 
-def to_json(body: dict[str, Any]) -> bytes:
-    """An answer (see `answer`) as the JSON body of a LogprobsResponse."""
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+# the [window, K] blocks of the distribution and their wire dtype in the base64 form
+BLOCKS = {"top_ids": "<i4", "top_logprobs": "<f4", "candidate_logprobs": "<f4"}
+
+
+def to_json(body: dict[str, Any], *, routes: str = "lists", distribution: str = "lists") -> bytes:
+    """An answer (see `answer`) as the JSON body of a LogprobsResponse: recorded routes and the
+    distribution's blocks as nested lists, or (base64) one base64 string a row (`columns`: K)."""
+    out = body
+    recorded = body.get("routed_experts")
+    if recorded is not None:
+        text = base64_rows(recorded, "<i4") if routes == "base64" else int_lists(recorded)
+        out = {**out, "routed_experts": orjson.Fragment(text)}
+    if distribution == "base64":
+        blocks = {name: body[name] for name in BLOCKS if body.get(name) is not None}
+        if blocks:
+            out = {**out, "columns": {name: _width(rows) for name, rows in blocks.items()}}
+            out |= {name: orjson.Fragment(base64_rows(rows, BLOCKS[name])) for name, rows in blocks.items()}
+    return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _width(rows: Sequence[np.ndarray]) -> int:
+    """K of [window, K] blocks (every row's the same, an empty window's too)."""
+    return int(rows[0].shape[1]) if rows else 0
 
 
 def answer(

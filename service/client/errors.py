@@ -19,6 +19,7 @@ class LogprobdError(Exception):
     logprobd's), `message` its text, `field` and `row` the culprit when the server named one.
     `row` is an index into the batch the caller passed, even when the batch was sent in chunks;
     the server's own `message` counts rows within its chunk, rows `chunk_start..` of the batch.
+    `replicas` maps each replica that failed a call made to several (a weight push) to its reason.
     """
 
     def __init__(
@@ -32,6 +33,7 @@ class LogprobdError(Exception):
         url: str | None = None,
         attempts: int = 1,
         chunk_start: int = 0,
+        replicas: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -42,6 +44,7 @@ class LogprobdError(Exception):
         self.url = url
         self.attempts = attempts
         self.chunk_start = chunk_start
+        self.replicas = replicas or {}
 
     def __reduce__(self) -> tuple[Any, ...]:
         # keyword-only state survives pickling (errors cross process boundaries in Ray trainers)

@@ -3,8 +3,9 @@
 Requests are built from plain Python lists; anything with a `.tolist()` (numpy arrays, torch
 tensors) is converted here. Answers are Python lists, except the [rows][window][K] fields
 (`top_ids`, `top_logprobs`, `candidate_logprobs`): per row a numpy array [window, K] (int64 ids,
-float32 log-probs), read straight from a frame's arrays or converted from JSON lists. numpy is
-imported only when an answer carries them.
+float32 log-probs), read straight from a frame's arrays, decoded from JSON's base64 strings
+(`distribution_format: "base64"`, K from `columns`) or converted from JSON lists. numpy is imported
+only when an answer carries them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _KNOWN = frozenset(
         "ranks",
         "candidate_logprobs",
         "processed_logprobs",
+        "columns",
     }
 )
 VERSIONS = ("weights_version", "ref_weights_version", "critic_weights_version")
@@ -144,6 +146,7 @@ class Scores:
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Scores:
         usage = body["usage"]
+        columns = body.get("columns") or {}
         return cls(
             model=body["model"],
             logprobs=body["logprobs"],
@@ -157,10 +160,12 @@ class Scores:
             entropy=body.get("entropy"),
             weights_version=body.get("weights_version"),
             extra={k: v for k, v in body.items() if k not in _KNOWN},
-            top_ids=_blocks(body.get("top_ids"), "int64"),
-            top_logprobs=_blocks(body.get("top_logprobs"), "float32"),
+            top_ids=_blocks(body.get("top_ids"), "int64", columns.get("top_ids")),
+            top_logprobs=_blocks(body.get("top_logprobs"), "float32", columns.get("top_logprobs")),
             ranks=body.get("ranks"),
-            candidate_logprobs=_blocks(body.get("candidate_logprobs"), "float32"),
+            candidate_logprobs=_blocks(
+                body.get("candidate_logprobs"), "float32", columns.get("candidate_logprobs")
+            ),
             processed_logprobs=_neg_inf(body.get("processed_logprobs")),
         )
 
@@ -183,18 +188,37 @@ class Scores:
         return None if body is None else RouteAgreementStats.from_body(body)
 
 
-def _blocks(rows: Sequence[Any] | None, dtype: str) -> Any:
-    """Per row a numpy array [window, K] of `dtype`: a frame's blocks as they are, JSON's nested
-    lists converted (null, a -inf JSON cannot carry, back to -inf); an empty row is [0, K]."""
+def _blocks(rows: Sequence[Any] | None, dtype: str, width: int | None = None) -> Any:
+    """Per row a numpy array [window, K] of `dtype`: a frame's blocks as they are, JSON's base64
+    strings decoded (little-endian int32 ids or float32, `width` K), JSON's nested lists converted
+    (null, a -inf JSON cannot carry, back to -inf); an empty row is [0, K]."""
     if rows is None:
         return None
     import numpy as np
 
     blocks = [
-        np.asarray(row, dtype=dtype) if isinstance(row, np.ndarray) else _listed(row, dtype) for row in rows
+        np.asarray(row, dtype=dtype)
+        if isinstance(row, np.ndarray)
+        else _decoded(row, dtype, width)
+        if isinstance(row, str)
+        else _listed(row, dtype)
+        for row in rows
     ]
     width = next((b.shape[1] for b in blocks if b.ndim == 2), 0)
     return [b if b.ndim == 2 else b.reshape(0, width) for b in blocks]
+
+
+def _decoded(row: str, dtype: str, width: int | None) -> Any:
+    """A base64 row of little-endian int32 (ids) or float32 as a [window, K] block of `dtype`."""
+    import binascii
+
+    import numpy as np
+
+    if not isinstance(width, int) or width < 0:
+        raise ValueError(f"a base64 row needs its K in the answer's columns, got {width!r}")
+    wire = "<f4" if dtype.startswith("float") else "<i4"
+    flat = np.frombuffer(binascii.a2b_base64(row), dtype=wire).astype(dtype)
+    return flat.reshape(-1, width) if width else flat.reshape(0, 0)
 
 
 def _listed(row: Sequence[Sequence[Any]], dtype: str) -> Any:

@@ -121,6 +121,30 @@ class WeightsRefused(ServiceError):
     kind = "weights_rejected"
 
 
+class WeightPushFailed(ServiceError):
+    """A route of SGLang's weight-push protocol failed; the answer is SGLang's own shape."""
+
+    kind = "weight_push_failed"
+
+    def body(self) -> dict[str, Any]:
+        return {"success": False, "message": self.message}
+
+
+class WeightPushConflict(WeightPushFailed):
+    """A second trainer group, or a push while a checkpoint reload runs (or the other way round)."""
+
+    kind = "weight_push_conflict"
+
+
+class WeightPushInvalid(ServiceError):
+    """A body of SGLang's weight-push protocol that does not validate: SGLang's error object."""
+
+    kind = "weight_push_invalid"
+
+    def body(self) -> dict[str, Any]:
+        return {"object": "error", "message": self.message, "type": "Bad Request", "param": None, "code": 400}
+
+
 class Forbidden(ServiceError):
     """The route is switched off on this server."""
 
@@ -169,6 +193,9 @@ _STATUS: dict[type[ServiceError], int] = {
     VersionMismatch: 409,
     ReloadConflict: 409,
     WeightsRefused: 422,
+    WeightPushFailed: 400,
+    WeightPushConflict: 409,
+    WeightPushInvalid: 400,
     Overloaded: 429,
     DeadlineExceeded: 504,
     ClientDisconnected: 499,
@@ -190,9 +217,18 @@ def status_for(error: ServiceError) -> int:
     return 500
 
 
+# Swagger UI and ReDoc, served with --docs-ui (settings.docs_ui)
+DOCS_UI_PATHS = frozenset({"/docs", "/redoc", "/docs/oauth2-redirect"})
+
+
 def from_routing(status: int, method: str, path: str, allow: str | None) -> NoRoute | None:
     """The router's 404 or 405 as an error of this table; None for any other status."""
     route = f"{method} {path[:200]}"
+    if status == 404 and path.rstrip("/") in DOCS_UI_PATHS:  # only ever 404 when --docs-ui is off
+        return NotFound(
+            f"{route}: the interactive API docs are off; start the server with --docs-ui to serve them "
+            "(they load their scripts from public CDNs). The routes are listed at /openapi.json"
+        )
     if status == 404:
         return NotFound(f"{route}: no such route (the routes are listed at /openapi.json)")
     if status == 405 and allow:

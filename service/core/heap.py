@@ -9,7 +9,8 @@ so now and then a round of requests waits for it (hundreds of milliseconds with 
 model's stack loaded on a GPU). `freeze` moves what is alive at ready into the permanent generation,
 which collections skip; what serving allocates is collected as before. `thaw` hands those objects
 back to the collector at shutdown, for a process that hosts one app after another (tests,
-benchmarks).
+benchmarks). `exiting` freezes everything once more as the process ends, so that the interpreter's
+final collection does not walk it (5 s of a Ctrl-C's 5.4 s, serving the demo model on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -38,3 +39,9 @@ def freeze() -> Frozen:
 def thaw() -> None:
     """Give the frozen objects back to the collector (the next full collection frees the garbage)."""
     gc.unfreeze()
+
+
+def exiting() -> None:
+    """The process exits next: keep every object out of the interpreter's last full collection (its
+    memory goes back with the process; finalizers of objects not in cycles still run)."""
+    gc.freeze()

@@ -4,6 +4,7 @@ each imports only rooms below it (the engine's layers contract in pyproject.toml
     tensor_parallel/               one ScoringEngine over several ranks, each running a scorer
     scorer/                        the ScoringEngine: loads the models, packs, runs and scores each
                                    micro-batch
+    transfer/                      weights a trainer pushes over a process group (SGLang's protocol)
     heads/                         the action rows' scores from the decoder's last hidden state
     decoder/                       a forward over one packed row, built on the three rooms below:
     moe/                             the mixture-of-experts layers

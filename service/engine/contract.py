@@ -106,16 +106,107 @@ class WeightsRejected(ValueError):
 
 
 class StagedWeights(Protocol):
-    """New weights read, checked and placed, ready to apply between micro-batches."""
+    """New weights read (or received), checked and placed, ready to apply between micro-batches."""
 
     @property
-    def order(self) -> ReloadOrder: ...
+    def target(self) -> Target: ...
+
+    @property
+    def version(self) -> str: ...
+
+    @property
+    def source(self) -> str:
+        """Where they came from: a checkpoint's path, or the push group that sent them."""
 
     @property
     def mode(self) -> str: ...
 
     @property
     def nbytes(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WeightGroup:
+    """A trainer's weight-update group (SGLang's POST /init_weights_update_group). The trainer is rank
+    0 and hosts the rendezvous store at master_address:master_port; this replica's ranks are
+    rank_offset + its tensor-parallel rank, of world_size. A collective waits at most timeout_s."""
+
+    name: str
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    backend: str  # "nccl", "gloo", or a device map such as "cpu:gloo,cuda:nccl"
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One POST /update_weights_from_distributed: tensors the trainer broadcasts from rank 0 over
+    `group`, in `names` order, one broadcast each or (flattened) one uint8 broadcast of their bytes
+    back to back. Names are the Hugging Face checkpoint's; dtypes torch's, with or without "torch.".
+    `mode` stages the version it begins (swap, copy or auto); later buckets keep that version's."""
+
+    group: str
+    target: Target
+    version: str
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    flattened: bool = False
+    mode: ReloadMode = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """What one bucket left pending for its target: `complete` once every tensor the target holds
+    has a value under `version` (then stage and apply it)."""
+
+    target: Target
+    version: str
+    mode: str  # swap | copy: how the version is staged
+    tensors: int  # this bucket's
+    nbytes: int  # this bucket's, as broadcast
+    complete: bool
+    missing: int  # tensors of the target with no value under `version` yet
+
+
+class PushRefused(WeightsRejected):
+    """A bucket whose metadata does not fit the model (unknown name, wrong shape, a dtype it cannot
+    take, misaligned flattened offsets, non-finite values): its broadcasts were received and dropped,
+    nothing of it is pending, the group lives on."""
+
+
+class PushBroken(RuntimeError):
+    """The group failed mid-push (the trainer died or stalled past the timeout, or sent what cannot be
+    received): the group is gone, with what it left pending; the served weights are untouched."""
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """An engine that takes weights a trainer pushes over a process group (engine/transfer/).
+
+    Values received under a version stay pending, never served, until `stage_received` turns them
+    into StagedWeights, which apply between micro-batches as a reload's do. `join_group` blocks until
+    the trainer's rendezvous; `receive` until its bucket arrived (both any thread, one call of one
+    group at a time, in the trainer's order)."""
+
+    def join_group(self, group: WeightGroup) -> None: ...
+
+    def leave_group(self, name: str) -> None:
+        """Destroy the group; what it left pending is dropped."""
+
+    def receive(self, bucket: Bucket) -> Received: ...
+
+    def drain(self, bucket: Bucket) -> None:
+        """Meet the bucket's broadcasts and drop them (it was refused before it was looked at);
+        PushBroken where they cannot be met."""
+
+    def stage_received(self, target: Target, version: str) -> StagedWeights:
+        """What is pending for `target` (complete or not: the rest keeps its values), as `version`;
+        with nothing pending, the served weights relabelled `version`."""
+
+    def drop_received(self, target: Target) -> None: ...
 
 
 class OutOfMemory(RuntimeError):

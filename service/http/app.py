@@ -18,7 +18,7 @@ import service
 from service.batcher import Batcher
 from service.core import heap
 from service.core.errors import ServiceError, from_pydantic, from_routing, status_for
-from service.engine import ScoringEngine, Supervised, load_engine
+from service.engine import EngineInfo, ScoringEngine, Supervised, load_engine
 from service.engine.config import EngineConfig
 from service.engine.tokenizer import load_token_text
 from service.http.router import build_router
@@ -27,6 +27,8 @@ from service.metrics import Metrics
 from service.normalise import ModelLimits
 from service.settings import Settings
 from service.weights.follow import follow_version_file
+from service.weights.gate import UpdateGate
+from service.weights.push import Pusher
 from service.weights.updates import Reloader
 from service.wire import jsonrows
 
@@ -69,6 +71,8 @@ def create_app(
                     state.serving.follower.cancel()
                     await asyncio.gather(state.serving.follower, return_exceptions=True)
                 await state.serving.reloader.stop()
+                if state.serving.pusher is not None:
+                    await state.serving.pusher.stop()
                 await state.serving.batcher.stop()
                 if state.serving.supervised is not None:
                     await asyncio.to_thread(state.serving.supervised.close)
@@ -128,7 +132,9 @@ async def _start(
         max_timeout_s=settings.max_request_timeout_s,
         moe=info.moe,
     )
-    reloader = Reloader(engine, batcher, state.metrics, settings)
+    gate = UpdateGate()  # a reload and a push exclude each other
+    reloader = Reloader(engine, batcher, state.metrics, settings, gate)
+    pusher = Pusher(engine, batcher, state.metrics, settings, gate)
     follower = None
     if settings.weights_follow is not None:
         follow = follow_version_file(reloader, settings.weights_follow, settings.weights_follow_interval_s)
@@ -141,23 +147,26 @@ async def _start(
         follower=follower,
         supervised=supervised,
         token_text=token_text,
+        pusher=pusher,
     )
     frozen = heap.freeze()  # what lives until exit stays out of the full collections while serving
-    log.info("%d objects kept out of the full collections (%.2f s)", frozen.objects, frozen.seconds)
+    log.debug("%d objects kept out of the full collections (%.2f s)", frozen.objects, frozen.seconds)
+    jsonrows.native()  # where the native reader was not built, its warning comes now, not on a request
     state.metrics.ready.set(1)
     state.metrics.model_info.info(
         {"model": info.model, "architecture": info.architecture, "dtype": info.dtype, "demo": str(info.demo)}
     )
-    log.info(
-        "ready: %s%s (%s) on %s, %s, attention=%s, JSON rows read by %s",
-        info.model,
-        " [DEMO: random weights]" if info.demo else "",
-        info.architecture,
-        info.device,
-        info.dtype,
-        info.attention_backend,
-        "the native reader" if jsonrows.native() is not None else "orjson (no native reader built)",
+    log.info("%s", ready_line(info, state.url))
+
+
+def ready_line(info: EngineInfo, url: str | None) -> str:
+    """The start-up log's last line: what serves, and where to send requests (when known)."""
+    demo = " [DEMO: random weights]" if info.demo else ""
+    line = (
+        f"ready: {info.model}{demo} ({info.architecture}) on {info.device}, {info.dtype}, "
+        f"attention={info.attention_backend}"
     )
+    return line if url is None else f"{line}; send requests to {url} (POST /logprobs, docs/api.md)"
 
 
 def _engine_failed(state: ServiceState, reason: str, on_fatal: Callable[[], None] | None) -> None:

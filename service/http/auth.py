@@ -1,18 +1,22 @@
 """Optional bearer API keys: from LOGPROBD_API_KEYS and/or a file, compared in constant time.
 
 Keys are never logged or echoed. With no API key configured, the scoring routes are open; the admin
-routes (weight reload) need an admin key, and are off (403) when none is configured.
+routes (weight reload, weight push) need an admin key, and are off (403) when none is configured.
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 
-from service.core.errors import Unauthorized
+from service.core.errors import Forbidden, Unauthorized
 from service.settings import Settings
 
 
@@ -56,3 +60,21 @@ class ApiKeys:
             matched |= hmac.compare_digest(given, key)
         if scheme.lower() != "bearer" or not matched:
             raise Unauthorized("a valid API key is required: send `Authorization: Bearer <key>`")
+
+
+def admin_only(settings: Settings, bearer: HTTPBearer, what: str) -> Callable[..., Coroutine[Any, Any, None]]:
+    """A route dependency: 403 when the server has no admin key (`what` is off), 401 without one."""
+    keys = ApiKeys.admin(settings)
+
+    async def admin(
+        http: Request,
+        _: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008 (documents the scheme)
+    ) -> None:
+        if not keys.enabled:
+            raise Forbidden(
+                f"{what} is off: start the server with an admin key (LOGPROBD_ADMIN_API_KEYS or "
+                "--admin-api-keys-file)"
+            )
+        keys.check(http.headers.get("authorization"))
+
+    return admin

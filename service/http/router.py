@@ -1,8 +1,16 @@
-"""The HTTP routes; each handler is a few lines over the layers below it."""
+"""The HTTP routes; each handler is a few lines over the layers below it.
+
+A large JSON body is parsed, and a JSON answer with routes or a distribution written, on a worker
+thread: their big members are read and written natively with the GIL released (wire/jsonrows.py,
+wire/jsonarrays.py), so requests that arrive or finish together are parsed and written in parallel
+while the event loop goes on feeding the batcher.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -20,6 +28,7 @@ from service.http.auth import ApiKeys
 from service.http.bodies import answer_or_give_up, read_body
 from service.http.completions.endpoints import build_completions_router
 from service.http.state import ServiceState
+from service.http.weight_sync import build_weight_sync_router
 from service.metrics import CONTENT_TYPE, Metrics
 from service.normalise import ScoringPlan, normalise
 from service.wire.arrays import parse_frame, to_frame
@@ -56,6 +65,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 BINARY = {"type": "string", "format": "binary"}
+THREAD_BYTES = 1 << 20  # JSON bodies from this size are parsed on a worker thread
 FRAME_DOC = (
     "The same request as a compact frame: the JSON fields, with input_ids, prompt_ids, attention_mask, "
     "action_mask, rollout_logprobs, routed_experts and prompt_routed_experts as little-endian arrays "
@@ -66,6 +76,24 @@ FRAME_DOC = (
 
 def _media_type(header: str | None) -> str:
     return (header or "").split(";", 1)[0].strip().lower()
+
+
+async def _parsed(raw: bytes, framed: bool) -> LogprobsRequest:
+    """The request of a body: a frame's views at once; JSON on a worker thread from THREAD_BYTES."""
+    if framed:
+        return parse_frame(raw)
+    return await asyncio.to_thread(parse_json, raw) if len(raw) >= THREAD_BYTES else parse_json(raw)
+
+
+async def _json(answered: dict[str, Any], plan: ScoringPlan) -> bytes:
+    """The JSON answer in the request's forms; on a worker thread where it carries routes or a
+    distribution's blocks."""
+    write = functools.partial(
+        to_json, answered, routes=plan.route_format, distribution=plan.distribution_format
+    )
+    job = plan.jobs[0]
+    big = job.return_routes or job.top_logprobs or any(j.candidate_ids is not None for j in plan.jobs)
+    return await asyncio.to_thread(write) if big else write()
 
 
 def _statistics(
@@ -118,7 +146,7 @@ def build_router(state: ServiceState) -> APIRouter:
         started = time.perf_counter()
         raw = await read_body(http, settings.max_body_bytes)
         framed = _media_type(http.headers.get("content-type")) == MEDIA_TYPE
-        request = parse_frame(raw) if framed else parse_json(raw)
+        request = await _parsed(raw, framed)
         serving = state.require_serving()
         plan = normalise(request, serving.limits)
         metrics.queue_requests.inc()
@@ -140,7 +168,7 @@ def build_router(state: ServiceState) -> APIRouter:
             agreement=agreement,
         )
         media_type = MEDIA_TYPE if MEDIA_TYPE in http.headers.get("accept", "") else "application/json"
-        body = to_frame(answered) if media_type == MEDIA_TYPE else to_json(answered)
+        body = to_frame(answered) if media_type == MEDIA_TYPE else await _json(answered, plan)
         metrics.requests.labels("ok").inc()
         metrics.input_tokens.inc(plan.input_tokens)
         metrics.scored_tokens.inc(plan.scored_tokens)
@@ -200,5 +228,6 @@ def build_router(state: ServiceState) -> APIRouter:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     router.include_router(build_admin_router(state, bearer))
+    router.include_router(build_weight_sync_router(state, bearer))
     router.include_router(build_completions_router(state, guarded, ERRORS))
     return router

@@ -11,6 +11,7 @@ from service.engine.contract import EngineInfo, Supervised, TokenText
 from service.metrics import Metrics
 from service.normalise import ModelLimits
 from service.settings import Settings
+from service.weights.push import Pusher
 from service.weights.updates import Reloader
 
 
@@ -25,6 +26,7 @@ class Serving:
     follower: asyncio.Task[None] | None = None  # follows settings.weights_follow
     supervised: Supervised | None = None  # an engine of several processes (tensor parallel)
     token_text: TokenText | None = None  # the checkpoint's tokenizer, for /v1/completions' token text
+    pusher: Pusher | None = None  # weight pushes in SGLang's protocol (weight_sync.py)
 
 
 @dataclass(slots=True)
@@ -34,6 +36,7 @@ class ServiceState:
     serving: Serving | None = None
     failure: str | None = None
     draining: bool = False
+    url: str | None = None  # where the server listens (the ready line names it); None under tests
 
     @property
     def phase(self) -> str:

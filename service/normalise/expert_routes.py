@@ -2,7 +2,8 @@
 
 A row's routes are `[P, moe_layers, top_k]` expert ids, read from nested lists, from SGLang's
 `meta_info.routed_experts` (base64 of little-endian int32, reshaped `[-1, moe_layers, top_k]`, as
-sglang's `extract_routed_experts_from_meta_info` decodes it) or from a compact frame's flat row.
+sglang's `extract_routed_experts_from_meta_info` decodes it) or from a compact frame's flat row; the
+JSON reader may have decoded the first two already (wire/jsonrows.py: a Base64Ids, an array).
 They cover `routed_experts_start` .. `routed_experts_start + P - 1` of the row, counted as:
 
 - padded layouts: columns of the padded row (verl's `routed_experts` [B, L, layers, k] lies so);
@@ -12,12 +13,12 @@ They cover `routed_experts_start` .. `routed_experts_start + P - 1` of the row, 
 - grouped form: positions of the row's sequence, prompt then response. `prompt_routed_experts[p]`
   covers prompt p's positions 0 .. P-1, sent once; a row's own routes then start where they end.
 
-Routes stay narrow: a frame's row is read in its own dtype (no copy), base64 as int32, lists through
-one np.asarray; once their ids are in range they are narrowed to jobs.route_dtype (uint8 up to 256
-experts). Every check is vectorised and works on that dtype: ids in [0, experts) (min / max first,
-a fault located only once found), distinct within one (position, layer) (the k slots compared
-pairwise, no sort), the layer count and top_k of the policy, no position past the row. Faults are
-422s naming field and row.
+Routes stay narrow: a frame's row and the JSON reader's are read in their own dtype (no copy: u1
+where the ids fit), a base64 str as int32, lists through one np.asarray; once their ids are in range
+they are narrowed to jobs.route_dtype (uint8 up to 256 experts). Every check is vectorised and works
+on that dtype: ids in [0, experts) (min / max first, a fault located only once found), distinct
+within one (position, layer) (the k slots compared pairwise, no sort), the layer count and top_k of
+the policy, no position past the row. Faults are 422s naming field and row.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from service.core.errors import InvalidRequest
 from service.core.jobs import GivenRoutes, RouteArray, route_dtype
 from service.engine.contract import MoeShape
 from service.normalise.rows import Row, per_row
-from service.wire.schemas import LogprobsRequest
+from service.wire.schemas import Base64Ids, LogprobsRequest
 
 FIELD, PROMPT_FIELD = "routed_experts", "prompt_routed_experts"
 
@@ -43,7 +44,7 @@ def route_format(request: LogprobsRequest) -> str:
     if request.routed_experts_format is not None:
         return request.routed_experts_format
     sent = [*(request.routed_experts or ()), *(request.prompt_routed_experts or ())]
-    return "base64" if any(isinstance(r, str) for r in sent) else "lists"
+    return "base64" if any(isinstance(r, str | Base64Ids) for r in sent) else "lists"
 
 
 def given_routes(request: LogprobsRequest, rows: list[Row], moe: MoeShape | None) -> list[GivenRoutes | None]:
@@ -81,8 +82,9 @@ def given_routes(request: LogprobsRequest, rows: list[Row], moe: MoeShape | None
 
 
 def read_routes(value: Any, moe: MoeShape, field: str, i: int, name: str | None = None) -> RouteArray | None:
-    """[P, layers, top_k] ids from nested lists (int64), a base64 string (int32) or a frame's flat row
-    (its dtype, a view); None: null. Not yet checked or narrowed (check_experts does both)."""
+    """[P, layers, top_k] ids from nested lists (int64; the JSON reader's: an array, its dtype), a
+    base64 string (int32; the JSON reader's: a Base64Ids, its dtype) or a frame's flat row (its dtype,
+    a view); None: null. Not yet checked or narrowed (check_experts does both)."""
     if value is None:
         return None
     name = name or f"{field} row {i}"
@@ -99,14 +101,13 @@ def read_routes(value: Any, moe: MoeShape, field: str, i: int, name: str | None 
                 row=i,
             ) from None
         if len(raw) % (4 * per):
-            raise InvalidRequest(
-                f"{name} decodes to {len(raw)} bytes, not a multiple of {4 * per} (int32 x {moe.layers} "
-                f"sparse layers x top_k {moe.top_k})",
-                field=field,
-                row=i,
-            )
+            raise _base64_length(name, len(raw), moe, field, i)
         return np.frombuffer(raw, dtype="<i4").reshape(-1, *shape)
-    if isinstance(value, np.ndarray):  # a compact frame's row, flattened
+    if isinstance(value, Base64Ids):
+        if value.ids.size % per:
+            raise _base64_length(name, 4 * value.ids.size, moe, field, i)
+        return value.ids.reshape(-1, *shape)
+    if isinstance(value, np.ndarray) and value.ndim == 1:  # a compact frame's row, flattened
         if value.size % per:
             raise InvalidRequest(
                 f"{name} holds {value.size} ids, not a multiple of {per} ({moe.layers} sparse layers x top_k "
@@ -115,14 +116,17 @@ def read_routes(value: Any, moe: MoeShape, field: str, i: int, name: str | None 
                 row=i,
             )
         return value.reshape(-1, *shape)
-    try:
-        experts = np.asarray(value, dtype=np.int64)
-    except (ValueError, OverflowError):  # ragged nesting, or ids past int64
-        experts = np.zeros(0, dtype=object)
-    if experts.size == 0 and experts.dtype == np.int64:
+    if isinstance(value, np.ndarray):  # nested lists, read by the JSON reader
+        experts = value
+    else:
+        try:
+            experts = np.asarray(value, dtype=np.int64)
+        except (ValueError, OverflowError):  # ragged nesting, or ids past int64
+            experts = np.zeros(0, dtype=object)
+    if experts.size == 0 and experts.dtype.kind in "iu":
         return experts.reshape(0, *shape)
     if experts.ndim != 3 or experts.shape[1:] != shape:
-        got = list(experts.shape) if experts.dtype == np.int64 else "ragged nesting"
+        got = list(experts.shape) if experts.dtype.kind in "iu" else "ragged nesting"
         raise InvalidRequest(
             f"{name} must be [positions, {moe.layers}, {moe.top_k}] ({moe.layers} sparse layers, top_k "
             f"{moe.top_k}), got {got}",
@@ -130,6 +134,15 @@ def read_routes(value: Any, moe: MoeShape, field: str, i: int, name: str | None 
             row=i,
         )
     return experts
+
+
+def _base64_length(name: str, size: int, moe: MoeShape, field: str, i: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"{name} decodes to {size} bytes, not a multiple of {4 * moe.layers * moe.top_k} (int32 x "
+        f"{moe.layers} sparse layers x top_k {moe.top_k})",
+        field=field,
+        row=i,
+    )
 
 
 def check_experts(
@@ -196,7 +209,8 @@ def _repeats(experts: RouteArray) -> np.ndarray | None:
 def _padded(
     experts: RouteArray | None, start: int | None, row: Row, moe: MoeShape, *, i: int, width: int
 ) -> GivenRoutes | None:
-    """Columns start .. start+P-1 of a padded row; padding columns' entries are ignored."""
+    """Columns start .. start+P-1 of a padded row; padding columns' entries are ignored. Real columns
+    in one run (a row padded on either side) keep their routes as a view, others are gathered."""
     if experts is None or experts.shape[0] == 0:
         return None
     assert row.columns is not None
@@ -214,7 +228,9 @@ def _padded(
     if not inside.size:
         return None
     first = int(np.searchsorted(row.columns, inside[0]))  # the position of the first covered token
-    return GivenRoutes(start=first, experts=np.ascontiguousarray(experts[real]))
+    a, b = int(inside[0]) - s, int(inside[-1]) - s + 1
+    kept = experts[a:b] if b - a == inside.size else experts[real]
+    return GivenRoutes(start=first, experts=np.ascontiguousarray(kept))
 
 
 def _positions(

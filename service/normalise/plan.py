@@ -35,6 +35,7 @@ class ScoringPlan:
     rollout: list[FloatArray] | None = None  # per job, aligned with its actions
     pins: dict[str, str] = field(default_factory=dict)  # model -> the weights version the request requires
     route_format: str = "lists"  # how a JSON answer writes routes: lists | base64
+    distribution_format: str = "lists"  # how it writes the [window, K] blocks: lists | base64
     # padded layouts: per row, the column of each real token [L] and the padded width, so recorded
     # routes go back per column (0 at padding); None: per position of the sequence
     route_columns: list[IntArray | None] | None = None
@@ -90,6 +91,7 @@ def build_plan(
         rollout=rollout,
         pins=_pins(request),
         route_format=route_format,
+        distribution_format=request.distribution_format,
         route_columns=[row.columns for row in rows] if padded else None,
         padded_width=len(request.input_ids[0]) if padded else 0,
     )

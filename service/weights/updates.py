@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
+from typing import Any
 
 from service.batcher import Batcher
 from service.core.errors import InvalidRequest, ReloadConflict
 from service.engine.contract import ReloadOrder, ScoringEngine, WeightsRejected, WeightsState
 from service.metrics import Metrics
 from service.settings import Settings
+from service.weights.gate import UpdateGate
 from service.wire.schemas import ReloadStatus, WeightsInfo, WeightsUpdate
 
 log = logging.getLogger(__name__)
@@ -25,8 +27,16 @@ OUTCOMES = ("applied", "rejected", "failed")
 
 
 class Reloader:
-    def __init__(self, engine: ScoringEngine, batcher: Batcher, metrics: Metrics, settings: Settings) -> None:
+    def __init__(
+        self,
+        engine: ScoringEngine,
+        batcher: Batcher,
+        metrics: Metrics,
+        settings: Settings,
+        gate: UpdateGate | None = None,
+    ) -> None:
         self._engine = engine
+        self._gate = gate or UpdateGate()  # shared with weight pushes (push.py)
         self._batcher = batcher
         self._metrics = metrics
         self._default_mode = settings.reload_mode
@@ -55,16 +65,15 @@ class Reloader:
 
     def begin(self, update: WeightsUpdate) -> asyncio.Future[ReloadStatus]:
         """Start a reload; the future ends with its final status (it never raises). Raises ReloadConflict
-        while another runs, InvalidRequest for a target this server lacks or a path outside the roots."""
-        if self._task is not None and not self._task.done():
-            busy = next(s for s in self.reloads.values() if s.state == "loading")
-            raise ReloadConflict(
-                f"a reload of the {busy.target} to {busy.version!r} is under way; one runs at a time"
-            )
+        while another runs or a push is pending, InvalidRequest for a target this server lacks or a
+        path outside the roots."""
         current = self._engine.weights.get(update.target)
         if current is None:
             raise InvalidRequest(f"target: this server has no {update.target} model", field="target")
         path = self._allowed(update.path)
+        busy = self._gate.begin_reload(f"a reload of the {update.target} to {update.version!r}")
+        if busy is not None:
+            raise ReloadConflict(busy)
         status = ReloadStatus(
             target=update.target,
             version=update.version,
@@ -73,6 +82,7 @@ class Reloader:
             started_at=time.time(),
         )
         if current.version == update.version and Path(current.source).resolve() == path:
+            self._gate.end_reload()
             status = status.model_copy(update={"state": "unchanged"})
             self.reloads[update.target] = status
             unchanged: asyncio.Future[ReloadStatus] = asyncio.get_running_loop().create_future()
@@ -80,7 +90,7 @@ class Reloader:
             return unchanged
         self.reloads[update.target] = status
         order = ReloadOrder(update.target, path, update.version, update.mode or self._default_mode)
-        self._task = asyncio.create_task(self._run(order, status), name="logprobd-reload")
+        self._task = asyncio.create_task(self._released(self._run(order, status)), name="logprobd-reload")
         return self._task
 
     async def stop(self) -> None:
@@ -137,6 +147,12 @@ class Reloader:
             applied.pause_seconds * 1e3,
         )
         return self._finish(done, "applied")
+
+    async def _released(self, run: Coroutine[Any, Any, ReloadStatus]) -> ReloadStatus:
+        try:
+            return await run
+        finally:
+            self._gate.end_reload()
 
     def _finish(self, status: ReloadStatus, outcome: str) -> ReloadStatus:
         self._metrics.weights_reloads.labels(status.target, outcome).inc()

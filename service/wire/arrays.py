@@ -15,7 +15,6 @@ with K per field in the JSON part's `columns` ({"top_ids": K, "top_logprobs": K,
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Mapping
 from typing import Any
 
@@ -163,16 +162,10 @@ def _wide_array(name: str, rows: list[Any], dtype: str | None) -> tuple[ArraySpe
 
 
 def _routes_array(rows: list[Any], experts: int) -> tuple[ArraySpec, list[memoryview]]:
-    """Recorded routes (arrays, or base64 int32 strings) as one array's pieces: u1 when every id fits
-    a byte (at most 256 experts), else u2, else i4. The engine's rows are narrow already: converted
-    only where their dtype is not the frame's."""
+    """Recorded routes (arrays) as one array's pieces: u1 when every id fits a byte (at most 256
+    experts), else u2, else i4. The engine's rows are narrow already: converted only where their
+    dtype is not the frame's."""
     dtype = np.dtype("u1" if experts <= 256 else "u2" if experts <= 65536 else "i4").newbyteorder("<")
-    flat = [
-        np.ascontiguousarray(
-            np.frombuffer(base64.b64decode(r), dtype="<i4") if isinstance(r, str) else np.ravel(r),
-            dtype=dtype,
-        )
-        for r in rows
-    ]
+    flat = [np.ascontiguousarray(np.ravel(r), dtype=dtype) for r in rows]
     spec = ArraySpec("routed_experts", dtype.str[1:], tuple(int(r.size) for r in flat))
     return spec, _bytes_of(flat)

@@ -1,14 +1,22 @@
-"""A /logprobs JSON body parsed fast: its integer rows straight into numpy, the rest by pydantic.
+"""A /logprobs JSON body parsed fast: its integer rows and routes straight into numpy, the rest by pydantic.
 
 The rows of integers (`input_ids`, `prompt_ids`, `attention_mask`, `action_mask`: MATRIX_FIELDS) are
-nearly all of a body's bytes. `parse_json` finds the top-level members of the body with numpy (its
-strings and brackets located once, no per-token Python), reads each of those fields written in the
-plain form into int64 rows (one array per field), and validates every other member with the same
-pydantic fields (schemas.JsonOptions). The plain form: a non-empty list of non-empty lists of
-unsigned decimal integers below 10^18, JSON whitespace anywhere between tokens. The rows are read by
-the native reader `service.wire._jsonrows` (one pass in C, the GIL released) where the install built it,
-else by orjson into Python ints and then numpy; both accept exactly the plain form. Bodies under
+nearly all of a plain body's bytes. `parse_json` finds the top-level members of the body (the native
+reader's `members`: one pass, strings skipped by memchr; else numpy: its strings and brackets located
+once, no per-token Python), reads each of those fields written in the plain form into int64 rows (one
+array per field), and validates every other member with the same pydantic fields
+(schemas.JsonOptions). The plain form: a non-empty list of non-empty lists of unsigned decimal
+integers below 10^18, JSON whitespace anywhere between tokens. The rows are read by the native reader
+`service.wire._jsonrows` (one pass in C, the GIL released) where the install built it, else by
+orjson into Python ints and then numpy; both accept exactly the plain form. Bodies under
 FAST_MIN_BYTES go to parse_request at once.
+
+Routes (`routed_experts`, `prompt_routed_experts`: ROUTE_FIELDS) are most of a routed body's bytes:
+where the native reader is built, it reads them in one pass, each row null, SGLang's base64 string
+decoded straight from the body (a Base64Ids) or nested lists as one [positions, layers, top_k] array
+(a view), the ids of the whole field in u1 when they fit, else int32; a string that is not canonical
+base64 stays a str (normalise judges it, as it judges every row). Without the native reader, or for a
+row in any other form, pydantic reads them like the other members.
 
 Anything else goes to schemas.parse_request, as every body did before: a sign, an exponent, a
 leading zero, a null, a duplicate or escaped key, invalid JSON, a member that fails validation. So
@@ -22,6 +30,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,7 +39,14 @@ import orjson
 from pydantic import ValidationError
 
 from service.core.jobs import IntArray
-from service.wire.schemas import MATRIX_FIELDS, JsonOptions, LogprobsRequest, parse_request
+from service.wire.schemas import (
+    MATRIX_FIELDS,
+    ROUTE_FIELDS,
+    Base64Ids,
+    JsonOptions,
+    LogprobsRequest,
+    parse_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,25 +80,29 @@ def _fast(raw: bytes) -> LogprobsRequest | None:
     members = _members(raw)
     if members is None:
         return None
-    rows: dict[str, list[IntArray]] = {}
+    rows: dict[str, list[Any]] = {}
     rest: list[bytes] = []
+    reader = native()
     for m in members:
         name = m.key.decode("ascii", errors="replace")
-        if name not in MATRIX_FIELDS:
+        routes = name in ROUTE_FIELDS and reader is not None and raw[m.value] == _OPEN_LIST
+        if name not in MATRIX_FIELDS and not routes:
             rest.append(raw[m.start : m.end])
             continue
         if name in rows:
             return None  # a duplicate: parse_request decides
-        matrix = _int_rows(raw, m.value, m.end)
-        if matrix is None:
+        read = _int_rows(raw, m.value, m.end) if not routes else _route_rows(raw, m.value, m.end)
+        if read is None:
             return None
-        rows[name] = matrix
+        rows[name] = read
     if "input_ids" not in rows:
         return None
     try:
         options = JsonOptions.model_validate_json(b"{" + b",".join(rest) + b"}")
     except ValidationError:
         return None
+    if any(name in options.model_fields_set for name in rows):
+        return None  # a duplicate read by both: parse_request decides
     fields: dict[str, Any] = dict(options)
     fields.update(rows)
     return LogprobsRequest.model_construct(options.model_fields_set | set(rows), **fields)
@@ -99,7 +119,22 @@ def _unescaped(data: np.ndarray, quotes: IntArray) -> IntArray:
 
 
 def _members(raw: bytes) -> list[_Member] | None:
-    """The members of the body's top-level object, or None where it is not plainly one."""
+    """The members of the body's top-level object, or None where it is not plainly one: the native
+    reader's, else found with numpy."""
+    reader = native()
+    if reader is None:
+        return _numpy_members(raw)
+    found = reader.members(raw)
+    if found is None:
+        return None
+    return [
+        _Member(raw[key:close], start, end, value)
+        for start, key, close, value, end in np.frombuffer(found, dtype=np.int64).reshape(-1, 5).tolist()
+    ]
+
+
+def _numpy_members(raw: bytes) -> list[_Member] | None:
+    """_members with numpy: strings and brackets located once, no per-token Python."""
     data = np.frombuffer(raw, dtype=np.uint8)
     quotes = np.flatnonzero(data == _QUOTE)
     if raw.find(b"\\") != -1:
@@ -159,6 +194,27 @@ class _Reader(Protocol):
 
     def int_rows(self, buffer: bytes, start: int, end: int, /) -> tuple[bytearray, bytearray] | None: ...
 
+    def members(self, buffer: bytes, /) -> bytes | None: ...
+
+    def route_rows(self, buffer: bytes, start: int, end: int, /) -> tuple[bytearray, bytes, int] | None: ...
+
+    def b64_strings(self, blocks: Sequence[Any], itemsize: int, /) -> bytes: ...
+
+    def int_lists(self, blocks: Sequence[Any], itemsize: int, signed: bool, /) -> bytes: ...
+
+    def prompt_entries(  # noqa: PLR0917 (the C function's arguments)
+        self,
+        numbers: bytes,
+        ids: Any,
+        first_rank: Any,
+        keep: Any,
+        slots: int,
+        pool: Any,
+        start: Any,
+        length: Any,
+        /,
+    ) -> bytes: ...
+
 
 @functools.cache
 def native() -> _Reader | None:
@@ -187,6 +243,33 @@ def _int_rows(raw: bytes, start: int, end: int) -> list[IntArray] | None:
     values = np.frombuffer(read[0], dtype=np.int64)
     counts = np.frombuffer(read[1], dtype=np.int64)
     return np.split(values, np.cumsum(counts[:-1]))
+
+
+_NULL, _BASE64, _STRING = 0, 1, 2  # route_rows' kinds of row; 3: nested lists
+
+
+def _route_rows(raw: bytes, start: int, end: int) -> list[Any] | None:
+    """`raw[start:end]` as the rows of a route field (the native reader's route_rows): None, a
+    Base64Ids, a str (not canonical base64: normalise says why) or a [positions, layers, top_k] array,
+    each a view of one array; None unless in that form."""
+    reader = native()
+    assert reader is not None
+    read = reader.route_rows(raw, start, end)
+    if read is None:
+        return None
+    data, table, itemsize = read
+    values = np.frombuffer(data, dtype=np.uint8 if itemsize == 1 else "<i4")
+    out: list[Any] = []
+    for kind, a, b, layers, k in np.frombuffer(table, dtype=np.int64).reshape(-1, 5).tolist():
+        if kind == _NULL:
+            out.append(None)
+        elif kind == _BASE64:
+            out.append(Base64Ids(values[a : a + b]))
+        elif kind == _STRING:
+            out.append(raw[a:b].decode("ascii"))
+        else:
+            out.append(values[a : a + b].reshape(-1, layers, k) if b else values[a:a])
+    return out
 
 
 def _orjson_rows(text: bytes) -> list[IntArray] | None:

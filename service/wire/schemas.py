@@ -6,12 +6,17 @@ These check types and single-field bounds. Rules that relate fields to each othe
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, create_model
 
-from service.core.errors import from_pydantic
+from service.core.errors import InvalidRequest, from_pydantic
 from service.settings import ReloadMode, Version
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 Body = TypeVar("Body", bound=BaseModel)
 TokenId = Annotated[int, Strict(), Field(ge=0)]
@@ -22,6 +27,16 @@ ExpertId = Annotated[int, Strict()]
 # int32 (`meta_info.routed_experts`), or null (the row replays nothing)
 RowRoutes = list[list[list[ExpertId]]] | str | None
 RouteFormat = Literal["lists", "base64"]
+DistributionFormat = Literal["lists", "base64"]
+
+
+@dataclass(frozen=True, slots=True)
+class Base64Ids:
+    """A row of routes sent as SGLang's base64 string and decoded by the JSON reader (jsonrows.py):
+    its ids, flat, a numpy view of the field's ids (u1 where every id of the field fits, else int32).
+    A request read by the reader holds these where pydantic would hold the str."""
+
+    ids: npt.NDArray[np.integer[Any]]
 
 
 class SamplingParams(BaseModel):
@@ -142,6 +157,13 @@ class LogprobsRequest(BaseModel):
         "the truncated, renormalised distribution (vLLM's processed_logprobs; null in JSON where the "
         "token lies outside the kept set, -inf in a frame), and the share outside in `rollout`.",
     )
+    distribution_format: DistributionFormat = Field(
+        "lists",
+        description="How a JSON answer writes `top_ids`, `top_logprobs` and `candidate_logprobs`: nested "
+        "lists, or base64: per row one string of its [window, K] block, little-endian int32 ids and "
+        "float32 log-probs (-inf as it is), with `columns` giving each field's K (docs/api.md, 'Beyond "
+        "the log-prob'). A compact frame carries them as arrays either way.",
+    )
     routed_experts: list[RowRoutes] | None = Field(
         None,
         description="Routing replay (R3; MoE policies): per row, the experts the rollout chose, "
@@ -202,6 +224,9 @@ ScoringOptions: type[BaseModel] = create_model(
 # the rows of integers of a JSON body, which jsonrows.py reads into numpy; the other members are
 # validated by JsonOptions: the same fields, types and bounds
 MATRIX_FIELDS = ("input_ids", "prompt_ids", "attention_mask", "action_mask")
+# the rows of routes of a JSON body, which jsonrows.py reads natively where it can (base64 decoded,
+# nested lists as arrays), else JsonOptions validates them like the rest
+ROUTE_FIELDS = ("routed_experts", "prompt_routed_experts")
 _JSON_OPTIONS: dict[str, Any] = {
     name: (f.annotation, f) for name, f in LogprobsRequest.model_fields.items() if name not in MATRIX_FIELDS
 }
@@ -220,7 +245,28 @@ def parse_body(model: type[Body], raw: bytes) -> Body:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        raise from_pydantic(exc.errors()) from None
+        errors = exc.errors()
+        raise (_flat_rows(errors) or from_pydantic(errors)) from None
+
+
+# the fields that take a list of rows, one per sequence ([[...], [...]])
+ROW_LIST_FIELDS = (*MATRIX_FIELDS, "rollout_logprobs")
+
+
+def _flat_rows(errors: list[Any]) -> InvalidRequest | None:
+    """A field of rows sent as one flat row (`"input_ids": [1, 2, 3]`) said so, rather than as
+    pydantic's first complaint about its first number."""
+    first = errors[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") != "list_type" or len(loc) != 2 or loc[0] not in ROW_LIST_FIELDS:
+        return None
+    if loc[1] != 0 or not isinstance(first.get("input"), int | float):  # its first entry is a number
+        return None
+    return InvalidRequest(
+        f"{loc[0]}: a list of rows, one list per sequence ([[1, 2, 3]] for one sequence), not one flat "
+        "list of numbers",
+        field=str(loc[0]),
+    )
 
 
 class Usage(BaseModel):
@@ -284,17 +330,28 @@ class LogprobsResponse(BaseModel):
     values: list[list[float]] | None = None
     ref_logprobs: list[list[float]] | None = None
     kl: list[list[float]] | None = None
-    top_ids: list[list[list[int]]] | None = Field(
-        None, description="With top_logprobs: per window entry, the K most likely token ids."
+    top_ids: list[list[list[int]] | str] | None = Field(
+        None,
+        description="With top_logprobs: per window entry, the K most likely token ids; with "
+        "distribution_format base64, per row a base64 string of its [window, K] little-endian int32.",
     )
-    top_logprobs: list[list[list[float]]] | None = Field(None, description="Their log-probs, alike.")
+    top_logprobs: list[list[list[float]] | str] | None = Field(
+        None, description="Their log-probs, alike (base64: little-endian float32)."
+    )
     ranks: list[list[int]] | None = Field(
         None,
         description="With top_logprobs: the action token's rank, the tokens at least as likely, itself "
         "included (vLLM's; 1: most likely).",
     )
-    candidate_logprobs: list[list[list[float]]] | None = Field(
-        None, description="With candidate_ids: per window entry, the candidates' log-probs, in their order."
+    candidate_logprobs: list[list[list[float]] | str] | None = Field(
+        None,
+        description="With candidate_ids: per window entry, the candidates' log-probs, in their order "
+        "(base64: [window, C] little-endian float32).",
+    )
+    columns: dict[str, int] | None = Field(
+        None,
+        description="With distribution_format base64: each base64 field's K (top_ids, top_logprobs) or C "
+        "(candidate_logprobs), the columns of its rows' [window, K] blocks.",
     )
     processed_logprobs: list[list[float | None]] | None = Field(
         None,

@@ -13,7 +13,7 @@ from service.batcher.queue import Batch
 from service.core.cache_plan import BLOCK
 from service.core.jobs import SequenceJob
 from service.core.prefix_cache import PrefixIndex
-from tests.batcher.test_policy import SERVING, Answer, grouped, submit, take
+from tests.support.policies import SERVING, Answer, grouped, submit, take
 
 
 def policy(budget: int, slots: int = 256, share: int | None = 16) -> Policy[Answer]:

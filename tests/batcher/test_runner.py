@@ -22,7 +22,7 @@ from service.core.jobs import Chunk, SequenceJob, SequenceScores
 from service.core.prefixes import Forest
 from service.engine.contract import Launched, ReloadOrder, WeightsState
 from service.metrics import Metrics
-from tests.fakes import FakeEngine, expected_scores
+from tests.support.fakes import FakeEngine, expected_scores
 
 
 def job(length: int, first: int = 0, temperature: float = 1.0) -> SequenceJob:

@@ -8,13 +8,14 @@ import json
 from pathlib import Path
 
 from benchmarks import distribution
+from tests.benchmarks.page_rows import page_rows
 
 
 def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "distribution.json"
     argv = ["--models", "tiny", "--device", "cpu", "--dtype", "float32", "--scale", "0.05"]
     argv += ["--teacher-tokens", "64", "--reps", "1", "--output", str(out)]
-    argv += ["--teacher-budgets", "16384", "256"]
+    argv += ["--teacher-budgets", "16384", "256", "--json-forms", "lists", "base64"]
     assert distribution.main(argv) == 0
     model = json.loads(out.read_text())["models"]["tiny"]
     assert set(model["grpo-short"]["variants"]) == {
@@ -22,6 +23,14 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
         "top_logprobs_100",
         "top_logprobs_1000",
         "processed",
+    }
+    assert set(model["grpo-short"]["json"]) == {  # from a plain JSON client, the blocks in both forms
+        "plain_json",
+        "top_logprobs_100_json",
+        "top_logprobs_100_base64",
+        "top_logprobs_1000_json",
+        "top_logprobs_1000_base64",
+        "processed_json",
     }
     teacher = model["teacher"]
     assert (
@@ -36,3 +45,5 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     assert teacher["tokenizer"]["ms"] > 0
     # "t<id>" rather than null: a byte more an entry at least
     assert teacher["tokenizer"]["answer_bytes"] >= teacher["answer_bytes"] + teacher["entries"]
+    (row,) = page_rows("distribution", out)  # the results page reads what the suite wrote
+    assert row[1:3] == ["tiny", f"{model['grpo-short']['variants']['plain']['ms']:,.1f}"]

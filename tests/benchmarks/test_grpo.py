@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.grpo import computed_tokens, main
+from benchmarks.page.tables import CLIENT
+from benchmarks.shapes import SHAPES
 from benchmarks.workload import (
-    SHAPES,
     Sample,
     floor_flops,
     grpo_long,
@@ -19,6 +20,7 @@ from benchmarks.workload import (
     unique_floor_flops,
     unique_tokens,
 )
+from tests.benchmarks.page_rows import page_rows
 
 
 @pytest.mark.slow
@@ -58,6 +60,11 @@ def test_grpo_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
             assert 0 < served["micro_batch_tokens"] <= w["tokens"]
     multi = tiny["workloads"]["multi-turn"]
     assert multi["unique_tokens"] < multi["one_level_tokens"]  # the second level shares more
+    rows = page_rows("grpo", out)  # the results page reads what the suite wrote
+    assert [(r[1], r[2]) for r in rows] == [("tiny", w) for w in tiny["workloads"]]
+    assert [r[7] for r in rows] == [
+        f"{w['variants']['sharing_on']['ms']:,.1f}" for w in tiny["workloads"].values()
+    ]
 
 
 @pytest.mark.slow
@@ -81,6 +88,8 @@ def test_grpo_benchmark_runs_with_the_plain_json_client(
     assert served["max_abs_diff_vs_float32"] < 1e-4
     assert served["computed_tokens"] is None or served["computed_tokens"] <= w["tokens"]
     assert "| tiny | grpo-short | n/a | n/a |" in capsys.readouterr().out  # the speed-ups' table
+    ((_, model, workload, by, *_),) = page_rows("plain", out)
+    assert (model, workload, by) == ("tiny", "grpo-short", CLIENT[client])
 
 
 def test_grpo_workloads_follow_the_issue() -> None:

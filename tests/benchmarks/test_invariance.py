@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.invariance import WORKLOADS, main, requests
-from benchmarks.run import http_bodies
+from benchmarks.server import http_bodies
 from benchmarks.workload import jobs
+from tests.benchmarks.page_rows import page_rows
 
 
 @pytest.mark.slow
@@ -19,7 +20,7 @@ def test_invariance_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     argv += ["--scale", "0.02", "--max-batch-tokens", "256", "--reps", "1", "--output", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
-    assert result["device"] == "cpu"
+    assert (result["suite"], result["gpus"]) == ("invariance", 0)
     tiny = result["models"]["tiny"]
     assert tiny["engine"]["on"]["attention"] == "blocked"  # the mode's CPU kernel
     assert tiny["engine"]["off"]["attention"] == "sdpa"
@@ -38,6 +39,8 @@ def test_invariance_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
         "split_from_its_request",
         "last_of_each_concurrent_request",
     }
+    rows = page_rows("invariance", out)  # the results page reads what the suite wrote
+    assert [(r[2], r[6]) for r in rows] == [(w, "yes") for w in tiny["workloads"]]
 
 
 def test_workloads_follow_the_issue_and_requests_are_cut_as_the_clients_send_them() -> None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.moe import SHAPES, active_params, build_model, main
+from benchmarks.harness import active_params, build_model
+from benchmarks.moe import main
+from benchmarks.shapes import MOE_SHAPES
 from benchmarks.workload import floor_flops, workload
+from tests.benchmarks.page_rows import page_rows
 
 
 def test_moe_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
@@ -31,12 +34,16 @@ def test_moe_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     assert set(tiny["max_abs_diff_vs_float32"]) == {"fused", "eager", "grouped_mm"}
     for diffs in tiny["max_abs_diff_vs_float32"].values():
         assert diffs["mean"] <= diffs["max"] < 1e-4
+    (row,) = page_rows("moe", out)  # the results page reads what the suite wrote
+    assert row[1:3] == ["tiny-moe", f"{tiny['variants']['http']['ms']:,.1f}"]
+    (peers,) = page_rows("moe_peers", out)
+    assert peers[3] == f"{tiny['variants']['transformers_grouped_mm']['ms']:,.1f}"
 
 
 def test_the_floor_counts_active_experts_only() -> None:
     import torch
 
-    shape = SHAPES["tiny-moe"]
+    shape = MOE_SHAPES["tiny-moe"]
     model = build_model(shape, torch.float32, torch.device("cpu"), "sdpa")
     per_expert = 3 * 64 * 32
     every = sum(p.numel() for p in model.parameters()) - 512 * 64  # tied embedding

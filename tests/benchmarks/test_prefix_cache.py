@@ -36,9 +36,12 @@ def test_the_scenarios_hold_what_the_issue_names() -> None:
 @pytest.mark.slow
 def test_the_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "cache.json"
-    argv = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--scale", "0.02", "--reps", "1"]
+    argv = ["--models", "tiny", "--device", "cpu", "--dtype", "float32", "--scale", "0.02", "--reps", "1"]
     assert main([*argv, "--output", str(out)]) == 0
-    scenarios = json.loads(out.read_text())["models"]["tiny"]["scenarios"]
+    result = json.loads(out.read_text())
+    assert (result["suite"], result["gpus"]) == ("prefix_cache", 0)
+    assert result["command"] == "python -m benchmarks.prefix_cache " + " ".join(argv)
+    scenarios = result["models"]["tiny"]["scenarios"]
     assert set(scenarios) == set(SCENARIOS)
     for name, r in scenarios.items():
         on, off = r["variants"]["cache_on"], r["variants"]["cache_off"]

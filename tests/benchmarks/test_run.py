@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from benchmarks.run import main, matmul_rate, sustained_matmul_rate
-from benchmarks.workload import SHAPES, floor_flops, workload
+from benchmarks.run import main
+from benchmarks.shapes import SHAPES
+from benchmarks.workload import floor_flops, workload
+from tests.benchmarks.page_rows import page_rows
 
 
 def test_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
@@ -21,6 +21,8 @@ def test_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert {"device", "date", "versions", "matmul_tflops", "matmul_tflops_sustained"} <= set(result)
     assert result["matmul_tflops_sustained"] > 0
+    assert result["suite"] == "run"
+    assert result["command"] == f"python -m benchmarks.run {' '.join(argv)}"  # --output left out
     tiny = result["models"]["tiny"]
     assert set(tiny["variants"]) == {
         "naive",
@@ -57,6 +59,12 @@ def test_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     assert tiny["floor_fraction_engine"] > 0
     assert tiny["max_abs_diff_bf16"] < 1e-4  # float32 here: the service equals the reference
     assert tiny["max_abs_diff_bf16_naive_peer"] < 1e-4
+    (row,) = page_rows("run", out)  # the results page reads what the suite wrote
+    engine, http = tiny["variants"]["engine"]["ms"], tiny["variants"]["http"]["ms"]
+    assert row[1:5] == ["tiny", f"{tiny['floor_ms']:,.1f}", f"{engine:,.1f}", f"{http:,.1f}"]
+    assert row[-1] == "[latest.json](benchmarks/results/latest.json)"
+    (loaded,) = page_rows("run_load", out)
+    assert loaded[1:3] == ["tiny", f"{load['offered_requests_per_s']:.1f}"]
 
 
 def test_workload_follows_the_issue() -> None:
@@ -76,12 +84,3 @@ def test_floor_counts_each_term() -> None:
     actions = sum(len(s.response) for s in samples)
     attention = sum(2.0 * 2 * 64 * len(s.tokens) ** 2 for s in samples)
     assert floor_flops(shape, 1000, samples) == 2.0 * 1000 * tokens + 2.0 * 512 * 64 * actions + attention
-
-
-def test_sustained_rate_runs_for_its_interval_and_counts_flops_as_the_burst_rate_does() -> None:
-    cpu = torch.device("cpu")
-    start = time.perf_counter()
-    sustained = sustained_matmul_rate(cpu, torch.float32, seconds=0.2)
-    assert time.perf_counter() - start >= 0.2
-    burst = matmul_rate(cpu, torch.float32)
-    assert 0.25 < sustained / burst < 4  # the same matmul, counted alike (a miscount is off by its factor)

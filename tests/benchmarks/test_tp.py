@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from benchmarks import tp
-from benchmarks.run import build_model
-from benchmarks.run import non_embedding_params as counted
+from benchmarks.harness import active_params, build_model
+from benchmarks.shapes import SHAPES
+from tests.benchmarks.page_rows import page_rows
 
 
 @pytest.mark.slow
@@ -24,11 +25,13 @@ def test_tp_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     assert run["decoder"] == "fused"
     assert run["ms"] > 0
     assert 0 < run["floor_fraction"] < 1
+    (row,) = page_rows("tp", out)  # the results page reads what the suite wrote
+    assert row[1:5] == ["tiny", "standard", "2", f"{run['ms']:,.1f}"]
 
 
 def test_the_floor_counts_the_parameters_a_model_has() -> None:
-    model = build_model("tiny", torch.float32, torch.device("cpu"), "eager")
-    assert tp.non_embedding_params(tp.ALL_SHAPES["tiny"]) == counted(model)
+    model = build_model(dict(SHAPES["tiny"]), torch.float32, torch.device("cpu"), "eager")
+    assert tp.non_embedding_params(tp.ALL_SHAPES["tiny"]) == active_params(model)
 
 
 def test_checkpoints_have_the_shapes_of_the_config(tmp_path: Path) -> None:

@@ -1,33 +1,20 @@
-"""Real logprobd servers on loopback (uvicorn in a thread) for the client tests, and scripted faults.
+"""Real logprobd servers on loopback (uvicorn in a thread) for the client tests.
 
 Servers are session-scoped: a qwen2 pair (two replicas of one checkpoint, for sharding), a gemma2
 one (final-logit soft-capping), a qwen2 one that wants an API key, and qwen2 ones with a critic
 (`--critic`, one per critic format asked for) and a reference model (`--ref-model`, another qwen2
-of another seed), all on the tiny checkpoints of tests/models.py and tests/critics.py.
+of another seed), all on the tiny checkpoints of tests/support/models.py and critics.py.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
-from service.http.app import create_app
-from tests import critics
-from tests.conftest import free_port, loopback, settings_for
-
-
-@contextmanager
-def serving(model: Path, **settings: Any) -> Iterator[str]:
-    """A real logprobd on a free loopback port, ready; yields its base URL."""
-    with loopback(create_app(settings_for(model, **settings))) as url:
-        yield url
+from tests.support import critics, pushing
+from tests.support.servers import PpoServer, free_port, serving
 
 
 @pytest.fixture(scope="session")
@@ -55,20 +42,6 @@ def keyed_server(model_dirs: dict[str, Path]) -> Iterator[str]:
         yield url
 
 
-@dataclass(frozen=True)
-class PpoServer:
-    """A qwen2 policy server with a critic and a reference model."""
-
-    url: str
-    critic_format: str  # one of tests.critics.FORMATS
-    critic_dir: Path
-
-
-def with_critics(*formats: str) -> pytest.MarkDecorator:
-    """Run a test against `ppo_server` once per critic format (tests.critics.FORMATS)."""
-    return pytest.mark.parametrize("ppo_server", formats, indirect=True)
-
-
 @pytest.fixture(scope="session")
 def ppo_server(
     request: pytest.FixtureRequest,
@@ -89,8 +62,8 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
-def requests_ok(url: str) -> float:
-    """The server's `logprobd_requests_total{outcome="ok"}`."""
-    text = httpx.get(f"{url}/metrics").text
-    found = re.search(r'^logprobd_requests_total\{outcome="ok"\} (\S+)$', text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
+@pytest.fixture(scope="session")
+def push_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pushing.Replicas]:
+    """Two replica processes that take pushed weights (tests/support/pushing.py)."""
+    with pushing.replicas(tmp_path_factory.mktemp("push")) as started:
+        yield started

@@ -11,21 +11,11 @@ import torch
 
 from service.client import Client
 from service.client.adapters import openrlhf_log_probs, trl_log_probs, verl_log_probs
-from tests.client import frameworks
-from tests.client.faults import Flaky, sent_body
-from tests.client.frameworks import LAYOUTS, make_batch
-from tests.conftest import TOLERANCE
+from tests.support import frameworks
+from tests.support.faults import Flaky, sent_body
+from tests.support.frameworks import LAYOUTS, check, make_batch
 
 MODELS = ("qwen2", "gemma2")
-
-
-def check(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor) -> None:
-    """Equal within the tolerance where `mask`, exactly 0.0 elsewhere; float32, same shape."""
-    assert got.dtype == torch.float32
-    assert got.shape == want.shape == mask.shape
-    torch.testing.assert_close(got[mask], want[mask].float(), atol=TOLERANCE, rtol=0)
-    assert torch.equal(got[~mask], torch.zeros_like(got[~mask]))
-    assert mask.any()
 
 
 @pytest.mark.parametrize("model", MODELS)

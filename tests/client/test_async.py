@@ -13,9 +13,10 @@ import torch
 
 from service.client import AsyncClient, Client, LogprobdError, RetryPolicy, Scores
 from service.client import adapters as ad
-from tests.client.faults import AsyncFlaky, error_reply
-from tests.client.frameworks import make_batch
-from tests.client.test_retry import FAST, assert_scores, ragged
+from tests.support.faults import FAST, AsyncFlaky, error_reply
+from tests.support.frameworks import make_batch
+from tests.support.reference import assert_scores
+from tests.support.requests import ragged
 
 
 def test_async_scores_equal_sync_scores(qwen2_replicas: tuple[str, str]) -> None:

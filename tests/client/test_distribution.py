@@ -1,27 +1,29 @@
 """Client and AsyncClient: top_logprobs, candidate_ids and sampling reach a real app (its JSON and
-frame forms), and Scores carries the distribution fields (per row numpy [window, K] blocks from
-either form), -inf where the JSON form wrote null."""
+frame forms, and JSON with `distribution_format: "base64"`), and Scores carries the distribution
+fields (per row numpy [window, K] blocks from any form), -inf where the JSON form wrote null."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
 from service.client import AsyncClient, Client
-from tests.client.conftest import serving
+from tests.support.servers import serving
 
 IDS = [[5, 9, 13, 40, 41, 77, 2, 8], [3, 3, 60, 61, 62]]
 
 
-@pytest.mark.parametrize("frames", [False, True])
-def test_client_asks_and_reads_the_distribution(model_dirs: dict[str, Path], frames: bool) -> None:
+@pytest.mark.parametrize("form", ["json", "base64", "frames"])
+def test_client_asks_and_reads_the_distribution(model_dirs: dict[str, Path], form: str) -> None:
     with serving(model_dirs["qwen2"]) as url:
-        client = Client(url, frames=frames)
+        client = Client(url, frames=form == "frames")
+        options: dict[str, Any] = {"distribution_format": "base64"} if form == "base64" else {}
         scores = client.score(
             IDS,
             num_actions=[4, 3],
@@ -29,6 +31,7 @@ def test_client_asks_and_reads_the_distribution(model_dirs: dict[str, Path], fra
             top_logprobs=3,
             candidate_ids=np.asarray([1, 2]),
             sampling={"top_k": 2, "top_p": 0.5},
+            **options,
         )
         plain = httpx.post(
             f"{url}/logprobs",
@@ -54,6 +57,7 @@ def test_client_asks_and_reads_the_distribution(model_dirs: dict[str, Path], fra
         for got, want in zip(blocks, plain[name], strict=True):
             np.testing.assert_array_equal(got, np.asarray(want, dtype))  # float32 exactly, either form
     assert scores.ranks == plain["ranks"]
+    assert "columns" not in scores.extra  # read, not passed on
     assert scores.processed_logprobs is not None
     flat = [v for row in scores.processed_logprobs for v in row]
     assert all(isinstance(v, float) for v in flat)

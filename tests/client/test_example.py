@@ -13,9 +13,9 @@ import torch
 
 from examples import ppo_step
 from service.client import Client, LogprobdError
-from tests.client import frameworks
-from tests.client.conftest import PpoServer, with_critics
-from tests.client.frameworks import Batch
+from tests.support import frameworks
+from tests.support.frameworks import Batch
+from tests.support.servers import PpoServer, with_critics
 
 
 def test_gae_matches_a_hand_computation() -> None:

@@ -14,10 +14,10 @@ import numpy as np
 from service.client import Client, groups
 from service.client.fanout import merge, reorder, split
 from service.core.cache_plan import BLOCK
-from tests import models
-from tests.client.faults import sent_body
-from tests.conftest import TOLERANCE
-from tests.reference import expected
+from tests.support import models
+from tests.support.device import TOLERANCE
+from tests.support.faults import sent_body
+from tests.support.reference import expected
 
 PROMPT_A, PROMPT_B = [5, 6, 7, 8], [9, 10, 11]
 

@@ -20,10 +20,10 @@ from service.client import AsyncClient, Client, LogprobdError
 from service.client import adapters as ad
 from service.client._plans import Asked, openrlhf_plan
 from service.client.adapters import TensorScores
-from tests.client.conftest import PpoServer, with_critics
-from tests.client.faults import sent_body
-from tests.client.frameworks import LAYOUTS, Batch, by_column, kl, make_batch
-from tests.conftest import TOLERANCE
+from tests.support.device import TOLERANCE
+from tests.support.faults import sent_body
+from tests.support.frameworks import LAYOUTS, Batch, by_column, kl, make_batch
+from tests.support.servers import PpoServer, with_critics
 
 CRITICS = ("openrlhf", "token_classification")
 ADAPTERS = ("openrlhf", "verl", "trl")

@@ -27,8 +27,8 @@ from transformers.utils import import_utils
 from service.client import Client
 from service.client.adapters import openrlhf_log_probs, trl_log_probs, verl_log_probs
 from service.client.conventions import openrlhf_tempered_entropy
-from tests.client import releases
-from tests.client.frameworks import LAYOUTS, Batch, make_batch
+from tests.support import releases
+from tests.support.frameworks import LAYOUTS, Batch, make_batch
 
 MODELS = ("qwen2", "gemma2")
 ATOL = 1e-5

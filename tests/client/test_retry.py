@@ -7,30 +7,13 @@ import time
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 
 from service.client import Client, LogprobdConnectionError, LogprobdError, RetryPolicy
 from service.client.retry import parse_retry_after
-from tests import models
-from tests.client.faults import Flaky, error_reply, sent_body
-from tests.conftest import TOLERANCE
-from tests.reference import expected
-
-FAST = RetryPolicy(backoff=0.02, max_backoff=0.05)
-
-
-def ragged(seed: int, rows: int) -> dict[str, Any]:
-    rng = random.Random(seed)
-    ids = [[rng.randrange(models.VOCAB) for _ in range(rng.randint(4, 14))] for _ in range(rows)]
-    return {"input_ids": ids, "num_actions": [rng.randint(1, len(r) - 1) for r in ids]}
-
-
-def assert_scores(model: Any, request: dict[str, Any], logprobs: list[list[float]]) -> None:
-    want = expected(model, request).logprobs
-    assert len(logprobs) == len(want)
-    for got_row, want_row in zip(logprobs, want, strict=True):
-        np.testing.assert_allclose(got_row, want_row, atol=TOLERANCE, rtol=0)
+from tests.support.faults import FAST, Flaky, error_reply, sent_body
+from tests.support.reference import assert_scores
+from tests.support.requests import ragged
 
 
 def test_429_with_retry_after_then_503_then_success(

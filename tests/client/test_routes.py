@@ -22,8 +22,8 @@ import torch
 from service.client import Client
 from service.client.adapters import verl_log_probs
 from service.client.wire import to_frame
-from tests.client.conftest import serving
-from tests.client.releases import importing
+from tests.support.releases import importing
+from tests.support.servers import serving
 
 PROMPTS = [[3, 14, 15, 92], [3, 14, 15, 92], [65, 35]]
 RESPONSES = [[89, 79, 32], [38, 46], [26, 43, 38]]

@@ -11,12 +11,12 @@ import pytest
 from service.client import Client, LogprobdError
 from service.client.fanout import merge, split
 from service.client.replicas import ReplicaPool
-from tests.client.conftest import requests_ok
-from tests.client.faults import sent_body
-from tests.client.frameworks import make_batch
-from tests.client.test_retry import ragged
-from tests.conftest import TOLERANCE
-from tests.reference import expected
+from tests.support.device import TOLERANCE
+from tests.support.faults import sent_body
+from tests.support.frameworks import make_batch
+from tests.support.reference import expected
+from tests.support.requests import ragged
+from tests.support.servers import requests_ok
 
 
 def test_ragged_rows_split_with_their_num_actions() -> None:

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from service.client import AsyncClient, Client, LogprobdError, groups, resolve_replicas
-from tests.client.conftest import serving
-from tests.conftest import TOLERANCE
-from tests.reference import expected
+from tests.support.device import TOLERANCE
+from tests.support.reference import expected
+from tests.support.servers import serving
 
 ADMIN = "fleet-admin"
 ROWS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17], [18, 19, 20, 21, 22]]

@@ -32,7 +32,7 @@ from service.settings import (
     MlpKernel,
     Settings,
 )
-from tests.deploy.chart import (
+from tests.support.chart import (
     CHART,
     VALUES_FILES,
     container,
@@ -46,8 +46,8 @@ from tests.deploy.chart import (
     services,
     values_of,
 )
-from tests.deploy.check_chart import lint_problems, main, validate
-from tests.deploy.test_dockerfile import instructions
+from tests.support.check_chart import lint_problems, main, validate
+from tests.support.dockerfile import instructions
 
 SETTINGS_ENV = {f"LOGPROBD_{name.upper()}" for name in Settings.model_fields}
 

@@ -1,7 +1,7 @@
 """Every name the documentation gives for an object the chart creates is a name the chart renders.
 
 The pages install the chart as release `rl` in namespace `train` (deploying.md's `helm install`), as
-tests/deploy/chart.py renders it. Read from README.md and docs/ (the benchmark history excepted: it
+tests/support/chart.py renders it. Read from README.md and docs/ (the benchmark history excepted: it
 records what was, not what is): `kubectl` references such as `deployment/rl-logprobd`, Service DNS
 names (`rl-logprobd.train.svc`), a claim's `claimName`, a `service="..."` label, names written with
 a `<release>` placeholder, and any other `rl-logprobd...` name."""
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.chart import NAMESPACE, RELEASE, ROOT, VALUES_FILES, render
+from tests.support import ROOT
+from tests.support.chart import NAMESPACE, RELEASE, VALUES_FILES, render
 
 PAGES = [
     ROOT / "README.md",

@@ -8,38 +8,24 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
 from service.__main__ import _parser
-from tests.deploy.chart import CHART, ROOT, serves_get
-
-DOCKERFILE = ROOT / "Dockerfile"
-
-
-def instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) in order; continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(
-        line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")
-    ))  # fmt: skip
-    found = []
-    for line in text.splitlines():
-        if line.strip():
-            keyword, _, rest = line.strip().partition(" ")
-            found.append((keyword.upper(), rest.strip()))
-    return found
-
-
-def build_args() -> dict[str, str]:
-    """Every ARG with its default."""
-    return dict(rest.split("=", 1) for kw, rest in instructions() if kw == "ARG" and "=" in rest)
-
-
-def one(keyword: str) -> str:
-    (args,) = [rest for kw, rest in instructions() if kw == keyword]
-    return args
+from tests.support import ROOT
+from tests.support.chart import CHART, serves_get
+from tests.support.dockerfile import (
+    DOCKERFILE,
+    REQUIREMENTS_STEP,
+    TORCH_STEP,
+    build_args,
+    instructions,
+    one,
+    requirements_step,
+)
 
 
 def hadolint() -> str:
@@ -120,39 +106,25 @@ def test_the_default_is_the_measured_stack_from_registries() -> None:
     assert '"/models"' in one("VOLUME")
 
 
-REQUIREMENTS_STEP = "pip install -c constraints.txt -r"
-TORCH_STEP = (
-    'pip install -c constraints.txt ${TORCH_FIND_LINKS:+--find-links "${TORCH_FIND_LINKS}"} "${TORCH}"'
-)
-
-
-def requirements_step(extras: str | None) -> list[str]:
-    """The image's requirements step, run here on pyproject.toml: what it passes to pip for EXTRAS
-    (None: the Dockerfile's default)."""
-    args = dict(rest.split("=", 1) for kw, rest in instructions() if kw == "ARG" and "=" in rest)
-    (step,) = [
-        rest for kw, rest in instructions() if kw == "RUN" and "pip install -c constraints.txt -r" in rest
-    ]
-    code = re.search(r'python -c "(.*?)" >', step)
-    assert code, step
-    env = {"EXTRAS": args["EXTRAS"] if extras is None else extras, "PATH": "/usr/bin:/bin"}
-    out = subprocess.run(
-        [sys.executable, "-c", code.group(1)], cwd=ROOT, env=env, capture_output=True, text=True, check=True
-    )
-    return [line for line in out.stdout.split("\n") if line]
-
-
 @pytest.mark.parametrize(
     ("extras", "wanted"),
-    [(None, ["liger-kernel", "flash-attn-4", "nvidia-cutlass-dsl[cu13]"]), ("fused", ["liger-kernel"])],
+    [
+        (None, ["liger-kernel", "flash-attn-4", "nvidia-cutlass-dsl[cu13]"]),
+        ("fused", ["liger-kernel"]),
+        ("", []),
+    ],
 )
 def test_requirements_are_the_dependencies_and_the_extras_asked_for(
     extras: str | None, wanted: list[str]
 ) -> None:
-    """The dependencies, plus liger-kernel and the `hopper` extra with nvidia-cutlass-dsl's CUDA 13
-    libraries (the default EXTRAS=fused,hopper) or the extras `--build-arg EXTRAS=…` names."""
+    """The client's dependencies and the `server` extra whatever EXTRAS says (the image is the
+    service), plus liger-kernel and the `hopper` extra with nvidia-cutlass-dsl's CUDA 13 libraries
+    (the default EXTRAS=fused,hopper) or the extras `--build-arg EXTRAS=…` names; never the package
+    itself (an extra's `logprobd[server]`), which pip would look for on the index."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     lines = requirements_step(extras)
-    assert any(line.startswith("transformers") for line in lines)
+    assert set(project["dependencies"]) | set(project["optional-dependencies"]["server"]) <= set(lines)
+    assert not [line for line in lines if line.startswith(project["name"])]
     for name in wanted:
         assert any(line.startswith(name) for line in lines), (name, lines)
     hopper = extras is None or "hopper" in extras

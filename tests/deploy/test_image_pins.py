@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.chart import ROOT
-from tests.deploy.test_dockerfile import build_args, requirements_step
+from tests.support import ROOT
+from tests.support.dockerfile import build_args, requirements_step
 
 CONSTRAINTS = ROOT / "docker" / "constraints.txt"
 PLATFORMS = ["manylinux2014_x86_64", *(f"manylinux_2_{minor}_x86_64" for minor in range(17, 40))]
@@ -98,6 +98,8 @@ def test_the_hopper_extra_admits_the_pins() -> None:
     pinned = pins()
     for line in extra:
         requirement = Requirement(line)
+        if requirement.name == "logprobd":  # `logprobd[server]`: the package's own server extra
+            continue
         assert requirement.specifier.contains(pinned[requirement.name], prereleases=True), line
 
 

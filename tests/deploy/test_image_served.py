@@ -22,8 +22,9 @@ import httpx
 import pytest
 
 from service.settings import Settings
-from tests.conftest import free_port, running, wait_served
-from tests.deploy.chart import ROOT
+from tests.support import ROOT
+from tests.support.needs import skip_or_fail
+from tests.support.servers import free_port, running, wait_served
 
 REQUEST = {
     "input_ids": [[1, 2, 3, 4, 5, 6, 7], [1, 2, 6], [9, 8]],
@@ -50,9 +51,7 @@ def image() -> str:
     ).returncode:
         problem = f"no image {name} (bash docker/ci-image.sh)"
     if problem is not None:
-        if os.environ.get("LOGPROBD_REQUIRE_IMAGE") == "1":
-            pytest.fail(problem)
-        pytest.skip(problem)
+        skip_or_fail(problem, "LOGPROBD_REQUIRE_IMAGE")
     return name
 
 

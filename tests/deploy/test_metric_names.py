@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import running, settings_for
-from tests.deploy.chart import CHART, VALUES_FILES, kinds, only, promql_metric_names, render
-
-# Series that other exporters provide, with where they come from.
-EXTERNAL = {"DCGM_FI_DEV_FB_USED": "NVIDIA DCGM exporter: GPU framebuffer in use, MiB (GPU memory panel)"}
+from tests.support.chart import (
+    CHART,
+    EXTERNAL,
+    VALUES_FILES,
+    every_panel,
+    kinds,
+    only,
+    promql_metric_names,
+    render,
+)
+from tests.support.device import settings_for
+from tests.support.servers import running
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +33,9 @@ def exported() -> set[str]:
     return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def _panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    for panel in panels:
-        yield panel
-        yield from _panels(panel.get("panels", []))
-
-
 def dashboard_queries() -> list[str]:
     dashboard = json.loads((CHART / "dashboards" / "logprobd.json").read_text())
-    queries = [t["expr"] for panel in _panels(dashboard["panels"]) for t in panel.get("targets", [])]
+    queries = [t["expr"] for panel in every_panel(dashboard["panels"]) for t in panel.get("targets", [])]
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":  # label_values(<series selector>, <label>)
             match = re.fullmatch(r"label_values\((.+),\s*\w+\)", variable["query"]["query"])

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.chart import NAMESPACE, render
-from tests.deploy.prometheus import MONITORED, binary, rule_groups
+from tests.support.chart import NAMESPACE, render
+from tests.support.prometheus import MONITORED, binary, rule_groups
 
 SERVICE = "rl-logprobd"
 OURS = f'namespace="{NAMESPACE}", service="{SERVICE}"'
@@ -31,6 +31,10 @@ def series(name: str, values: str, **labels: str) -> dict[str, str]:
 
 def requests(outcome: str, values: str, pod: str = "rl-logprobd-0") -> dict[str, str]:
     return series("logprobd_requests_total", values, pod=pod, outcome=outcome)
+
+
+def pushes(outcome: str, values: str) -> dict[str, str]:
+    return series("logprobd_weights_pushes_total", values, pod="a", target="policy", outcome=outcome)
 
 
 def bucket(le: str, values: str) -> dict[str, str]:
@@ -58,6 +62,15 @@ CASES: dict[str, tuple[list[Fire], list[tuple[str, list[dict[str, str]]]]]] = {
             ("reference weights may differ from the policy's", [
                 series("logprobd_weights_version", "1x30", pod="a", target="policy", version="v2"),
                 series("logprobd_weights_version", "1x30", pod="a", target="reference", version="r1")]),
+        ],
+    ),
+    "LogprobdWeightPushFailing": (
+        [([pushes("dropped", "0x10 1x20")], "12m", "5m", "")],
+        [
+            ("pushes applied", [pushes("applied", "0+1x30"), pushes("dropped", "0x30")]),
+            ("another release's push failed", [
+                {"series": 'logprobd_weights_pushes_total{namespace="train", service="other", '
+                           'outcome="failed"}', "values": "0+1x30"}]),
         ],
     ),
     "LogprobdQueueGrowing": (

@@ -8,9 +8,9 @@ import json
 import re
 
 from benchmarks import smoke_deployed
-from tests.conftest import free_port
-from tests.deploy.chart import VALUES_FILES, container, env_of, render
-from tests.deploy.test_dockerfile import instructions, one
+from tests.support.chart import VALUES_FILES, container, env_of, render
+from tests.support.dockerfile import instructions, one
+from tests.support.servers import free_port
 
 DEFAULTS = next(path for path in VALUES_FILES if path.name == "default-values.yaml")
 

@@ -37,9 +37,8 @@ def run_interpreter_cases(test_file: str) -> None:
     pytest.importorskip("triton", reason="the CPU kernel tests run in Triton's interpreter")
     if INTERPRETED:
         pytest.skip("this is the interpreter process")
-    result = interpreted(
-        ["-m", "pytest", test_file, "--noconftest", "-p", "no:cacheprovider", "-q", "-k", "test_interpreter"]
-    )
+    plugins = ["--noconftest", "-p", "tests.support.needs", "-p", "no:cacheprovider"]  # the markers only
+    result = interpreted(["-m", "pytest", test_file, *plugins, "-q", "-k", "test_interpreter"])
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
     assert " passed" in result.stdout
     assert "skipped" not in result.stdout, result.stdout[-4000:]

@@ -2,7 +2,7 @@
 
 Hand-written requests with tokens, actions and windows worked out by reading docs/api.md's
 'Grouped requests'; random requests of every response layout against their ungrouped twins
-(tests/requests.py), which must give the very same jobs; the errors, naming field and row; then
+(tests/support/requests.py), which must give the very same jobs; the errors, naming field and row; then
 through the real app (a tiny qwen2 with a critic and a reference model), in JSON and in frames:
 the twin's scores, the per-sequence reference's, and a fraction of the bytes.
 """
@@ -27,11 +27,12 @@ from service.normalise import ModelLimits, normalise
 from service.settings import Settings
 from service.wire.frame import MEDIA_TYPE
 from service.wire.schemas import LogprobsRequest
-from tests import critics, models
-from tests.conftest import TOLERANCE, running, settings_for
-from tests.normalise.plans import LIMITS, plan_of, rows_of
-from tests.reference import expected, max_diff
-from tests.requests import GROUPED_LAYOUTS, make_grouped
+from tests.support import critics, models
+from tests.support.device import TOLERANCE, settings_for
+from tests.support.plans import LIMITS, plan_of, rows_of
+from tests.support.reference import expected, max_diff
+from tests.support.requests import GROUPED_LAYOUTS, make_grouped
+from tests.support.servers import running
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 

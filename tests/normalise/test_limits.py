@@ -1,6 +1,6 @@
 """The model's limits on each sequence (limits.py): its length counts real tokens, its ids stay inside
 the vocabulary. The server's request-size and model checks are exercised over HTTP
-(tests/test_bad_input.py, tests/test_guards.py) and in the grouped form (test_grouped.py)."""
+(tests/http/test_bad_input.py, tests/http/test_guards.py) and in the grouped form (test_grouped.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from service.core.errors import InvalidRequest, PayloadTooLarge, SequenceTooLarge
 from service.normalise import ModelLimits
-from tests.normalise.plans import LIMITS, plan_of
+from tests.support.plans import LIMITS, plan_of
 
 # ---------------------------------------------------------------- each sequence
 

@@ -5,7 +5,7 @@ Pad id is 0 unless a test says otherwise.
 
 from __future__ import annotations
 
-from tests.normalise.plans import PADDED_IDS, PADDED_MASK, PADDED_TOKENS, plan_of, rows_of
+from tests.support.plans import PADDED_IDS, PADDED_MASK, PADDED_TOKENS, plan_of, rows_of
 
 # ---------------------------------------------------------------- padded + response_length
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.normalise.plans import PADDED_IDS, PADDED_MASK, plan_of, rows_of
+from tests.support.plans import PADDED_IDS, PADDED_MASK, plan_of, rows_of
 
 
 def test_job_carries_temperature_entropy_flag_and_int64() -> None:

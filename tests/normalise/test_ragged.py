@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service.core.errors import InvalidRequest
-from tests.normalise.plans import plan_of, rows_of
+from tests.support.plans import plan_of, rows_of
 
 # ---------------------------------------------------------------- ragged input_ids + num_actions
 

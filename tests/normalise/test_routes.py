@@ -106,6 +106,28 @@ def test_padded_layouts_map_columns_to_positions_on_either_side() -> None:
     assert given(p) == [None]
 
 
+def test_padded_routes_stay_views_where_the_real_columns_run_together() -> None:
+    """A padded row's routes are its frame row's bytes themselves where its real columns are one run
+    (padding on either side): no copy after the wire; a row with a hole is gathered, position by
+    position as before."""
+    ids = [[0, 0, 11, 12, 13, 14], [21, 0, 23, 24, 0, 0]]
+    mask = [[0, 0, 1, 1, 1, 1], [1, 0, 1, 1, 0, 0]]
+    per_column = [routes_of(6, 20 + i) for i in range(2)]
+    body = {"input_ids": ids, "attention_mask": mask, "response_length": 2}
+    framed = to_frame({**body, "routed_experts": [r.tolist() for r in per_column]})
+    assert framed is not None
+    request = parse_frame(framed)
+    p = normalise(request, LIMITS)
+    rows = request.routed_experts or []
+    for i, m in enumerate(mask):
+        assert given(p)[i] == (0, per_column[i][np.flatnonzero(m)].tolist())
+    first, second = (j.routes for j in p.jobs)
+    assert first is not None
+    assert second is not None
+    assert np.shares_memory(first.experts, rows[0])  # one run: a view
+    assert not np.shares_memory(second.experts, rows[1])  # a hole: gathered
+
+
 def test_grouped_equals_flat() -> None:
     prompt, responses = [4, 5, 6], [[7, 8], [9]]
     seqs = [prompt + r for r in responses]

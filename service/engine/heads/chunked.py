@@ -181,7 +181,7 @@ def from_float_copy(  # noqa: PLR0917
 ) -> list[ExtraScores]:
     """The asking rows of chunk [start, end) from a float32 copy of their tempered logits (z [c, V],
     any dtype; draws), PASS_ELEMENTS at a time: the fused path's extras where the radix select does
-    not serve (benchmarks/head_extras.py times it against that path)."""
+    not serve (benchmarks/probes/head_extras.py times it against that path)."""
     vocab = z.shape[1]
     join = extra.Join(0, vocab)
     out = []

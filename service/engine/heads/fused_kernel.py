@@ -24,7 +24,7 @@ from service.engine.runtime import triton_jit
 # Not tuned on a GPU yet. Compiled for sm_90 (triton 3.7.1), no spills, at most 80 registers a
 # thread for bf16/fp16 logits (96 for fp32): 5 programs or more fit an SM, so a 512-row chunk runs
 # in one wave on an H100. (2048, 8) and (4096, 8) are the other candidates to measure
-# (benchmarks/variants.py --head current against --head torch).
+# (benchmarks/probes/variants.py --head current against --head torch).
 BLOCK = 2048  # vocabulary columns a step: 4 KiB of bf16, 16 a thread
 NUM_WARPS = 4
 

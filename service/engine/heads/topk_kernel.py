@@ -21,7 +21,7 @@ pass loads its next block while it works on one, as heads/fused_kernel.py does):
 3. the ids of the keys > v and of the first ties == v, in id order (a running prefix count, run only
    in the blocks that hold one), into [r, W] int32 (W >= each row's K; unwritten slots keep -1).
 Compiled offline for sm_90 (tests/engine/heads/test_topk_compiles.py); launch parameters measured by
-benchmarks/topk_sweep.py.
+benchmarks/probes/topk_sweep.py.
 `launch` runs them into given buffers (topk_kernel.Out, row slices of a micro-batch's) with no
 allocation and nothing read back; `select` allocates them. Given `Candidates`, `launch` skips 2 and
 3 for most rows: pass 1 also bounds the K-th largest key from below by the K-th largest of its
@@ -45,7 +45,7 @@ import torch
 
 from service.engine.runtime import triton_jit
 
-# Not tuned on a GPU yet (benchmarks/head_extras.py measures it).
+# Not tuned on a GPU yet (benchmarks/probes/head_extras.py measures it).
 BLOCK = 2048
 NUM_WARPS = 4
 DIGIT = 8  # bits of the 16-bit key per histogram pass: 16 // DIGIT passes of 2^DIGIT bins

@@ -34,6 +34,14 @@ class ValueHead:
     bias: torch.Tensor | None
     shift: float = 0.0
     scale: float = 1.0
+    prefix: str = "score"  # the checkpoint names its tensors <prefix>.weight and <prefix>.bias
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The head's tensors under their checkpoint names."""
+        named = {f"{self.prefix}.weight": self.weight}
+        if self.bias is not None:
+            named[f"{self.prefix}.bias"] = self.bias
+        return named
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [A, H] -> [A] float32
@@ -46,7 +54,7 @@ class ValueHead:
 
     def to(self, device: torch.device) -> ValueHead:
         bias = self.bias.to(device) if self.bias is not None else None
-        return ValueHead(self.format, self.weight.to(device), bias, self.shift, self.scale)
+        return ValueHead(self.format, self.weight.to(device), bias, self.shift, self.scale, self.prefix)
 
 
 def _read(files: dict[str, Path], name: str) -> torch.Tensor:
@@ -62,6 +70,7 @@ def find_value_head(path: Path, config: dict[str, Any], hidden_size: int) -> Val
             "trl",
             _read(files, "v_head.summary.weight"),
             _read(files, "v_head.summary.bias") if "v_head.summary.bias" in files else None,
+            prefix="v_head.summary",
         )
     elif any(str(a).endswith("ForTokenClassification") for a in architectures) and "score.weight" in files:
         head = ValueHead(
@@ -84,6 +93,7 @@ def find_value_head(path: Path, config: dict[str, Any], hidden_size: int) -> Val
             _read(files, f"{prefix}.bias") if f"{prefix}.bias" in files else None,
             shift=float(config["mean"]) if normalise else 0.0,
             scale=float(config["std"]) if normalise else 1.0,
+            prefix=prefix,
         )
     if tuple(head.weight.shape) != (1, hidden_size):
         raise ValueError(

@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
-from service.engine.contract import ReloadMode, ReloadOrder, WeightsRejected
+from service.engine.contract import ReloadMode, ReloadOrder, Target, WeightsRejected
 from service.engine.loading.checkpoint import Read, read_all, tensor_files
+from service.engine.loading.names import WHOLE, Names, Piece
+from service.engine.loading.names import of as names_of
 from service.engine.loading.pretrained import text_config
 
 # config fields that change what a forward computes; any difference is another model
@@ -54,11 +56,10 @@ STRUCTURAL = (
     "logits_scaling",
 )
 _GIB = 1 << 30
-# checkpoint files, tensor names -> their values on the host
 
 
 @dataclass(slots=True)
-class _Slot:
+class Slot:
     """One served tensor and its new value (on the host for copy, on the device for swap)."""
 
     served: torch.Tensor
@@ -67,16 +68,15 @@ class _Slot:
 
 @dataclass(slots=True)
 class Staged:
-    """New values for every parameter of one module, checked and placed; `extra` is the caller's."""
+    """New values for parameters of one module, checked and placed; `extra` is the caller's."""
 
-    order: ReloadOrder  # its mode is "copy" or "swap", never "auto"
-    slots: list[_Slot]
+    target: Target
+    version: str
+    source: str  # the checkpoint's path, or the push group that sent them
+    mode: str  # "copy" or "swap", never "auto"
+    slots: list[Slot]
     nbytes: int
     extra: Any = None
-
-    @property
-    def mode(self) -> str:
-        return self.order.mode
 
 
 def check_config(path: Path, served: Any) -> None:
@@ -106,9 +106,10 @@ def stage(
     read: Read = read_all,
 ) -> Staged:
     """Read `order.path` into new values for every parameter of `module` and place them for
-    `order.mode` ("copy" or "swap"; choose with `choose_mode` first). Checkpoint names are the
-    module's own, or `prefix` + its own (a critic's backbone saved under "model."). `read`: the
-    tensors' values as the module holds them (checkpoint.sliced: a tensor-parallel rank's slices)."""
+    `order.mode` ("copy" or "swap"; choose with `choose_mode` first). Checkpoint names are mapped
+    onto the module's tensors by loading/names.py (`prefix`: a critic's backbone saved under
+    "model."). `read`: the tensors' values as the module holds them (checkpoint.sliced: a
+    tensor-parallel rank's slices)."""
     if not order.path.exists():
         raise WeightsRejected(f"{order.path}: no such file or directory")
     try:
@@ -117,31 +118,32 @@ def stage(
         raise WeightsRejected(f"{order.path}: not a readable safetensors checkpoint ({exc})") from exc
     if not files:
         raise WeightsRejected(f"{order.path}: no safetensors tensors found")
-    aliases = _aliases(module)
-    chosen = _match(order.path, files, aliases, prefix, allow_extra)
+    names = names_of(module, prefix=prefix)
+    chosen = _match(order.path, files, names, allow_extra)
     try:
-        host = read(files, {name for names in chosen.values() for name in names})
+        host = read(files, {name for found in chosen.values() for name, _ in found})
     except Exception as exc:
         raise WeightsRejected(f"{order.path}: unreadable ({type(exc).__name__}: {exc})") from exc
-    device = next(iter(aliases.values()))[0].device
+    device = next(iter(names.tensors.values())).device
     side = None
     if device.type == "cuda" and order.mode == "swap":
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     slots, nbytes = [], 0
-    for served, names in ((t, chosen[k]) for k, (t, _) in aliases.items() if k in chosen):
-        new = _checked(order.path, host, names, served)
+    for key, found in chosen.items():
+        served = names.tensors[key]
+        new = _assemble(f"{order.path}: ", host, found, served)
         try:
-            new = _place(new, served, order.mode, side)
+            new = place(new, served, order.mode, side)
         except torch.OutOfMemoryError as exc:
             raise WeightsRejected(
                 f"no device memory for a second copy of the weights ({nbytes / _GIB:.1f} GiB staged so "
                 'far); reload with mode "copy"'
             ) from exc
-        slots.append(_Slot(served, new))
+        slots.append(Slot(served, new))
         nbytes += new.numel() * new.element_size()
     if side is not None:
         side.synchronize()
-    return Staged(order, slots, nbytes, extra)
+    return Staged(order.target, order.version, str(order.path), order.mode, slots, nbytes, extra)
 
 
 def load(
@@ -153,14 +155,16 @@ def load(
     read: Read = read_all,
 ) -> None:
     """Read `path` into the parameters of `module`, built without its weights, in place: checked as
-    `stage` checks, one tensor at a time, so the host holds one tensor's values (or slice) at most."""
+    `stage` checks, one served tensor at a time, so the host holds one tensor's values (or slice) at
+    most."""
     files = tensor_files(path)
-    aliases = _aliases(module)
-    chosen = _match(path, files, aliases, prefix, allow_extra)
+    names = names_of(module, prefix=prefix)
+    chosen = _match(path, files, names, allow_extra)
     with torch.no_grad():
-        for key, (served, _) in aliases.items():
-            if key in chosen:
-                served.copy_(_checked(path, read(files, set(chosen[key])), chosen[key], served))
+        for key, found in chosen.items():
+            served = names.tensors[key]
+            host = read(files, {name for name, _ in found})
+            served.copy_(_assemble(f"{path}: ", host, found, served))
 
 
 def apply(staged: Staged) -> None:
@@ -196,39 +200,22 @@ def module_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _aliases(module: torch.nn.Module) -> dict[int, tuple[torch.Tensor, list[str]]]:
-    """id(tensor) -> (the served tensor, every name it has): tied parameters share one entry."""
-    persistent = set(module.state_dict().keys())
-    aliases: dict[int, tuple[torch.Tensor, list[str]]] = {}
-    named: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
-    named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if n in persistent]
-    for name, tensor in named:
-        aliases.setdefault(id(tensor), (tensor, []))[1].append(name)
-    return aliases
-
-
 def _match(
-    path: Path,
-    files: dict[str, Path],
-    aliases: dict[int, tuple[torch.Tensor, list[str]]],
-    prefix: str,
-    allow_extra: Callable[[str], bool],
-) -> dict[int, list[str]]:
-    """For each served tensor, the checkpoint names holding its new value; refuse gaps and strangers."""
-    chosen: dict[int, list[str]] = {}
-    missing: list[str] = []
-    known: set[str] = set()
-    for key, (tensor, names) in aliases.items():
-        found = [c for n in names for c in (prefix + n, n) if c in files]
-        known.update(c for n in names for c in (prefix + n, n))
-        if found:
-            chosen[key] = sorted(set(found))
-        elif isinstance(tensor, torch.nn.Parameter):
-            missing.append(prefix + names[0])
-    unknown = sorted(name for name in files if name not in known and not allow_extra(name))
+    path: Path, files: dict[str, Path], names: Names, allow_extra: Callable[[str], bool]
+) -> dict[int, list[tuple[str, Piece]]]:
+    """For each served tensor, the checkpoint names holding its new values; refuse gaps and strangers."""
+    chosen: dict[int, list[tuple[str, Piece]]] = {}
+    unknown: list[str] = []
+    for name in sorted(files):
+        piece = names.find(name)
+        if piece is not None:
+            chosen.setdefault(piece.key, []).append((name, piece))
+        elif not allow_extra(name):
+            unknown.append(name)
+    missing = names.missing({key: [piece.part for _, piece in found] for key, found in chosen.items()})
     if missing:
         raise WeightsRejected(
-            f"{path}: {len(missing)} parameters of the served model are missing, e.g. {missing[:3]}"
+            f"{path}: {len(missing)} parameters of the served model are missing, e.g. {sorted(missing)[:3]}"
         )
     if unknown:
         raise WeightsRejected(
@@ -237,31 +224,54 @@ def _match(
     return chosen
 
 
-def _checked(
-    path: Path, host: dict[str, torch.Tensor], names: list[str], served: torch.Tensor
+def _assemble(
+    where: str, host: dict[str, torch.Tensor], found: list[tuple[str, Piece]], served: torch.Tensor
 ) -> torch.Tensor:
-    first = host[names[0]]
-    for name in names:
-        if tuple(host[name].shape) != tuple(served.shape):
-            raise WeightsRejected(
-                f"{path}: {name} has shape {tuple(host[name].shape)}, the served model {tuple(served.shape)}"
-            )
-        if name != names[0] and not torch.equal(host[name], first):
-            raise WeightsRejected(f"{path}: {names[0]} and {name} differ; the served model ties them")
-    new = first.to(served.dtype)
-    if new.is_floating_point() and not bool(torch.isfinite(new).all()):
-        bad = int((~torch.isfinite(new)).sum())
-        raise WeightsRejected(f"{path}: {names[0]} has {bad} non-finite values in {served.dtype}")
+    """The new value of `served` from the checkpoint tensors `found` (its whole or its parts), on the
+    host, in the served dtype."""
+    wholes = [name for name, piece in found if piece.part == WHOLE]
+    if wholes and len(wholes) != len(found):
+        raise WeightsRejected(f"{where}{wholes[0]} is given both whole and by its parts")
+    if wholes:
+        first = checked(where, wholes[0], host[wholes[0]], tuple(served.shape), served.dtype)
+        for name in wholes[1:]:
+            tied = checked(where, name, host[name], tuple(served.shape), served.dtype)
+            if not torch.equal(tied, first):
+                raise WeightsRejected(f"{where}{wholes[0]} and {name} differ; the served model ties them")
+        return first
+    new = torch.empty(served.shape, dtype=served.dtype)
+    for name, piece in found:
+        new[piece.index] = checked(where, name, host[name], piece.shape, served.dtype)
     return new
 
 
-def _place(
-    new: torch.Tensor, served: torch.Tensor, mode: str, side: torch.cuda.Stream | None
+def checked(
+    where: str, name: str, value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
+    """`value` in `dtype`, once it has the served `shape`, a dtype that converts to it (a floating
+    point value for a floating point tensor) and, converted, finite values; WeightsRejected else."""
+    if tuple(value.shape) != shape:
+        raise WeightsRejected(f"{where}{name} has shape {tuple(value.shape)}, the served model {shape}")
+    if dtype.is_floating_point != value.dtype.is_floating_point or value.dtype.is_complex:
+        raise WeightsRejected(f"{where}{name} is {value.dtype}; the served model holds it in {dtype}")
+    new = value.to(dtype)
+    if new.is_floating_point() and not bool(torch.isfinite(new).all()):
+        bad = int((~torch.isfinite(new)).sum())
+        raise WeightsRejected(f"{where}{name} has {bad} non-finite values in {dtype}")
+    return new
+
+
+def place(new: torch.Tensor, served: torch.Tensor, mode: str, side: torch.cuda.Stream | None) -> torch.Tensor:
+    """`new` where `mode` stages it: pinned host memory (copy) or the served tensor's device (swap,
+    copied on the `side` stream)."""
     if served.device.type != "cuda":
         return new.contiguous()
-    if mode == "copy":
-        return new.contiguous().pin_memory()  # host-to-device at full speed when applied
+    if mode == "copy":  # host-to-device at full speed when applied
+        if new.device.type == "cuda":  # a pushed bucket, received on the device
+            return torch.empty(new.shape, dtype=new.dtype, pin_memory=True).copy_(new)
+        return new.contiguous().pin_memory()
+    if new.device == served.device:
+        return new.contiguous()
     assert side is not None
     with torch.cuda.stream(side):
         placed = new.to(served.device, non_blocking=False)

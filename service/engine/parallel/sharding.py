@@ -132,6 +132,16 @@ class Layout:
                 return dim, start, end
         return None
 
+    def whole(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The whole checkpoint tensor `name`'s shape, from the shape of this rank's slice of it."""
+        part = self.part(name)
+        if part is None:
+            return shape
+        dim, start, end = part
+        vocab = name.endswith(("embed_tokens.weight", "lm_head.weight"))
+        total = self.vocab_size if vocab else (end - start) * self.world  # the other parts are even
+        return (*shape[:dim], total, *shape[dim + 1 :])
+
 
 @dataclass(frozen=True, slots=True)
 class Sharded:

@@ -43,11 +43,14 @@ from service.engine.batch.packing import PackedBatch, pack
 from service.engine.cache.pool import ModelPool
 from service.engine.config import EngineConfig
 from service.engine.contract import (
+    Bucket,
     EngineInfo,
     OutOfMemory,
+    Received,
     ReloadOrder,
     StagedWeights,
     Target,
+    WeightGroup,
     WeightsState,
 )
 from service.engine.decoder import graphs
@@ -66,6 +69,7 @@ from service.engine.scorer.inflight import (
     host_routes,
 )
 from service.engine.scorer.models import Served, critic_values
+from service.engine.transfer.receiver import PushReceiver
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +112,7 @@ class PackedScorer:
             gemm=self._gemm.name,
         )
         self._weights = build.initial_weights(config, loaded.name, self._info)
+        self._receiver: PushReceiver | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> PackedScorer:
@@ -140,13 +145,45 @@ class PackedScorer:
         if self._index is not None:
             self._index.flush()
 
+    @property
+    def receiver(self) -> PushReceiver:
+        """The engine's side of weight pushes (transfer/receiver.py), made at its first use."""
+        if self._receiver is None:
+            rank = self._sharded.shard.rank if self._sharded is not None else 0
+            self._receiver = PushReceiver(
+                self._served.module,
+                lambda target: weight_update.push_names(self._served, target, self._sharded),
+                self._device,
+                lambda: self._weights,
+                rank,
+            )
+        return self._receiver
+
+    def join_group(self, group: WeightGroup) -> None:
+        self.receiver.join_group(group)
+
+    def leave_group(self, name: str) -> None:
+        self.receiver.leave_group(name)
+
+    def receive(self, bucket: Bucket) -> Received:
+        return self.receiver.receive(bucket)
+
+    def drain(self, bucket: Bucket) -> None:
+        self.receiver.drain(bucket)
+
+    def stage_received(self, target: Target, version: str) -> StagedWeights:
+        return self.receiver.stage_received(target, version)
+
+    def drop_received(self, target: Target) -> None:
+        self.receiver.drop_received(target)
+
     def stage(self, order: ReloadOrder) -> StagedWeights:
         """Read, check and place new weights for `order.target`; the served ones are untouched."""
         return weight_update.stage(self._served, order, self._device, self._sharded)
 
     def apply(self, staged: StagedWeights) -> WeightsState:
         """Serve the staged weights from the next micro-batch on. Engine thread only."""
-        target = staged.order.target
+        target = staged.target
         state = weight_update.apply(self._served, staged, self._weights[target])
         self._weights = {**self._weights, target: state}
         self.weights_changed(target)

@@ -16,12 +16,15 @@ import torch
 from service.engine.contract import (
     ReloadOrder,
     StagedWeights,
+    Target,
     WeightsRejected,
     WeightsState,
 )
 from service.engine.loading import staging as weights
 from service.engine.loading.checkpoint import Read, read_all, sliced
 from service.engine.loading.critic import Critic, read_value_head
+from service.engine.loading.names import Names
+from service.engine.loading.names import of as names_of
 from service.engine.loading.pretrained import text_part
 from service.engine.parallel.sharding import Sharded
 from service.engine.scorer.models import Served
@@ -60,15 +63,25 @@ def apply(served: Served, staged: StagedWeights, previous: WeightsState) -> Weig
     """Serve the staged weights from the next micro-batch on; the new state of their target. Engine
     thread only."""
     assert isinstance(staged, weights.Staged)
-    target = staged.order.target
+    target = staged.target
     weights.apply(staged)
     forward = served.forward(target)
     assert forward is not None  # a staged target is served
     forward.refresh()
-    if target == "critic":
+    if target == "critic" and staged.extra is not None:  # a reload's value head (a push's is in place)
         assert served.critic is not None
-        assert staged.extra is not None
         served.critic = Critic(served.critic.decoder, staged.extra)
-    return WeightsState(
-        target, staged.order.version, str(staged.order.path), staged.mode, time.time(), previous.reloads + 1
-    )
+    return WeightsState(target, staged.version, staged.source, staged.mode, time.time(), previous.reloads + 1)
+
+
+def push_names(served: Served, target: Target, sharded: Sharded | None) -> Names:
+    """The checkpoint names `target`'s pushed tensors take (loading/names.py): a critic's with its
+    value head's; under tensor parallel, each with this rank's slice of it."""
+    module = served.module(target)
+    layout = sharded.layouts[target] if sharded is not None else None
+    slicing: dict[str, Any] = {"slicer": layout.part, "whole": layout.whole} if layout is not None else {}
+    if target != "critic":
+        return names_of(module, **slicing)
+    assert served.critic is not None
+    prefix = f"{module.base_model_prefix}."
+    return names_of(module, prefix=prefix, extra=served.critic.head.tensors(), **slicing)

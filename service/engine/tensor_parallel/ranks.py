@@ -13,7 +13,10 @@ all-reduces; only rank 0's scores are read. The prefix cache's index is rank 0's
 with each launch, and every rank reads and writes the same slots of its own pools (its own heads'
 keys and values; the pools' slots are the fewest any rank holds). A reload: each rank stages its
 slices on a loader thread and says whether it could; rank 0 applies only when all could, and its
-`apply` is one more call in the stream, so every rank swaps at the same micro-batch boundary.
+`apply` is one more call in the stream, so every rank swaps at the same micro-batch boundary. A
+weight push: every rank joins the trainer's group and receives each bucket, on a thread of its own
+(pushes.py); a version applies as a reload's does. Followers answer on their pipe, each answer
+queued by kind (`listen`).
 
 Failure. A follower that dies (or whose forward fails, which ends it) leaves the others stuck in a
 collective, so a replica's ranks live and die together: rank 0 watches its followers' process
@@ -31,11 +34,13 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -51,15 +56,21 @@ from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest
 from service.engine.config import EngineConfig
 from service.engine.contract import (
+    Bucket,
     EngineInfo,
     Launched,
+    Received,
     ReloadOrder,
     StagedWeights,
+    Target,
+    WeightGroup,
     WeightsRejected,
     WeightsState,
 )
 from service.engine.scorer.engine import PackedScorer
 from service.engine.tensor_parallel import replica
+from service.engine.tensor_parallel.pushes import Pushes
+from service.engine.tensor_parallel.pushes import serve as serve_push
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +83,32 @@ class _Follower:
     rank: int
     process: BaseProcess
     conn: Connection
-    lock: threading.Lock  # sends come from the engine thread and the loader thread
+    lock: threading.Lock  # sends come from the engine thread, the loader thread and pushes
+    # the follower's answers by kind: "staged" (a reload), "pushed" (pushes.py); None: it is gone
+    replies: dict[str, queue.SimpleQueue[tuple[Any, ...] | None]] = field(
+        default_factory=lambda: {"staged": queue.SimpleQueue(), "pushed": queue.SimpleQueue()}
+    )
 
     def send(self, message: tuple[str, Any]) -> None:
         with self.lock:
             self.conn.send(message)
+
+    def listen(self) -> None:
+        """Put each answer the follower sends in its kind's queue, until the pipe closes."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                for waiting in self.replies.values():
+                    waiting.put(None)
+                return
+            self.replies[message[0]].put(message)
+
+    def reply(self, kind: str) -> tuple[Any, ...]:
+        message = self.replies[kind].get()
+        if message is None:
+            raise RuntimeError(f"rank {self.rank} is gone")
+        return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +118,16 @@ class ParallelStaged:
     local: StagedWeights
 
     @property
-    def order(self) -> ReloadOrder:
-        return self.local.order
+    def target(self) -> Target:
+        return self.local.target
+
+    @property
+    def version(self) -> str:
+        return self.local.version
+
+    @property
+    def source(self) -> str:
+        return self.local.source
 
     @property
     def mode(self) -> str:
@@ -109,6 +149,11 @@ class TensorParallelEngine:
         self._failed = threading.Event()
         self._on_failure: Callable[[str], None] | None = None
         self._stage_lock = threading.Lock()  # one reload at a time reads the followers' replies
+        self._pushes = Pushes(scorer, followers)
+        for follower in followers:
+            threading.Thread(
+                target=follower.listen, name=f"logprobd-tp-listen{follower.rank}", daemon=True
+            ).start()
         threading.Thread(target=self._watch, name="logprobd-tp-watch", daemon=True).start()
 
     @property
@@ -164,7 +209,7 @@ class TensorParallelEngine:
                 failure = exc
             refusals = [str(failure)] if isinstance(failure, WeightsRejected) else []
             for follower in self._followers:
-                _, error = follower.conn.recv()  # ("staged", None | reason)
+                _, error = follower.reply("staged")  # ("staged", None | reason)
                 if error is not None:
                     refusals.append(f"rank {follower.rank}: {error}")
             if local is None or refusals:
@@ -179,6 +224,24 @@ class TensorParallelEngine:
         assert isinstance(staged, ParallelStaged)
         self._broadcast(("apply", None))
         return self._scorer.apply(staged.local)
+
+    def join_group(self, group: WeightGroup) -> None:
+        self._pushes.join_group(group)
+
+    def leave_group(self, name: str) -> None:
+        self._pushes.leave_group(name)
+
+    def receive(self, bucket: Bucket) -> Received:
+        return self._pushes.receive(bucket)
+
+    def drain(self, bucket: Bucket) -> None:
+        self._pushes.drain(bucket)
+
+    def stage_received(self, target: Target, version: str) -> StagedWeights:
+        return ParallelStaged(self._pushes.stage_received(target, version))
+
+    def drop_received(self, target: Target) -> None:
+        self._pushes.drop_received(target)
 
     def supervise(self, on_failure: Callable[[str], None]) -> None:
         self._on_failure = on_failure
@@ -286,6 +349,13 @@ def _exit_with(parent: BaseProcess) -> None:
 
 def _serve(scorer: PackedScorer, conn: Connection) -> None:
     """The follower's loop; any error is fatal (rank 0 sees this process exit)."""
+    sending = threading.Lock()  # answers go from the loader and the push thread
+
+    def send(message: tuple[Any, ...]) -> None:
+        with sending:
+            conn.send(message)
+
+    pushes = ThreadPoolExecutor(1, thread_name_prefix="logprobd-tp-push")  # in order, beside scoring
     with torch.inference_mode():
         previous: Launched | None = None
         staged: dict[str, StagedWeights | None] = {}
@@ -294,10 +364,10 @@ def _serve(scorer: PackedScorer, conn: Connection) -> None:
         def stage(order: ReloadOrder) -> None:
             try:
                 staged["weights"] = scorer.stage(order)
-                conn.send(("staged", None))
+                send(("staged", None))
             except Exception as exc:  # reported to rank 0, which refuses the reload on every rank
                 staged["weights"] = None
-                conn.send(("staged", f"{type(exc).__name__}: {exc}"))
+                send(("staged", f"{type(exc).__name__}: {exc}"))
 
         while True:
             try:
@@ -317,9 +387,11 @@ def _serve(scorer: PackedScorer, conn: Connection) -> None:
             elif command == "stage":
                 loader = threading.Thread(target=stage, args=(argument,), name="logprobd-tp-stage")
                 loader.start()
+            elif command == "push":  # answered on the push thread (pushes.py)
+                pushes.submit(serve_push, scorer, send, argument, staged)
             elif command in ("apply", "drop"):
-                assert loader is not None
-                loader.join()
+                if loader is not None:  # a reload's (a push's version was staged on the push thread)
+                    loader.join()
                 weights = staged.pop("weights", None)
                 if command == "apply":
                     assert weights is not None
@@ -327,4 +399,5 @@ def _serve(scorer: PackedScorer, conn: Connection) -> None:
             elif command == "stop":
                 if previous is not None:
                     previous.result()
+                pushes.shutdown(wait=False, cancel_futures=True)
                 return

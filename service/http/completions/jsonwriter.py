@@ -7,9 +7,10 @@ Each position shows its own token first, then the K most likely; a token among t
 in first place, with the K's log-prob and rank (a dict's key written twice). OpenAI's dicts are keyed
 by text: tokens of one text keep the first one's place and the last one's log-prob. Log-probs are
 clamped to -9999.0 (vLLM's floor for -inf); NaN is written null. The bytes are those orjson.dumps
-writes for the same dicts of Python floats (tests/completions/test_jsonwriter.py holds them to it):
+writes for the same dicts of Python floats (tests/http/completions/test_jsonwriter.py holds them to it):
 numbers are orjson's own, of float64 arrays, and the rest is pieces.py's text copied by token id
-(bytepool.py). Memory: one block of BLOCK_ENTRIES entries at a time besides the bytes written.
+(bytepool.py; prompt_logprobs' entries in one native pass where service.wire._jsonrows is built).
+Memory: one block of BLOCK_ENTRIES entries at a time besides the bytes written.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from numpy.typing import NDArray
 
 from service.http.completions.bytepool import Bytes, Ints, Pool, copy_exact, copy_over, room, windows
 from service.http.completions.pieces import DECODED_WIDTH, KEY_WIDTH, TokenPieces
+from service.wire.jsonrows import native
 
 Map = Callable[[Callable[[Any], bytes], Iterable[Any]], Iterator[bytes]]  # map, Executor.map
 FLOOR = -9999.0  # vLLM's clamp for -inf, which JSON cannot carry
@@ -149,8 +151,30 @@ class Layout:
         )
 
 
+def _prompt_bytes(pieces: TokenPieces, block: Positions, k: int) -> bytes:
+    """One block of prompt_logprobs' positions, each `,{...}`: written natively where the install
+    built service.wire._jsonrows (prompt_entries: every entry's pieces in one pass, the GIL
+    released), else by numpy's copies (_prompt_block)."""
+    writer = native()
+    if writer is None:
+        return _prompt_block(pieces, block, k).tobytes()
+    e = Entries.of(block, k)
+    numbers = orjson.dumps(np.ascontiguousarray(e.logprobs).ravel(), option=NUMBERS)
+    decoded = pieces.decoded
+    return writer.prompt_entries(
+        numbers,
+        np.ascontiguousarray(e.ids, dtype=np.int64),
+        np.ascontiguousarray(e.first_rank, dtype=np.int64),
+        np.ascontiguousarray(e.keep).view(np.uint8),
+        e.ids.shape[1],
+        decoded.data,
+        decoded.start,
+        decoded.length,
+    )
+
+
 def _prompt_block(pieces: TokenPieces, block: Positions, k: int) -> Bytes:
-    """One block of prompt_logprobs' positions, each `,{...}`."""
+    """One block of prompt_logprobs' positions, each `,{...}`, by numpy's copies."""
     e = Entries.of(block, k)
     n, s = e.ids.shape
     ids = e.ids.ravel()
@@ -223,7 +247,7 @@ def _array(blocks: Iterator[bytes], null_first: bool, empty: bool) -> Iterator[b
 def prompt_logprobs(pieces: TokenPieces, positions: Positions, k: int, run: Map = map) -> Iterator[bytes]:
     """vLLM's choices[i].prompt_logprobs for the prompt's positions 1..L-1 (null for position 0); its
     blocks rendered by `run` (map, or an Executor's map: submitted at once, in parallel)."""
-    blocks = run(lambda block: _prompt_block(pieces, block, k).tobytes(), positions.blocks(k))
+    blocks = run(lambda block: _prompt_bytes(pieces, block, k), positions.blocks(k))
     return _array(blocks, null_first=True, empty=len(positions) == 0)
 
 

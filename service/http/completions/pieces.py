@@ -10,9 +10,11 @@ characters escaped, other characters as UTF-8).
     rank       ,"rank":<r>,"decoded_token":  for r in 0..V
     text       ,"<text>":                    pool ids V..2V-1: ,{"<text>":  OpenAI's top_logprobs keys
     text_class [V] the lowest id with the same text: keys that meet in one top_logprobs dict
-    chars      [V] the text's length in code points (OpenAI's text_offset)
+    chars      [V] the text's length in code points (OpenAI's text_offset); 0 without a tokenizer
 
-A token's text is the tokenizer's piece, or vLLM's "token_id:<id>" without one (response.py).
+A token's text is the tokenizer's piece, or vLLM's "token_id:<id>" without one (response.py). Without
+a tokenizer the answer's `text` is empty, so every token's text_offset is 0: an offset into the text
+returned, not into the placeholders.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ class TokenPieces:
             rank=Pool.of([b',"rank":%d,"decoded_token":' % r for r in range(vocab_size + 1)]),
             text=Pool.of([b"," + q + b":" for q in quoted] + [b",{" + q + b":" for q in quoted]),
             text_class=text_class,
-            chars=np.fromiter(map(len, texts), dtype=np.int64, count=vocab_size),
+            chars=np.fromiter(map(len, texts), dtype=np.int64, count=vocab_size)
+            if token_text is not None
+            else np.zeros(vocab_size, dtype=np.int64),
             shared_texts=len(first) < vocab_size,
         )
 

@@ -13,8 +13,9 @@ vllm/entrypoints/generate/base/serving.py (clamp_prompt_logprobs):
   likely, at most K + 1 texts), text_offset (running sum of the tokens' text lengths from 0).
   With echo, the prompt's tokens and then the drawn one; without, the drawn one only.
 
-Token text is the checkpoint tokenizer's `decode([id])`; without a tokenizer, decoded_token is null
-and a token's text is vLLM's id placeholder "token_id:<id>" (--return-tokens-as-token-ids).
+Token text is the checkpoint tokenizer's `decode([id])`; without a tokenizer, decoded_token is null,
+a token's text is vLLM's id placeholder "token_id:<id>" (--return-tokens-as-token-ids), `text` is ""
+and every text_offset is 0 (an offset into the text returned).
 
 The answer is written as JSON bytes, the bytes orjson.dumps writes for it as dicts: the big arrays
 by jsonwriter.py, a block of positions at a time, the rest by orjson here. `completion_stream` gives

@@ -72,7 +72,6 @@ def test_the_kernel_refuses_other_layouts() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("hk", "d"), [(2, 128), (4, 128), (8, 64)])
 def test_the_kernel_on_cuda(hk: int, d: int) -> None:
     check(key_gather.rows_kernel, 4096, hk, d, count=30000, capacity=65536, device="cuda")

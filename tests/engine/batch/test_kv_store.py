@@ -165,7 +165,7 @@ def test_extend_refuses_past_capacity() -> None:
 
 
 def test_cache_bytes_per_token() -> None:
-    from tests.models import configs
+    from tests.support.models import configs
 
     config = configs()["qwen3"]  # 2 layers, 2 key/value heads of 16
     assert cache_bytes_per_token(config, torch.float32) == 2 * 2 * 2 * 16 * 4

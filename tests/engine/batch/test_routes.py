@@ -48,12 +48,7 @@ def _reference(jobs: list[SequenceJob], forest: Forest, chunk: Chunk | None, tok
     return given, covered
 
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-    ),
-]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)  # cuda: packed in pinned memory, copied without a wait

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from service.batcher import Batcher, Scored
 from service.core.cache_plan import BLOCK
@@ -21,12 +20,9 @@ from service.engine.decoder.graphs import GraphedDecoder
 from service.engine.scorer.engine import PackedScorer
 from service.metrics import Metrics
 from service.settings import Settings
-from tests import models
+from tests.support import models
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from service.engine.cache.pool import ModelPool
 from service.engine.decoder import FusedDecoder
 from service.engine.decoder.graphs import EagerRecorder, GraphedDecoder
 from service.engine.ops.elementwise import TORCH
-from tests import models
 from tests.engine.decoder.test_fused import KERNEL, packed_model
+from tests.support import models
 
 CPU = torch.device("cpu")
 

@@ -1,8 +1,8 @@
 """The fused decoder against transformers' own forward, which the parity suite checks independently.
 
 On CPU the fused decoder runs its torch ops (and, in the interpreter process of
-test_decoder_ops.py's pattern, its Triton kernels); tests/gpu/run_parity.sh runs the whole service
-path with it on CUDA against the per-sequence float32 reference.
+test_decoder_ops.py's pattern, its Triton kernels); `make test-gpu` runs the whole service path
+with it on CUDA against the per-sequence float32 reference.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from service.engine.ops.elementwise import TORCH, TRITON
 from service.engine.scorer.engine import PackedScorer
 from service.engine.scorer.self_check import check_hidden, logits_check
 from service.settings import Settings
-from tests import models
 from tests.engine.interpreter import only_interpreted, run_interpreter_cases
+from tests.support import models
 
 FUSED = ("qwen2", "qwen3", "llama", "mistral")
 CPU = torch.device("cpu")

@@ -23,8 +23,8 @@ from service.engine.contract import MoeShape
 from service.engine.decoder import FusedDecoder
 from service.engine.decoder.graphs import EagerRecorder, GraphedDecoder
 from service.engine.ops.elementwise import TORCH
-from tests import models
 from tests.engine.decoder.test_fused import KERNEL, packed_model
+from tests.support import models
 
 CPU = torch.device("cpu")
 
@@ -146,11 +146,8 @@ def test_a_wrong_routed_graph_turns_its_mode_off(
 
 # ---- on the GPU: CUDA capture, the Triton routing kernels, the device's grouped GEMM -----------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("name", models.MOE_ARCHITECTURES)
 def test_cuda_routed_graphs_equal_the_eager_forward(name: str) -> None:
     """bf16, torch_varlen attention, Triton ops (route_kernel replays and records), the grouped GEMM

@@ -27,8 +27,8 @@ from service.engine.ops.attention import choose_backend
 from service.engine.ops.elementwise import TORCH, Ops
 from service.engine.scorer.engine import PackedScorer
 from service.settings import Settings
-from tests import models
 from tests.engine.decoder.test_fused import KERNEL, packed_model
+from tests.support import models
 
 CPU = torch.device("cpu")
 
@@ -423,11 +423,8 @@ def test_graphs_on_refuses_a_cpu_engine(model_dirs: dict[str, Path]) -> None:
 
 # ---- on the GPU: CUDA capture with the device's attention kernel -------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("attention", ["auto", "torch_varlen"])
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
 def test_cuda_graphs_equal_the_eager_forward(name: str, attention: str) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from service.engine.decoder.mlp_chunks import ACTIVATION_BYTES, chunk_mlps, resolve_tokens
-from tests import models
+from tests.support import models
 
 
 def test_chunked_model_gives_identical_hidden_states() -> None:
@@ -37,7 +37,7 @@ def test_non_tensor_outputs_fall_back_to_one_call() -> None:
 def test_unset_chunk_keeps_gate_up_activations_within_the_bound() -> None:
     from transformers import Qwen2Config
 
-    from benchmarks.workload import SHAPES
+    from benchmarks.shapes import SHAPES
 
     def config(name: str) -> Any:
         return Qwen2Config(**dict(SHAPES[name]))  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from service.engine.heads.base import LogitTransform
 from service.engine.heads.chunked import score_actions
 from service.engine.scorer.models import CausalLM
 from service.engine.scorer.self_check import logits_check
-from tests import models
+from tests.support import models
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 3, 7, 100])

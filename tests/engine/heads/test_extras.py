@@ -1,4 +1,4 @@
-"""What rows ask beyond the log-prob (heads/extras.py) against tests/distribution.py's float64
+"""What rows ask beyond the log-prob (heads/extras.py) against tests/support/distribution.py's float64
 reference: the top K with ties, vLLM's rank, candidates, processed log-probs under every sampler
 setting, from the torch path, the fused path's torch twin (logits in, CPU) and the vocabulary-parallel
 head; and the seeded draw: the same token however the rows are batched, drawn as often as softmax says.
@@ -17,8 +17,8 @@ from service.engine.heads.chunked import score_actions
 from service.engine.heads.vocab_parallel import score_actions as sharded_scores
 from service.engine.parallel import sharding
 from service.engine.parallel.vocab_layers import VocabParallelHead
-from tests import distribution as ref
 from tests.engine.parallel.thread_ranks import run_ranks
+from tests.support import distribution as ref
 
 VOCAB, HIDDEN = 60, 8
 # (top_k, top_p, min_p): off, each alone, combined, and the edges (k = 1, k = V, p = 1, min_p = 0)

@@ -18,7 +18,7 @@ from service.engine.heads.base import LogitTransform
 from service.engine.heads.chunked import score_actions
 from service.engine.runtime import packages as optional
 from service.engine.runtime import triton_jit
-from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
+from tests.engine.interpreter import only_interpreted, run_interpreter_cases
 
 
 def test_kernel_cases_in_a_fresh_process() -> None:
@@ -152,7 +152,6 @@ def test_without_triton_the_kernel_is_unavailable(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
 @pytest.mark.parametrize(
     ("temperature", "want_entropy", "transform"),
     [

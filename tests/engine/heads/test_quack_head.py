@@ -171,18 +171,8 @@ def test_the_engine_scores_log_prob_only_calls_with_the_fused_head(
     assert off.info.head_kernel == "chunked"
 
 
-needs_hopper = pytest.mark.skipif(
-    not (
-        torch.cuda.is_available()
-        and quack_head._device_can_run(torch.device("cuda"))
-        and quack_head.importable()
-    ),
-    reason="needs quack-kernels and a CUDA device of compute capability 9.0",
-)
-
-
-@pytest.mark.gpu
-@needs_hopper
+@pytest.mark.hopper
+@pytest.mark.quack
 @pytest.mark.parametrize("scaled", [False, True])
 def test_quacks_fused_head_gives_float32s_log_probs(scaled: bool) -> None:
     """Qwen2.5-1.5B's head shape, rows over one call, a strided hidden state; within 1e-3 of float32

@@ -21,7 +21,7 @@ from service.engine.heads import chunked, extras_radix, topk_kernel
 from service.engine.heads import extras as extra
 from service.engine.heads.base import ExtraScores, LogitTransform
 from service.engine.heads.chunked import score_actions
-from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
+from tests.engine.interpreter import only_interpreted, run_interpreter_cases
 
 
 def radix_chunk(  # noqa: PLR0917 (a chunk and what its rows ask, as chunked.from_float_copy takes them)
@@ -470,7 +470,6 @@ def test_float32_logits_and_draws_keep_the_float_copy_path() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiled_select_equals_torch_topk_on_cuda(dtype: torch.dtype) -> None:
     """Qwen2.5's vocabulary, 512 rows, K = 1, 100, 1000 and past a block of ties."""
@@ -483,7 +482,6 @@ def test_compiled_select_equals_torch_topk_on_cuda(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
 @pytest.mark.parametrize("top", [100, 1000])
 @pytest.mark.parametrize("samplers", [SAMPLERS, BOUNDED], ids=["samplers", "bounded"])
 def test_compiled_fast_extras_equal_the_float_copy_path_on_cuda(top: int, samplers: list[Sampler]) -> None:
@@ -593,7 +591,6 @@ def test_interpreter_score_actions_over_many_chunks_equals_the_float_copy_path(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
 @pytest.mark.parametrize("top", [100, 1000])
 def test_compiled_score_actions_over_many_chunks_equals_the_float_copy_path_on_cuda(top: int) -> None:
     rows, vocab, chunk = 1300, 152064, 512

@@ -2,7 +2,7 @@
 
 The ranks run as threads of this process whose all-reduces meet at a barrier
 (tests/engine/parallel/thread_ranks.py), so the arithmetic of the sharded softmax is checked without
-processes; the real collectives (gloo) are tested end to end in tests/test_tensor_parallel.py.
+processes; the real collectives (gloo) are tested end to end in tests/parity/test_tensor_parallel.py.
 """
 
 from __future__ import annotations

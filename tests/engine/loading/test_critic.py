@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from service.engine.loading.critic import load_critic
-from tests import critics
+from tests.support import critics
 
 
 @pytest.mark.parametrize("fmt", ["trl", "openrlhf", "token_classification"])

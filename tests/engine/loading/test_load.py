@@ -10,7 +10,7 @@ import torch
 from service.engine.loading import shards
 from service.engine.loading.load import Shards, Whole, load_models
 from service.engine.parallel.sharding import Shard
-from tests.conftest import settings_for
+from tests.support.device import settings_for
 
 CPU = torch.device("cpu")
 

@@ -20,9 +20,11 @@ from service.core.jobs import SequenceJob
 from service.engine.contract import ReloadOrder, WeightsRejected
 from service.engine.loading.staging import Staged
 from service.engine.scorer.engine import PackedScorer
-from tests import critics, models
-from tests.conftest import TOLERANCE, eager, settings_for
-from tests.reference import expected
+from tests.support import critics, models
+from tests.support.device import TOLERANCE, eager, settings_for
+from tests.support.reference import expected
+
+pytestmark = pytest.mark.parity  # make test-gpu runs it again on cuda in each dtype
 
 LENGTHS = (9, 23, 40)
 

@@ -13,8 +13,6 @@ from service.engine.moe import kernels as moe_ops
 from service.engine.runtime import triton_jit
 from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
-
 
 def test_kernel_cases_in_a_fresh_process() -> None:
     run_interpreter_cases(__file__)
@@ -84,7 +82,6 @@ def test_kernel_refuses_cpu_tensors_outside_the_interpreter() -> None:
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("w_dtype", ["model", torch.float32], ids=["w_bf16", "w_float32"])
 @pytest.mark.parametrize("shared", [False, True], ids=["plain", "extra"])
 def test_kernel_equals_the_loop_on_cuda(w_dtype: torch.dtype | str, shared: bool) -> None:
@@ -173,7 +170,6 @@ def test_interpreter_ties_go_to_the_lower_expert_whatever_the_batch() -> None:
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("rule", RULES, ids=["qwen3", "mixtral", "qwen2_top8"])
 def test_plan_kernel_equals_torch_on_cuda(rule: routing_rule.Routing) -> None:
     """Qwen3-30B-A3B's router shape at 16k + 5 tokens in bf16, no ties: the same plan as torch's."""
@@ -183,7 +179,6 @@ def test_plan_kernel_equals_torch_on_cuda(rule: routing_rule.Routing) -> None:
 
 
 @pytest.mark.gpu
-@gpu
 def test_routing_kernels_compile_once_whatever_the_token_count() -> None:
     """A micro-batch of any padded size meets kernels already compiled (a compile costs seconds at
     start and would stall a round met while serving): 128 to 16k tokens, one compile per kernel."""
@@ -207,7 +202,6 @@ def test_routing_kernels_compile_once_whatever_the_token_count() -> None:
 
 
 @pytest.mark.gpu
-@gpu
 def test_tied_routing_on_cuda_does_not_depend_on_the_batch() -> None:
     """bf16 logits with four-way ties at the top in every token: each token's experts and weights are
     the same alone as among 16k others, and the tie goes to the lowest ids."""
@@ -276,7 +270,6 @@ def test_interpreter_count_kernel_equals_the_twin(tokens: int, real: int, first:
 
 
 @pytest.mark.gpu
-@gpu
 def test_count_kernel_equals_the_loop_on_cuda() -> None:
     """16k tokens over 128 experts, the last 127 filler (a packed row's most), tail 128."""
     plan, experts = routed(16384, 128, seed=2, device="cuda")

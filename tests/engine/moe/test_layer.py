@@ -30,8 +30,8 @@ from service.engine.scorer.engine import PackedScorer
 from service.engine.scorer.self_check import DecoderMismatch, check_hidden
 from service.engine.strategies.gemm import ONE_CALL, FixedRows
 from service.settings import Settings
-from tests import models
 from tests.engine.decoder.test_fused import CPU, KERNEL, batch_of, every_row, packed_model
+from tests.support import models
 
 MOE = models.MOE_ARCHITECTURES
 GROUPED = grouped_gemm.choose("grouped_mm", CPU, torch.float32)
@@ -175,7 +175,6 @@ def test_groups_are_stable_and_end_where_each_expert_ends() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", MOE)
 @pytest.mark.parametrize("setting", ["quack", "grouped_mm"])
 def test_device_kernels_are_within_bf16_noise_of_transformers(name: str, setting: str) -> None:

@@ -21,8 +21,10 @@ import torch
 from service.core.jobs import Chunk, GivenRoutes, RouteAgreement, SequenceJob, SequenceScores
 from service.core.prefixes import share
 from service.engine.scorer.engine import PackedScorer
-from tests import critics, models
-from tests.conftest import eager, settings_for
+from tests.support import critics, models
+from tests.support.device import eager, settings_for
+
+pytestmark = pytest.mark.parity  # make test-gpu runs it again on cuda in each dtype
 
 MOE = models.MOE_ARCHITECTURES
 DECODERS = ("fused", "transformers")

@@ -11,10 +11,9 @@ import torch
 
 from service.engine.batch.device_routes import BatchRoutes
 from service.engine.moe import dispatch, routing_rule
-from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
+from tests.engine.interpreter import only_interpreted, run_interpreter_cases
 from tests.engine.moe.test_kernels import RULES, assert_same_plan, distinct_logits
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
 LAYERS, LAYER = 3, 1  # the call routes layer 1 of 3: strided views
 
 
@@ -139,7 +138,6 @@ def test_agreement_counts_from_matches() -> None:
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("rule", RULES, ids=["qwen3", "mixtral", "qwen2_top8"])
 @pytest.mark.parametrize("given", [True, False], ids=["replay", "record"])
 def test_replay_kernel_equals_the_twin_on_cuda(rule: routing_rule.Routing, given: bool) -> None:

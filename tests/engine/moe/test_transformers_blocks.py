@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from service.engine.moe import transformers_blocks
-from tests import models
 from tests.engine.decoder.test_fused import packed_model
 from tests.engine.moe.test_layer import MOE, tokens
+from tests.support import models
 
 
 def _sparse_model(name: str) -> Any:

@@ -199,7 +199,6 @@ GPU_BACKENDS = _gpu_backends()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize(("lengths", "window", "softcap"), CASES)
 def test_gpu_kernel_matches_cpu_twin(
@@ -213,7 +212,6 @@ def test_gpu_kernel_matches_cpu_twin(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("window", [None, 64])
 def test_gpu_kernel_takes_views_of_a_packed_qkv_row(backend: str, window: int | None) -> None:
@@ -245,7 +243,6 @@ def test_registered_names_do_not_impersonate_transformers_kernels(name: str) -> 
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize(("lengths", "window", "softcap"), CASES)
 def test_gpu_kernel_with_a_context_matches_cpu_twin(
@@ -269,7 +266,6 @@ def test_gpu_kernel_with_a_context_matches_cpu_twin(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_kernel_in_invariant_mode_scores_a_row_alike_however_its_queries_are_cut(backend: str) -> None:
     """Batch-invariant mode's premise for prefix sharing and chunks on the GPU: the fast kernel, given
@@ -290,7 +286,6 @@ REAL_HEADS = {"qwen2.5-1.5b": (12, 2), "qwen2.5-7b": (28, 4), "qwen3-30b-a3b": (
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("shape", list(REAL_HEADS))
 def test_gpu_kernel_in_invariant_mode_cuts_a_long_sequence_of_a_real_shape_alike(

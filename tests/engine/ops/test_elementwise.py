@@ -17,8 +17,6 @@ from service.engine.ops import elementwise as decoder_ops
 from service.engine.ops.elementwise import HeadNorms, Ops
 from tests.engine.interpreter import INTERPRETED, only_interpreted, run_interpreter_cases
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled kernels")
-
 
 def test_kernel_cases_in_a_fresh_process() -> None:
     run_interpreter_cases(__file__)
@@ -156,7 +154,6 @@ def test_interpreter_swiglu(inner: int) -> None:
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernels_equal_the_twins_on_cuda(dtype: torch.dtype) -> None:
     ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]

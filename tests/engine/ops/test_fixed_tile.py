@@ -88,17 +88,12 @@ def test_gemms_quack_cannot_align_run_in_calls_of_one_shape() -> None:
         torch.testing.assert_close(summed, 1 + F.linear(x, weight))
 
 
-needs_quack = pytest.mark.skipif(
-    not (torch.cuda.is_available() and gated.quack_available(torch.device("cuda"))),
-    reason="needs quack-kernels and a CUDA device of compute capability 9.0+",
-)
 # Qwen2.5-7B's projections over tokens: qkv (with a bias), o, down; and its head
 SHAPES = {"qkv": (3584, 4608, True), "o": (3584, 3584, False), "down": (18944, 3584, False)}
 CUTS = ((0, 1), (1, 129), (100, 1124), (1500, 4096), (4095, 4096), (7, 3000))
 
 
-@pytest.mark.gpu
-@needs_quack
+@pytest.mark.quack
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_quack_at_one_configuration_gives_a_row_its_bits_in_a_call_of_any_rows(name: str) -> None:
     k, n, with_bias = SHAPES[name]
@@ -123,8 +118,7 @@ def test_quack_at_one_configuration_gives_a_row_its_bits_in_a_call_of_any_rows(n
         assert torch.equal(part, summed[start:end]), (start, end)
 
 
-@pytest.mark.gpu
-@needs_quack
+@pytest.mark.quack
 def test_quacks_gated_projection_is_row_invariant_too() -> None:
     """The MLP's gate|up with its SwiGLU epilogue (ops/gate_up.py), which FixedTiles runs whole."""
     device, dtype = torch.device("cuda"), torch.bfloat16

@@ -51,14 +51,7 @@ def test_auto_is_split_off_hopper_and_quack_is_refused() -> None:
         gated.choose("quack", cpu, torch.bfloat16, TORCH.swiglu)
 
 
-needs_quack = pytest.mark.skipif(
-    not (torch.cuda.is_available() and gated.quack_available(torch.device("cuda"))),
-    reason="needs quack-kernels and a CUDA device of compute capability 9.0+",
-)
-
-
-@pytest.mark.gpu
-@needs_quack
+@pytest.mark.quack
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("rows", "with_bias"), [(4096, False), (777, False), (256, True)])
 def test_quack_matches_the_split_twin(dtype: torch.dtype, rows: int, with_bias: bool) -> None:
@@ -78,8 +71,7 @@ def test_quack_matches_the_split_twin(dtype: torch.dtype, rows: int, with_bias: 
     assert fused_err <= max(split_err, 1e-3), (fused_err, split_err)
 
 
-@pytest.mark.gpu
-@needs_quack
+@pytest.mark.quack
 def test_quack_falls_back_to_split_in_float32() -> None:
     x, weight, bias = inputs(64, 128, 256, "cuda", torch.float32, with_bias=False)
     projection = gated.choose("quack", torch.device("cuda"), torch.float32, TORCH.swiglu)

@@ -1,13 +1,13 @@
 """Fused-kernel selection: off on CPU, a clear error when asked for and unavailable.
 
-On CUDA with liger-kernel importable, tests/gpu/run_parity.sh runs the whole parity suite with the
-fused kernels applied (`kernels=auto`), which is their correctness check against the reference.
+On CUDA with liger-kernel importable, `make test-gpu` runs the parity suites with the fused kernels
+applied (`kernels=auto`), which is their correctness check against the reference.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
+import sys
 from typing import Any
 
 import pytest
@@ -15,7 +15,8 @@ import torch
 
 from service.engine.ops import liger as kernels
 from service.engine.ops.liger import apply_fused_kernels
-from tests import models
+from service.engine.runtime import packages as optional
+from tests.support import models
 
 
 def test_auto_is_off_on_cpu() -> None:
@@ -23,10 +24,15 @@ def test_auto_is_off_on_cpu() -> None:
     assert apply_fused_kernels(models.build("qwen2"), "none", torch.device("cuda")) == "none"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed")
-def test_asking_for_liger_without_it_fails_loudly() -> None:
-    with pytest.raises(RuntimeError, match="liger-kernel"):
-        apply_fused_kernels(models.build("qwen2"), "liger", torch.device("cuda"))
+def test_asking_for_liger_without_it_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in ("liger_kernel", kernels.LIGER):  # import raises ModuleNotFoundError: not installed
+        monkeypatch.setitem(sys.modules, module, None)
+    optional.forget()
+    try:
+        with pytest.raises(RuntimeError, match="needs the liger-kernel package, which is not installed"):
+            apply_fused_kernels(models.build("qwen2"), "liger", torch.device("cuda"))
+    finally:
+        optional.forget()
 
 
 def test_a_liger_patch_that_fails_is_undone_under_auto(
@@ -55,10 +61,7 @@ def test_a_liger_patch_that_fails_is_undone_under_auto(
         apply_fused_kernels(model, "liger", torch.device("cuda"))
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
-    reason="needs CUDA and liger-kernel",
-)
+@pytest.mark.liger
 def test_batch_invariance_pins_liger_norms_to_their_row_kernel() -> None:
     """liger's RMSNorm switches to a 16-row block kernel at 32k rows of at most 256 columns (Qwen3's
     per-head q/k norms: 32 heads x 1024 tokens); pinned, a row's bits do not depend on the row count."""

@@ -3,12 +3,11 @@
 CPU twin: the dispatch runs with an independent CPU stand-in for the fused kernel (RoPE as a
 complex rotation in float64). On CUDA with liger-kernel, liger's kernel itself is compared with
 transformers' function, and a whole model with apply_fused_kernels with an untouched twin; the
-GPU parity run (tests/gpu/run_parity.sh) also scores every architecture through it.
+GPU parity suites (`make test-gpu`) also score every architecture through it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import threading
 from collections.abc import Callable
@@ -19,7 +18,7 @@ import torch
 
 from service.engine.ops.liger import apply_fused_kernels
 from service.engine.ops.rope import NAME, _Dispatcher, fuse_rope, fused_active, unfuse_rope
-from tests import models
+from tests.support import models
 
 TOKENS = torch.arange(3, 40)[None]
 
@@ -164,13 +163,7 @@ def test_stand_in_equals_transformers_rope() -> None:
     torch.testing.assert_close(rotate(k, cos, sin), want_k, atol=1e-6, rtol=0)
 
 
-cuda_liger = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
-    reason="needs CUDA and liger-kernel",
-)
-
-
-@cuda_liger
+@pytest.mark.liger
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_liger_kernel_equals_transformers_rope_on_cuda(dtype: torch.dtype) -> None:
     from service.engine.ops.liger import _liger_rope
@@ -194,7 +187,7 @@ def test_liger_kernel_equals_transformers_rope_on_cuda(dtype: torch.dtype) -> No
     torch.testing.assert_close(got_k.double(), want_k.double(), atol=atol, rtol=rtol)
 
 
-@cuda_liger
+@pytest.mark.liger
 def test_fused_model_on_cuda_equals_an_untouched_twin() -> None:
     fused, twin = models.build("qwen2").cuda(), models.build("qwen2").cuda()
     assert apply_fused_kernels(fused, "liger", torch.device("cuda")) == "liger"

@@ -23,8 +23,9 @@ from service.engine.ops.elementwise import TORCH
 from service.engine.ops.liger import apply_fused_kernels
 from service.engine.runtime import packages as optional
 from service.engine.runtime import triton_jit
-from tests import models
-from tests.conftest import running, settings_for
+from tests.support import models
+from tests.support.device import settings_for
+from tests.support.servers import running
 
 CUDA = torch.device("cuda")
 
@@ -165,6 +166,7 @@ def test_a_broken_triton_turns_the_triton_kernels_off(site: Path, caplog: pytest
     assert "0 active drivers" in warning
 
 
+@pytest.mark.parity  # make test-gpu runs it again on cuda in each dtype
 def test_the_service_starts_and_scores_with_broken_kernel_packages(site: Path) -> None:
     """Every optional package broken at once: the demo model still starts under `auto` and scores."""
     for module in ["flash_attn", "quack", "liger_kernel"]:

@@ -16,9 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from service.core.jobs import SequenceJob
 from service.engine.scorer.engine import PackedScorer
-from tests import models
-from tests.conftest import DEVICE, DTYPE, TOLERANCE, eager, settings_for
-from tests.reference import expected
+from tests.support import models
+from tests.support.device import TOLERANCE, TOLERANCES, eager, settings_for
+from tests.support.reference import expected
+
+pytestmark = pytest.mark.parity  # make test-gpu runs it again on cuda in each dtype
 
 
 def _jobs(seed: int, lengths: tuple[int, ...] = (9, 23, 40)) -> list[SequenceJob]:
@@ -77,14 +79,21 @@ def test_results_are_independent_of_later_launches(engine: PackedScorer) -> None
         np.testing.assert_array_equal(s.logprobs, k)
 
 
-@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.skipif(
-    DTYPE == "float32",
-    reason="float32 attention is the per-sequence SDPA fallback, which reads the boundaries on the host",
-)
+@pytest.fixture(scope="module")
+def cuda_engine(model_dirs: dict[str, Path]) -> PackedScorer:
+    """On cuda in bf16 (float32 attention is the per-sequence SDPA fallback, which reads the
+    boundaries on the host)."""
+    scorer = PackedScorer.from_config(
+        settings_for(model_dirs["qwen2"], device="cuda", dtype="bfloat16").engine_config()
+    )
+    scorer.warm_up()
+    return scorer
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("asks", ["log-probs", "teacher"])
 def test_launch_returns_while_the_device_is_still_busy(
-    engine: PackedScorer, model_dirs: dict[str, Path], asks: str
+    cuda_engine: PackedScorer, model_dirs: dict[str, Path], asks: str
 ) -> None:
     """Nothing in a launch waits for the device: not the plain scoring, nor a teacher's asks (top-K
     at every position and a draw one past the last token), whose head copies which rows draw."""
@@ -94,11 +103,11 @@ def test_launch_returns_while_the_device_is_still_busy(
             dataclasses.replace(j, actions=np.arange(1, j.num_tokens + 1), top_logprobs=5, draw_seed=3)
             for j in jobs
         ]
-        engine.launch(jobs).result()  # the head's kernels compiled first (Triton compiles on the host)
+        cuda_engine.launch(jobs).result()  # the head's kernels compiled first (Triton compiles on the host)
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]  # ~1 s of GPU clock cycles on the stream
     start = time.perf_counter()
-    launched = engine.launch(jobs)  # packing, copies to the device, kernels: all queued behind the sleep
+    launched = cuda_engine.launch(jobs)  # packing, copies to the device, kernels: all queued behind the sleep
     took = time.perf_counter() - start
     assert launched.done is not None
     assert not launched.done.query()  # type: ignore[no-untyped-call]
@@ -108,7 +117,7 @@ def test_launch_returns_while_the_device_is_still_busy(
         assert all(s.drawn is not None and s.top_ids is not None for s in got)
         return
     for scores, w in zip(got, _want(model_dirs["qwen2"], jobs), strict=True):
-        np.testing.assert_allclose(scores.logprobs, w, atol=TOLERANCE)
+        np.testing.assert_allclose(scores.logprobs, w, atol=TOLERANCES["bfloat16"])
 
 
 class _GemmShapes(TorchDispatchMode):  # type: ignore[no-untyped-call]

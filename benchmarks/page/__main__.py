@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.page.build import main
+
+sys.exit(main())

@@ -1,0 +1,225 @@
+"""One sparse MoE layer, step by step: where its time goes, and what each grouped-GEMM kernel costs.
+
+    python -m benchmarks.probes.moe_layer                  # Qwen3-30B-A3B's layer, a 16k-token micro-batch
+    python -m benchmarks.probes.moe_layer --tokens 4096 --tuned   # also quack's autotuned configs (slow)
+
+Random bf16 weights of Qwen3-30B-A3B's shape (hidden 2048, 128 experts of 768, top-8) on one GPU.
+Each step is timed alone with CUDA events (median of --reps after a warm-up): the router and the
+sort by expert, the gather of the tokens' rows, each grouped GEMM by every kernel that runs here
+(torch's grouped_mm; quack's varlen GEMM, with the gather and the SwiGLU in it or not), the SwiGLU,
+and the weighted sum back into the residual (torch ops and moe_ops' kernel). Then the whole layer as
+moe.py runs it under each `moe_kernel`, and the fraction of the layer's GEMM floor each reaches
+(2 · T · k · 3 · H · I FLOPs at the measured dense bf16 rate). The whole layers' outputs are compared
+with each other (largest |Δ| over the largest |x|).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from benchmarks.harness import matmul_rate, median_ms, provenance, write_result
+from service.engine.moe import dispatch, grouped_gemm, routing_rule
+from service.engine.moe import kernels as moe_ops
+from service.engine.moe import layer as moe
+from service.engine.ops import elementwise as decoder_ops
+
+
+def timed(fn: Callable[[], object], reps: int) -> float:
+    """Median GPU ms of `fn` over `reps` replays of a CUDA graph of it (as the server replays a layer:
+    no launch overhead), after a warm-up call; eager calls where it cannot be captured."""
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+        run: Callable[[], object] = graph.replay
+    except RuntimeError:
+        run = fn
+    return median_ms(run, torch.device("cuda"), reps, warmup=1)
+
+
+@dataclass
+class Layer:
+    """One MoE layer's random weights and inputs, and a plan of its routing."""
+
+    router: SimpleNamespace  # .weight [E, H]
+    experts: SimpleNamespace  # .gate_up_proj [E, 2·I, H], .down_proj [E, H, I]
+    hidden: torch.Tensor  # [T, H]
+    residual: torch.Tensor  # [T, H]
+    rule: routing_rule.Routing
+    plan: dispatch.Plan
+
+    @staticmethod
+    def random(t: int, h: int, e: int, i: int, k: int) -> Layer:
+        dev, dtype = torch.device("cuda"), torch.bfloat16
+        router = SimpleNamespace(weight=torch.randn(e, h, device=dev, dtype=dtype) * h**-0.5)
+        experts = SimpleNamespace(
+            gate_up_proj=torch.randn(e, 2 * i, h, device=dev, dtype=dtype) * h**-0.5,
+            down_proj=torch.randn(e, h, i, device=dev, dtype=dtype) * i**-0.5,
+        )
+        hidden = torch.randn(t, h, device=dev, dtype=dtype)
+        rule = routing_rule.Routing(k, normalise=True, round_weights=True)
+        plan = dispatch.plan(hidden, router.weight, rule)
+        return Layer(router, experts, hidden, torch.randn_like(hidden), rule, plan)
+
+
+def torch_steps(layer: Layer, reps: int) -> dict[str, float]:
+    """The routing, the gather, torch's grouped GEMMs, the SwiGLU and the weighted sum, one by one."""
+    hidden, router, experts, plan, rule = layer.hidden, layer.router, layer.experts, layer.plan, layer.rule
+    s, i = plan.rows.shape[0], experts.down_proj.shape[2]
+    gathered = hidden.index_select(0, plan.rows)
+    gate_up = torch.empty(s, 2 * i, device=hidden.device, dtype=hidden.dtype)
+    act = torch.empty(s, i, device=hidden.device, dtype=hidden.dtype)
+    down = torch.empty_like(gathered)
+    grouped = grouped_gemm.choose("grouped_mm", hidden.device, hidden.dtype)
+    logits = hidden @ router.weight.t()
+    _, chosen = rule(logits)
+    routed = moe_ops.route_kernel(logits, rule.top_k, True, logits.dtype)
+    x = layer.residual.clone()
+    return {
+        "route_and_sort": timed(lambda: dispatch.plan(hidden, router.weight, rule), reps),
+        "route_and_sort_kernels": timed(lambda: dispatch.plan_kernel(hidden, router.weight, rule), reps),
+        "route_router_gemm": timed(lambda: hidden @ router.weight.t(), reps),
+        "route_softmax_topk": timed(lambda: rule(logits), reps),
+        "route_sort": timed(lambda: torch.sort(chosen.flatten(), stable=True), reps),
+        "route_kernel": timed(lambda: moe_ops.route_kernel(logits, rule.top_k, True, logits.dtype), reps),
+        "group_kernel": timed(lambda: moe_ops.group_kernel(routed), reps),
+        "gather": timed(lambda: hidden.index_select(0, plan.rows), reps),
+        "gemm1_grouped_mm": timed(
+            lambda: gate_up.copy_(grouped.matmul(gathered, experts.gate_up_proj, plan.groups)), reps
+        ),
+        "swiglu": timed(lambda: decoder_ops.swiglu_kernel(gate_up), reps),
+        "gemm2_grouped_mm": timed(lambda: grouped.matmul(act, experts.down_proj, plan.groups), reps),
+        "combine_torch": timed(lambda: moe_ops.combine_torch(x, down, plan.slots, plan.weights, None), reps),
+        "combine_kernel": timed(
+            lambda: moe_ops.combine_kernel(x, down, plan.slots, plan.weights, None), reps
+        ),
+    }
+
+
+def quack_steps(layer: Layer, reps: int, tuned: bool) -> dict[str, float]:
+    """quack's varlen GEMMs: gate|up with and without the gather, with the heuristic tile, its dynamic
+    scheduler and (tuned) the autotuner's pick; the down GEMM the same ways."""
+    from quack.gemm_interface import gemm, gemm_act
+
+    hidden, plan = layer.hidden, layer.plan
+    weight1, weight2 = layer.experts.gate_up_proj.transpose(1, 2), layer.experts.down_proj.transpose(1, 2)
+    gathered = hidden.index_select(0, plan.rows)
+    act = torch.empty(plan.rows.shape[0], weight2.shape[1], device=hidden.device, dtype=hidden.dtype)
+    down = torch.empty_like(gathered)
+    offsets = plan.groups.offsets
+
+    def first(gather: bool, **options: Any) -> Callable[[], object]:
+        return lambda: gemm_act(
+            hidden if gather else gathered,
+            weight1,
+            activation="swiglu",
+            cu_seqlens_m=offsets,
+            A_idx=plan.rows if gather else None,
+            store_preact=False,
+            concat_layout=("B",),
+            **options,
+        )
+
+    def second(**options: Any) -> Callable[[], object]:
+        return lambda: gemm(act, weight2, out=down, cu_seqlens_m=offsets, **options)
+
+    modes: dict[str, dict[str, bool]] = {
+        "heuristic": {"tuned": False},
+        "dynamic": {"tuned": False, "dynamic_scheduler": True},
+    }
+    if tuned:
+        modes["tuned"] = {"tuned": True}
+    steps = {}
+    for mode, options in modes.items():
+        steps[f"gemm1_quack_gather_swiglu_{mode}"] = timed(first(True, **options), reps)
+        steps[f"gemm1_quack_swiglu_{mode}"] = timed(first(False, **options), reps)
+        steps[f"gemm2_quack_{mode}"] = timed(second(**options), reps)
+    return steps
+
+
+def whole_layers(layer: Layer, reps: int, results: dict[str, Any]) -> dict[str, float]:
+    """moe.SparseMoe as the fused decoder builds it on CUDA, per device kernel: its ms; the largest
+    |Δ| of quack's output from grouped_mm's, over the largest |output|, into `results`."""
+    times: dict[str, float] = {}
+    outputs: dict[str, torch.Tensor] = {}
+    for name in ("grouped_mm", "quack"):
+        try:
+            kernel = grouped_gemm.choose(name, layer.hidden.device, layer.hidden.dtype)
+        except Exception as exc:  # a kernel this machine cannot run is reported
+            results[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+            continue
+        sparse = moe.SparseMoe(
+            layer.router,
+            layer.experts,
+            layer.rule,
+            kernel,
+            decoder_ops.swiglu_kernel,
+            combine=moe_ops.combine_kernel,
+            planner=dispatch.plan_kernel,
+        )
+        outputs[name] = sparse(layer.hidden).float()
+        times[name] = timed(partial(sparse.add_to, layer.residual.clone(), layer.hidden), reps)
+    if len(outputs) == 2:
+        a, b = outputs["grouped_mm"], outputs["quack"]
+        results["quack_vs_grouped_mm_max_abs_over_max"] = float((a - b).abs().max() / a.abs().max())
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--tuned", action="store_true", help="also quack's autotuned configurations")
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    t, h, e, i, k = args.tokens, args.hidden, args.experts, args.width, args.top_k
+    layer = Layer.random(t, h, e, i, k)
+    rate = matmul_rate(torch.device("cuda"), torch.bfloat16) / 1e12  # TFLOP/s, the floors' rate
+    flops1, flops2 = 2 * t * k * h * 2 * i, 2 * t * k * i * h
+    results: dict[str, Any] = {"tokens": t, "hidden": h, "experts": e, "width": i, "top_k": k}
+    results["dense_tflops"] = rate
+    steps = torch_steps(layer, args.reps)
+    try:
+        steps.update(quack_steps(layer, args.reps, args.tuned))
+    except Exception as exc:  # report what failed and go on with the rest
+        results["quack_error"] = f"{type(exc).__name__}: {exc}"
+    layers = whole_layers(layer, args.reps, results)
+    floor_ms = (flops1 + flops2) / rate / 1e9
+    results["steps_ms"] = steps
+    results["layer_ms"] = layers
+    results["layer_floor_ms"] = floor_ms
+    results["layer_fraction_of_floor"] = {name: floor_ms / ms for name, ms in layers.items()}
+    results["gemm_tflops"] = {
+        name: (flops1 if name.startswith("gemm1") else flops2) / ms / 1e9
+        for name, ms in steps.items()
+        if name.startswith("gemm")
+    }
+    results = {**provenance("probes.moe_layer", torch.device("cuda"), argv), **results}
+    print(json.dumps(results, indent=2))
+    if args.output is not None:
+        write_result(args.output, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

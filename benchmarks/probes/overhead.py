@@ -1,0 +1,475 @@
+"""Where the HTTP overhead goes: a timeline of the server's side of the benchmark's HTTP rounds.
+
+    python -m benchmarks.probes.overhead --model qwen2.5-0.5b [--switch-interval 0.0005] \\
+        [--launch-hold-ms 0 25]
+    python -m benchmarks.probes.overhead --model qwen2.5-1.5b --workload grpo-short --clients plain frames
+
+Runs the engine in-process and then over HTTP (the real app on loopback, clients in another
+process, as benchmarks.run does) and records, in the server's process, when each request is parsed,
+normalised and rendered, when each micro-batch is launched in the engine thread and when its scores
+were collected. Prints, per variant: how long after the first request arrived the first micro-batch
+was launched, the host time of the launches (longer over HTTP when the event loop holds the GIL the
+engine thread needs), how long the engine thread sat idle between the end of one launch and the
+next while the results were not all in (the accelerator may run dry then), how long after the last
+collection the last answer was rendered, the span, and when each micro-batch's scores were
+collected (from the first request's arrival); on CUDA, from events recorded on the engine's stream
+around each launch, the device's time on each micro-batch (longer than in-process when the host
+launches its kernels slower than the device runs them) and its idle time before each one.
+`--switch-interval` sets sys.setswitchinterval in the server's process; `--launch-hold-ms`,
+`--batch-wait-ms` and `--max-batch-tokens` run the HTTP variants once per combination of the settings'
+values, on the same engine (built for the largest budget); several budgets run in-process once each.
+
+`--workload`: the standard workload (8 requests of an eighth of its sequences) or a GRPO one
+(benchmarks.grpo's: one request per group; in-process, the 8 groups as 8 requests at once too).
+`--clients`: the HTTP variants (benchmarks/client.py's modes): `frames` (asyncio), `frames-httpcore`,
+`json` (JSON bodies on the asyncio client), `plain` (httpx defaults, `json=`, `response.json()`),
+`processes` (frames, one process per body). The medians also go to `--output` (JSON, in ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, get_args
+
+import torch
+
+from benchmarks import server
+from benchmarks.harness import RESULTS, packed_model, provenance, write_result
+from benchmarks.server import HttpServer, http_bodies, http_rounds
+from benchmarks.shapes import SHAPES
+from benchmarks.workload import Sample, grpo_long, grpo_short, jobs, workload
+from service.batcher import Batcher
+from service.core.jobs import IntArray, SequenceJob, SequenceScores
+from service.engine.contract import Launched
+from service.engine.loading.pretrained import LoadedModel
+from service.engine.scorer.engine import PackedScorer
+from service.http import router as api
+from service.metrics import Metrics
+from service.settings import CudaGraphs, Settings
+
+Event = tuple[str, float, float]  # what, start, end (time.perf_counter)
+WORKLOADS: dict[str, Callable[[int, float], list[Sample]]] = {
+    "standard": lambda vocab, scale: workload(
+        vocab,
+        prompt_range=(round(256 * scale), round(1024 * scale)),
+        response_mean=250.0 * scale,
+        response_clip=(max(1, round(16 * scale)), round(1024 * scale)),
+    ),
+    "grpo-short": grpo_short,
+    "grpo-long": grpo_long,
+}
+CLIENTS = {  # --clients -> (frames, benchmarks/client.py's mode)
+    "frames": (True, "asyncio"),
+    "frames-httpcore": (True, "httpcore"),
+    "json": (False, "asyncio"),
+    "plain": (False, "plain"),
+    "processes": (True, "processes"),
+}
+
+
+class RecordedLaunch:
+    """A launched micro-batch whose `result` records ("collected", wait start, wait end)."""
+
+    def __init__(self, events: list[Event], launched: Launched) -> None:
+        self.events, self.launched = events, launched
+
+    def result(self) -> list[SequenceScores]:
+        start = time.perf_counter()
+        try:
+            return self.launched.result()
+        finally:
+            self.events.append(("collected", start, time.perf_counter()))
+
+    def expert_load(self) -> IntArray | None:
+        return self.launched.expert_load()
+
+
+GpuMarks = dict[float, tuple[Any, Any]]  # a launch's host start -> CUDA events around its work
+TOKENS: dict[float, int] = {}  # a launch's host start -> the real tokens of its micro-batch
+EVENTS: list[Event] = []  # what the server's process did, as it did it
+
+
+def recorded_launches(
+    events: list[Event], launch: Callable[..., Launched], marks: GpuMarks | None = None
+) -> Callable[..., Launched]:
+    """Record each launch's host time; with `marks`, also CUDA events on the engine's stream before
+    and after its work, so the device's own timeline shows when it ran each micro-batch."""
+
+    def wrapper(the_jobs: Any, chunk: Any = None, forest: Any = None, cache: Any = None) -> Launched:
+        start = time.perf_counter()
+        whole = forest.computed_tokens if forest is not None else sum(job.num_tokens for job in the_jobs)
+        TOKENS[start] = whole + (chunk.num_tokens if chunk else 0)
+        before = after = None
+        if marks is not None:
+            before = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            before.record()
+        try:
+            return RecordedLaunch(events, launch(the_jobs, chunk, forest, cache))
+        finally:
+            if marks is not None:
+                after = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                after.record()
+                marks[start] = (before, after)
+            events.append(("launch", start, time.perf_counter()))
+
+    return wrapper
+
+
+def recorded(events: list[Event], what: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            events.append((what, start, time.perf_counter()))
+
+    return wrapper
+
+
+def rounds(events: list[Event], per_round: int) -> list[list[Event]]:
+    """Split the events into rounds: a round starts with every `per_round`-th "start" event. The
+    requests' arrivals at the app ("headers", "body": `received`) are left out."""
+    ordered = sorted((e for e in events if e[0] not in ("headers", "body")), key=lambda e: e[1])
+    starts = [e[1] for e in ordered if e[0] in ("start", "parse")][::per_round]
+    out: list[list[Event]] = [[] for _ in starts]
+    for event in ordered:
+        index = max((i for i, t in enumerate(starts) if t <= event[1]), default=0)
+        out[index].append(event)
+    return out
+
+
+def received(events: list[Event], create_app: Callable[..., Any]) -> Callable[..., Any]:
+    """create_app whose app records, per POST /logprobs, when uvicorn handed it over (its headers
+    parsed: "headers") and when its body's last part was read ("body")."""
+
+    def create(*args: Any, **kwargs: Any) -> Any:
+        app = create_app(*args, **kwargs)
+
+        async def recorded_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http" or scope["path"] != "/logprobs":
+                await app(scope, receive, send)
+                return
+            now = time.perf_counter()
+            events.append(("headers", now, now))
+
+            async def receive_recorded() -> dict[str, Any]:
+                message: dict[str, Any] = await receive()
+                if message["type"] == "http.request" and not message.get("more_body", False):
+                    at = time.perf_counter()
+                    events.append(("body", at, at))
+                return message
+
+            await app(scope, receive_recorded, send)
+
+        return recorded_app
+
+    return create
+
+
+def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | None = None) -> dict[str, Any]:
+    """Print the rounds' medians (after the first, a warm-up) under `label`, and return them (ms)."""
+    rows: list[tuple[float, ...]] = []
+    dones: list[list[float]] = []
+    spans: list[list[float]] = []  # the device's time on each micro-batch (its first kernel to its last)
+    idles: list[list[float]] = []  # the device idle before each micro-batch, waiting for its launch
+    sizes: list[list[int]] = []  # the real tokens of each micro-batch
+    for r in rounds(events, per_round):
+        launches = [e for e in r if e[0] == "launch"]
+        last_collected = max(e[2] for e in r if e[0] == "collected")
+        first = min(e[1] for e in r)
+        busy = sum(e[2] - e[1] for e in launches)
+        # the engine thread idle between launches before the last collection: nothing new was queued
+        idle = sum(min(b[1], last_collected) - a[2] for a, b in itertools.pairwise(launches))
+        renders = [e for e in r if e[0] == "render"]
+        tail = max(e[2] for e in renders) - last_collected if renders else 0.0
+        host = sum(e[2] - e[1] for e in r if e[0] in ("parse", "normalise", "render"))
+        done = sorted(e[2] - first for e in r if e[0] == "collected")
+        span = max(e[2] for e in r) - first
+        rows.append((launches[0][1] - first, busy, idle, tail, host, span, len(launches)))
+        dones.append(done)
+        sizes.append([TOKENS[e[1]] for e in launches if e[1] in TOKENS])
+        if marks:
+            pairs = [marks[e[1]] for e in launches if e[1] in marks]
+            for _, after in pairs:
+                after.synchronize()
+            spans.append([b.elapsed_time(a) for b, a in pairs])
+            idles.append([0.0] + [a0.elapsed_time(b1) for (_, a0), (b1, _) in itertools.pairwise(pairs)])
+    keep = rows[1:] or rows  # the first round warms up
+    med = [statistics.median(x[i] for x in keep) * 1e3 for i in range(6)]
+    out: dict[str, Any] = dict(
+        zip(
+            ("first_launch_ms", "launches_ms", "between_launches_ms", "tail_ms", "host_ms", "span_ms"),
+            med,
+            strict=True,
+        )
+    )
+    out["micro_batches"] = keep[0][6]
+    print(
+        f"{label:28s} first launch after {med[0]:6.2f} ms | launches {med[1]:7.2f} ms ({keep[0][6]}) | "
+        f"between launches {med[2]:6.2f} ms | tail {med[3]:5.2f} ms | parse+normalise+render "
+        f"{med[4]:5.2f} ms | span {med[5]:7.2f} ms",
+        flush=True,
+    )
+    done_keep = dones[1:] or dones
+    if len({len(d) for d in done_keep}) == 1:  # when each micro-batch's scores were in
+        done = [statistics.median(d[i] for d in done_keep) * 1e3 for i in range(len(done_keep[0]))]
+        out["collected_at_ms"] = done
+        print(f"{'':28s} micro-batches collected at {' / '.join(f'{t:.1f}' for t in done)} ms", flush=True)
+    keep_sizes = sizes[1:] or sizes
+    if keep_sizes and len({len(x) for x in keep_sizes}) == 1:
+        tokens = [statistics.median(x[i] for x in keep_sizes) for i in range(len(keep_sizes[0]))]
+        out["micro_batch_tokens"] = tokens
+        print(f"{'':28s} micro-batch tokens {' / '.join(f'{t:.0f}' for t in tokens)}", flush=True)
+    keep_spans, keep_idles = spans[1:] or spans, idles[1:] or idles
+    if keep_spans and len({len(x) for x in keep_spans}) == 1:
+        on = [statistics.median(x[i] for x in keep_spans) for i in range(len(keep_spans[0]))]
+        waits = [statistics.median(x[i] for x in keep_idles) for i in range(len(keep_idles[0]))]
+        out["device_ms"], out["device_idle_before_ms"] = on, waits
+        print(
+            f"{'':28s} device: micro-batches {' / '.join(f'{t:.1f}' for t in on)} ms, idle before each "
+            f"{' / '.join(f'{t:.1f}' for t in waits)} ms",
+            flush=True,
+        )
+    return out
+
+
+def client_side(timeline: list[dict[str, Any]], events: list[Event]) -> dict[str, Any]:
+    """Where the plain client's rounds (client.py's --timeline) go outside the server's span: from the
+    round's start to the first body parsed at the server, and from the last answer rendered to the
+    round's end, with the client's own steps (posting the bodies: json.dumps; parsing the last
+    answer: json.loads). Medians, ms; printed under the variant's lines."""
+    rows = []
+    for r in timeline:
+        inside = [e for e in events if r["start"] <= e[1] <= r["end"]]
+        parses = [e[1] for e in inside if e[0] == "parse"]
+        renders = [e[2] for e in inside if e[0] == "render"]
+        if not parses or not renders:
+            continue
+        posted = [q[0] for q in r["requests"]]
+        last = max(r["requests"], key=lambda q: q[2])
+        rows.append(
+            (
+                (min(parses) - r["start"]) * 1e3,
+                (max(posted) - min(posted)) * 1e3,
+                (r["end"] - max(renders)) * 1e3,
+                (last[1] - max(renders)) * 1e3,
+                (last[2] - last[1]) * 1e3,
+            )
+        )
+    names = (
+        "to_first_parse_ms",
+        "posting_ms",
+        "after_last_render_ms",
+        "last_read_after_render_ms",
+        "last_parse_ms",
+    )
+    if not rows:
+        return {}
+    med: dict[str, Any] = dict(
+        zip(names, (statistics.median(x[i] for x in rows) for i in range(len(names))), strict=True)
+    )
+    med |= arrivals(timeline, events)
+    print(
+        f"{'':28s} client: round start to the first body parsed {med['to_first_parse_ms']:.2f} ms "
+        f"(posting all {med['posting_ms']:.2f} ms) | last answer rendered to round end "
+        f"{med['after_last_render_ms']:.2f} ms (read after {med['last_read_after_render_ms']:.2f}, "
+        f"parsed in {med['last_parse_ms']:.2f})",
+        flush=True,
+    )
+    return med
+
+
+def arrivals(timeline: list[dict[str, Any]], events: list[Event]) -> dict[str, list[float]]:
+    """When, from the round's start, the k-th request was posted by the client (`posted_ms`: its task
+    called post), was first written to its socket (`sent_ms`), reached the app (`headers_ms`), had
+    its whole body read (`body_ms`), began to be parsed (`parse_start_ms`) and was normalised
+    (`normalised_ms`), and when the k-th micro-batch's launch began (`launch_ms`): per k, the median
+    over the rounds after the first."""
+    per: dict[str, list[list[float]]] = {}
+    for r in timeline[1:] or timeline:
+        inside = [e for e in events if r["start"] <= e[1] <= r["end"]]
+        times = {
+            "posted_ms": [q[0] for q in r["requests"]],
+            "sent_ms": list(r.get("sent", [])),
+            "headers_ms": [e[1] for e in inside if e[0] == "headers"],
+            "body_ms": [e[1] for e in inside if e[0] == "body"],
+            "parse_start_ms": [e[1] for e in inside if e[0] == "parse"],
+            "normalised_ms": [e[2] for e in inside if e[0] == "normalise"],
+            "launch_ms": [e[1] for e in inside if e[0] == "launch"],
+        }
+        for name, values in times.items():
+            per.setdefault(name, []).append(sorted((t - r["start"]) * 1e3 for t in values))
+    out: dict[str, list[float]] = {}
+    for name, rows in per.items():
+        if rows and len({len(x) for x in rows}) == 1:
+            out[name] = [round(statistics.median(x[i] for x in rows), 2) for i in range(len(rows[0]))]
+    if out:
+        print(f"{'':28s} arrivals: {out}", flush=True)
+    return out
+
+
+def in_process(
+    engine: PackedScorer, settings: Settings, requests: list[list[SequenceJob]], reps: int
+) -> None:
+    """`reps` rounds (after a warm-up) of `requests` submitted at once to a batcher of `settings`."""
+    loop = asyncio.new_event_loop()
+    batcher = Batcher.from_settings(engine, settings, Metrics())
+
+    async def round_of_requests() -> None:
+        await asyncio.gather(*(batcher.score(r) for r in requests))
+
+    loop.call_soon(batcher.start)
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        loop.run_until_complete(round_of_requests())
+        EVENTS.append(("start", start, start))
+        time.sleep(0.1)
+    loop.run_until_complete(batcher.stop())
+    loop.close()
+
+
+def in_process_budgets(
+    engine: PackedScorer,
+    settings: Settings,
+    requests: list[list[SequenceJob]],
+    budgets: list[int],
+    *,
+    reps: int,
+    marks: GpuMarks | None,
+) -> dict[str, Any]:
+    """`in_process` under each budget: its summary, or with several budgets one per
+    "max_batch_tokens=N"."""
+    out: dict[str, Any] = {}
+    for budget in budgets:
+        EVENTS.clear()
+        in_process(engine, settings.model_copy(update={"max_batch_tokens": budget}), requests, reps)
+        label = "engine in-process" + ("" if len(budgets) == 1 else f", max_batch_tokens={budget}")
+        measured = summary(label, EVENTS, 1, marks)
+        if len(budgets) == 1:
+            return measured
+        out[f"max_batch_tokens={budget}"] = measured
+    return out
+
+
+@contextlib.contextmanager
+def recording_server(events: list[Event]) -> Iterator[None]:
+    """Within: the app records each request's arrival (`received`) and the route its parse,
+    normalise and render (`recorded`) into `events`; the originals are back after."""
+    steps = {"parse_json": "parse", "parse_frame": "parse", "normalise": "normalise"}
+    steps |= {"to_json": "render", "to_frame": "render"}
+    saved = {name: getattr(api, name) for name in steps}
+    create_app = server.create_app  # type: ignore[attr-defined]
+    server.create_app = received(events, create_app)  # type: ignore[attr-defined]
+    for name, what in steps.items():
+        setattr(api, name, recorded(events, what, saved[name]))
+    try:
+        yield
+    finally:
+        server.create_app = create_app  # type: ignore[attr-defined]
+        for name, fn in saved.items():
+            setattr(api, name, fn)
+
+
+def over_http(
+    engine: PackedScorer,
+    settings: Settings,
+    samples: list[Sample],
+    args: argparse.Namespace,
+    marks: GpuMarks | None,
+) -> dict[str, Any]:
+    """The rounds of each of `args.clients` against the real app of `settings` on loopback: each
+    one's `summary`, its client round and (plain) `client_side`."""
+    out: dict[str, Any] = {}
+    with HttpServer(engine, settings) as url:
+        for name in args.clients:
+            frames, mode = CLIENTS[name]
+            bodies = http_bodies(samples, frames=frames)
+            EVENTS.clear()
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "timeline.json" if mode == "plain" else None
+                rounds_s = http_rounds(url, bodies, args.reps, mode, frames, timeline=path)
+                seconds = statistics.median(rounds_s)
+                timeline = json.loads(path.read_text()) if path is not None else []
+            label = f"http {'frames' if frames else 'JSON'}, client {mode}"
+            out[name] = summary(label, EVENTS, len(bodies), marks) | {"client_round_ms": seconds * 1e3}
+            print(f"{'':28s} client round {seconds * 1e3:.1f} ms", flush=True)
+            out[name] |= client_side(timeline, EVENTS)
+    return out
+
+
+def arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen2.5-0.5b")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--switch-interval", type=float, default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
+    parser.add_argument("--launch-hold-ms", type=float, nargs="+", default=[Settings().launch_hold_ms])
+    parser.add_argument("--batch-wait-ms", type=float, nargs="+", default=[Settings().batch_wait_ms])
+    parser.add_argument("--max-batch-tokens", type=int, nargs="+", default=[Settings().max_batch_tokens])
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="standard")
+    parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
+    every = ["frames", "frames-httpcore", "json", "processes"]
+    parser.add_argument("--clients", nargs="+", choices=list(CLIENTS), default=every)
+    parser.add_argument("--output", type=Path, default=RESULTS / "overhead-latest.json")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    device = torch.device(args.device)
+    settings = Settings(
+        device=device.type,
+        dtype="bfloat16" if device.type == "cuda" else "float32",
+        cuda_graphs=args.cuda_graphs,
+        max_batch_tokens=max(args.max_batch_tokens),
+    )
+    backend, _, model = packed_model(dict(SHAPES[args.model]), getattr(torch, settings.dtype), device)
+    engine = PackedScorer(
+        LoadedModel(model, args.model, demo=False), device, backend, settings.engine_config()
+    )
+    engine.warm_up()
+    marks: GpuMarks | None = {} if device.type == "cuda" else None
+    engine.launch = recorded_launches(EVENTS, engine.launch, marks)  # type: ignore[method-assign,assignment]
+    samples = WORKLOADS[args.workload](int(SHAPES[args.model]["vocab_size"]), args.scale)
+    the_jobs = jobs(samples)
+    per = len(the_jobs) // 8 or 1
+    requests = [the_jobs[i : i + per] for i in range(0, len(the_jobs), per)]
+    budgets = args.max_batch_tokens
+    results: dict[str, Any] = {
+        **provenance("probes.overhead", device, argv),
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "in_process": in_process_budgets(engine, settings, requests, budgets, reps=args.reps, marks=marks),
+        "http": {},
+    }
+
+    with recording_server(EVENTS):
+        for hold, wait, budget in itertools.product(args.launch_hold_ms, args.batch_wait_ms, budgets):
+            named = (
+                f"launch_hold_ms={hold:g}"
+                + ("" if len(args.batch_wait_ms) == 1 else f",batch_wait_ms={wait:g}")
+                + ("" if len(budgets) == 1 else f",max_batch_tokens={budget}")
+            )
+            print(f"== {named}", flush=True)
+            held = settings.model_copy(
+                update={"launch_hold_ms": hold, "batch_wait_ms": wait, "max_batch_tokens": budget}
+            )
+            results["http"][named] = over_http(engine, held, samples, args, marks)
+    write_result(args.output, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

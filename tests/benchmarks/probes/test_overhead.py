@@ -1,0 +1,61 @@
+"""CPU smoke test of the server-side timeline benchmark: a GRPO round in-process and over HTTP from
+the plain JSON client, each request's parse, the engine's launches and collections in the JSON."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.probes.overhead import main
+
+
+@pytest.mark.slow
+def test_a_grpo_round_in_process_and_over_plain_json(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--workload", "grpo-short", "--scale", "0.05"]
+    assert main([*argv, "--clients", "plain", "--reps", "1", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    inside = result["in_process"]
+    assert inside["micro_batches"] >= 1
+    assert inside["host_ms"] == 0  # no HTTP: nothing parsed, normalised or rendered
+    over = result["http"]["launch_hold_ms=25"]["plain"]
+    assert over["host_ms"] > 0  # the 8 requests' parse, normalise and render were timed
+    assert 0 < over["span_ms"] <= over["client_round_ms"]
+    assert sum(over["micro_batch_tokens"]) == sum(inside["micro_batch_tokens"])  # the round's tokens
+    # the plain client's timeline: its bodies reach the server after the round starts, and the round
+    # ends after the last answer is rendered, read and parsed
+    assert over["to_first_parse_ms"] > 0
+    assert over["posting_ms"] >= 0
+    assert over["after_last_render_ms"] >= over["last_read_after_render_ms"] > 0
+    # when each of the 8 requests got to each step (k-th earliest, from the round's start): posted by
+    # its client task, sent to its transport, handed to the app, its body read, parsed, normalised;
+    # and the first launch
+    steps = ["posted_ms", "sent_ms", "headers_ms", "body_ms", "parse_start_ms", "normalised_ms"]
+    assert all(len(over[step]) == 8 for step in steps)
+    for before, after in itertools.pairwise(steps[2:]):
+        assert all(a <= b for a, b in zip(over[before], over[after], strict=True)), (before, after)
+    assert over["posted_ms"][0] < over["sent_ms"][0] < over["headers_ms"][0]
+    assert len(over["launch_ms"]) == over["micro_batches"]
+    assert over["launch_ms"][0] >= over["normalised_ms"][0]
+
+
+@pytest.mark.slow
+def test_budgets_run_in_process_and_over_http_each(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--workload", "grpo-short", "--scale", "0.05"]
+    budgets = ["--max-batch-tokens", "4096", "64"]
+    assert main([*argv, *budgets, "--clients", "plain", "--reps", "1", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    large, small = (result["in_process"][f"max_batch_tokens={b}"] for b in (4096, 64))
+    assert large["micro_batches"] == 1  # the whole round fits 4096 tokens
+    assert small["micro_batches"] > 1
+    assert max(small["micro_batch_tokens"]) <= 64
+    # a group split over micro-batches computes its prompt in each
+    assert sum(small["micro_batch_tokens"]) >= sum(large["micro_batch_tokens"])
+    over = {b: result["http"][f"launch_hold_ms=25,max_batch_tokens={b}"]["plain"] for b in (4096, 64)}
+    assert sum(over[4096]["micro_batch_tokens"]) == sum(large["micro_batch_tokens"])
+    assert over[64]["micro_batches"] > 1
+    assert max(over[64]["micro_batch_tokens"]) <= 64

@@ -1,0 +1,53 @@
+"""CPU smoke test of the routing-replay benchmark on the tiny MoE: frames and both JSON forms from a
+plain client, each replay checked against the live scores (agreement 1.0) before it is timed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.replay import main
+from tests.benchmarks.page_rows import page_rows
+
+
+@pytest.mark.slow
+def test_replay_benchmark_runs_every_form_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "replay.json"
+    argv = ["--models", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--sequences", "8"]
+    argv += ["--reps", "1", "--json-forms", "base64", "lists", "--output", str(out)]
+    assert main(argv) == 0
+    tiny = json.loads(out.read_text())["models"]["tiny-moe"]
+    assert list(tiny["variants"]) == [
+        "live",
+        "record",
+        "replay",
+        "live_json",
+        "record_base64",
+        "replay_base64",
+        "record_lists",
+        "replay_lists",
+    ]
+    assert tiny["variants"]["live"]["cost_over_live"] == 0
+    assert tiny["variants"]["live_json"]["cost_over_live"] == 0.0
+    assert tiny["replay_vs_live_max_abs_diff"] < 1e-4  # float32: the recorded routes are the live ones
+    assert tiny["replay_exact_agreement_min"] == 1.0
+    assert 1 <= tiny["route_bytes_per_entry"] < 1.1  # one byte an entry (u1), and the rows' lengths
+    base64_bytes = tiny["variants"]["replay_base64"]["request_bytes"]
+    assert base64_bytes > tiny["variants"]["replay"]["request_bytes"]  # 4/3 x 4 bytes an id, not 1
+    (row,) = page_rows("replay", out)  # the results page reads what the suite wrote
+    assert row[1] == "tiny-moe"
+    assert row[2].startswith(f"{tiny['variants']['live']['ms']:,.1f} (")
+
+
+def test_a_json_replay_is_held_to_the_frame_replay_of_the_same_routes() -> None:
+    from benchmarks.replay import RouteCheck
+
+    exact = RouteCheck(agreement=1.0, max_abs_diff=0.0)
+    assert exact.holds(RouteCheck(1.0, 5e-4))
+    assert not exact.holds(RouteCheck(0.98, 0.0))  # float32: a route lost in the JSON form shows
+    bf16 = RouteCheck(agreement=0.975, max_abs_diff=0.03)  # other micro-batches, near-ties flip
+    assert bf16.holds(RouteCheck(0.977, 0.0285))
+    assert not bf16.holds(RouteCheck(0.5, 0.03))  # routes read misaligned
+    assert not bf16.holds(RouteCheck(0.975, 0.5))
