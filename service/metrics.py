@@ -19,8 +19,10 @@ from prometheus_client import (
 from prometheus_client import Info as InfoMetric
 from prometheus_client.core import HistogramMetricFamily, Metric
 
+from service.core.cache_plan import BLOCK
 from service.core.errors import OUTCOMES
 from service.core.jobs import IntArray
+from service.core.prefix_cache import Stats
 from service.wire.schemas import RolloutMismatch, RouteAgreementSummary
 
 PREFIX = "logprobd"
@@ -93,6 +95,32 @@ class Metrics:
         self.computed_tokens = Counter(
             f"{PREFIX}_computed_tokens",
             "Tokens run through the decoder: input tokens less the shared prefixes computed once.",
+            registry=r,
+        )
+        self.cache_hit_tokens = Counter(
+            f"{PREFIX}_prefix_cache_hit_tokens",
+            "Tokens of scored sequences the prefix cache served (their keys, values and hidden states "
+            "read, not computed).",
+            registry=r,
+        )
+        self.cache_miss_tokens = Counter(
+            f"{PREFIX}_prefix_cache_miss_tokens",
+            "Tokens of scored sequences the prefix cache did not serve (computed).",
+            registry=r,
+        )
+        self.cache_evicted_tokens = Counter(
+            f"{PREFIX}_prefix_cache_evicted_tokens",
+            "Tokens the prefix cache evicted (least recently used first) to make room.",
+            registry=r,
+        )
+        self.cache_held_bytes = Gauge(
+            f"{PREFIX}_prefix_cache_held_bytes",
+            "Bytes of the prefix cache's pools holding entries (every served model's).",
+            registry=r,
+        )
+        self.cache_capacity_bytes = Gauge(
+            f"{PREFIX}_prefix_cache_capacity_bytes",
+            "Bytes of the prefix cache's pools (every served model's); 0: no cache.",
             registry=r,
         )
         self.request_seconds = Histogram(
@@ -269,6 +297,15 @@ class Metrics:
         counts = counts[counts.sum(axis=1) > 0]  # a layer that routed nothing has no shares
         if counts.size:
             self.expert_load.observe(counts * counts.shape[1] / counts.sum(axis=1, keepdims=True))
+
+    def observe_prefix_cache(self, stats: Stats, seen: Stats, capacity_bytes: int) -> None:
+        """The prefix cache's counts since `seen` (the last observation), and what it holds now."""
+        self.cache_hit_tokens.inc(max(0, stats.hit_tokens - seen.hit_tokens))
+        self.cache_miss_tokens.inc(max(0, stats.miss_tokens - seen.miss_tokens))
+        self.cache_evicted_tokens.inc(max(0, stats.evicted_blocks - seen.evicted_blocks) * BLOCK)
+        self.cache_capacity_bytes.set(capacity_bytes)
+        if stats.capacity_blocks:
+            self.cache_held_bytes.set(capacity_bytes * stats.held_blocks / stats.capacity_blocks)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

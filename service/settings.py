@@ -188,6 +188,29 @@ class Settings(BaseSettings):
         "shorter one (a beginning-of-sequence token, a few template tokens) is computed with each "
         "sequence, as sharing it would cost more than it saves.",
     )
+    prefix_cache: bool = Field(
+        True,
+        description="Keep the keys, values and final hidden states the engine computed for token prefixes "
+        "across micro-batches and requests, per model and weights version, so a prompt is computed once "
+        "whichever request brings it (a GRPO group split over trainer ranks, each step of an agent's "
+        "trajectory, a teacher's repeated system prompt). Dropped for a model when its weights change, "
+        "and by POST /flush_cache. Scores are the same function of the same tokens; bitwise the same "
+        "in batch-invariant mode (docs/semantics.md).",
+    )
+    prefix_cache_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="Tokens each served model's prefix cache holds (the least recently used go first). "
+        "Unset: prefix_cache_memory_fraction of the accelerator memory left beside the weights and a "
+        "micro-batch's working set (measured at start); 65536 on CPU.",
+    )
+    prefix_cache_memory_fraction: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="Share of the memory left beside the weights and a micro-batch's working set that the "
+        "prefix cache takes when prefix_cache_tokens is unset; the longest sequence is sized from the rest.",
+    )
     batch_wait_ms: float = Field(
         5.0,
         ge=0,
@@ -354,9 +377,10 @@ GROUPS = (
     ),
     _group(
         "scoring",
-        "How the forward computes: kernels, batch invariance, shared prefixes (docs/performance.md).",
+        "How the forward computes: kernels, batch invariance, shared prefixes and the prefix cache "
+        "(docs/performance.md).",
         "attention decoder kernels mlp_kernel moe_kernel head_kernel cuda_graphs batch_invariant "
-        "share_prefixes share_min_tokens",
+        "share_prefixes share_min_tokens prefix_cache prefix_cache_tokens prefix_cache_memory_fraction",
     ),
     _group(
         "batching",

@@ -25,7 +25,7 @@ def settings(*argv: str) -> Settings:
 
 
 def test_the_boolean_settings_are_the_ones_the_docs_name() -> None:
-    assert BOOLEANS == ["batch_invariant", "share_prefixes", "auth_all_routes", "docs_ui"]
+    assert BOOLEANS == ["batch_invariant", "share_prefixes", "prefix_cache", "auth_all_routes", "docs_ui"]
 
 
 @pytest.mark.parametrize("name", BOOLEANS)

@@ -56,7 +56,9 @@ from benchmarks.workload import Sample, grpo_long, grpo_short, host_info, worklo
 from service.answer.layout import answer, to_json
 from service.client.wire import Scores, from_frame
 from service.client.wire import to_frame as client_frame
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, SequenceJob, SequenceScores
+from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest, share
 from service.engine.contract import ReloadOrder, StagedWeights, WeightsState
 from service.engine.scorer.inflight import HOST_ID_DTYPE, HostExtras, InFlight
@@ -174,8 +176,17 @@ class InstantEngine:
             np.where(rank <= k, top[rows, np.minimum(rank, k) - 1], top[:, -1] - 1.0).astype(np.float32)
         )
 
+    prefix_cache: PrefixIndex | None = None  # no prefix cache: every launch computes all it is given
+
+    def flush_cache(self) -> None:
+        pass
+
     def launch(
-        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+        self,
+        jobs: Sequence[SequenceJob],
+        chunk: Chunk | None = None,
+        forest: Forest | None = None,
+        cache: CachePlan | None = None,
     ) -> _Ready | InFlight | _Timed:
         launched = self._launch(jobs, chunk)
         if not self.device_s:

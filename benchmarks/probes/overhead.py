@@ -105,7 +105,7 @@ def recorded_launches(
     """Record each launch's host time; with `marks`, also CUDA events on the engine's stream before
     and after its work, so the device's own timeline shows when it ran each micro-batch."""
 
-    def wrapper(the_jobs: Any, chunk: Any = None, forest: Any = None) -> Launched:
+    def wrapper(the_jobs: Any, chunk: Any = None, forest: Any = None, cache: Any = None) -> Launched:
         start = time.perf_counter()
         whole = forest.computed_tokens if forest is not None else sum(job.num_tokens for job in the_jobs)
         TOKENS[start] = whole + (chunk.num_tokens if chunk else 0)
@@ -114,7 +114,7 @@ def recorded_launches(
             before = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             before.record()
         try:
-            return RecordedLaunch(events, launch(the_jobs, chunk, forest))
+            return RecordedLaunch(events, launch(the_jobs, chunk, forest, cache))
         finally:
             if marks is not None:
                 after = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]

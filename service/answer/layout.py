@@ -169,11 +169,13 @@ def answer(
     rollout: RolloutMismatch | None = None,
     *,
     computed_tokens: int | None = None,
+    cached_tokens: int = 0,
     agreement: RouteAgreementSummary | None = None,
 ) -> dict[str, Any]:
     """A LogprobsResponse, its rows as numpy arrays (JSON or a frame writes it). Non-action entries
     of a window are exactly 0.0; `versions` are the weights (model -> version) the request ran on;
-    `computed_tokens` what the decoder ran for it (None: its input tokens); `agreement` the
+    `computed_tokens` what the decoder ran for it (None: its input tokens), `cached_tokens` what the
+    prefix cache served it; `agreement` the
     request's route agreement (route_agreement), when it gave routes."""
     job = plan.jobs[0]  # the options are the request's, the same for every job
     masks = []
@@ -194,6 +196,7 @@ def answer(
             "input_tokens": plan.input_tokens,
             "scored_tokens": plan.scored_tokens,
             "computed_tokens": plan.input_tokens if computed_tokens is None else computed_tokens,
+            "cached_tokens": cached_tokens,
         },
         "weights_version": versions["policy"],
         "ref_weights_version": versions["reference"] if job.return_ref else None,

@@ -17,6 +17,13 @@ micro-batch. Synchronous and clock-free; `runner.py` calls it and moves what it 
 - A request may cap the micro-batches holding its sequences (`Request.batch_tokens`, below the
   budget): a streamed answer's first choices are sent while later ones compute.
 - A micro-batch that runs out of memory is split (`split`): its chunk apart, then halves.
+- The prefix cache (core/prefix_cache.py): a sequence's first tokens that the cache holds are
+  neither computed nor counted (its cost starts past them; only sequences reading the same cached
+  prefix share further), and a sequence is chunked only when what it computes passes the budget. A
+  micro-batch gathers at most caching.READS_PER_TOKEN (16) x the budget cached keys (beside a first
+  sequence).
+  Its plan (what it reads and writes) is made with it, and settled once its launch is queued or
+  failed (`settle`); the parts of one that ran out of memory read what it read and write nothing.
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic
 
+from service.batcher.caching import Caching, Lookups
 from service.batcher.queue import Batch, Chunked, F, Pending, Request
 from service.core.errors import Overloaded, VersionMismatch
 from service.core.jobs import Chunk, SequenceJob
+from service.core.prefix_cache import MISS, ChunkStep, Hit, PrefixIndex
 from service.core.prefixes import Grouper, common_routed_prefix
 from service.engine.contract import SHAPE_STEP
 from service.settings import Settings
@@ -59,8 +68,11 @@ class Policy(Generic[F]):
         *,
         max_queued_tokens: int | None = None,
         share_min_tokens: int | None = None,
+        cache: PrefixIndex | None = None,
     ) -> None:
         self.budget = budget
+        self.cache = cache
+        self.caching: Caching[F] = Caching(cache, share_min_tokens, budget)
         self.versions = versions  # model -> the version served: what a request starting now runs on
         self.max_queued = max_queued_tokens
         self.share_min = share_min_tokens
@@ -110,11 +122,17 @@ class Policy(Generic[F]):
             return True
         return any(p.request.versions is not None and not p.gone for p in self._queue)
 
-    def take(self, only_started: bool) -> Taken[F]:  # noqa: PLR0915 (one pass over the queue)
+    def take(self, only_started: bool) -> Taken[F]:
         """Pop queued sequences in order while what they compute fits the token budget (at least
         one), then sharers from behind the first that does not, then the next chunk of the long
         sequence being scored. With `only_started` (a swap is waiting) only sequences of started
         requests are taken."""
+        if self.cache is None:
+            return self._take(only_started, Lookups(None))
+        with self.cache.lock:  # no weights dropped or flush between a lookup and the plan made of it
+            return self._take(only_started, Lookups(self.cache))
+
+    def _take(self, only_started: bool, hit: Lookups) -> Taken[F]:  # noqa: PLR0915 (one pass over the queue)
         taken: Taken[F] = Taken(Batch([]))
         if self.chunked is not None and self.chunked.pending.future.done():  # its request is gone
             taken.release = self._end_chunked()
@@ -126,6 +144,7 @@ class Policy(Generic[F]):
         cap = self.budget  # the budget, or the least Request.batch_tokens below it of the sequences taken
         grouper = Grouper(self.share_min) if self.share_min is not None else None
         looked: int | None = None  # behind the first that did not fit: how many looked at
+        reads = 0  # cached keys the micro-batch gathers
         while self._queue:
             p = self._queue.popleft()
             cost: int | None = None  # what it computes beside the micro-batch, once known
@@ -135,8 +154,15 @@ class Policy(Generic[F]):
                     self._queue.appendleft(p)
                     break
                 looked += 1
-                cost = grouper.cost(p.job.tokens, p.job.routes)
-                if cost == p.job.num_tokens or tokens + cost > min(room, cap, _cap(p)) or p.gone:
+                h = hit(p)
+                cost = grouper.cost(p.job.tokens, p.job.routes, h.cached, h.root)
+                alone = cost == p.job.num_tokens - h.cached
+                if (
+                    alone
+                    or tokens + cost > min(room, cap, _cap(p))
+                    or p.gone
+                    or not self.caching.reads_fit(reads, h)
+                ):
                     skipped.append(p)  # shares nothing with the micro-batch, or does not fit
                     continue
             if not p.gone and p.request.versions is None and not only_started:
@@ -147,17 +173,21 @@ class Policy(Generic[F]):
             if only_started and p.request.versions is None:
                 skipped.append(p)
                 continue
-            if p.job.num_tokens > self.budget:
+            h = hit(p)
+            if p.job.num_tokens - h.cached > self.budget:
                 if self.chunked is None:
-                    self.chunked = Chunked(p, next(self._sequence_ids))
+                    self.chunked = Chunked(p, next(self._sequence_ids), next_start=h.cached, hit=h)
+                    self.queued_tokens -= h.cached  # served, never computed
                     room = shared
                 else:
                     skipped.append(p)
                 continue
             if cost is None:
-                cost = grouper.cost(p.job.tokens, p.job.routes) if grouper is not None else p.job.num_tokens
+                computed = p.job.num_tokens - h.cached
+                cost = grouper.cost(p.job.tokens, p.job.routes, h.cached, h.root) if grouper else computed
             limit = min(room, cap, _cap(p))
-            if batch and (tokens + cost > limit or self._would_split(p, cost, limit - tokens, limit)):
+            too_much = tokens + cost > limit or not self.caching.reads_fit(reads, h)
+            if batch and (too_much or self._would_split(p, cost, limit - tokens, limit, h)):
                 if grouper is None:
                     self._queue.appendleft(p)
                     break
@@ -167,20 +197,26 @@ class Policy(Generic[F]):
             self.queued_tokens -= p.job.num_tokens
             batch.append(p)
             tokens += cost
+            reads += h.cached
             cap = min(cap, _cap(p))
             if grouper is not None:
-                grouper.add(p.job.tokens, p.job.routes)
+                grouper.add(p.job.tokens, p.job.routes, h.cached, h.root)
         self._queue.extendleft(reversed(skipped))
-        taken.batch = self._with_chunk(batch, tokens, cap)
+        taken.batch = self._with_chunk(batch, tokens, cap, hit)
         return taken
 
-    def _would_split(self, p: Pending[F], cost: int, left: int, limit: int) -> bool:
+    def settle(self, batch: Batch[F], queued: bool) -> None:
+        """After `batch`'s launch (queued, or failed): caching.py's."""
+        self.caching.settle(batch, queued)
+
+    def _would_split(self, p: Pending[F], cost: int, left: int, limit: int, h: Hit = MISS) -> bool:
         """Whether p opens a prefix group that does not fit in the `left` tokens of the micro-batch
         but would fit one of `limit` alone. Its group: the sequences queued right behind p that
         share more with it (at least share_min tokens) than p shares with the micro-batch (a GRPO
         request's samples). Taking only part of it would compute the group's prefix twice, once
-        here and once beside the rest of the group in the next micro-batch."""
-        if self.share_min is None:
+        here and once beside the rest of the group in the next micro-batch (unless the prefix cache
+        serves it: then it is computed once whichever micro-batch takes the rest)."""
+        if self.share_min is None or h.cached:
             return False
         shared = p.job.num_tokens - cost  # what p shares with the micro-batch
         group = cost
@@ -197,12 +233,15 @@ class Policy(Generic[F]):
         """The parts to retry a micro-batch that ran out of memory as: its whole sequences apart from
         its chunk, else two halves; none when it is one sequence or one chunk (that one fails)."""
         if batch.chunk is not None and batch.pending:
-            return [Batch.of(batch.pending, self.share_min), Batch([], batch.chunk, batch.chunked)]
+            return [
+                self.caching.part(batch, 0, len(batch.pending), False),
+                self.caching.part(batch, 0, 0, True),
+            ]
         if len(batch.pending) > 1:
             half = len(batch.pending) // 2
             return [
-                Batch.of(batch.pending[:half], self.share_min),
-                Batch.of(batch.pending[half:], self.share_min),
+                self.caching.part(batch, 0, half, False),
+                self.caching.part(batch, half, len(batch.pending), False),
             ]
         return []
 
@@ -223,21 +262,30 @@ class Policy(Generic[F]):
         self.queued_tokens -= chunked.pending.job.num_tokens - chunked.next_start
         return chunked.sequence
 
-    def _with_chunk(self, batch: list[Pending[F]], tokens: int, cap: int) -> Batch[F]:
+    def _with_chunk(self, batch: list[Pending[F]], tokens: int, cap: int, hit: Lookups) -> Batch[F]:
         """`batch`, ended by the next chunk of the chunked sequence, in what `cap` leaves (the budget,
-        or the least batch_tokens of batch's requests below it)."""
+        or the least batch_tokens of batch's requests below it); planned with the prefix cache."""
+        hits = None if self.cache is None else [hit(p) for p in batch]
         chunked = self.chunked
         least = min(SHAPE_STEP, max(1, self.budget // 8))
         if chunked is None or (batch and cap - tokens < least):  # no room: the next one
-            return Batch.of(batch, self.share_min)
+            return self.caching.planned(Batch.of(batch, self.share_min, hits=hits), None)
         job = chunked.pending.job
+        if self.cache is not None and chunked.next_start == chunked.cached:  # its first chunk: looked up now
+            fresh = hit(chunked.pending)
+            self.queued_tokens += chunked.cached - fresh.cached
+            chunked.hit, chunked.next_start = fresh, fresh.cached
         start = chunked.next_start
         end = min(job.num_tokens, start + cap - tokens)
         chunked.next_start = end
         self.queued_tokens -= end - start
         if end == job.num_tokens:
             self.chunked = None  # the last chunk: the engine drops the stores after it
-        return Batch.of(batch, self.share_min, Chunk(job, chunked.sequence, start, end), chunked)
+        chunk = Chunk(job, chunked.sequence, start, end, chunked.cached)
+        step = None
+        if self.cache is not None and chunked.hit is not None:
+            step = ChunkStep(job, start, end, chunked.hit, chunked.tail)
+        return self.caching.planned(Batch.of(batch, self.share_min, chunk, chunked, hits), step)
 
     def _start(self, request: Request[F], refused: list[Request[F]]) -> None:
         try:

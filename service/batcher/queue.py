@@ -12,9 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from service.core.cache_plan import NOTHING, CachePlan, Reuse
 from service.core.errors import VersionMismatch
 from service.core.jobs import Chunk, SequenceJob, SequenceScores
-from service.core.prefixes import Forest, share
+from service.core.prefix_cache import Block, Hit, Lease
+from service.core.prefixes import Forest, alone, share
 
 
 class Answer(Protocol):
@@ -33,6 +35,7 @@ class Request(Generic[F]):
     versions: Mapping[str, str] | None = None  # set when its first sequence is taken
     refused: VersionMismatch | None = None  # its pins named weights no longer served when it started
     computed: float = 0.0  # tokens computed for its sequences scored so far (Forest.shares)
+    cached: int = 0  # tokens of its sequences scored so far that the prefix cache served
     batch_tokens: int | None = None  # the most a micro-batch holding its sequences computes (None: any)
 
 
@@ -59,6 +62,12 @@ class Chunked(Generic[F]):
     sequence: int  # its id at the engine
     next_start: int = 0
     parts: list[SequenceScores] = field(default_factory=list)
+    hit: Hit | None = None  # what the prefix cache serves it: its first chunk starts at hit.cached
+    tail: Block | None = None  # the last block its chunks wrote to the prefix cache
+
+    @property
+    def cached(self) -> int:
+        return self.hit.cached if self.hit is not None else 0
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +79,9 @@ class Batch(Generic[F]):
     chunk: Chunk | None = None
     chunked: Chunked[F] | None = None  # whose chunk it is
     forest: Forest | None = None
+    hits: list[Hit] | None = None  # each sequence's lookup in the prefix cache (None: no cache)
+    plan: CachePlan | None = None  # what it reads from and writes to the prefix cache
+    lease: Lease | None = None
 
     @classmethod
     def of(
@@ -78,13 +90,21 @@ class Batch(Generic[F]):
         share_min_tokens: int | None,
         chunk: Chunk | None = None,
         chunked: Chunked[F] | None = None,
+        hits: list[Hit] | None = None,
     ) -> Batch[F]:
-        """The micro-batch of `pending` (and the chunk), with the prefixes they share found."""
+        """The micro-batch of `pending` (and the chunk), with the prefixes they share found; `hits`:
+        what the prefix cache serves each (their computing starts there)."""
+        floors = None if hits is None else [h.cached for h in hits]
         forest = None
-        if share_min_tokens is not None and len(pending) > 1:
-            forest = share([p.job.tokens for p in pending], share_min_tokens, [p.job.routes for p in pending])
-            forest = forest if forest.shared else None
-        return cls(pending, chunk, chunked, forest)
+        if share_min_tokens is not None and (len(pending) > 1 or any(floors or ())):
+            roots = None if hits is None else [h.root for h in hits]
+            tokens, routes = [p.job.tokens for p in pending], [p.job.routes for p in pending]
+            forest = share(tokens, share_min_tokens, routes, floors, roots)
+        elif floors is not None and any(floors):
+            forest = alone([p.job.num_tokens for p in pending], floors)
+        if forest is not None and not (forest.shared or forest.cached):
+            forest = None
+        return cls(pending, chunk, chunked, forest, hits)
 
     @property
     def jobs(self) -> list[SequenceJob]:
@@ -95,6 +115,10 @@ class Batch(Generic[F]):
         """Tokens it computes."""
         whole = self.forest.computed_tokens if self.forest else sum(p.job.num_tokens for p in self.pending)
         return whole + (self.chunk.num_tokens if self.chunk else 0)
+
+    def reuses(self) -> list[Reuse]:
+        """What the prefix cache served each whole sequence."""
+        return list(self.plan.jobs) if self.plan is not None else [NOTHING] * len(self.pending)
 
     def shares(self) -> list[float]:
         """Tokens computed for each whole sequence (a shared prefix's split among its sequences)."""

@@ -8,7 +8,9 @@ engine thread and the requests' futures, and waits. No scheduling decision is ma
   launch on an idle accelerator holds the event loop (GIL released) for at most `hold_s`.
 - With the engine idle and less than a budget queued, the worker collates for at most `wait_s`.
 - Staged weights are applied on the engine thread at the barrier `Policy.open` defines, after every
-  launched micro-batch is collected.
+  launched micro-batch is collected (the engine drops the model's prefix-cache entries).
+- A micro-batch's prefix-cache plan is settled once its launch is queued or failed
+  (`Policy.settle`); the cache's counts go to the metrics after each micro-batch is taken.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Scored:
     scores: list[SequenceScores]
     versions: Mapping[str, str]
     computed_tokens: int = 0  # run through the decoder for it: a shared prefix split among its sequences
+    cached_tokens: int = 0  # served by the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,15 +97,19 @@ class Batcher:
         max_queued_tokens: int | None = None,
         hold_s: float = LAUNCH_HOLD_S,
         share_min_tokens: int | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         """share_min_tokens: compute prefixes of at least this many tokens that sequences share once
-        (None: never)."""
+        (None: never); prefix_cache: plan micro-batches with the engine's prefix cache (where it has one)."""
         self._engine = engine
+        self._cache = engine.prefix_cache if prefix_cache else None
+        self._cache_seen = self._cache.stats() if self._cache is not None else None  # as last observed
         self._policy: Policy[Future] = Policy(
             max_batch_tokens,
             _serving_versions(engine),
             max_queued_tokens=max_queued_tokens,
             share_min_tokens=share_min_tokens,
+            cache=self._cache,
         )
         self._tokens_per_s = 0.0  # moving average of the engine's speed, for Retry-After
         self._wait_s = wait_s  # collation window when the engine is idle and the queue under budget
@@ -129,7 +136,13 @@ class Batcher:
             hold_s=settings.launch_hold_ms / 1e3,
             max_queued_tokens=settings.max_queued_tokens,
             share_min_tokens=sharing(settings),
+            prefix_cache=settings.prefix_cache,
         )
+
+    def flush_cache(self) -> None:
+        """Drop every entry of the engine's prefix cache (POST /flush_cache)."""
+        self._engine.flush_cache()
+        self._observe_cache()
 
     def start(self) -> None:
         self._worker = asyncio.create_task(self._run(), name="logprobd-batcher")
@@ -172,7 +185,17 @@ class Batcher:
         future drops its sequence if it has not reached the engine; the caller retrieves every
         failure (or cancels). All come from one set of weights, as `submit`'s do. `batch_tokens`
         caps the micro-batches holding them below the budget, so that the first come back sooner."""
-        return self._queue(jobs, pins, batch_tokens).futures
+        return self.queue_each(jobs, pins, batch_tokens=batch_tokens).futures
+
+    def queue_each(
+        self,
+        jobs: Sequence[SequenceJob],
+        pins: Mapping[str, str] | None = None,
+        *,
+        batch_tokens: int | None = None,
+    ) -> Request[Future]:
+        """`submit_each`'s request: its futures, and the tokens computed and cached for them so far."""
+        return self._queue(jobs, pins, batch_tokens)
 
     def _queue(
         self, jobs: Sequence[SequenceJob], pins: Mapping[str, str] | None, batch_tokens: int | None = None
@@ -196,7 +219,7 @@ class Batcher:
                 if not f.cancel() and not f.cancelled():
                     f.exception()
         assert request.versions is not None
-        return Scored(scores, request.versions, round(request.computed))
+        return Scored(scores, request.versions, round(request.computed), request.cached)
 
     async def apply(self, staged: StagedWeights) -> Applied:
         """Put staged weights in service at the next barrier: requests that started finish on the
@@ -240,6 +263,7 @@ class Batcher:
             assert request.refused is not None
             self._fail_futures(request.futures, request.refused)
         self._gauge()
+        self._observe_cache()
         return taken.batch
 
     def _hand_over_a_full_budget(self) -> None:
@@ -265,7 +289,7 @@ class Batcher:
         """`engine.launch` of the batch on the engine thread; on an idle accelerator, the event loop
         waits for it (GIL released), at most `hold_s`, so the launch does not take turns for the GIL
         with requests parsed on the loop meanwhile (they would queue behind it anyway)."""
-        future = self._executor.submit(self._engine.launch, batch.jobs, batch.chunk, batch.forest)
+        future = self._executor.submit(self._engine.launch, batch.jobs, batch.chunk, batch.forest, batch.plan)
         if not self._flights:
             concurrent.futures.wait([future], timeout=self._hold_s)
         return asyncio.wrap_future(future)
@@ -291,12 +315,14 @@ class Batcher:
         try:
             handle = await (self._send(batch) if handed is None else handed.handle)
         except OutOfMemory as exc:
+            self._policy.settle(batch, queued=False)
             await self._out_of_memory(batch, exc)
             return
         except Exception as exc:  # a failed forward fails its requests, never the server
             log.exception("micro-batch of %d sequences failed", len(batch))
             self._fail(batch, EngineFailure(f"scoring failed: {type(exc).__name__}: {exc}"))
             return
+        self._policy.settle(batch, queued=True)
         flight = _Flight(batch, tokens, launched)
         flight.collected = asyncio.create_task(self._collect(flight, handle), name="logprobd-collect")
         self._flights.append(flight)
@@ -344,13 +370,18 @@ class Batcher:
         self._metrics.batch_sequences.observe(len(batch))
         self._metrics.observe_expert_load(handle.expert_load())
         self._metrics.sequences.inc(len(batch.pending))
-        for p, result, computed in zip(batch.pending, results, batch.shares(), strict=False):
+        for p, result, computed, reuse in zip(
+            batch.pending, results, batch.shares(), batch.reuses(), strict=False
+        ):
             p.request.computed += computed
+            p.request.cached += reuse.cached
             if not p.future.done():
                 p.future.set_result(result)
         if batch.chunked is not None and batch.chunk is not None:
             chunked = batch.chunked
             chunked.pending.request.computed += batch.chunk.num_tokens
+            if batch.chunk.start == batch.chunk.cached:
+                chunked.pending.request.cached += batch.chunk.cached
             chunked.parts.append(results[-1])
             if batch.chunk.last and not chunked.pending.future.done():
                 self._metrics.sequences.inc()
@@ -358,6 +389,7 @@ class Batcher:
         self._wake.set()  # a collation waiting on a busy accelerator stops waiting once it is idle
 
     def _fail(self, batch: Batch[Future], error: Exception) -> None:
+        self._policy.settle(batch, queued=False)
         self._fail_futures(batch.futures, error)
         release = self._policy.abandon(batch)
         self._gauge()
@@ -393,6 +425,12 @@ class Batcher:
 
     def _gauge(self) -> None:
         self._metrics.queue_tokens.set(self._policy.queued_tokens)
+
+    def _observe_cache(self) -> None:
+        if self._cache is not None and self._cache_seen is not None:
+            stats = self._cache.stats()
+            self._metrics.observe_prefix_cache(stats, self._cache_seen, self._engine.info.prefix_cache_bytes)
+            self._cache_seen = stats
 
     async def _apply(self, swap: _Swap) -> None:
         if swap.future.done():  # its caller is gone

@@ -53,6 +53,8 @@ class AsyncClient:
         retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         frames: bool = True,
+        group_key_tokens: int | None = None,
+        split_groups: bool = False,
     ) -> None:
         self.config = ClientConfig.create(
             base_url,
@@ -63,6 +65,8 @@ class AsyncClient:
             max_concurrency=max_concurrency,
             retry=retry,
             frames=frames,
+            group_key_tokens=group_key_tokens,
+            split_groups=split_groups,
         )
         self._pool = ReplicaPool(self.config.urls)
         self._rng = random.Random()
@@ -237,7 +241,7 @@ class AsyncClient:
         encoded = encode(chunk, self.config.frames)
         policy = self.config.retry
         for attempt in range(policy.max_attempts):
-            lease = self._pool.acquire()
+            lease = self._pool.acquire(chunk.replica)
             try:
                 if lease.wait:
                     await asyncio.sleep(lease.wait)

@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 
 from service import __version__
+from service.client import groups
 from service.client.errors import LogprobdError, from_response, from_transport
-from service.client.fanout import Chunk, merge, split
+from service.client.fanout import Chunk, merge, reorder, split
 from service.client.retry import RETRYABLE_ERRORS, RetryPolicy, parse_retry_after
 from service.client.wire import VERSIONS, Scores, from_frame, to_frame
 from service.wire.frame import MEDIA_TYPE
@@ -33,6 +34,8 @@ class ClientConfig:
     max_concurrency: int
     retry: RetryPolicy
     frames: bool = True  # send and accept compact frames (frame.py); False: JSON both ways
+    group_key_tokens: int | None = None  # a row's group key hashes its prompt's first tokens only
+    split_groups: bool = False  # one request per group (for a load balancer hashing the group header)
 
     @classmethod
     def create(
@@ -46,6 +49,8 @@ class ClientConfig:
         max_concurrency: int,
         retry: RetryPolicy | None,
         frames: bool = True,
+        group_key_tokens: int | None = None,
+        split_groups: bool = False,
     ) -> ClientConfig:
         urls = (base_url,) if isinstance(base_url, str) else tuple(base_url)
         if not urls:
@@ -64,14 +69,21 @@ class ClientConfig:
             max_concurrency=max_concurrency,
             retry=retry or RetryPolicy(),
             frames=frames,
+            group_key_tokens=group_key_tokens,
+            split_groups=split_groups,
         )
 
     def chunks(self, body: Mapping[str, Any]) -> list[Chunk]:
+        """The requests of one batch: rows of one group key (groups.py) to one replica (each group a
+        request of its own with split_groups), each request naming its first row's key."""
         return split(
             body,
             max_chunk_tokens=self.max_chunk_tokens,
             max_chunk_rows=self.max_chunk_rows,
             min_chunks=len(self.urls),
+            keys=groups.row_keys(body, self.group_key_tokens),
+            replicas=len(self.urls),
+            by_group=self.split_groups,
         )
 
 
@@ -93,13 +105,16 @@ class Encoded:
 
 
 def encode(chunk: Chunk, frames: bool) -> Encoded:
-    """A compact frame when asked for and the rows fit one (else JSON: the server names the fault)."""
+    """A compact frame when asked for and the rows fit one (else JSON: the server names the fault),
+    with the group header of its first row."""
+    group = {} if chunk.group is None else {groups.HEADER: groups.header_value(chunk.group)}
     if frames:
         framed = to_frame(chunk.body)
         if framed is not None:
-            return Encoded(framed, {"content-type": MEDIA_TYPE, "accept": f"{MEDIA_TYPE}, application/json"})
+            accept = f"{MEDIA_TYPE}, application/json"
+            return Encoded(framed, {"content-type": MEDIA_TYPE, "accept": accept, **group})
     return Encoded(
-        json.dumps(chunk.body, separators=(",", ":")).encode(), {"content-type": "application/json"}
+        json.dumps(chunk.body, separators=(",", ":")).encode(), {"content-type": "application/json", **group}
     )
 
 
@@ -125,7 +140,7 @@ def reply_body(response: httpx.Response) -> dict[str, Any]:
 
 def response_failure(response: httpx.Response, chunk: Chunk, policy: RetryPolicy) -> Failure:
     return Failure(
-        error=from_response(response, chunk_start=chunk.start),
+        error=from_response(response, chunk_start=chunk.start, rows=chunk.rows),
         retryable=response.status_code in policy.statuses,
         retry_after=parse_retry_after(response.headers.get("retry-after")),
     )
@@ -163,11 +178,11 @@ def finish(chunks: Sequence[Chunk], replies: Sequence[Mapping[str, Any]]) -> Sco
                 error_type="replica_mismatch",
             )
     try:
-        merged = merge(replies)
+        merged = reorder(merge(replies), chunks)
     except ValueError as exc:
         raise LogprobdError(str(exc), status=None, error_type="bad_response") from None
     scores = Scores.from_body(merged)
-    expected = chunks[-1].stop if chunks else 0
+    expected = sum(len(c.rows) if c.rows is not None else c.stop - c.start for c in chunks)
     if len(scores.logprobs) != expected:
         raise LogprobdError(
             f"the server returned {len(scores.logprobs)} rows for {expected}",

@@ -41,6 +41,12 @@ class Client:
     close it (or use `with`) to free its connections and threads. Bodies travel as compact frames
     (`application/vnd.logprobd.arrays`: the rows as binary arrays, no decimal numbers to write or
     read); `frames=False` sends and accepts JSON.
+
+    Rows that share a prompt (a GRPO group) go to the same replica, so that its prefix cache computes
+    the prompt once (groups.py: a row's group key hashes its prompt, or its first `group_key_tokens`
+    tokens); every request names its first row's key in the X-Logprobd-Group header, and
+    `split_groups=True` sends each group as a request of its own, for a load balancer that hashes
+    on that header (docs/deploying.md).
     """
 
     def __init__(
@@ -55,6 +61,8 @@ class Client:
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
         frames: bool = True,
+        group_key_tokens: int | None = None,
+        split_groups: bool = False,
     ) -> None:
         self.config = ClientConfig.create(
             base_url,
@@ -65,6 +73,8 @@ class Client:
             max_concurrency=max_concurrency,
             retry=retry,
             frames=frames,
+            group_key_tokens=group_key_tokens,
+            split_groups=split_groups,
         )
         self._pool = ReplicaPool(self.config.urls)
         self._rng = random.Random()
@@ -233,7 +243,7 @@ class Client:
         encoded = encode(chunk, self.config.frames)
         policy = self.config.retry
         for attempt in range(policy.max_attempts):
-            lease = self._pool.acquire()
+            lease = self._pool.acquire(chunk.replica)
             try:
                 if lease.wait:
                     time.sleep(lease.wait)

@@ -5,6 +5,7 @@ Knows nothing of the server's code: it reads the wire format (docs/api.md) and n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -64,20 +65,25 @@ class LogprobdConnectionError(LogprobdError):
     """No response came back: connection refused or reset, timeout, protocol error."""
 
 
-def from_response(response: httpx.Response, *, chunk_start: int = 0) -> LogprobdError:
-    """The error a non-2xx response stands for; `row` is shifted from chunk to batch coordinates."""
+def from_response(
+    response: httpx.Response, *, chunk_start: int = 0, rows: Sequence[int] | None = None
+) -> LogprobdError:
+    """The error a non-2xx response stands for; `row` is shifted from chunk to batch coordinates (by
+    `rows`, the batch's row of each of the chunk's, where the chunk's rows are not contiguous)."""
     detail = _error_detail(response)
     if detail is None:
         text = response.text.strip()[:500] or response.reason_phrase
         url = str(response.url)
         return LogprobdError(text, status=response.status_code, error_type="http_error", url=url)
     row = detail.get("row")
+    if isinstance(row, int):
+        row = rows[row] if rows is not None and 0 <= row < len(rows) else row + chunk_start
     return LogprobdError(
         str(detail.get("message", "")),
         status=response.status_code,
         error_type=str(detail.get("type", "http_error")),
         field=detail.get("field") if isinstance(detail.get("field"), str) else None,
-        row=row + chunk_start if isinstance(row, int) else None,
+        row=row if isinstance(row, int) else None,
         url=str(response.url),
         chunk_start=chunk_start,
     )

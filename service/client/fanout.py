@@ -11,6 +11,12 @@ A grouped body (`prompt_ids` + `prompt_index`) splits by its rows too: each chun
 prompts its rows name, once each, and its `prompt_index` renumbered to them; a row's tokens are
 counted with its prompt's, as the server counts them.
 
+Rows that share a prompt (groups.py's key) stay on one replica when the client shards over several:
+the rows are parted by key (a key's rows all go to replica key mod N) before they are cut into
+chunks, each chunk then holding rows of the caller's batch that need not be contiguous (`rows`),
+and `by_group` makes each group a request of its own (for a load balancer that hashes the group
+header). The merged rows are put back in the caller's order.
+
 Responses merge by the same rule: per-row lists are concatenated; `usage` counts are summed;
 `rollout` statistics (over action tokens) and `route_agreement` (over (position, layer) pairs) are
 recombined exactly: counts summed, maxima maxed, means weighted by the counts. Routes travel with
@@ -44,24 +50,61 @@ TOKEN_STATISTICS = {"rollout": "tokens", "route_agreement": "compared"}
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """Rows `start .. stop-1` of the caller's batch, as a complete request body."""
+    """Rows `start .. stop-1` of the caller's batch (or, where given, its rows `rows`), as a complete
+    request body; `replica`: the replica its groups go to (None: any); `group`: its first row's key."""
 
     start: int
     stop: int
     body: dict[str, Any]
+    rows: tuple[int, ...] | None = None
+    replica: int | None = None
+    group: int | None = None
 
 
 def split(
-    body: Mapping[str, Any], *, max_chunk_tokens: int, max_chunk_rows: int, min_chunks: int
+    body: Mapping[str, Any],
+    *,
+    max_chunk_tokens: int,
+    max_chunk_rows: int,
+    min_chunks: int,
+    keys: Sequence[int] | None = None,
+    replicas: int = 1,
+    by_group: bool = False,
 ) -> list[Chunk]:
-    """Contiguous chunks of about equal real-token counts: at least `min_chunks` (when there are that
-    many rows), each of at most `max_chunk_rows` rows and `max_chunk_tokens` real tokens (unless one
-    row alone is longer)."""
+    """Chunks of about equal real-token counts: at least `min_chunks` (when there are that many rows),
+    each of at most `max_chunk_rows` rows and `max_chunk_tokens` real tokens (unless one row alone is
+    longer). Contiguous, unless `keys` (each row's group key) part them: over `replicas` > 1, every
+    row of a key in chunks for replica key mod replicas; `by_group`, each key's rows on their own."""
     per_row = _row_fields(body)
     n_rows = len(body.get("input_ids") or ())
     if n_rows == 0 or any(len(body[name]) != n_rows for name in per_row) or not _indexes_prompts(body):
-        return [Chunk(0, n_rows, dict(body))]
+        return [Chunk(0, n_rows, dict(body), group=keys[0] if keys else None)]
     tokens = [max(1, n) for n in _real_tokens(body)]
+    if keys is None or (replicas <= 1 and not by_group):
+        bounds = _contiguous(tokens, max_chunk_tokens, max_chunk_rows, min_chunks)
+        return [
+            Chunk(a, b, _rows(body, per_row, range(a, b)), group=keys[a] if keys else None) for a, b in bounds
+        ]
+    parts: dict[int, list[int]] = {}
+    for i, key in enumerate(keys):
+        parts.setdefault(key if by_group else key % replicas, []).append(i)
+    chunks = []
+    for rows in parts.values():
+        own = [tokens[i] for i in rows]
+        for a, b in _contiguous(own, max_chunk_tokens, max_chunk_rows, 1):
+            held = tuple(rows[a:b])
+            replica = keys[held[0]] % replicas if replicas > 1 else None
+            chunks.append(
+                Chunk(held[0], held[-1] + 1, _rows(body, per_row, held), held, replica, keys[held[0]])
+            )
+    return chunks
+
+
+def _contiguous(
+    tokens: list[int], max_chunk_tokens: int, max_chunk_rows: int, min_chunks: int
+) -> list[tuple[int, int]]:
+    """[start, stop) of contiguous parts of rows of `tokens` real tokens each (split's rule)."""
+    n_rows = len(tokens)
     total = sum(tokens)
     k = max(min(min_chunks, n_rows), math.ceil(total / max_chunk_tokens))
     # each row goes to the k-th part its token midpoint falls in; then parts are cut to the limits
@@ -74,12 +117,31 @@ def split(
             start, held = i, 0
         part, held, before = row_part, held + n, before + n
     bounds.append((start, n_rows))
-    return [Chunk(a, b, _rows(body, per_row, a, b)) for a, b in bounds]
+    return bounds
 
 
-def _rows(body: Mapping[str, Any], per_row: list[str], a: int, b: int) -> dict[str, Any]:
-    """The body of rows a..b-1; a grouped one with only the prompts they name, renumbered."""
-    chunk = {**body, **{name: body[name][a:b] for name in per_row}}
+def reorder(merged: dict[str, Any], chunks: Sequence[Chunk]) -> dict[str, Any]:
+    """`merged` (the chunks' replies merged in chunk order) with its per-row lists in the caller's
+    order, where the chunks hold rows that are not contiguous."""
+    if all(c.rows is None for c in chunks):
+        return merged
+    order = [r for c in chunks for r in (c.rows if c.rows is not None else range(c.start, c.stop))]
+    out = dict(merged)
+    for key, value in merged.items():
+        if isinstance(value, list) and len(value) == len(order):
+            rows: list[Any] = [None] * len(order)
+            for value_row, row in zip(value, order, strict=True):
+                rows[row] = value_row
+            out[key] = rows
+    return out
+
+
+def _rows(body: Mapping[str, Any], per_row: list[str], held: Sequence[int]) -> dict[str, Any]:
+    """The body of rows `held`; a grouped one with only the prompts they name, renumbered."""
+    if isinstance(held, range) and held.step == 1:
+        chunk = {**body, **{name: body[name][held.start : held.stop] for name in per_row}}
+    else:
+        chunk = {**body, **{name: [body[name][i] for i in held] for name in per_row}}
     if body.get(PROMPTS) is not None:
         named = list(dict.fromkeys(chunk["prompt_index"]))  # prompts in order of first use
         renumber = {p: k for k, p in enumerate(named)}

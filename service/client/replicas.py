@@ -38,10 +38,16 @@ class ReplicaPool:
         self._lock = threading.Lock()
         self._turn = 0  # round-robin tie-break among equally loaded replicas
 
-    def acquire(self) -> Lease:
+    def acquire(self, prefer: int | None = None) -> Lease:
+        """A replica for the next attempt: `prefer` (where a chunk's groups go) unless it is backing
+        off, else the least loaded."""
         with self._lock:
             now = time.monotonic()
             n = len(self.replicas)
+            if prefer is not None and self.replicas[prefer % n].ready_at <= now:
+                replica = self.replicas[prefer % n]
+                replica.in_flight += 1
+                return Lease(replica, 0.0)
 
             def rank(i: int) -> tuple[float, int, int]:
                 r = self.replicas[i]

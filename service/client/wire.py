@@ -69,6 +69,7 @@ class Usage:
     input_tokens: int
     scored_tokens: int
     computed_tokens: int | None = None  # run through the decoder (None: a server that does not say)
+    cached_tokens: int | None = None  # served by the server's prefix cache (None: a server that does not say)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +155,7 @@ class Scores:
                 input_tokens=usage["input_tokens"],
                 scored_tokens=usage["scored_tokens"],
                 computed_tokens=usage.get("computed_tokens"),
+                cached_tokens=usage.get("cached_tokens"),
             ),
             entropy=body.get("entropy"),
             weights_version=body.get("weights_version"),

@@ -145,12 +145,16 @@ class Chunk:
     `sequence` (an id unique in the process): the chunk's queries attend to them and, causally, to
     their own. Its actions are the job's actions t whose predicting position t - 1 lies in
     [start, end); the chunks of a sequence run in order, the last one has end == job.num_tokens.
+    `cached`: the sequence's first tokens the prefix cache served (prefix_cache.py): its first chunk
+    starts there, copies their keys and values into the store, and also scores the actions whose
+    predicting position lies before it (from the cache's hidden states).
     """
 
     job: SequenceJob
     sequence: int
     start: int
     end: int
+    cached: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -161,11 +165,17 @@ class Chunk:
         return self.end == self.job.num_tokens
 
     @property
+    def action_range(self) -> tuple[int, int]:
+        """[lo, hi) of job.actions that are this chunk's."""
+        first = 1 if self.start == self.cached else self.start + 1
+        lo, hi = np.searchsorted(self.job.actions, [first, self.end + 1])
+        return int(lo), int(hi)
+
+    @property
     def actions(self) -> IntArray:
         """[a] this chunk's actions, as positions in the whole sequence."""
-        actions = self.job.actions
-        lo, hi = np.searchsorted(actions, [self.start + 1, self.end + 1])
-        return actions[lo:hi]
+        lo, hi = self.action_range
+        return self.job.actions[lo:hi]
 
     @property
     def targets(self) -> IntArray:

@@ -11,6 +11,11 @@ Sequences that give MoE routes (routing replay; jobs.GivenRoutes) share a positi
 their routes there are equal too: both uncovered, or both covered with the same expert ids in the
 same order. Identical prompt tokens that the rollout routed differently are computed apart.
 
+A sequence whose first tokens the prefix cache holds (prefix_cache.py) computes from its `floor`
+on: its root node starts there, and it shares nodes only with sequences that read the same cached
+blocks (the same floor and `root`, the cached prefix's last block); the prefix tokens are neither
+computed nor counted, and the engine reads their keys and values from its pool.
+
 Prefixes are compared on token ids and routes, never on a hash alone (a fingerprint of a position's
 routes orders the sequences, so that those sharing a prefix sit together; equality is then checked
 on the ids). Torch-free: the batcher counts what a micro-batch computes with `Grouper`, and the
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,7 +54,8 @@ class Node:
 class Forest:
     """The nodes of a micro-batch's sequences, every parent before its children, and each sequence's
     path: its nodes from the root down (position p of the sequence is in the path's node whose
-    [start, end) holds p)."""
+    [start, end) holds p). A root may start past 0: its sequences' first tokens come from the
+    prefix cache."""
 
     nodes: tuple[Node, ...]
     paths: tuple[tuple[int, ...], ...]
@@ -56,6 +63,11 @@ class Forest:
     @property
     def computed_tokens(self) -> int:
         return sum(node.length for node in self.nodes)
+
+    @property
+    def cached(self) -> bool:
+        """Whether some sequence's first tokens come from the prefix cache (a root starts past 0)."""
+        return any(node.parent == -1 and node.start > 0 for node in self.nodes)
 
     @property
     def shared(self) -> bool:
@@ -72,9 +84,13 @@ class Forest:
         return [sum(self.nodes[n].length / users[n] for n in path) for path in self.paths]
 
 
-def alone(lengths: Sequence[int]) -> Forest:
-    """Every sequence a tree of one node: nothing shared."""
-    nodes = tuple(Node(i, 0, length, -1) for i, length in enumerate(lengths))
+def alone(lengths: Sequence[int], floors: Sequence[int] | None = None) -> Forest:
+    """Every sequence a tree of one node: nothing shared; `floors`: where each one's computing starts
+    (its first tokens cached; None: 0)."""
+    starts = floors if floors is not None else [0] * len(lengths)
+    nodes = tuple(
+        Node(i, start, length, -1) for i, (length, start) in enumerate(zip(lengths, starts, strict=True))
+    )
     return Forest(nodes, tuple((i,) for i in range(len(lengths))))
 
 
@@ -161,22 +177,37 @@ def common_routed_prefix(
     return routes_agree(routes_a, routes_b, n)
 
 
+def _group(floor: int, root: int) -> bytes:
+    """The bytes that keep sequences reading different cached prefixes apart."""
+    return struct.pack("<qq", floor, root)
+
+
 def share(
-    tokens: Sequence[IntArray], min_tokens: int, routes: Sequence[GivenRoutes | None] | None = None
+    tokens: Sequence[IntArray],
+    min_tokens: int,
+    routes: Sequence[GivenRoutes | None] | None = None,
+    floors: Sequence[int] | None = None,
+    roots: Sequence[int] | None = None,
 ) -> Forest:
     """The forest of `tokens` (one [L_i] array per sequence): sequences share a root when their first
     `min_tokens` tokens are equal, and below it every prefix they have in common. `routes`: each
     sequence's given MoE routes (None: none gives any); a position is then shared only where the
-    routes are equal too. Nodes follow the sequences' order (each sequence's new nodes after those
-    of the sequences before it)."""
+    routes are equal too. `floors` and `roots`: where each sequence's computing starts and the cached
+    block it reads last (prefix_cache.Hit; None: nothing cached): sequences share only with those of
+    the same pair, and nodes are cut at the floor. Nodes follow the sequences' order (each
+    sequence's new nodes after those of the sequences before it)."""
     if routes is not None and all(r is None for r in routes):
         routes = None
     keys = [_key(t) if routes is None else _routed_key(t, routes[i]) for i, t in enumerate(tokens)]
     width = 8 if routes is None else 16  # key bytes a position
+    groups = [b""] * len(tokens)
+    if floors is not None:
+        assert roots is not None
+        groups = [_group(f, r) for f, r in zip(floors, roots, strict=True)]
     clusters: dict[bytes, list[int]] = {}
     for i, t in enumerate(tokens):
         if t.shape[0] >= min_tokens:
-            clusters.setdefault(keys[i][: width * min_tokens], []).append(i)
+            clusters.setdefault(groups[i] + keys[i][: width * min_tokens], []).append(i)
     built: list[Node] = []
     last: list[int] = [-1] * len(tokens)  # each sequence's deepest node
     grouped: set[int] = set()
@@ -188,7 +219,21 @@ def share(
         if i not in grouped:
             built.append(Node(i, 0, int(t.shape[0]), -1))
             last[i] = len(built) - 1
+    if floors is not None:
+        _cut(built, floors)
     return _in_sequence_order(built, last)
+
+
+def _cut(built: list[Node], floors: Sequence[int]) -> None:
+    """Each node from its owner's floor on (a node's sequences share one floor): a node ending by it
+    goes (its children become roots), one across it starts there. A sequence's last node ends at its
+    last token, past its floor, so every path keeps a node."""
+    gone = [node.end <= floors[node.owner] for node in built]
+    for i, node in enumerate(built):
+        if gone[i]:
+            continue
+        parent = -1 if node.parent == -1 or gone[node.parent] else node.parent
+        built[i] = Node(node.owner, max(node.start, floors[node.owner]), node.end, parent)
 
 
 def _radix_tree(  # noqa: PLR0917
@@ -258,9 +303,10 @@ def _in_sequence_order(built: list[Node], last: list[int]) -> Forest:
 class Grouper:
     """The tokens a growing micro-batch computes, one sequence at a time: `cost` of a sequence is
     what `add`ing it adds (its tokens past the longest prefix it shares, of at least `min_tokens`,
-    with a sequence already in: equal tokens and, where given, equal routes); the costs of the
-    sequences added sum to `share(...)`'s computed_tokens (with routes, unless two positions' route
-    fingerprints collide: then the cost may be more, never less)."""
+    with a sequence already in: equal tokens and, where given, equal routes; past its `floor`, the
+    tokens the prefix cache serves it, sharing only with sequences of the same floor and `root`); the
+    costs of the sequences added sum to `share(...)`'s computed_tokens (with routes, unless two
+    positions' route fingerprints collide: then the cost may be more, never less)."""
 
     min_tokens: int
     _clusters: dict[bytes, tuple[list[bytes], list[tuple[IntArray, GivenRoutes | None]]]] = field(
@@ -268,14 +314,19 @@ class Grouper:
     )
     _last: tuple[IntArray, GivenRoutes | None, bytes] | None = None  # the last key computed
 
-    def cost(self, tokens: IntArray, routes: GivenRoutes | None = None) -> int:
-        return int(tokens.shape[0]) - self._shared(tokens, routes)
+    def cost(
+        self, tokens: IntArray, routes: GivenRoutes | None = None, floor: int = 0, root: int = -1
+    ) -> int:
+        return int(tokens.shape[0]) - max(floor, self._shared(tokens, routes, _group(floor, root)))
 
-    def add(self, tokens: IntArray, routes: GivenRoutes | None = None) -> None:
+    def add(
+        self, tokens: IntArray, routes: GivenRoutes | None = None, floor: int = 0, root: int = -1
+    ) -> None:
         if tokens.shape[0] < self.min_tokens:
             return
         key = self._key(tokens, routes)
-        keys, entries = self._clusters.setdefault(key[: 16 * self.min_tokens], ([], []))
+        cluster = _group(floor, root) + key[: 16 * self.min_tokens]
+        keys, entries = self._clusters.setdefault(cluster, ([], []))
         at = bisect.bisect_left(keys, key)
         keys.insert(at, key)
         entries.insert(at, (tokens, routes))
@@ -289,11 +340,11 @@ class Grouper:
         self._last = (tokens, routes, key)
         return key
 
-    def _shared(self, tokens: IntArray, routes: GivenRoutes | None) -> int:
+    def _shared(self, tokens: IntArray, routes: GivenRoutes | None, group: bytes) -> int:
         if tokens.shape[0] < self.min_tokens:
             return 0
         key = self._key(tokens, routes)
-        cluster = self._clusters.get(key[: 16 * self.min_tokens])
+        cluster = self._clusters.get(group + key[: 16 * self.min_tokens])
         if cluster is None:
             return 0
         keys, entries = cluster

@@ -12,6 +12,7 @@ each imports only rooms below it (the engine's layers contract in pyproject.toml
     strategies/                      how GEMMs over tokens run and row-parallel sums add
     batch/                         a micro-batch on the device: jobs packed into one row, its keys and
                                    values, what its rows ask, its MoE routes
+    cache/                         the prefix cache's pools and a micro-batch's reads and writes of them
     loading/                       the models from local checkpoints, whole or as a rank's shards
     parallel/                      tensor parallel's plan: a rank's slices, the collectives joining them
     runtime/ | tokenizer | config  what this host can run; the tokenizer; the EngineConfig (`|`: one

@@ -51,6 +51,9 @@ class EngineConfig:
     max_batch_tokens: int
     max_sequence_tokens: int | None  # None: what the positions and the memory allow
     batch_invariant: bool
+    prefix_cache: bool
+    prefix_cache_tokens: int | None  # None: a share of the memory left (GPU), memory.CPU_CACHE_TOKENS (CPU)
+    prefix_cache_memory_fraction: float
     tensor_parallel_size: int
     tensor_parallel_collectives: Collectives
     log_level: LogLevel  # the tensor-parallel ranks' own logging

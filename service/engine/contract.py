@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, IntArray, SequenceJob, SequenceScores
+from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest
 
 # Token and action counts are padded up to a multiple of this, so that a micro-batch's GEMMs take one
@@ -66,6 +68,8 @@ class EngineInfo:
     head_kernel: str = "chunked"  # the policy's head on log-prob-only calls: quack | chunked
     tensor_parallel_size: int = 1  # ranks (GPUs) each model is sharded over
     moe: MoeShape | None = None  # the policy's sparse layers; None: a dense policy
+    prefix_cache_tokens: int = 0  # tokens each served model's prefix-cache pool holds (0: no cache)
+    prefix_cache_bytes: int = 0  # every pool's bytes
 
     @property
     def roles(self) -> frozenset[str]:
@@ -235,6 +239,11 @@ class ScoringEngine(Protocol):
     `release` drops what the engine keeps of a chunked sequence whose last chunk will not come.
     `launch`, `release` and `apply` are called from the one engine thread only; `stage` from a
     loader thread, while micro-batches run.
+
+    The prefix cache (core/prefix_cache.py): `prefix_cache` is the index over the engine's pools, from
+    warm-up on (None: off), which the batcher plans each micro-batch's reads and writes with (the
+    `cache` plan of `launch`); `apply` drops the entries of the model whose weights it replaces, and
+    `flush_cache` every entry.
     """
 
     @property
@@ -243,13 +252,23 @@ class ScoringEngine(Protocol):
     @property
     def weights(self) -> Mapping[str, WeightsState]: ...
 
+    @property
+    def prefix_cache(self) -> PrefixIndex | None: ...
+
     def launch(
-        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+        self,
+        jobs: Sequence[SequenceJob],
+        chunk: Chunk | None = None,
+        forest: Forest | None = None,
+        cache: CachePlan | None = None,
     ) -> Launched:
         """Scores of `jobs`, then of `chunk`'s actions if given. `forest`: the prefixes `jobs` share,
-        each computed once (None: every job whole)."""
+        each computed once (None: every job whole; a root past 0: its first tokens cached); `cache`:
+        what the micro-batch reads from and writes to the prefix cache (None: nothing)."""
 
     def release(self, sequence: int) -> None: ...
+
+    def flush_cache(self) -> None: ...
 
     def warm_up(self) -> None: ...
 

@@ -164,6 +164,7 @@ def build_router(state: ServiceState) -> APIRouter:
             scored.versions,
             rollout,
             computed_tokens=scored.computed_tokens,
+            cached_tokens=scored.cached_tokens,
             agreement=agreement,
         )
         media_type = MEDIA_TYPE if MEDIA_TYPE in http.headers.get("accept", "") else "application/json"
@@ -213,6 +214,7 @@ def build_router(state: ServiceState) -> APIRouter:
             gemm=i.gemm,
             share_prefixes=sharing(state.settings) is not None,
             share_min_tokens=state.settings.share_min_tokens,
+            prefix_cache_tokens=i.prefix_cache_tokens if state.settings.prefix_cache else 0,
             tensor_parallel_size=i.tensor_parallel_size,
             versions=i.versions,
             models=[ModelSummary(**dataclasses.asdict(m)) for m in i.models],

@@ -34,6 +34,7 @@ from service.wire.weight_sync import (
 )
 
 MAX_BODY_BYTES = 32 << 20  # a bucket's metadata: names, dtypes and shapes of thousands of tensors
+# SGLang's answer to /flush_cache, word for word (its clients check it)
 FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
     "requests, the operation will not be performed.)\n"
@@ -130,8 +131,9 @@ def build_weight_sync_router(state: ServiceState, bearer: HTTPBearer) -> APIRout
     @router.get("/flush_cache", responses={**text, **ERRORS})
     @router.post("/flush_cache", responses={**text, **ERRORS})
     async def flush_cache() -> PlainTextResponse:
-        """SGLang's answer; logprobd keeps nothing that depends on the weights across requests."""
-        pusher()
+        """Empty the prefix cache of every model (SGLang's answer). Micro-batches already planned
+        finish on what they read; every later one reads only what is computed from now on."""
+        state.require_serving().batcher.flush_cache()
         return PlainTextResponse(FLUSHED)
 
     @router.post(

@@ -275,7 +275,13 @@ class Usage(BaseModel):
     computed_tokens: int = Field(
         description="Tokens run through the decoder for this request: input_tokens less the prefixes "
         "shared with other sequences and computed once (a shared prefix's tokens are split among the "
-        "sequences that share it, across requests too)."
+        "sequences that share it, across requests too) and less cached_tokens."
+    )
+    cached_tokens: int = Field(
+        0,
+        description="Tokens of this request's sequences the prefix cache served: their keys, values and "
+        "hidden states were computed for an earlier micro-batch (of this request or another) and read, "
+        "not computed again (OpenAI's name for them).",
     )
 
 
@@ -534,6 +540,11 @@ class Info(BaseModel):
         "batch-invariant mode)."
     )
     share_min_tokens: int = Field(description="The shortest prefix shared.")
+    prefix_cache_tokens: int = Field(
+        0,
+        description="Tokens each served model's prefix cache holds across micro-batches and requests "
+        "(--prefix-cache-tokens, or measured at start); 0: no prefix cache.",
+    )
     tensor_parallel_size: int = Field(
         1, description="GPUs (ranks) each model is sharded over (--tensor-parallel-size; 1: one process)."
     )

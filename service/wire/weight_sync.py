@@ -40,7 +40,9 @@ class UpdateWeights(_Sglang):
     dtypes: list[str] = Field(description='torch dtypes, "bfloat16" or "torch.bfloat16".')
     shapes: list[list[int]]
     group_name: str = DEFAULT_GROUP
-    flush_cache: bool = Field(True, description="Accepted; logprobd keeps no cache across weights.")
+    flush_cache: bool = Field(
+        True, description="Accepted; a model's prefix cache is dropped whenever its weights change."
+    )
     abort_all_requests: bool = Field(
         False, description="Accepted; scoring requests finish on the weights they started on."
     )

@@ -3,43 +3,20 @@ micro-batch, what is refused, split and released, and the queued-token count aft
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from concurrent.futures import Future
-
 import numpy as np
 import pytest
 
 from service.batcher.policy import LOOKAHEAD, Policy, Taken, sharing
-from service.batcher.queue import Batch, Request
+from service.batcher.queue import Batch
 from service.core.errors import Overloaded, VersionMismatch
-from service.core.jobs import SequenceJob, SequenceScores
+from service.core.jobs import SequenceJob
 from service.settings import Settings
-
-Answer = Future[SequenceScores]
-SERVING = {"policy": "v1"}
+from tests.support.policies import SERVING, Answer, grouped, submit, take
 
 
 def job(length: int, first: int = 0) -> SequenceJob:
     tokens = np.arange(first, first + length, dtype=np.int64)
     return SequenceJob(tokens, np.arange(1, length, dtype=np.int64), 1.0, False)
-
-
-def grouped(response: int, first: int, prompt: int = 100) -> SequenceJob:
-    """A sequence of the shared prompt (tokens 0..`prompt`-1) and its own response."""
-    tokens = np.concatenate([np.arange(prompt), np.arange(first, first + response)]).astype(np.int64)
-    return SequenceJob(tokens, np.arange(prompt, prompt + response, dtype=np.int64), 1.0, False)
-
-
-def submit(
-    policy: Policy[Answer],
-    jobs: list[SequenceJob],
-    pins: Mapping[str, str] | None = None,
-    batch_tokens: int | None = None,
-) -> Request[Answer]:
-    request: Request[Answer] = Request(pins or {}, batch_tokens=batch_tokens)
-    request.futures = [Future() for _ in jobs]
-    policy.enqueue(request, jobs)
-    return request
 
 
 def firsts(batch: Batch[Answer]) -> list[int]:
@@ -49,13 +26,6 @@ def firsts(batch: Batch[Answer]) -> list[int]:
 
 def span(batch: Batch[Answer]) -> tuple[int, int] | None:
     return None if batch.chunk is None else (batch.chunk.start, batch.chunk.end)
-
-
-def take(policy: Policy[Answer], only_started: bool = False) -> Batch[Answer]:
-    taken = policy.take(only_started)
-    assert taken.refused == []
-    assert taken.release is None
-    return taken.batch
 
 
 def test_sequences_are_taken_in_order_while_they_fit_the_budget() -> None:

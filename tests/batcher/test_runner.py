@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -431,10 +431,13 @@ def test_a_full_budget_starts_while_later_requests_of_a_burst_are_still_parsed(
     launch = engine.launch
 
     def recording(
-        jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+        jobs: Sequence[SequenceJob],
+        chunk: Chunk | None = None,
+        forest: Forest | None = None,
+        cache: Any = None,
     ) -> Launched:
         launched_after_the_parse.append(third_parsed.is_set())
-        return launch(jobs, chunk, forest)
+        return launch(jobs, chunk, forest, cache)
 
     engine.launch = recording  # type: ignore[method-assign,assignment]
 
@@ -472,12 +475,15 @@ def test_a_launch_on_an_idle_accelerator_holds_the_event_loop_until_it_is_queued
     launch = engine.launch
 
     def slow(
-        jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+        jobs: Sequence[SequenceJob],
+        chunk: Chunk | None = None,
+        forest: Forest | None = None,
+        cache: Any = None,
     ) -> Launched:
         before = ticker.count
         time.sleep(0.02)
         ticked.append(ticker.count != before)
-        return launch(jobs, chunk, forest)
+        return launch(jobs, chunk, forest, cache)
 
     engine.launch = slow  # type: ignore[method-assign,assignment]
 

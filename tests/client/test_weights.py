@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.client import AsyncClient, Client, LogprobdError, resolve_replicas
+from service.client import AsyncClient, Client, LogprobdError, groups, resolve_replicas
 from tests.support.device import TOLERANCE
 from tests.support.reference import expected
 from tests.support.servers import serving
@@ -74,9 +74,13 @@ def test_a_replica_that_refuses_is_named_and_batches_never_mix_versions(
         assert b in str(refused.value)
         assert "outside the reload roots" in str(refused.value)
         assert (refused.value.status, refused.value.field) == (422, "path")
-        # a now serves v12 and b v10: an unpinned batch split over both must not come back mixed
+        # a now serves v12 and b v10: an unpinned batch split over both must not come back mixed (a
+        # row's prompt goes to replica key mod 2, groups.py: the last row's to the other one)
+        spread, actions = [*ROWS, [23, 24, 25, 26]], [*NUM_ACTIONS, 2]
+        keys = groups.row_keys({"input_ids": spread, "num_actions": actions})
+        assert {k % 2 for k in keys} == {0, 1}
         with pytest.raises(LogprobdError, match="different weights_versions") as mixed:
-            client.score(ROWS, num_actions=NUM_ACTIONS)
+            client.score(spread, num_actions=actions)
         assert mixed.value.type == "replica_mismatch"
         with pytest.raises(TimeoutError, match=re.escape(b)):
             client.wait_for_version("v12", timeout=0.3, interval=0.05)

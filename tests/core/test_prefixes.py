@@ -194,3 +194,53 @@ def test_a_group_routed_two_ways_over_its_prompt() -> None:
     split = share(seqs, 4, [GivenRoutes(0, ids), GivenRoutes(0, other)])
     assert split.computed_tokens == 7 + 15 + 14  # shared up to position 7 only
     assert share(seqs, 4, [GivenRoutes(0, ids), None]).computed_tokens == 22 + 21
+
+
+def _floored(seqs: list[list[int]], rng: random.Random) -> tuple[list[int], list[int]]:
+    """A floor and a root for each sequence, as the prefix cache gives them: sequences of one root hold
+    the same tokens below their floor (the first sequence of each prefix of 8 tokens picks one)."""
+    picked: dict[tuple[int, ...], tuple[int, int]] = {}
+    floors, roots = [], []
+    for s in seqs:
+        head = tuple(s[:8])
+        if len(s) > 8 and head not in picked:
+            picked[head] = (rng.choice([0, 4, 8]), len(picked))
+        floor, root = picked.get(head, (0, -1)) if len(s) > 8 else (0, -1)
+        floors.append(floor if floor < len(s) else 0)
+        roots.append(root if floor else -1)
+    return floors, roots
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_cached_floor_cuts_the_forest_and_the_grouper_counts_past_it(seed: int) -> None:
+    """Sequences whose first tokens the prefix cache serves compute from their floor on, sharing only
+    with those of the same cached root: each node starts at or past its floor, every path covers its
+    sequence from the floor, and the Grouper's costs sum to what the forest computes."""
+    rng = random.Random(3000 + seed)
+    seqs = _random_tree(rng, rng.randint(1, 14))
+    floors, roots = _floored(seqs, rng)
+    arrays = [np.asarray(s, dtype=np.int64) for s in seqs]
+    min_tokens = rng.choice([1, 3, 4])
+    forest = share(arrays, min_tokens, None, floors, roots)
+    for i, path in enumerate(forest.paths):
+        nodes = [forest.nodes[n] for n in path]
+        assert nodes[0].start == floors[i]
+        assert nodes[0].parent == -1
+        rebuilt = np.concatenate([arrays[n.owner][n.start : n.end] for n in nodes])
+        assert np.array_equal(rebuilt, arrays[i][floors[i] :])
+    assert forest.cached == any(floors)
+    grouper = Grouper(min_tokens)
+    total = 0
+    for s, floor, root in zip(arrays, floors, roots, strict=True):
+        total += grouper.cost(s, None, floor, root)
+        grouper.add(s, None, floor, root)
+    assert total == forest.computed_tokens
+    # apart from the cache, the same sequences share more (or as much)
+    assert share(arrays, min_tokens).computed_tokens <= forest.computed_tokens + sum(floors)
+
+
+def test_alone_from_a_floor() -> None:
+    forest = alone([20, 30], [16, 0])
+    assert [(n.start, n.end) for n in forest.nodes] == [(16, 20), (0, 30)]
+    assert forest.cached
+    assert forest.computed_tokens == 34

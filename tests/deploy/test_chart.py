@@ -18,6 +18,7 @@ import yaml
 
 import service
 from service.__main__ import _parser
+from service.client import groups
 from service.core.errors import ServiceError, status_for
 from service.http.server import GRACEFUL_SHUTDOWN_S
 from service.settings import (
@@ -271,12 +272,21 @@ def test_service_monitor_and_ingress_reach_the_container(values_file: Path) -> N
             assert endpoint["port"] == svc_port["name"]
             assert serves_get(endpoint["path"])
     if "Ingress" in kinds(manifests):
-        for rule in only(manifests, "Ingress")["spec"]["rules"]:
+        ingress = only(manifests, "Ingress")
+        for rule in ingress["spec"]["rules"]:
             for path in rule["http"]["paths"]:
                 assert path["backend"]["service"] == {
                     "name": svc["metadata"]["name"],
                     "port": {"name": "http"},
                 }
+        # groupAffinity: ingress-nginx hashes the client's group header (nginx's $http_<name>)
+        annotations = ingress["metadata"].get("annotations") or {}
+        hashed = annotations.get("nginx.ingress.kubernetes.io/upstream-hash-by")
+        if merged_values(values_file)["ingress"]["groupAffinity"]:
+            assert hashed == "$http_" + groups.HEADER.lower().replace("-", "_")
+            assert annotations["nginx.ingress.kubernetes.io/proxy-body-size"] == "64m"  # the file's own kept
+        else:
+            assert hashed is None
 
 
 @values_files

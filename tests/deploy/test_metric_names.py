@@ -78,7 +78,9 @@ def test_the_dashboard_covers_what_the_issue_asks() -> None:
         "logprobd_forward_duration_seconds_bucket", "logprobd_queue_requests", "logprobd_queue_tokens",
         "logprobd_batch_tokens_bucket", "DCGM_FI_DEV_FB_USED", "logprobd_rollout_abs_diff_bucket",
         "logprobd_rollout_kl_k3_bucket", "logprobd_rollout_ratio_outside_fraction_sum",
-        "logprobd_computed_tokens_total",
+        "logprobd_computed_tokens_total", "logprobd_prefix_cache_hit_tokens_total",
+        "logprobd_prefix_cache_miss_tokens_total", "logprobd_prefix_cache_evicted_tokens_total",
+        "logprobd_prefix_cache_held_bytes", "logprobd_prefix_cache_capacity_bytes",
     }  # fmt: skip
 
 

@@ -3,8 +3,9 @@ by a trainer process on SGLang's own released helpers (tests/support/trainer.py)
 payloads: the scores after a push are the float64 reference's of the pushed weights, for a
 mixture-of-experts policy (per-expert Hugging Face names, or transformers' fused ones), a reference
 model with tied embeddings and a critic; a push serves bitwise what a reload of the same checkpoint
-serves; a partial version committed keeps the values it did not get; metadata that does not fit is
-drained, then refused, and the group goes on."""
+serves; a pushed version drops what the prefix cache kept of the weights it replaces; a partial
+version committed keeps the values it did not get; metadata that does not fit is drained, then
+refused, and the group goes on."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
+from service.core.cache_plan import BLOCK
 from service.weights.push import next_version
 from tests.support import critics, models
 from tests.support.device import TOLERANCE, eager
@@ -36,6 +38,11 @@ BODY: dict[str, Any] = {
     "return_entropy": True,
 }
 PUSH_TIMEOUT_S = 15  # the servers' weight_push_timeout_s
+# a prompt of 3 whole blocks and 5 tokens, then 3 actions: the prefix cache keeps its 3 blocks
+CACHED_BODY: dict[str, Any] = {
+    "input_ids": [[3 + (7 * i) % 90 for i in range(3 * BLOCK + 8)]],
+    "num_actions": 3,
+}
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +176,31 @@ def test_a_push_serves_bitwise_what_a_reload_of_the_same_weights_serves(
     for field in ("logprobs", "entropy"):
         assert by_push[field] == by_reload[field] == by_copy[field]  # every bit
     check_reply(httpx.post(f"{server}/logprobs", json=BODY, timeout=60), BODY, eager(checkpoints["p2"]))
+
+
+def cached_tokens(url: str, model: Path) -> int:
+    """CACHED_BODY scored as `model` scores it; the tokens the prefix cache served it."""
+    reply = httpx.post(f"{url}/logprobs", json=CACHED_BODY, timeout=60)
+    check_reply(reply, CACHED_BODY, eager(model))
+    tokens: int = reply.json()["usage"]["cached_tokens"]
+    return tokens
+
+
+def test_a_push_drops_what_the_old_weights_cached(
+    server: str, rank0: Trainer, checkpoints: dict[str, Path]
+) -> None:
+    """The same prompt before and after a push: the request after it reads nothing the old weights
+    computed (cached_tokens 0) and scores under the pushed ones; the next reads the new blocks."""
+
+    with group(rank0, [server]) as g:
+        assert statuses(
+            rank0.call("push", checkpoint=str(checkpoints["p0"]), version="c0", **g)["calls"]
+        ) == [200]
+        assert [cached_tokens(server, checkpoints["p0"]) for _ in range(2)] == [0, 3 * BLOCK]
+        assert statuses(
+            rank0.call("push", checkpoint=str(checkpoints["p1"]), version="c1", **g)["calls"]
+        ) == [200]
+        assert [cached_tokens(server, checkpoints["p1"]) for _ in range(2)] == [0, 3 * BLOCK]
 
 
 def test_a_moe_policy_pushed_under_transformers_own_names(
@@ -414,7 +446,9 @@ def test_a_tensor_parallel_replica_joins_as_its_ranks(
     rank0: Trainer, checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     """A replica of 2 ranks (gloo) joins as ranks 1 and 2 of 3; each rank receives every tensor whole
-    and keeps its slice (vocabulary rows, heads, MLP columns), the tied head included."""
+    and keeps its slice (vocabulary rows, heads, MLP columns), the tied head included; a version
+    applied on every rank drops what rank 0's prefix cache kept of the old one."""
+
     port = free_port()
     command = serve_command(port, checkpoints["r0"], "--tensor-parallel-size", "2")
     with serving(command, port, tmp_path / "tp.log") as url:
@@ -434,8 +468,10 @@ def test_a_tensor_parallel_replica_joins_as_its_ranks(
             per_tensor = rank0.call("push", checkpoint=str(checkpoints["r1"]), version="tp1", buckets=2, **g)
             assert set(statuses(per_tensor["calls"])) == {200}, per_tensor
             check_reply(httpx.post(f"{url}/logprobs", json=BODY, timeout=60), BODY, eager(checkpoints["r1"]))
+            assert [cached_tokens(url, checkpoints["r1"]) for _ in range(2)] == [0, 3 * BLOCK]
             flat = rank0.call("push", checkpoint=str(checkpoints["r0"]), version="tp0", flattened=True, **g)
             assert set(statuses(flat["calls"])) == {200}, flat
+            assert cached_tokens(url, checkpoints["r0"]) == 0
             drained = rank0.call(
                 "raw", body={"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[65]],
                              "group_name": "g", "weight_version": "x"}, send=[("float32", [65])], **g,

@@ -33,7 +33,12 @@ def test_demo_model_serves_and_says_it_is_a_demo() -> None:
         assert body["model"] == "logprobd-demo-qwen2"
         assert len(body["logprobs"][0]) == 2
         assert all(v < 0 for v in body["logprobs"][0])
-        assert body["usage"] == {"input_tokens": 4, "scored_tokens": 2, "computed_tokens": 4}
+        assert body["usage"] == {
+            "input_tokens": 4,
+            "scored_tokens": 2,
+            "computed_tokens": 4,
+            "cached_tokens": 0,
+        }
 
 
 def test_ready_only_after_load_and_warm_up() -> None:

@@ -388,6 +388,7 @@ def test_longest_sequence_is_the_positions_or_the_setting_whatever_the_budget(
             "input_tokens": longest + 2,
             "scored_tokens": 2,
             "computed_tokens": longest + 2,
+            "cached_tokens": 0,
         }
         too_long = c.post("/logprobs", json={"input_ids": [[1, 2], [7] * (longest + 1)], "num_actions": 1})
         if limit == "positions":

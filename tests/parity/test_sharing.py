@@ -179,20 +179,28 @@ def test_concurrent_requests_share_and_split_the_computed_tokens(
         assert f"logprobd_computed_tokens_total {float(forest.computed_tokens)}" in metrics
 
 
+@pytest.mark.parametrize("cache", [False, True], ids=["cache-off", "cache-on"])
 def test_a_group_larger_than_the_budget_computes_its_prefix_once_per_micro_batch(
-    model_dirs: dict[str, Path], reference_models: dict[str, Any]
+    model_dirs: dict[str, Path], reference_models: dict[str, Any], cache: bool
 ) -> None:
+    """Without the prefix cache the second micro-batch computes the prompt again; with it, it reads the
+    prompt's two whole blocks (32 tokens) the first one wrote and computes its last 8."""
     rng = random.Random("sharing-split")
     prompt = _tokens(rng, 40)
     request = {"input_ids": [prompt + _tokens(rng, 20) for _ in range(8)], "num_actions": 20}
-    settings = settings_for(model_dirs["qwen3"], share_min_tokens=MIN_TOKENS, max_batch_tokens=128)
+    settings = settings_for(
+        model_dirs["qwen3"], share_min_tokens=MIN_TOKENS, max_batch_tokens=128, prefix_cache=cache
+    )
     with serve(settings) as s:
         reply = s.client.post("/logprobs", json=request)
         check_reply(reply, request, reference_models["qwen3"])
         # 40 + 8 x 20 = 200 tokens: two micro-batches of the prompt and 4 responses each
-        assert [f.computed_tokens for f in s.forests()] == [40 + 4 * 20] * 2
+        second = 40 - 32 if cache else 40
+        assert [f.computed_tokens for f in s.forests()] == [40 + 4 * 20, second + 4 * 20]
         assert len(s.launches) == 2
-        assert reply.json()["usage"]["computed_tokens"] == 2 * (40 + 4 * 20)
+        usage = reply.json()["usage"]
+        assert usage["computed_tokens"] == 40 + second + 8 * 20
+        assert usage["cached_tokens"] == (4 * 32 if cache else 0)
 
 
 def test_shared_prefixes_beside_a_chunk(model_dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from service.core.cache_plan import BLOCK
 from service.engine.tensor_parallel import ranks
 from tests.support import critics, models
 from tests.support.device import DEVICE, TOLERANCE, settings_for
@@ -103,6 +104,40 @@ def test_chunked_and_shared_sequences(
     check_reply(reply, request, reference_models["qwen2"])
     assert reply.json()["usage"]["computed_tokens"] < sum(map(len, rows))  # the prompt was shared
     _close(reply.json()["logprobs"], single.post("/logprobs", json=request).json()["logprobs"])
+
+
+def test_the_prefix_cache_serves_every_rank_alike(
+    pair: tuple[TestClient, TestClient], reference_models: dict[str, Any], ref_model: Any
+) -> None:
+    """GRPO groups split over requests posted in turn, then a long row (in chunks of the 128-token
+    budget) that begins with one of their sequences: rank 0's plan names the pool slots, every rank
+    reads and writes its own heads' keys there; the same scores and cached tokens as one process."""
+    rng = random.Random("tp-cache")
+    prompts = [[rng.randrange(3, models.VOCAB) for _ in range(3 * BLOCK + 5)] for _ in range(3)]
+    samples = [
+        [[3 + s, *(rng.randrange(3, models.VOCAB) for _ in range(6))] for s in range(3)] for _ in prompts
+    ]
+    requests: list[dict[str, Any]] = [
+        {"input_ids": [p + r[s] for p, r in zip(prompts, samples, strict=True)], "num_actions": 7}
+        for s in range(3)
+    ]
+    requests[2].update(return_ref_logprobs=True, return_values=True)
+    first = requests[0]["input_ids"][0]
+    long = first + [rng.randrange(3, models.VOCAB) for _ in range(180)]  # 240 of 256 positions
+    requests.append({"input_ids": [long], "num_actions": 150, "return_entropy": True})
+    sharded, single = pair
+    for request in requests:
+        reply = sharded.post("/logprobs", json=request)
+        check_reply(reply, request, reference_models["qwen2"])
+        got, want = reply.json(), single.post("/logprobs", json=request).json()
+        assert got["usage"] == want["usage"]
+        for key in ("logprobs", "entropy", "ref_logprobs", "values"):
+            if want[key] is not None:
+                _close(got[key], want[key])
+        if request.get("return_ref_logprobs"):
+            _close(got["ref_logprobs"], expected(ref_model, request).logprobs)
+    cached = [sharded.post("/logprobs", json=r).json()["usage"]["cached_tokens"] for r in requests[1:2]]
+    assert cached == [3 * (3 * BLOCK)]  # posted again: the prompts' blocks (their own past them too)
 
 
 def test_info_reports_the_ranks(pair: tuple[TestClient, TestClient]) -> None:

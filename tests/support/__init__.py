@@ -14,6 +14,7 @@ Running the service:
 - servers.py: the app in-process, under uvicorn on loopback, or as a `python -m service serve` process
 - launches.py: the app over an engine whose launches are recorded; fakes.py: engines with no model
 - faults.py: transports that fail on script, for the client
+- policies.py: the batcher's policy driven by hand (requests enqueued, micro-batches taken)
 - trainer.py: a trainer's side of SGLang's weight push (rank 0, on SGLang's released helpers), a
   process of its own
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.support import models
+from tests.support.reference import row_tokens_and_window
 
 FORMATS = ("openrlhf", "token_classification", "trl")
 OPENRLHF_PREFIX = "value_head"
@@ -85,3 +86,18 @@ def expected_values(directory: Path, tokens: list[int]) -> list[float]:
     if config.get("normalize_reward"):
         values = (values - config["mean"]) / config["std"]
     return [float(v) for v in values]
+
+
+def window_values(
+    directory: Path, request: dict[str, Any], action_mask: list[list[int]]
+) -> list[list[float]]:
+    """The `values` rows a request's answer holds: expected_values at each action of each row's window
+    (the answer's `action_mask`), 0.0 elsewhere."""
+    rows = []
+    for i, mask in enumerate(action_mask):
+        tokens, window = row_tokens_and_window(request, i)
+        per_position = expected_values(directory, tokens)
+        rows.append(
+            [per_position[p - 1] if m and p is not None else 0.0 for p, m in zip(window, mask, strict=True)]
+        )
+    return rows

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, SequenceJob, SequenceScores
+from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest
 from service.engine.contract import (
     Bucket,
@@ -84,6 +86,7 @@ class FakeEngine:
         self.chunked: dict[int, int] = {}  # chunked sequence -> where its next chunk starts
         self.released: list[int] = []
         self.forests: list[Forest | None] = []  # the prefixes each micro-batch shared (None: none)
+        self.plans: list[CachePlan | None] = []  # each micro-batch's prefix-cache plan (None: none)
         self.threads: set[str] = set()
         self._entered = threading.Condition()  # notified as each micro-batch enters `launch`
         self.info = EngineInfo(
@@ -103,8 +106,18 @@ class FakeEngine:
     def warm_up(self) -> None:
         pass
 
+    prefix_cache: PrefixIndex | None = None  # a test may give it one: launches then record their plans
+
+    def flush_cache(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+
     def launch(
-        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+        self,
+        jobs: Sequence[SequenceJob],
+        chunk: Chunk | None = None,
+        forest: Forest | None = None,
+        cache: CachePlan | None = None,
     ) -> FakeLaunched:
         """Fails or runs out of memory at once, as a real launch does; the `delay` is the device's
         time, spent in `result`. A token `fail_late_on_token` fails there, as an error the device
@@ -115,6 +128,7 @@ class FakeEngine:
         if forest is not None:
             assert len(forest.paths) == len(jobs)
         self.forests.append(forest)
+        self.plans.append(cache)
         if chunk is not None:
             assert self.chunked.get(chunk.sequence, 0) == chunk.start, "chunks out of order"
             self.chunked[chunk.sequence] = chunk.end
@@ -278,11 +292,15 @@ class TopEngine(FakeEngine):
         self.seeds: list[int | None] = []
 
     def launch(
-        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+        self,
+        jobs: Sequence[SequenceJob],
+        chunk: Chunk | None = None,
+        forest: Forest | None = None,
+        cache: CachePlan | None = None,
     ) -> FakeLaunched:
         assert chunk is None
         self.seeds += [job.draw_seed for job in jobs]
-        launched = super().launch(jobs, chunk, forest)
+        launched = super().launch(jobs, chunk, forest, cache)
         launched.scores = [
             with_top(job, s, self.info.vocab_size) for job, s in zip(jobs, launched.scores, strict=True)
         ]

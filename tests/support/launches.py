@@ -11,6 +11,7 @@ from typing import Any, cast
 
 from fastapi.testclient import TestClient
 
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk
 from service.core.prefixes import Forest
 from service.engine import ScoringEngine, load_engine
@@ -23,11 +24,13 @@ from tests.support.servers import wait_ready
 
 @dataclass(frozen=True, slots=True)
 class Launch:
-    """One micro-batch the engine launched: how many whole sequences, its chunk, its forest."""
+    """One micro-batch the engine launched: how many whole sequences, its chunk, its forest, its plan of
+    the prefix cache."""
 
     jobs: int
     chunk: Chunk | None
     forest: Forest | None
+    cache: CachePlan | None = None
 
 
 @dataclass
@@ -55,11 +58,16 @@ def serve(settings: Settings, delay_s: float = 0.0) -> Iterator[Served]:
         assert isinstance(engine, PackedScorer)
         launch = engine.launch
 
-        def recording(jobs: Any, chunk: Chunk | None = None, forest: Forest | None = None) -> Any:
-            box[0].launches.append(Launch(len(jobs), chunk, forest))
+        def recording(
+            jobs: Any,
+            chunk: Chunk | None = None,
+            forest: Forest | None = None,
+            cache: CachePlan | None = None,
+        ) -> Any:
+            box[0].launches.append(Launch(len(jobs), chunk, forest, cache))
             if delay_s:
                 time.sleep(delay_s)
-            return launch(jobs, chunk, forest)
+            return launch(jobs, chunk, forest, cache)
 
         engine.launch = recording  # type: ignore[method-assign]
         box[0].engine = engine

@@ -15,7 +15,10 @@ q queries and k keys sees keys j <= i + k - q). Two sources, alone or together:
 
       [keys of the other segments (gathered, or as they are) | cached keys 0 .. start + q]
 
-  which is a view of the store when the context segment is alone in the row, and one copy otherwise.
+  which is a view of the store when the context segment is alone in the row, and one copy otherwise;
+- the prefix cache's pool (cache/pool.py, `io`): each layer keeps the row's fresh keys of the blocks it
+  writes, the gather reads [the row's N keys | the cached rows read], and a chunk's store takes its
+  cached context from the pool when allocated and gives the pool its whole blocks.
 
 Store: per layer, [capacity, Hk, D] keys and values in the model's dtype, allocated at the first
 layer call; a model's store costs layers x 2 x Hk x D x capacity x dtype bytes.
@@ -29,6 +32,8 @@ from typing import Any
 import torch
 
 from service.engine.batch import key_gather
+from service.engine.cache import pool as cache_pool
+from service.engine.cache.pool import PoolIO
 
 # The keyword argument of a transformers decoder forward that carries a KVContext to the attention
 CONTEXT_KWARG = "logprobd_context"
@@ -36,9 +41,8 @@ CONTEXT_KWARG = "logprobd_context"
 
 def cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     """Bytes of keys and values one token costs in a store, over every layer of `config`."""
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    return int(config.num_hidden_layers) * 2 * heads * head_dim * torch.finfo(dtype).bits // 8
+    layers, heads, head_dim = cache_pool.kv_shape(config)
+    return layers * 2 * heads * head_dim * torch.finfo(dtype).bits // 8
 
 
 @dataclass(slots=True, eq=False)
@@ -65,6 +69,9 @@ class KVContext:
     count: [1] int32 on the device, K, where `gather` is a CUDA graph's static index of more rows
     (no store then): the keys and values read have as many rows as `gather`, the first K gathered
     (batch/key_gather.py), and cu_k ends at K.
+
+    io: the attached model's reads and writes of its prefix-cache pool (None: none). With neither a
+    gather nor a store, each segment's keys are its own and the context only keeps them.
     """
 
     cu_k: torch.Tensor
@@ -74,15 +81,21 @@ class KVContext:
     start: int = 0
     others: int = 0
     count: torch.Tensor | None = None
+    io: PoolIO | None = None
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [N, Hk, D] this layer's fresh keys and values of the row. Stores the last segment's
         in the store, if any, and returns the keys and values attention reads: [cu_k[-1], Hk, D] each."""
+        io = self.io
+        if io is not None:
+            io.save_rows(layer, k, v)
         if self.store is None:
-            assert self.gather is not None
+            if self.gather is None:
+                return k, v
+            source_k, source_v = (k, v) if io is None else io.source(layer, k, v)
             if self.count is not None:
-                return key_gather.rows(k, v, self.gather, self.count)
-            return k.index_select(0, self.gather), v.index_select(0, self.gather)
+                return key_gather.rows(source_k, source_v, self.gather, self.count)
+            return source_k.index_select(0, self.gather), source_v.index_select(0, self.gather)
         own = k.shape[0] - self.others
         end = self.start + own
         if end > self.store.capacity:
@@ -92,12 +105,17 @@ class KVContext:
             keys = k.new_empty((self.store.capacity, *k.shape[1:]))
             values = v.new_empty((self.store.capacity, *v.shape[1:]))
             self.store.keys[layer], self.store.values[layer] = keys, values
+            if io is not None:
+                io.fill_store(layer, keys, values)
         keys[self.start : end].copy_(k[self.others :])
         values[self.start : end].copy_(v[self.others :])
+        if io is not None:
+            io.save_store(layer, keys, values)
         if self.gather is not None:
+            source_k, source_v = (k, v) if io is None else io.source(layer, k, v)
             return (
-                torch.cat([k.index_select(0, self.gather), keys[:end]]),
-                torch.cat([v.index_select(0, self.gather), values[:end]]),
+                torch.cat([source_k.index_select(0, self.gather), keys[:end]]),
+                torch.cat([source_v.index_select(0, self.gather), values[:end]]),
             )
         if self.others == 0:
             return keys[:end], values[:end]

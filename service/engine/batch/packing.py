@@ -4,12 +4,13 @@ row on the device, with everything the forward and the head need."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, SequenceJob
 from service.core.prefixes import Forest, alone
 from service.engine.batch import asks
@@ -17,6 +18,9 @@ from service.engine.batch import route_buffers as moe_routes
 from service.engine.batch.asks import Extras
 from service.engine.batch.device_routes import BatchRoutes
 from service.engine.batch.kv_store import CONTEXT_KWARG, KVContext, KVStore
+from service.engine.cache import rows as cache_rows
+from service.engine.cache.pool import ModelPool
+from service.engine.cache.rows import CacheRows
 from service.engine.contract import SHAPE_STEP, MoeShape
 from service.engine.runtime.copies import to_device
 
@@ -51,6 +55,11 @@ class PackedBatch:
 
     `routes`: the MoE routes the policy's forward replays and records (route_buffers.py), where a
     sequence gives or asks for them; `route_rows` where each sequence's positions lie in the row.
+
+    With the prefix cache (cache/rows.py): a root that starts past 0 reads its first tokens' keys
+    from the pool, gathered after the row's N rows (key_index then indexes [N + cached rows]); an
+    action predicted inside them takes its hidden state from the pool (its hidden_index entry is
+    row 0, unread); written blocks are kept. `attach` gives the batch one model's pool.
     """
 
     input_ids: torch.Tensor
@@ -75,26 +84,43 @@ class PackedBatch:
     extras: Extras | None = None
     routes: BatchRoutes | None = None
     route_rows: moe_routes.RouteRows | None = None
+    cache: CacheRows | None = None
+    pool: ModelPool | None = None  # the attached model's
+    model: str = "policy"
 
     def without_routes(self) -> PackedBatch:
         """This batch for a model that does not replay (the reference, the critic): its own routers."""
         return self if self.routes is None else dataclasses.replace(self, routes=None)
 
-    def attach(self, store: KVStore | None) -> PackedBatch:
+    def attach(
+        self, store: KVStore | None, pool: ModelPool | None = None, model: str = "policy"
+    ) -> PackedBatch:
         """This batch with one model's keys beyond each segment's own: the store of the chunk's
         context (None: the chunk's segment attends to itself only, for a model whose scores of it
-        are not read) and the shared prefixes' keys."""
+        are not read), the shared prefixes' keys and the prefix cache's rows of `model`'s `pool`."""
+        io = None if self.cache is None or pool is None else self.cache.io(model, pool)
         context = None
         if store is not None and self.chunk_start is not None:
             assert self.cu_k is not None
             assert self.max_len_k is not None
             gather = None if self.key_index is None else self.key_index[: self.shared_keys]
-            context = KVContext(self.cu_k, self.max_len_k, gather, store, self.chunk_start, self.chunk_row)
+            context = KVContext(
+                self.cu_k, self.max_len_k, gather, store, self.chunk_start, self.chunk_row, io=io
+            )
         elif self.key_index is not None:
             assert self.cu_k_own is not None
             assert self.max_len_k_own is not None
-            context = KVContext(self.cu_k_own, self.max_len_k_own, self.key_index)
-        return dataclasses.replace(self, context=context)
+            context = KVContext(self.cu_k_own, self.max_len_k_own, self.key_index, io=io)
+        elif io is not None and io.save is not None:
+            context = KVContext(self.cu_seqlens, self.max_len, io=io)
+        return dataclasses.replace(self, context=context, pool=pool, model=model)
+
+    def hidden(self, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """[A, H] the action rows' final hidden states, `compute(rows)` being the attached model's
+        decoder over this batch: the pool's where an action is predicted inside a cached prefix."""
+        if self.cache is None or self.pool is None:
+            return compute(self.hidden_index)
+        return self.cache.hidden(compute, self.hidden_index, self.model, self.pool)
 
     @property
     def num_tokens(self) -> int:
@@ -146,26 +172,40 @@ def _hidden_rows(
     rows = []
     for job, path in zip(jobs, forest.paths, strict=True):
         before = job.actions - 1
+        root = node_first[path[0]]  # past 0: positions before it are cached (their row: 0, unread)
         if len(path) == 1:  # a sequence in one node (nothing shared): no search
-            rows.append(before + (starts[path[0]] - node_first[path[0]]))
-            continue
-        nodes = np.asarray(path, dtype=np.int64)
-        at = nodes[np.searchsorted(node_first[nodes] + node_lengths[nodes], before, side="right")]
-        rows.append(starts[at] + before - node_first[at])
+            found = before + (starts[path[0]] - root)
+        else:
+            nodes = np.asarray(path, dtype=np.int64)
+            at = nodes[np.searchsorted(node_first[nodes] + node_lengths[nodes], before, side="right")]
+            found = starts[at] + before - node_first[at]
+        rows.append(np.where(before >= root, found, 0) if root else found)
     return rows
 
 
-def _key_index(forest: Forest, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """[K] the rows of every segment's keys, in turn: a node's ancestors' rows, then its own; the
-    segments after the nodes (the filler, the chunk's) their own."""
+def _key_index(
+    forest: Forest, starts: np.ndarray, lengths: np.ndarray, read_at: dict[int, int], rows: int
+) -> np.ndarray:
+    """[K] the rows of every segment's keys, in turn: a node's root's cached rows (where it reads
+    the prefix cache: `read_at` the root's first, past the row's `rows`), its ancestors' rows, then
+    its own; the segments after the nodes (the filler, the chunk's) their own."""
     nodes = forest.nodes
     chains: list[list[int]] = []
     for i, node in enumerate(nodes):
         chains.append([*(chains[node.parent] if node.parent != -1 else []), i])
-    segments = [np.asarray(chain, dtype=np.int64) for chain in chains]
-    segments += [np.asarray([len(nodes)], dtype=np.int64)] * (lengths.shape[0] - len(nodes))
-    every = np.concatenate(segments)
-    return _ranges(starts[every], lengths[every])
+    firsts: list[np.ndarray] = []
+    counts: list[np.ndarray] = []
+    for chain in chains:
+        at = np.asarray(chain, dtype=np.int64)
+        if chain[0] in read_at:
+            firsts.append(np.asarray([rows + read_at[chain[0]]], dtype=np.int64))
+            counts.append(np.asarray([nodes[chain[0]].start], dtype=np.int64))
+        firsts.append(starts[at])
+        counts.append(lengths[at])
+    for segment in range(len(nodes), lengths.shape[0]):
+        firsts.append(starts[segment : segment + 1])
+        counts.append(lengths[segment : segment + 1])
+    return _ranges(np.concatenate(firsts), np.concatenate(counts))
 
 
 def pack(  # noqa: PLR0915 (one row's arrays, built together)
@@ -176,10 +216,12 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
     forest: Forest | None = None,
     *,
     moe: MoeShape | None = None,
+    cache: CachePlan | None = None,
 ) -> PackedBatch:
     """The row of `jobs` (their shared prefixes once, per `forest`; None: each job whole), then the
     chunk's segment; padded to multiples of `step`. `moe`: the policy's sparse layers, which the routes
-    jobs give or ask for address (route_buffers.py)."""
+    jobs give or ask for address (route_buffers.py); `cache`: what the micro-batch reads from and
+    writes to the prefix cache (its roots then start where each job's cached tokens end)."""
     if forest is None:
         forest = alone([job.num_tokens for job in jobs])
     nodes = forest.nodes
@@ -203,28 +245,35 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
     targets = [job.targets for job in jobs]
     inv_temperature = [np.full(job.actions.shape[0], 1.0 / job.temperature, dtype=np.float32) for job in jobs]
     per_sequence = [int(job.actions.shape[0]) for job in jobs]
-    key_lengths = lengths.copy()
-    key_index = None
-    if forest.shared:
-        key_lengths[: len(nodes)] = [node.end for node in nodes]
-        key_index = _key_index(forest, starts, lengths)
     if chunk is not None:
         positions[others + own :] = 0  # the filler's: any position; 0 is one every model has
         actions = chunk.actions
-        hidden_rows.append(actions - 1 - chunk.start + others)
+        before = actions - 1
+        hidden_rows.append(np.where(before >= chunk.start, before - chunk.start + others, 0))
         targets.append(chunk.targets)
         inv_temperature.append(np.full(actions.shape[0], 1.0 / chunk.job.temperature, dtype=np.float32))
         per_sequence.append(int(actions.shape[0]))
+    firsts = np.concatenate(([0], np.cumsum(per_sequence)))  # each job's first action (then the chunk's)
     everything = np.concatenate(hidden_rows) if hidden_rows else np.zeros(0, dtype=np.int64)
     extra = -everything.shape[0] % step
     hidden_index = np.concatenate([everything, np.zeros(extra, dtype=np.int64)])
+
+    def to(array: np.ndarray) -> torch.Tensor:
+        return to_device(array, device)
+
+    rows: CacheRows | None = None
+    read_at: dict[int, int] = {}
+    if cache is not None:
+        rows, read_at = cache_rows.lay_out(cache, jobs, forest, starts, chunk, firsts, hidden_index, step, to)
+    key_lengths = lengths.copy()
+    key_index = None
+    if forest.shared or forest.cached:
+        key_lengths[: len(nodes)] = [node.end for node in nodes]
+        key_index = _key_index(forest, starts, lengths, read_at, int(tokens.shape[0]))
     target_ids = np.concatenate([*targets, np.zeros(extra, dtype=np.int64)])
     inv_temperatures = np.concatenate([*inv_temperature, np.ones(extra, dtype=np.float32)])
     temperatures = [job.temperature for job in jobs] + ([chunk.job.temperature] if chunk else [])
     wants = [job.return_entropy for job in jobs] + ([chunk.job.return_entropy] if chunk else [])
-
-    def to(array: np.ndarray) -> torch.Tensor:
-        return to_device(array, device)
 
     def bounds(key_lengths: np.ndarray) -> torch.Tensor:
         return to(np.concatenate(([0], np.cumsum(key_lengths))).astype(np.int32))
@@ -232,10 +281,9 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
     context_lengths = key_lengths.copy()
     if chunk is not None:
         context_lengths[-1] += chunk.start
-    firsts = np.concatenate(([0], np.cumsum(per_sequence)))
     scored = [asks.Part(job, 0, int(job.actions.shape[0]), int(firsts[i])) for i, job in enumerate(jobs)]
     if chunk is not None:
-        lo = int(np.searchsorted(chunk.job.actions, chunk.start + 1))
+        lo = chunk.action_range[0]
         scored.append(asks.Part(chunk.job, lo, lo + per_sequence[-1], int(firsts[-2])))
     routed = moe_routes.lay_out(jobs, chunk, forest, starts, int(tokens.shape[0]), moe, device, to)
     return PackedBatch(
@@ -260,4 +308,5 @@ def pack(  # noqa: PLR0915 (one row's arrays, built together)
         extras=asks.extras(scored, to),
         routes=None if routed is None else routed[0],
         route_rows=None if routed is None else routed[1],
+        cache=rows,
     )

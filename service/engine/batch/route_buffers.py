@@ -123,7 +123,7 @@ def lay_out(  # noqa: PLR0917
         routes = BatchRoutes(used, given, to(covered), torch.zeros_like(used), matches)
     lengths = np.asarray([n.length for n in forest.nodes], dtype=np.int64)
     rows = [_ranges(starts[list(path)], lengths[list(path)]) for path in forest.paths]
-    first = [0] * len(rows)
+    first = [forest.nodes[path[0]].start for path in forest.paths]  # past 0 where the prefix cache served it
     if chunk is not None:
         own = starts[len(forest.nodes)]
         rows.append(np.arange(own, own + chunk.num_tokens, dtype=np.int64))

@@ -47,6 +47,12 @@ eager forward of the same batch (hidden states within the start-up check's bound
 equal); a mismatch or a failed capture turns graphs off for that mode (a warning; eager from then
 on), never for live routing.
 
+The prefix cache. Where the engine keeps a pool for this decoder's model (`attach_pool`, before the
+graphs are captured), every graph writes each layer's keys and values of its N rows into the pool at
+the rows of a static index (cache/pool.py), those the micro-batch does not keep to the pool's trash
+row; a replay fills the index first. A micro-batch that reads the pool (cached prefixes, a chunk's
+cached context) runs eagerly.
+
 Safety. Capture runs in thread-local mode, so the results thread's waits on events go on meanwhile.
 `capture` checks a graph's result against the eager forward at start; a capture that fails turns
 graphs off for the decoder with a warning, and it runs eagerly from then on (cuda_graphs=on: graphs
@@ -69,6 +75,7 @@ import torch
 
 from service.engine.batch.kv_store import KVContext
 from service.engine.batch.packing import SHAPE_STEP, PackedBatch
+from service.engine.cache.pool import ModelPool, PoolIO, Saves
 from service.engine.decoder.base import Decoder, DecoderKind, relative_error
 from service.engine.decoder.fused import FusedDecoder, Stream
 from service.engine.decoder.graph_routes import RouteBuffers, RouteMode, mode_of
@@ -158,6 +165,7 @@ class _Buffers:
         self.key_index = torch.zeros(KEYS_PER_TOKEN * capacity, dtype=torch.long, device=device)
         self.key_count = torch.zeros(1, dtype=torch.int32, device=device)
         self.cu_k = torch.zeros(slots + 1, dtype=torch.int32, device=device)
+        self.save_to = torch.zeros(capacity, dtype=torch.long, device=device)  # pool rows of the row's keys
         self.x = torch.zeros(capacity, weight.shape[1], dtype=dtype, device=device)
         self.cos = torch.zeros(capacity, inner.head_dim, dtype=dtype, device=device)
         self.sin = torch.zeros(capacity, inner.head_dim, dtype=dtype, device=device)
@@ -194,6 +202,13 @@ class GraphedDecoder:
             self.shared_off = "shared-prefix micro-batches run eagerly in batch-invariant mode"
         self._checked: set[tuple[RouteMode, bool]] = set()  # (mode, shared) variants whose check passed
         self._routes: RouteBuffers | None = None
+        self._pool: ModelPool | None = None
+
+    def attach_pool(self, pool: ModelPool) -> None:
+        """The prefix cache's pool of this decoder's model: every graph captured from now on writes it
+        (none is captured yet)."""
+        assert not self._graphs, "attach the pool before capturing graphs"
+        self._pool = pool
 
     @property
     def graphs(self) -> int:
@@ -221,7 +236,7 @@ class GraphedDecoder:
     def __call__(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
         sequences = batch.cu_seqlens.shape[0] - 1
         context = batch.context
-        max_len_k = None if context is None else context.max_len_k
+        max_len_k = None if context is None or context.gather is None else context.max_len_k
         key = self.key(batch.num_tokens, sequences, batch.max_len, max_len_k)
         routes, mode = batch.routes, mode_of(batch.routes)
         if key is None or self.disabled is not None or not (self._gathers(context) and self._routable(batch)):
@@ -233,8 +248,13 @@ class GraphedDecoder:
         buffers.positions[:, :n].copy_(batch.position_ids)
         buffers.cu[: sequences + 1].copy_(batch.cu_seqlens)
         buffers.cu[sequences + 1 : key.slots + 1].fill_(n)  # empty sequences up to the graph's slots
-        if context is not None:
-            assert context.gather is not None
+        if self._pool is not None:  # the pool rows the row's keys go to; the trash for those not kept
+            buffers.save_to[:n].fill_(self._pool.trash)
+            save = context.io.save if context is not None and context.io is not None else None
+            if save is not None:
+                assert save.src is not None
+                buffers.save_to.index_copy_(0, save.src, save.dst)
+        if context is not None and context.gather is not None:
             count = context.gather.shape[0]
             buffers.key_index[:count].copy_(context.gather)
             buffers.key_count.fill_(count)
@@ -265,11 +285,16 @@ class GraphedDecoder:
         return out
 
     def _gathers(self, context: KVContext | None) -> bool:
-        """Whether a graph may run a micro-batch with `context`: none, or shared prefixes' keys alone
-        (no chunk's store) within the static index, while shared graphs are on."""
+        """Whether a graph may run a micro-batch with `context`: none, or shared prefixes' keys within
+        the static index while shared graphs are on (no chunk's store, no read of the prefix cache), or
+        only keys the prefix cache keeps."""
         if context is None:
             return True
-        if context.store is not None or context.gather is None or self.shared_off is not None:
+        if context.store is not None or (context.io is not None and context.io.reads):
+            return False
+        if context.gather is None:
+            return context.io is not None and self._pool is not None
+        if self.shared_off is not None:
             return False
         return context.gather.shape[0] <= self.key_capacity
 
@@ -456,9 +481,13 @@ class GraphedDecoder:
         buffers.sin[:n].copy_(fresh.sin)
         del fresh
         context = None
+        io = None if self._pool is None else PoolIO(self._pool, save=Saves(None, buffers.save_to[:n]))
         if key.keys:
             count = buffers.key_count
-            context = KVContext(buffers.cu_k[: key.slots + 1], key.max_len_k, buffers.key_index, count=count)
+            cu_k = buffers.cu_k[: key.slots + 1]
+            context = KVContext(cu_k, key.max_len_k, buffers.key_index, count=count, io=io)
+        elif io is not None:
+            context = KVContext(cu, key.max_len, io=io)
         stream = Stream(buffers.x[:n], buffers.cos[:n], buffers.sin[:n], cu, key.max_len, context)
         routes = None if self._routes is None else self._routes.view(key.mode, n)
         with inner.routed(routes):

@@ -15,6 +15,10 @@ A sequence longer than a micro-batch arrives as chunks, in order, each the last 
 micro-batch; every model that scores it keeps its keys and values (a KVStore per model) from its
 first chunk to its last.
 
+The prefix cache: each served model's pool (cache/pool.py), sized at warm-up (memory.py), and the
+index over them (core/prefix_cache.py) that the batcher plans micro-batches with; a micro-batch's
+plan says what it reads and writes (cache/rows.py). New weights drop their model's entries.
+
 This module launches and collects; what it builds (build.py), the models it runs (models.py), the
 copies back to the host (inflight.py), reloads (weight_update.py), the self-check (self_check.py) and the
 warm-up and memory sizing (memory.py) are apart.
@@ -30,10 +34,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from service.core.cache_plan import BLOCK, CachePlan
 from service.core.jobs import Chunk, SequenceJob, SequenceScores
+from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest
 from service.engine.batch.kv_store import KVStore
-from service.engine.batch.packing import pack
+from service.engine.batch.packing import PackedBatch, pack
+from service.engine.cache.pool import ModelPool
 from service.engine.config import EngineConfig
 from service.engine.contract import (
     Bucket,
@@ -49,7 +56,7 @@ from service.engine.contract import (
 from service.engine.decoder import graphs
 from service.engine.loading.critic import Critic
 from service.engine.loading.load import Whole, load_models
-from service.engine.loading.pretrained import LoadedModel, resolve_device, resolve_dtype
+from service.engine.loading.pretrained import LoadedModel, resolve_device, resolve_dtype, text_part
 from service.engine.ops.attention import AttentionBackend, choose_backend, invariant, register
 from service.engine.parallel.sharding import Sharded
 from service.engine.scorer import build, memory, self_check, weight_update
@@ -95,6 +102,8 @@ class PackedScorer:
         self._sharded = sharded
         self._config = config
         self._stores: dict[int, dict[Target, KVStore]] = {}  # chunked sequence -> each model's store
+        self._pools: dict[Target, ModelPool] = {}  # the prefix cache's, from warm-up on
+        self._index: PrefixIndex | None = None
         self._served, kernels = build.serve(
             loaded, device, backend, config, self._gemm, reference, critic, sharded
         )
@@ -125,6 +134,16 @@ class PackedScorer:
     def served(self) -> Served:
         """The models this engine runs (their transformers modules and forwards)."""
         return self._served
+
+    @property
+    def prefix_cache(self) -> PrefixIndex | None:
+        """The prefix cache's index over this engine's pools (None: off, or not warmed up)."""
+        return self._index
+
+    def flush_cache(self) -> None:
+        """Drop every entry of the prefix cache."""
+        if self._index is not None:
+            self._index.flush()
 
     @property
     def receiver(self) -> PushReceiver:
@@ -167,14 +186,25 @@ class PackedScorer:
         target = staged.target
         state = weight_update.apply(self._served, staged, self._weights[target])
         self._weights = {**self._weights, target: state}
+        self.weights_changed(target)
         return state
 
+    def weights_changed(self, target: Target) -> None:
+        """`target`'s weights changed (a reload, a push): the prefix cache drops what the old ones
+        computed. Engine thread, between micro-batches."""
+        if self._index is not None:
+            self._index.drop(target)
+
     def launch(
-        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+        self,
+        jobs: Sequence[SequenceJob],
+        chunk: Chunk | None = None,
+        forest: Forest | None = None,
+        cache: CachePlan | None = None,
     ) -> InFlight:
         """Queue the micro-batch's forwards and the copies of its scores to host memory; no wait."""
         try:
-            return self._launch(jobs, chunk, forest)
+            return self._launch(jobs, chunk, forest, cache if self._pools else None)
         except torch.OutOfMemoryError as exc:  # a chunk's stores stay: the batcher retries it
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -197,7 +227,7 @@ class PackedScorer:
     def _stores_of(self, chunk: Chunk | None) -> dict[Target, KVStore]:
         if chunk is None:
             return {}
-        if chunk.start == 0:
+        if chunk.start == chunk.cached:  # its first chunk (past what the prefix cache serves)
             job, capacity = chunk.job, chunk.job.num_tokens + self._step  # a chunk's filler's keys too
             wanted: dict[Target, bool] = {
                 "policy": True,
@@ -209,25 +239,31 @@ class PackedScorer:
         return self._stores[chunk.sequence]
 
     @torch.inference_mode()
-    def _launch(self, jobs: Sequence[SequenceJob], chunk: Chunk | None, forest: Forest | None) -> InFlight:
-        served = self._served
-        batch = pack(jobs, self._device, self._step, chunk=chunk, forest=forest, moe=self._info.moe)
+    def _launch(
+        self, jobs: Sequence[SequenceJob], chunk: Chunk | None, forest: Forest | None, cache: CachePlan | None
+    ) -> InFlight:
+        served, pools = self._served, self._pools
+        batch = pack(
+            jobs, self._device, self._step, chunk=chunk, forest=forest, moe=self._info.moe, cache=cache
+        )
         stores = self._stores_of(chunk)
         every = [*jobs, chunk.job] if chunk is not None else list(jobs)
-        policy = served.policy.logprobs(batch.attach(stores.get("policy")), batch.want_entropy, extras=True)
+
+        def attached(of: PackedBatch, role: Target) -> PackedBatch:
+            return of.attach(stores.get(role), pools.get(role), role)
+
+        policy = served.policy.logprobs(attached(batch, "policy"), batch.want_entropy, extras=True)
         expert_counts = host_counts(served.policy.forward.expert_counts())  # before another forward
         routes = host_routes(batch, every, self._info.moe)
         others = batch.without_routes()  # replay is the policy's: the other models route live
         ref = None
         if served.reference is not None and any(job.return_ref for job in every):
-            ref = served.reference.logprobs(
-                others.attach(stores.get("reference")), want_entropy=False
-            ).logprobs
+            ref = served.reference.logprobs(attached(others, "reference"), want_entropy=False).logprobs
         values = None
         if served.critic is not None and any(job.return_values for job in every):
             assert served.critic_forward is not None
             values = critic_values(
-                served.critic, served.critic_forward, others.attach(stores.get("critic")), self._gemm
+                served.critic, served.critic_forward, attached(others, "critic"), self._gemm
             )
         if chunk is not None and chunk.last:
             self.release(chunk.sequence)  # freed once the work queued on the stores is done
@@ -250,25 +286,28 @@ class PackedScorer:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Run every model's kernels once and check the heads reproduce the models' own final logits;
-        on a GPU, meet every GEMM shape, capture the graphs and size the longest sequence."""
+        on a GPU, meet every GEMM shape and measure a micro-batch's working set; allocate the prefix
+        cache's pools; capture the graphs (which write the pools) and size the longest sequence."""
         rng = random.Random(0)
         jobs = [self._random_job(rng, min(64, self._info.max_positions)) for _ in range(4)]
         self.score(jobs)
-        if self._sharded is not None:  # the models' own forwards need every rank's shard: no self-check
-            log.info("warm-up done (rank %d of %d)", self._sharded.shard.rank, self._sharded.shard.world)
-            if self._device.type == "cuda":
-                self.meet_shapes()
-            return
-        self._self_check(jobs[0])
-        if self._device.type == "cuda":
+        cuda = self._device.type == "cuda"
+        if self._sharded is None:  # the models' own forwards need every rank's shard: no self-check
+            self._self_check(jobs[0])
+        if cuda:
             self.meet_shapes()
+        working = self._measure(rng) if cuda else 0
+        self._open_cache(working)
+        if self._sharded is not None:
+            log.info("warm-up done (rank %d of %d)", self._sharded.shard.rank, self._sharded.shard.world)
+            return
         probe = pack(
             jobs[: max(1, self._config.max_batch_tokens // len(jobs[0].tokens))], self._device, self._step
         )
         for forward in self._served.forwards():
             forward.capture(probe)  # as a micro-batch
-        if self._device.type == "cuda":
-            self._measure_longest(rng)
+        if cuda and self._info.max_positions > self._config.max_batch_tokens:
+            self._size_longest(working)
         policy = self._served.policy.forward
         if isinstance(policy, graphs.GraphedDecoder) and policy.disabled is not None:
             kernels = self._info.kernels.replace("+graphs", "")
@@ -306,21 +345,54 @@ class PackedScorer:
             self_check.check_hidden(served.critic.decoder, served.critic_forward, job, self._device, "critic")
         log.info("warm-up done; self-check max |Δ logits| = %.3g", delta)
 
-    def _measure_longest(self, rng: random.Random) -> None:
-        """Score a sequence of two full chunks, every model asked (the chunked path's kernels met
-        before serving), and set the longest sequence from the memory left beside its peak."""
+    def _measure(self, rng: random.Random) -> int:
+        """The bytes a micro-batch's work takes beyond what is allocated now: the peak over a sequence
+        of two full chunks, every model asked (the chunked path's kernels met before serving too), or
+        over one full micro-batch where the positions allow no longer sequence."""
         most = self._config.max_batch_tokens
         length = min(2 * most, self._info.max_positions)
-        if length <= most:
-            return
-        job = self._random_job(rng, length)
         torch.cuda.synchronize(self._device)
+        base = torch.cuda.memory_allocated(self._device)
         torch.cuda.reset_peak_memory_stats(self._device)
-        for start in range(0, length, most):
-            chunk = Chunk(job, sequence=-1, start=start, end=min(start + most, length))
-            self.launch([], chunk).result()
-        peak = torch.cuda.max_memory_allocated(self._device)
-        fits = memory.tokens_that_fit(self._served, self._device, peak, self._step)
+        if length > most:
+            job = self._random_job(rng, length)
+            for start in range(0, length, most):
+                chunk = Chunk(job, sequence=-1, start=start, end=min(start + most, length))
+                self.launch([], chunk).result()
+        else:
+            self.score([self._random_job(rng, length) for _ in range(max(1, most // length))])
+        torch.cuda.synchronize(self._device)
+        return torch.cuda.max_memory_allocated(self._device) - base
+
+    def _open_cache(self, working: int) -> None:
+        """Allocate each served model's prefix-cache pool (memory.cache_slots; under tensor parallel the
+        fewest any rank holds, so that every rank has each slot) and the index over them."""
+        if not self._config.prefix_cache:
+            return
+        roles = self._served.roles()
+        slots = memory.cache_slots(list(roles.values()), self._device, self._config, working)
+        if self._sharded is not None:
+            slots = memory.fewest(slots, self._sharded.shard, self._device)
+        if slots <= 0:
+            log.warning("prefix cache off: no memory left for it")
+            return
+        for role, module in roles.items():
+            dtype = next(module.parameters()).dtype
+            self._pools[role] = ModelPool.allocate(text_part(module.config), slots, dtype, self._device)
+            forward = self._served.forward(role)
+            if isinstance(forward, graphs.GraphedDecoder):
+                forward.attach_pool(self._pools[role])
+        self._index = PrefixIndex(slots, roles)
+        held = sum(pool.nbytes() for pool in self._pools.values())
+        self._info = dataclasses.replace(
+            self._info, prefix_cache_tokens=slots * BLOCK, prefix_cache_bytes=held
+        )
+        log.info("prefix cache: %d tokens a model, %.2f GiB", slots * BLOCK, held / (1 << 30))
+
+    def _size_longest(self, working: int) -> None:
+        """The longest sequence: what the memory left beside a micro-batch's working set holds of one
+        store per model."""
+        fits = memory.tokens_that_fit(self._served, self._device, working, self._step)
         longest = memory.longest(self._info.max_positions, fits, self._config.max_sequence_tokens)
         self._info = dataclasses.replace(self._info, **longest)
         log.info(

@@ -1,21 +1,29 @@
-"""Warm-up and memory: every GEMM shape a micro-batch can take met before serving, and how long a
-sequence the engine scores (what the model's positions cover, what the accelerator's memory holds
-of one key/value store per model beside a micro-batch's peak, and what the setting asks).
+"""Warm-up and memory: every GEMM shape a micro-batch can take met before serving, how many tokens the
+prefix cache holds (the setting's, or a share of the memory left beside the weights and a
+micro-batch's measured working set), and how long a sequence the engine scores (what the model's
+positions cover, what the memory left after the cache holds of one key/value store per model beside
+the working set, and what the setting asks).
 
-Boundary: the served models, the device and measured bytes in; max_sequence_tokens and what sets it out.
+Boundary: the served models, the device and measured bytes in; pool slots, max_sequence_tokens and
+what sets it out.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from service.core.cache_plan import BLOCK
 from service.engine.batch.kv_store import cache_bytes_per_token
 from service.engine.batch.packing import SHAPE_STEP
+from service.engine.cache import pool
+from service.engine.config import EngineConfig
 from service.engine.loading.pretrained import text_part
+from service.engine.parallel.sharding import Shard
 from service.engine.scorer.models import Served
 
 log = logging.getLogger(__name__)
@@ -52,19 +60,50 @@ def longest(positions: int, memory: int | None, setting: int | None) -> dict[str
     return {"max_sequence_tokens": tokens, "max_sequence_limit": limit}
 
 
-def tokens_that_fit(served: Served, device: torch.device, peak: int, step: int) -> int:
-    """The longest sequence whose stores (one per model, each `step` tokens past the sequence for a
-    chunk's filler) fit in the accelerator's memory beside `peak` bytes (a micro-batch of two full
-    chunks, measured); logs what a store costs a token."""
+# The prefix cache's tokens where the setting gives none and no accelerator memory is measured (CPU)
+CPU_CACHE_TOKENS = 1 << 16
+
+
+def room(device: torch.device, working: int) -> int:
+    """The bytes of the accelerator's planned share not allocated yet, less `working` (a micro-batch's
+    work beyond what is allocated, measured) and what other processes and the CUDA context hold."""
     free, total = torch.cuda.mem_get_info(device)
     elsewhere = total - free - torch.cuda.memory_reserved(device)  # other processes, the context
-    room = int(total * MEMORY_FRACTION) - elsewhere - peak
+    return int(total * MEMORY_FRACTION) - elsewhere - torch.cuda.memory_allocated(device) - working
+
+
+def cache_slots(models: Sequence[Any], device: torch.device, config: EngineConfig, working: int) -> int:
+    """Slots (of core.prefix_cache.BLOCK tokens) of every model's prefix-cache pool: the setting's
+    tokens; else on a GPU, config.prefix_cache_memory_fraction of the `room` left beside `working`,
+    over what a token costs every model's pool; else CPU_CACHE_TOKENS."""
+    per_token = sum(pool.bytes_per_token(text_part(m.config), next(m.parameters()).dtype) for m in models)
+    if config.prefix_cache_tokens is not None:
+        tokens = config.prefix_cache_tokens
+    elif device.type == "cuda":
+        tokens = int(config.prefix_cache_memory_fraction * max(0, room(device, working)) / per_token)
+    else:
+        tokens = CPU_CACHE_TOKENS
+    return tokens // BLOCK
+
+
+def fewest(slots: int, shard: Shard, device: torch.device) -> int:
+    """The fewest slots any rank of a tensor-parallel replica holds (each rank asks its own memory)."""
+    count = torch.tensor([-slots], dtype=torch.int64, device=device)
+    shard.all_reduce_max_(count)
+    return -int(count.item())
+
+
+def tokens_that_fit(served: Served, device: torch.device, working: int, step: int) -> int:
+    """The longest sequence whose stores (one per model, each `step` tokens past the sequence for a
+    chunk's filler) fit in the accelerator's memory beside what is allocated and `working` bytes (a
+    micro-batch of two full chunks, measured); logs what a store costs a token."""
+    left = room(device, working)
     models = served.cached_models()
     per_token = sum(cache_bytes_per_token(text_part(m.config), next(m.parameters()).dtype) for m in models)
     layers = min(int(text_part(m.config).num_hidden_layers) for m in models)
     # one store per model, and a layer's keys and values copied once more while it attends
-    fits = max(0, int(room / (per_token * (1 + 2 / layers))) - step)
-    log.info("a store costs %.1f KiB a token, %.1f GiB free for them", per_token / 1024, room / (1 << 30))
+    fits = max(0, int(left / (per_token * (1 + 2 / layers))) - step)
+    log.info("a store costs %.1f KiB a token, %.1f GiB free for them", per_token / 1024, left / (1 << 30))
     return fits
 
 

@@ -52,7 +52,7 @@ class CausalLM:
 
     def logprobs(self, batch: PackedBatch, want_entropy: bool, *, extras: bool = False) -> ActionScores:
         """The action rows' scores; `extras`: also what rows ask beyond the log-prob (the policy's)."""
-        hidden = self.forward(batch, batch.hidden_index)
+        hidden = batch.hidden(lambda rows: self.forward(batch, rows))
         asks = extras and batch.extras is not None
         head = self.fused_head
         if head is not None:
@@ -75,7 +75,7 @@ class CausalLM:
 
 
 def critic_values(critic: Critic, forward: Decoder, batch: PackedBatch, gemm: TokenGemms) -> torch.Tensor:
-    hidden = forward(batch, batch.hidden_index)
+    hidden = batch.hidden(lambda rows: forward(batch, rows))
     return gemm.by_rows(critic.head, hidden)  # [A] float32: head(h_{t-1})
 
 
@@ -114,3 +114,12 @@ class Served:
     def cached_models(self) -> list[Any]:
         """The decoders that keep keys and values for a chunked sequence: every model."""
         return [lm.model for lm in self.causal_lms()] + ([self.critic.decoder] if self.critic else [])
+
+    def roles(self) -> dict[Target, Any]:
+        """Each served model's role and its decoder's transformers module (the prefix cache's pools)."""
+        roles: dict[Target, Any] = {"policy": self.policy.model}
+        if self.reference is not None:
+            roles["reference"] = self.reference.model
+        if self.critic is not None:
+            roles["critic"] = self.critic.decoder
+        return roles

@@ -9,11 +9,14 @@ Data flow stays one way: the batcher calls rank 0's engine as it calls any Scori
 that runs collectives or changes state (launch, release, warm_up, apply) is first sent, in order,
 down a pipe to every follower, which makes the same call on its scorer: all ranks pack the same
 micro-batch from the same jobs and run the same forward on their shards, meeting in the same
-all-reduces; only rank 0's scores are read. A reload: each rank stages its slices on a loader
-thread and says whether it could; rank 0 applies only when all could, and its `apply` is one more
-call in the stream, so every rank swaps at the same micro-batch boundary. A weight push: every rank
-joins the trainer's group and receives each bucket, on a thread of its own (pushes.py); a version
-applies as a reload's does. Followers answer on their pipe, each answer queued by kind (`listen`).
+all-reduces; only rank 0's scores are read. The prefix cache's index is rank 0's: its plan travels
+with each launch, and every rank reads and writes the same slots of its own pools (its own heads'
+keys and values; the pools' slots are the fewest any rank holds). A reload: each rank stages its
+slices on a loader thread and says whether it could; rank 0 applies only when all could, and its
+`apply` is one more call in the stream, so every rank swaps at the same micro-batch boundary. A
+weight push: every rank joins the trainer's group and receives each bucket, on a thread of its own
+(pushes.py); a version applies as a reload's does. Followers answer on their pipe, each answer
+queued by kind (`listen`).
 
 Failure. A follower that dies (or whose forward fails, which ends it) leaves the others stuck in a
 collective, so a replica's ranks live and die together: rank 0 watches its followers' process
@@ -47,7 +50,9 @@ import torch
 import torch.distributed as dist
 
 from service.core import heap
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, SequenceJob
+from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest
 from service.engine.config import EngineConfig
 from service.engine.contract import (
@@ -163,12 +168,23 @@ class TensorParallelEngine:
         for follower in self._followers:
             follower.send(message)
 
+    @property
+    def prefix_cache(self) -> PrefixIndex | None:
+        return self._scorer.prefix_cache
+
+    def flush_cache(self) -> None:
+        self._scorer.flush_cache()  # the followers' indexes are unused: rank 0's plans name their slots
+
     def launch(
-        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+        self,
+        jobs: Sequence[SequenceJob],
+        chunk: Chunk | None = None,
+        forest: Forest | None = None,
+        cache: CachePlan | None = None,
     ) -> Launched:
-        self._broadcast(("launch", (list(jobs), chunk, forest)))
+        self._broadcast(("launch", (list(jobs), chunk, forest, cache)))
         try:
-            return self._scorer.launch(jobs, chunk, forest)
+            return self._scorer.launch(jobs, chunk, forest, cache)
         except Exception as exc:  # the followers may not have failed alike: the ranks have diverged
             self.fail(f"rank 0: a forward failed ({type(exc).__name__}: {exc}); the ranks diverged")
             raise

@@ -107,14 +107,16 @@ def build_completions_router(
             )
         metrics.queue_requests.inc()
         try:
-            scores, drawn = await answer_or_give_up(http, _score(serving, plan), settings.request_timeout_s)
+            scores, drawn, cached = await answer_or_give_up(
+                http, _score(serving, plan), settings.request_timeout_s
+            )
         finally:
             metrics.queue_requests.dec()
 
         pool = render_pool()
 
         def start() -> Iterator[bytes]:
-            return completion_stream(plan, scores, drawn, shared(), pool)
+            return completion_stream(plan, scores, drawn, shared(), pool, cached)
 
         try:
             chunks = await asyncio.to_thread(start)
@@ -195,8 +197,10 @@ async def _streamed(
 ) -> StreamingResponse:
     """The answer a choice at a time (stream.py): the status once choice 0 is written, then the rest;
     the prompts in micro-batches of at most `batch_tokens`, so that choice 0 comes back early."""
-    futures = serving.batcher.submit_each(plan.jobs, batch_tokens=batch_tokens)
-    answer = StreamedAnswer(plan, futures, partial(_drawn_after, serving, plan))
+    request = serving.batcher.queue_each(plan.jobs, batch_tokens=batch_tokens)
+    answer = StreamedAnswer(
+        plan, request.futures, partial(_drawn_after, serving, plan), lambda: request.cached
+    )
     deadline = time.perf_counter() + timeout_s
     metrics.queue_requests.inc()
     try:
@@ -241,12 +245,15 @@ def _drawn_from(plan: CompletionPlan, scores: SequenceScores) -> Drawn:
     return Drawn(token, float("nan"), 0)
 
 
-async def _score(serving: Serving, plan: CompletionPlan) -> tuple[list[SequenceScores], list[Drawn | None]]:
-    """The plan's scores, and the token drawn after each prompt (max_tokens 1, where it is shown)."""
+async def _score(
+    serving: Serving, plan: CompletionPlan
+) -> tuple[list[SequenceScores], list[Drawn | None], int]:
+    """The plan's scores, the token drawn after each prompt (max_tokens 1, where it is shown) and the
+    prompt tokens the prefix cache served."""
     scored = await serving.batcher.submit(plan.jobs)
     scores = scored.scores
     if not plan.scores_draw:
-        return scores, [None] * len(scores)
+        return scores, [None] * len(scores), scored.cached_tokens
     drawn: list[Drawn | None] = [_drawn_from(plan, s) for s in scores]
     missing = [i for i, d in enumerate(drawn) if d is not None and not d.rank]
     if missing and plan.logprobs_k is not None:  # the answer shows the drawn token's log-prob
@@ -256,7 +263,7 @@ async def _score(serving: Serving, plan: CompletionPlan) -> tuple[list[SequenceS
             d = drawn[i]
             assert d is not None
             drawn[i] = _rescored(d, s)
-    return scores, drawn
+    return scores, drawn, scored.cached_tokens
 
 
 def _rescored(drawn: Drawn, scores: SequenceScores) -> Drawn:

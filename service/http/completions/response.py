@@ -188,8 +188,13 @@ def render_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="completions-json")
 
 
-def completion_stream(
-    plan: CompletionPlan, scores: list[SequenceScores], drawn: list[Drawn | None], h: Shared, pool: Executor
+def completion_stream(  # noqa: PLR0917
+    plan: CompletionPlan,
+    scores: list[SequenceScores],
+    drawn: list[Drawn | None],
+    h: Shared,
+    pool: Executor,
+    cached_tokens: int = 0,
 ) -> Iterator[bytes]:
     """completion_chunks' chunks, each given as soon as it is written: the scores checked and
     everything but the big arrays' blocks written before this returns, the blocks submitted to
@@ -200,7 +205,7 @@ def completion_stream(
     out.add(answer_head(h))
     for i, (s, d) in enumerate(zip(scores, drawn, strict=True)):
         _choice(out, plan, i, s, d, h=h, run=pool.map)
-    out.add(answer_tail(plan))
+    out.add(answer_tail(plan, cached_tokens))
     return out.stream()
 
 
@@ -232,14 +237,16 @@ def answer_head(h: Shared) -> bytes:
     )
 
 
-def answer_tail(plan: CompletionPlan) -> bytes:
-    """The answer's bytes after its last choice: OpenAI's usage."""
+def answer_tail(plan: CompletionPlan, cached_tokens: int = 0) -> bytes:
+    """The answer's bytes after its last choice: OpenAI's usage, with the prompt tokens the prefix
+    cache served (`prompt_tokens_details.cached_tokens`, as OpenAI and vLLM name them)."""
     prompt_tokens = plan.input_tokens
     completion_tokens = len(plan.prompts) if plan.draw else 0
     usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
     return b'],"usage":' + orjson.dumps(usage) + b"}"
 

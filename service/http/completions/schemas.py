@@ -101,10 +101,18 @@ class CompletionChoice(BaseModel):
     )
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        description="Prompt tokens the prefix cache served: their keys, values and hidden states were "
+        "computed for an earlier request and read, not computed again."
+    )
+
+
 class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionResponse(BaseModel):

@@ -67,9 +67,15 @@ class StreamedAnswer:
     `first` settles the status; `rest` is the body; `drop` cancels what has not run."""
 
     def __init__(
-        self, plan: CompletionPlan, scores: list[asyncio.Future[SequenceScores]], drawn: DrawFor
+        self,
+        plan: CompletionPlan,
+        scores: list[asyncio.Future[SequenceScores]],
+        drawn: DrawFor,
+        cached: Callable[[], int] = lambda: 0,
     ) -> None:
+        """`cached()`: the prompt tokens the prefix cache served, once every prompt is scored."""
         self._plan = plan
+        self._cached = cached
         self._scores = scores
         self._drawn = drawn
         self._pool = render_pool()
@@ -109,7 +115,7 @@ class StreamedAnswer:
                     yield chunk
                     del chunk
             outcome = "ok"
-            yield answer_tail(self._plan)
+            yield answer_tail(self._plan, self._cached())
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "ok" if outcome == "ok" else "client_disconnected"
             raise

@@ -116,6 +116,7 @@ def reference_body(
             "prompt_tokens": tokens,
             "completion_tokens": drawn_count,
             "total_tokens": tokens + drawn_count,
+            "prompt_tokens_details": {"cached_tokens": 0},
         },
     }
 

@@ -18,6 +18,7 @@ import orjson
 import pytest
 import requests
 
+from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, SequenceJob
 from service.core.prefixes import Forest
 from service.http.app import create_app
@@ -36,9 +37,13 @@ class DrawsOutside(TopEngine):
     apart), so an answer showing the draw's log-prob scores it again."""
 
     def launch(
-        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+        self,
+        jobs: Sequence[SequenceJob],
+        chunk: Chunk | None = None,
+        forest: Forest | None = None,
+        cache: CachePlan | None = None,
     ) -> FakeLaunched:
-        launched = super().launch(jobs, chunk, forest)
+        launched = super().launch(jobs, chunk, forest, cache)
         for s in launched.scores:
             if s.drawn is not None:
                 assert s.top_ids is not None
@@ -54,9 +59,13 @@ class BadTopFor(TopEngine):
         self.prompt = prompt
 
     def launch(
-        self, jobs: Sequence[SequenceJob], chunk: Chunk | None = None, forest: Forest | None = None
+        self,
+        jobs: Sequence[SequenceJob],
+        chunk: Chunk | None = None,
+        forest: Forest | None = None,
+        cache: CachePlan | None = None,
     ) -> FakeLaunched:
-        launched = super().launch(jobs, chunk, forest)
+        launched = super().launch(jobs, chunk, forest, cache)
         for job, s in zip(jobs, launched.scores, strict=True):
             if job.tokens[: len(self.prompt)].tolist() == self.prompt:
                 assert s.top_ids is not None
