@@ -205,9 +205,10 @@ class GraphedDecoder:
         self._pool: ModelPool | None = None
 
     def attach_pool(self, pool: ModelPool) -> None:
-        """The prefix cache's pool of this decoder's model: every graph captured from now on writes it
-        (none is captured yet)."""
-        assert not self._graphs, "attach the pool before capturing graphs"
+        """The prefix cache's pool of this decoder's model: every graph captured from now on writes it;
+        those the warm-up captured before (meeting shapes, measuring) are dropped, to be captured again
+        with it."""
+        self._graphs.clear()
         self._pool = pool
 
     @property
