@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from service import __version__
-from service.client import groups
+from service.client import group_keys
 from service.client.errors import LogprobdError, from_response, from_transport
 from service.client.fanout import Chunk, merge, reorder, split
 from service.client.retry import RETRYABLE_ERRORS, RetryPolicy, parse_retry_after
@@ -74,14 +74,14 @@ class ClientConfig:
         )
 
     def chunks(self, body: Mapping[str, Any]) -> list[Chunk]:
-        """The requests of one batch: rows of one group key (groups.py) to one replica (each group a
+        """The requests of one batch: rows of one group key (group_keys.py) to one replica (each group a
         request of its own with split_groups), each request naming its first row's key."""
         return split(
             body,
             max_chunk_tokens=self.max_chunk_tokens,
             max_chunk_rows=self.max_chunk_rows,
             min_chunks=len(self.urls),
-            keys=groups.row_keys(body, self.group_key_tokens),
+            keys=group_keys.row_keys(body, self.group_key_tokens),
             replicas=len(self.urls),
             by_group=self.split_groups,
         )
@@ -107,7 +107,7 @@ class Encoded:
 def encode(chunk: Chunk, frames: bool) -> Encoded:
     """A compact frame when asked for and the rows fit one (else JSON: the server names the fault),
     with the group header of its first row."""
-    group = {} if chunk.group is None else {groups.HEADER: groups.header_value(chunk.group)}
+    group = {} if chunk.group is None else {group_keys.HEADER: group_keys.header_value(chunk.group)}
     if frames:
         framed = to_frame(chunk.body)
         if framed is not None:

@@ -43,7 +43,7 @@ class Client:
     read); `frames=False` sends and accepts JSON.
 
     Rows that share a prompt (a GRPO group) go to the same replica, so that its prefix cache computes
-    the prompt once (groups.py: a row's group key hashes its prompt, or its first `group_key_tokens`
+    the prompt once (group_keys.py: a row's group key hashes its prompt, or its first `group_key_tokens`
     tokens); every request names its first row's key in the X-Logprobd-Group header, and
     `split_groups=True` sends each group as a request of its own, for a load balancer that hashes
     on that header (docs/deploying.md).

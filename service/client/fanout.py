@@ -11,7 +11,7 @@ A grouped body (`prompt_ids` + `prompt_index`) splits by its rows too: each chun
 prompts its rows name, once each, and its `prompt_index` renumbered to them; a row's tokens are
 counted with its prompt's, as the server counts them.
 
-Rows that share a prompt (groups.py's key) stay on one replica when the client shards over several:
+Rows that share a prompt (group_keys.py's key) stay on one replica when the client shards over several:
 the rows are parted by key (a key's rows all go to replica key mod N) before they are cut into
 chunks, each chunk then holding rows of the caller's batch that need not be contiguous (`rows`),
 and `by_group` makes each group a request of its own (for a load balancer that hashes the group

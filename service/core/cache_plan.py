@@ -1,5 +1,5 @@
 """What a micro-batch takes from the prefix cache and gives it: the plan the batcher makes with the
-index (prefix_cache.py) and the engine lays out on its packed row (engine/cache/rows.py).
+index (prefix_cache.py) and the engine lays out on its packed row (engine/cache/row_slots.py).
 
 A block is BLOCK tokens of a sequence; slot s of the engine's pools holds rows s * BLOCK .. s * BLOCK +
 BLOCK - 1 of every model's pool. Torch-free.

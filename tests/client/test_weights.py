@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.client import AsyncClient, Client, LogprobdError, groups, resolve_replicas
+from service.client import AsyncClient, Client, LogprobdError, resolve_replicas
+from service.client import group_keys as groups
 from tests.support.device import TOLERANCE
 from tests.support.reference import expected
 from tests.support.servers import serving

@@ -18,7 +18,7 @@ import yaml
 
 import service
 from service.__main__ import _parser
-from service.client import groups
+from service.client import group_keys as groups
 from service.core.errors import ServiceError, status_for
 from service.http.server import GRACEFUL_SHUTDOWN_S
 from service.settings import (

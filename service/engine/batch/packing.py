@@ -18,9 +18,9 @@ from service.engine.batch import route_buffers as moe_routes
 from service.engine.batch.asks import Extras
 from service.engine.batch.device_routes import BatchRoutes
 from service.engine.batch.kv_store import CONTEXT_KWARG, KVContext, KVStore
-from service.engine.cache import rows as cache_rows
+from service.engine.cache import row_slots as cache_rows
 from service.engine.cache.pool import ModelPool
-from service.engine.cache.rows import CacheRows
+from service.engine.cache.row_slots import CacheRows
 from service.engine.contract import SHAPE_STEP, MoeShape
 from service.engine.runtime.copies import to_device
 
@@ -56,7 +56,7 @@ class PackedBatch:
     `routes`: the MoE routes the policy's forward replays and records (route_buffers.py), where a
     sequence gives or asks for them; `route_rows` where each sequence's positions lie in the row.
 
-    With the prefix cache (cache/rows.py): a root that starts past 0 reads its first tokens' keys
+    With the prefix cache (cache/row_slots.py): a root that starts past 0 reads its first tokens' keys
     from the pool, gathered after the row's N rows (key_index then indexes [N + cached rows]); an
     action predicted inside them takes its hidden state from the pool (its hidden_index entry is
     row 0, unread); written blocks are kept. `attach` gives the batch one model's pool.

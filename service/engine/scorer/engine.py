@@ -17,7 +17,7 @@ first chunk to its last.
 
 The prefix cache: each served model's pool (cache/pool.py), sized at warm-up (memory.py), and the
 index over them (core/prefix_cache.py) that the batcher plans micro-batches with; a micro-batch's
-plan says what it reads and writes (cache/rows.py). New weights drop their model's entries.
+plan says what it reads and writes (cache/row_slots.py). New weights drop their model's entries.
 
 This module launches and collects; what it builds (build.py), the models it runs (models.py), the
 copies back to the host (inflight.py), reloads (weight_update.py), the self-check (self_check.py) and the

@@ -1,4 +1,4 @@
-"""A micro-batch's reads and writes of a model's pool (cache/rows.py, cache/pool.py), under the fused
+"""A micro-batch's reads and writes of a model's pool (cache/row_slots.py, cache/pool.py), under the fused
 decoder eager and through its CUDA graphs (EagerRecorder on CPU: the graph body's static index of pool
 rows, the rows not kept written to the trash row):
 

@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from service.client import Client, groups
+from service.client import Client
+from service.client import group_keys as groups
 from service.client.fanout import merge, reorder, split
 from service.core.cache_plan import BLOCK
 from tests.support import models
