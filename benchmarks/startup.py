@@ -13,9 +13,10 @@ restart or on a pod sharing the chart's compileCache volume.
 
 Per start: `ready_s` (weights built to ready over HTTP: what benchmarks.moe reports), the
 engine's own phases (building the decoders, the warm-up's scoring, the self-check, the GEMM shapes
-met, the CUDA graphs checked and captured, the longest-sequence measure: each timed to the device's
-idle), and the compiles within them: Triton's (`_do_compile`, a disk hit included) and the CuTe
-DSL's (`cute.compile`, quack's and flash-attn 4's kernels; a disk hit skips it), by kernel.
+met, a micro-batch's working set measured, the prefix cache's pools allocated, the CUDA graphs
+checked and captured, the longest sequence sized: each timed to the device's idle), and the
+compiles within them: Triton's (`_do_compile`, a disk hit included) and the CuTe DSL's
+(`cute.compile`, quack's and flash-attn 4's kernels; a disk hit skips it), by kernel.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def instrument(clock: Clock) -> None:
 
     PackedScorer.__init__ = clock.timed_phase("build decoders", PackedScorer.__init__)  # type: ignore[method-assign]
     steps = {"score": "warm-up scoring", "_self_check": "self-check", "meet_shapes": "GEMM shapes"}
-    steps |= {"_measure_longest": "longest sequence"}
+    steps |= {"_measure": "working set", "_open_cache": "prefix cache", "_size_longest": "longest sequence"}
     for method, name in steps.items():
         setattr(PackedScorer, method, clock.timed_phase(name, getattr(PackedScorer, method)))
     for module, function, name in [

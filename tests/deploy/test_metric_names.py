@@ -84,6 +84,21 @@ def test_the_dashboard_covers_what_the_issue_asks() -> None:
     }  # fmt: skip
 
 
+def test_the_dashboards_panels_have_their_own_ids_and_places() -> None:
+    """No two panels share an id (Grafana keeps one of them) or a cell of the 24-column grid (Grafana
+    moves one, and a row's panels then sit under another row)."""
+    panels = list(every_panel(json.loads((CHART / "dashboards" / "logprobd.json").read_text())["panels"]))
+    ids = [panel["id"] for panel in panels]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    taken: dict[tuple[int, int], str] = {}
+    for panel in panels:
+        place = panel["gridPos"]
+        for y in range(place["y"], place["y"] + place["h"]):
+            for x in range(place["x"], place["x"] + place["w"]):
+                assert (x, y) not in taken, (panel["title"], taken[x, y])
+                taken[x, y] = panel["title"]
+
+
 def test_every_series_read_is_exported(exported: set[str]) -> None:
     queries = dashboard_queries() + chart_queries()
     assert len(queries) > 20
