@@ -1,6 +1,6 @@
 """The client's weight push (service/client/push.py) from this process, rank 0 over gloo, to real replica
 processes (tests/support/pushing.py): after each push every replica serves the pushed weights, whose
-scores are the reference's of the very tensors pushed (tests/reference.py: the model's own forward,
+scores are the reference's of the very tensors pushed (tests/support/reference.py: the model's own forward,
 float64 softmax); one replica or a fleet of two in one group; a module, a state dict of mixed dtypes,
 a lazy iterator (holding a bucket or two, never the model); the reference and critic targets; and the
 failures, each naming its replica, after which the replicas serve what they served and the next push

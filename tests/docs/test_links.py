@@ -2,7 +2,7 @@
 markdown file (README.md, docs/, CONTRIBUTING.md, BENCHMARKS.md, ...) leads to a file that is there,
 and every anchor to a heading of the page it names, with GitHub's heading ids (lower case, each space
 a hyphen, other punctuation dropped, a repeated heading numbered). The site is built with the same
-ids (mkdocs.yml's toc slugify), so a link that works here works there too (tests/test_site.py)."""
+ids (mkdocs.yml's toc slugify), so a link that works here works there too (tests/docs/test_site.py)."""
 
 from __future__ import annotations
 
@@ -111,3 +111,32 @@ def test_the_generated_pages_are_committed_and_current() -> None:
 
     for path, render in hooks().generated().items():
         assert path.read_text() == render(), f"{path.relative_to(ROOT)} is stale: run `python docs/hooks.py`"
+
+
+# a path under tests/ named in prose or a comment; records of past runs name the paths of their day
+TEST_PATH = re.compile(r"\btests/[A-Za-z0-9_/]+\.(?:py|yaml|jsonl)\b")
+RECORDS = ("benchmarks/results/", "tests/gpu/results/", "docs/benchmark-history.md")
+
+
+def test_every_named_test_file_is_there() -> None:
+    """A file under tests/ that the docs, the Makefile, a requirements file or a module names (in
+    prose, a comment or a config) exists: moving a test moves what points at it."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    missing = []
+    for name in listed:
+        path = ROOT / name
+        if name.startswith(RECORDS) or not path.is_file() or path.suffix in {".so", ".svg", ".png"}:
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        named = sorted(set(TEST_PATH.findall(text)))
+        missing += [f"{name}: {hit}" for hit in named if not (ROOT / hit).exists()]
+    assert missing == []

@@ -1,5 +1,5 @@
 """lm-evaluation-harness' command line, exactly as docs/api.md prints it, against a real `python -m
-service serve` (the `served` teacher): the served URL, model name and tokenizer put in, and a local
+service serve` (the `teacher_server` fixture): the served URL, model name and tokenizer put in, and a local
 multiple-choice task (lm_eval_task/: a YAML and a JSON lines file, read offline) in place of
 hellaswag. Every choice's log-likelihood lm-eval reports is the float64 reference's sum over the
 choice's tokens, its is-greedy flag the reference's argmax, and the accuracy it prints follows.
@@ -79,11 +79,11 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_documented_lm_eval_command_scores_a_task(
-    served: str, reference: Reference, tokenizer_dir: Path, tmp_path: Path
+    teacher_server: str, teacher_reference: Reference, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
     if not (LM_EVAL / "lm_eval").is_dir():
         raise RuntimeError(f"lm-eval's command line is not installed in {LM_EVAL}: run `make install`")
-    command = local(documented_command(), served, tokenizer_dir, tmp_path / "out")
+    command = local(documented_command(), teacher_server, tokenizer_dir, tmp_path / "out")
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in (str(LM_EVAL), os.environ.get("PYTHONPATH", "")) if p),
@@ -105,7 +105,7 @@ def test_the_documented_lm_eval_command_scores_a_task(
         doc = sample["doc"]
         scores = []
         for choice, ((loglikelihood, greedy), *_) in zip(doc["choices"], sample["resps"], strict=True):
-            want, argmax = expected(reference, ids(doc["context"]), ids(choice))
+            want, argmax = expected(teacher_reference, ids(doc["context"]), ids(choice))
             tolerance = TOLERANCE * len(ids(choice))
             assert math.isclose(float(loglikelihood), want, abs_tol=tolerance), (doc, choice)
             assert greedy == str(argmax)

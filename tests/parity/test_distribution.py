@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 
 from service.client.wire import from_frame, to_frame
 from service.wire.frame import MEDIA_TYPE
+from tests.support import ROOT, models
 from tests.support import distribution as ref
-from tests.support import models
 from tests.support.device import settings_for
 from tests.support.servers import running
 
@@ -32,7 +32,7 @@ BLOCKS = ("top_ids", "top_logprobs", "candidate_logprobs")
 
 def documented_decoder() -> Callable[[dict[str, Any]], dict[str, list[np.ndarray]]]:
     """docs/api.md's snippet for `distribution_format: "base64"`, run as it is written there."""
-    page = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    page = (ROOT / "docs" / "api.md").read_text()
     (code,) = [
         b
         for b in re.findall(r"^```python\n(.*?)^```", page, re.MULTILINE | re.DOTALL)
