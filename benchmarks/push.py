@@ -246,6 +246,11 @@ def trainer(args: argparse.Namespace) -> tuple[torch.device, Any]:
     return device, build_model(shape_of(args.model), getattr(torch, args.dtype), device, "sdpa")
 
 
+def gpus(args: argparse.Namespace) -> int:
+    """The GPUs a run holds: the trainer's and the server's, one where they are the same."""
+    return len({args.trainer_gpu, args.server_gpu})
+
+
 def join(http: httpx.Client, url: str, args: argparse.Namespace, device: torch.device, name: str) -> Any:
     """The server joined to a new group of this trainer (rank 0, the store's host): the group, and
     seconds from the call to both joined."""
@@ -361,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "modes": args.modes,
         "reload_baseline": args.reload_baseline,
     }
-    result = {**provenance("push", device, argv, gpus=2), "settings": settings, "join_s": join_s}
+    result = {**provenance("push", device, argv, gpus=gpus(args)), "settings": settings, "join_s": join_s}
     result.update(push_equals_reload_bitwise=bitwise, stall=stalled, runs=rows)
     write_result(args.output, result)
     survived = stalled["status"] == 400 and stalled["still_served"] and stalled["pushed_after"]

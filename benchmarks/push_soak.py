@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 ended = scorers.stop()
     verdict = checker.finish()
-    result = {**provenance("push_soak", device, argv, gpus=2), "settings": settings(args)}
+    result = {**provenance("push_soak", device, argv, gpus=push.gpus(args)), "settings": settings(args)}
     scoring = timeline(scorers.answers, windows, began, ended)
     result.update(summary(verdict, windows, scoring, ended - began, PAUSE_TARGET_MS))
     write_result(args.output, result)

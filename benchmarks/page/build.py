@@ -19,20 +19,23 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from benchmarks.page.layout import Entry
 from benchmarks.page.results import PageError, Sources, read
-from benchmarks.page.tables import SECTIONS, Entry
+from benchmarks.page.tables import SECTIONS
 
 HERE = Path(__file__).resolve().parent
 PAGE = HERE.parents[1] / "BENCHMARKS.md"
 MARKER = re.compile(r"^\{\{(\w+)\}\}$", re.MULTILINE)
-DERIVED = {"run_load": "run"}  # a marker whose table reads another section's files
+DERIVED = {"run_load": "run", "distribution_json": "distribution"}  # tables of another section's files
 
 
 def entries(current: dict[str, Any], section: str) -> list[Entry]:
-    """The files current.toml names for `section` (or the section it is derived from), read."""
+    """The files current.toml names for `section`, read; for a derived section, those of the section it
+    reads, without their notes (which that section's table carries)."""
     suite = SECTIONS[section][0]
     named = current.get(DERIVED.get(section, section), [])
-    return [Entry(read(e["file"], suite), e.get("models"), e.get("note")) for e in named]
+    own = section not in DERIVED
+    return [Entry(read(e["file"], suite), e.get("models"), e.get("note") if own else None) for e in named]
 
 
 def render(template: str, current: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ them. Files are named relative to benchmarks/results/.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,24 +78,30 @@ def load(path: Path, suite: str) -> Result:
 # --- how a figure is written ---------------------------------------------------------------------
 
 
+def figure(value: float | None) -> float | None:
+    """`value`, or None where it is no figure: absent, or NaN (what a suite writes for a ratio to a
+    variant it did not run)."""
+    return None if value is None or math.isnan(value) else value
+
+
 def ms(value: float | None) -> str:
-    return NONE if value is None else f"{value:,.1f}"
+    return NONE if (v := figure(value)) is None else f"{v:,.1f}"
 
 
 def pct(value: float | None) -> str:
-    return NONE if value is None else f"{value * 100:.1f} %"
+    return NONE if (v := figure(value)) is None else f"{v * 100:.1f} %"
 
 
 def signed(value: float | None) -> str:
-    return NONE if value is None else f"{value * 100:+.1f} %".replace("-", "\N{MINUS SIGN}")
+    return NONE if (v := figure(value)) is None else f"{v * 100:+.1f} %".replace("-", "\N{MINUS SIGN}")
 
 
 def times(value: float | None) -> str:
-    return NONE if value is None else f"{value:.2f}\N{MULTIPLICATION SIGN}"
+    return NONE if (v := figure(value)) is None else f"{v:.2f}\N{MULTIPLICATION SIGN}"
 
 
 def number(value: float | None, digits: int = 3) -> str:
-    return NONE if value is None else f"{value:.{digits}g}"
+    return NONE if (v := figure(value)) is None else f"{v:.{digits}g}"
 
 
 def table(header: list[str], rows: list[list[str]], right: set[int] | None = None) -> list[str]:
@@ -142,6 +149,11 @@ def stack(versions: dict[str, str]) -> str:
     return ", ".join(parts)
 
 
+def short(commit: str) -> str:
+    """A commit as the page names it: a full hash's first 7 digits (what follows them, `+dirty`, kept)."""
+    return re.sub(r"^([0-9a-f]{7})[0-9a-f]{33}\b", r"\1", commit)
+
+
 @dataclass
 class Sources:
     """The files the page cites, in the order it first cites them, and the stacks they ran on."""
@@ -169,7 +181,7 @@ class Sources:
                 r.link,
                 r.gpu,
                 str(r.data["date"]),
-                f"`{r.data['commit']}`",
+                f"`{short(str(r.data['commit']))}`",
                 labels[stack(r.data["versions"])],
                 f"`{r.data['command']}`",
             ]

@@ -1,71 +1,18 @@
 """Each section's table, from the result files benchmarks/page/current.toml names for it: one function
 per section giving a file's rows, reading the keys its suite writes (benchmarks/<suite>.py) and
-nothing else. Every row starts with the GPU and ends with the link to its file; an entry's `note`
-follows the table. In a header, a column whose name ends in `:` is right-aligned (a number)."""
+nothing else (the scoring suites' here, the server's life in serving.py), and SECTIONS, each
+section's suite and renderer (layout.py). Every row starts with the GPU and ends with the link to its
+file; an entry's `note` follows the table. In a header, a column whose name ends in `:` is
+right-aligned (a number)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
-from benchmarks.page.results import NONE, Result, Sources, ms, number, pct, signed, table, times
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One file named for a section, the models of it shown (all where None), and a note."""
-
-    result: Result
-    models: list[str] | None = None
-    note: str | None = None
-
-    def rows(self) -> dict[str, Any]:
-        return self.result.models(self.models)
-
-
-Cells = Callable[[Entry], Iterator[list[str]]]  # a file's rows, without the GPU and the link
-Render = Callable[[list[Entry], Sources], list[str]]
-
-
-def _render(header: str, cells: Cells) -> Render:
-    """A section's renderer: `header`'s columns (GPU first, the result last), a row per `cells`."""
-    names = ["GPU", *header.split(" | "), "result:"]
-    right = {i for i, name in enumerate(names) if name.endswith(":")}
-    names = [name.removesuffix(":") for name in names]
-    right.discard(len(names) - 1)
-
-    def render(entries: list[Entry], sources: Sources) -> list[str]:
-        rows = [[e.result.gpu, *row, sources.cite(e.result)] for e in entries for row in cells(e)]
-        return [*table(names, rows, right), *_notes(entries)]
-
-    return render
-
-
-def _notes(entries: list[Entry]) -> list[str]:
-    """Each note once, after the GPUs and models it is about."""
-    about: dict[str, list[str]] = {}
-    for e in entries:
-        if e.note:
-            rows = about.setdefault(e.note, [])
-            rows += [row for m in e.rows() if (row := f"{e.result.gpu} {m}") not in rows]
-    return ["", *(f"- {', '.join(rows)}: {note}" for note, rows in about.items())] if about else []
-
-
-def _count(value: int | None) -> str:
-    return NONE if value is None else f"{value:,}"
-
-
-def _ms_of(variant: dict[str, Any] | None, fraction: str = "floor_fraction") -> str:
-    return NONE if variant is None else f"{ms(variant['ms'])} ({pct(variant.get(fraction))})"
-
-
-def _over(variant: dict[str, Any], cost: str) -> str:
-    return f"{ms(variant['ms'])} ({signed(variant[cost])})"
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "**no**"
+from benchmarks.page import serving
+from benchmarks.page.layout import Entry, Render, count, ms_of, over, ratio, renderer, yes
+from benchmarks.page.results import NONE, Sources, ms, number, pct, signed, times
 
 
 def _run(e: Entry) -> Iterator[list[str]]:
@@ -74,7 +21,7 @@ def _run(e: Entry) -> Iterator[list[str]]:
         yield [
             name, ms(m["floor_ms"]), ms(v["engine"]["ms"]), ms(v["http"]["ms"]),
             pct(m["floor_fraction_http"]),
-            _ms_of(v.get("http_plain")), _ms_of(v.get("http_plain_8proc")), ms(v["naive"]["ms"]),
+            ms_of(v.get("http_plain")), ms_of(v.get("http_plain_8proc")), ms(v["naive"]["ms"]),
             times(m["speedup_vs_naive"]),
             f"{v['http']['peak_memory_gib']:.1f} ({v['naive']['peak_memory_gib']:.1f})",
             f"{number(m['max_abs_diff_bf16'])} ({number(m['max_abs_diff_bf16_naive_peer'])})",
@@ -99,7 +46,7 @@ def _grpo(e: Entry) -> Iterator[list[str]]:
                 name, w, f"{r['tokens']:,}", f"{r['unique_tokens']:,}", ms(v.get("naive", {}).get("ms")),
                 ms(v["sharing_off"]["ms"]), ms(on["ms"]), times(r.get("speedup_sharing")),
                 pct(on["unique_floor_fraction"]), ms(v.get("sharing_on_grouped", {}).get("ms")),
-                _count(on.get("computed_tokens")),
+                count(on.get("computed_tokens")),
             ]  # fmt: skip
 
 
@@ -116,8 +63,8 @@ def _plain(e: Entry) -> Iterator[list[str]]:
                 name,
                 w,
                 client,
-                _ms_of(on, "unique_floor_fraction"),
-                _ms_of(grouped, "unique_floor_fraction"),
+                ms_of(on, "unique_floor_fraction"),
+                ms_of(grouped, "unique_floor_fraction"),
             ]
 
 
@@ -125,7 +72,7 @@ def _long(e: Entry) -> Iterator[list[str]]:
     for name, m in e.rows().items():
         chunked, whole = m["chunked"], m["whole"]
         yield [
-            name, f"{sum(m['long_tokens']):,}", _ms_of(chunked), _ms_of(whole),
+            name, f"{sum(m['long_tokens']):,}", ms_of(chunked), ms_of(whole),
             f"{m['chunked_vs_whole']:.3f}",
             ms(m["naive"].get("ms")), f"{chunked['memory']['peak_gib']:.2f}",
             number(chunked["max_abs_diff_vs_float32"]),
@@ -158,7 +105,7 @@ def _invariance(e: Entry) -> Iterator[list[str]]:
     for name, m in e.rows().items():
         for w, r in m["workloads"].items():
             off = "yes" if r["bitwise_off"] else "no"
-            yield [name, w, ms(r["ms_off"]), ms(r["ms_on"]), signed(r["cost"]), _yes(r["bitwise_on"]), off]
+            yield [name, w, ms(r["ms_off"]), ms(r["ms_on"]), signed(r["cost"]), yes(r["bitwise_on"]), off]
 
 
 def _moe(e: Entry) -> Iterator[list[str]]:
@@ -189,55 +136,61 @@ def _replay(e: Entry) -> Iterator[list[str]]:
     for name, m in e.rows().items():
         v = m["variants"]
         yield [
-            name, _ms_of(v["live"]), _over(v["record"], "cost_over_live"),
-            _over(v["replay"], "cost_over_live"),
+            name, ms_of(v["live"]), over(v["record"], "cost_over_live"),
+            over(v["replay"], "cost_over_live"),
             number(m["route_bytes_per_entry"], 6), number(m["replay_vs_live_max_abs_diff"]),
             f"{m['replay_exact_agreement_min']:.3f}",
         ]  # fmt: skip
 
 
+def _of(variant: dict[str, Any] | None, key: str) -> Any:
+    """`variant[key]`, or None where the variant was not run."""
+    return None if variant is None else variant.get(key)
+
+
 def _distribution(e: Entry) -> Iterator[list[str]]:
     for name, m in e.rows().items():
         v, t = m["grpo-short"]["variants"], m["teacher"]
+        costs = [signed(_of(v.get(k), "cost_over_plain")) for k in ("top_logprobs_100", "top_logprobs_1000")]
         yield [
-            name, ms(v["plain"]["ms"]), signed(v["top_logprobs_100"]["cost_over_plain"]),
-            signed(v["top_logprobs_1000"]["cost_over_plain"]), signed(v["processed"]["cost_over_plain"]),
-            _ms_of(t), _ms_of(t.get("tokenizer")), f"{t['peak_gib_over_weights']:.2f}",
+            name, ms(_of(v.get("plain"), "ms")), *costs, signed(_of(v.get("processed"), "cost_over_plain")),
+            ms_of(t), ms_of(t.get("tokenizer")), f"{t['answer_bytes'] / 1e6:.1f}",
+            f"{t['peak_gib_over_weights']:.2f}",
         ]  # fmt: skip
 
 
-def _reload(e: Entry) -> Iterator[list[str]]:
-    for r in e.result.data["rows"]:
-        exact = r["correct"] and r["scores_changed"] and r["back_exact"]
+JSON_FORMS = ("top_logprobs_100_json", "top_logprobs_100_base64", "top_logprobs_1000_json",
+              "top_logprobs_1000_base64", "processed_json")  # fmt: skip
+
+
+def _distribution_json(e: Entry) -> Iterator[list[str]]:
+    """The GRPO round from a plain JSON client, where the file has it (`--json-forms`): each variant
+    over plain JSON, and the logprobd client's top-K rounds beside them."""
+    client = CLIENT.get(str(e.result.data["settings"].get("json_client")), "")
+    for name, m in e.rows().items():
+        if (forms := m["grpo-short"].get("json")) is None:
+            continue
+        frames = m["grpo-short"]["variants"]
         yield [
-            r["model"], r["mode"], f"{r['bytes'] / 2**30:.2f}", f"{r['stage_s']:.2f}", ms(r["pause_ms"]),
-            f"{r['extra_peak_gib']:.2f}", _yes(exact),
+            name, client, ms_of(forms["plain_json"], "unique_floor_fraction"),
+            *(over(forms.get(k), "cost_over_plain_json") for k in JSON_FORMS),
+            " / ".join(ms(_of(frames.get(k), "ms")) for k in ("top_logprobs_100", "top_logprobs_1000")),
         ]  # fmt: skip
 
 
-def _tp(e: Entry) -> Iterator[list[str]]:
-    for r in e.result.data["runs"]:
-        yield [
-            r["model"], r["workload"], str(r["tensor_parallel_size"]), ms(r["ms"]),
-            f"{r['tokens_per_s']:,.0f}",
-            pct(r["floor_fraction"]), f"`{r['kernels']}`",
-        ]  # fmt: skip
+def _prefix_cache(e: Entry) -> Iterator[list[str]]:
+    for name, m in e.rows().items():
+        for scenario, r in m["scenarios"].items():
+            on, off = r["variants"].get("cache_on"), r["variants"].get("cache_off")
+            yield [
+                name, scenario, count(r["unique_tokens"]), ms_of(on, "unique_floor_fraction"),
+                ratio(_of(on, "computed_per_unique")), count(_of(on, "cached_tokens")),
+                ms_of(off, "unique_floor_fraction"), ratio(_of(off, "computed_per_unique")),
+                signed(r.get("slowdown_cache_on")),
+            ]  # fmt: skip
 
 
-STARTUP_PHASES = ("build decoders", "warm-up scoring", "CUDA graphs")  # benchmarks.startup's, not all
-
-
-def _startup(e: Entry) -> Iterator[list[str]]:
-    fresh = str(e.result.data["cache_dir"]).startswith("fresh")  # else the caches were given
-    for n, start in enumerate(e.result.data["starts"]):
-        phases, compiles = start["phases_s"], start["compiles"]
-        seconds = [NONE if (s := phases.get(k)) is None else f"{s:.1f}" for k in STARTUP_PHASES]
-        counted = [f"{compiles[k]['count']} ({compiles[k]['seconds']:.1f} s)" for k in ("triton", "cute")]
-        caches = "warm" if n else "cold" if fresh else "as given"
-        yield [e.result.data["model"], caches, f"{start['ready_s']:.1f}", *seconds, *counted]
-
-
-_LONG = _render(
+_LONG = renderer(
     "model | tokens: | chunked, default budget (of the floor): | whole (budget 32,768): | chunked / whole: "
     "| naive peer: | peak GiB, chunked: | max \\|Δ\\| vs fp32:",
     _long,
@@ -250,54 +203,71 @@ def long(entries: list[Entry], sources: Sources) -> list[str]:
 
 # section of current.toml -> (the suite its files come from, its renderer)
 SECTIONS: dict[str, tuple[str, Render]] = {
-    "run": ("run", _render(
+    "run": ("run", renderer(
         "model | floor ms: | engine in-process: | HTTP, logprobd client: | of the floor: "
         "| plain JSON, one process (of the floor): | plain JSON, a process per rank: | naive peer: "
         "| speed-up vs naive: | peak GiB (naive): | max \\|Δ\\| vs fp32 (naive):",
         _run,
     )),
-    "run_load": ("run", _render(
+    "run_load": ("run", renderer(
         "model | offered req/s: | achieved req/s: | tokens/s: | p50 ms: | p99 ms: | s:", _run_load
     )),
-    "grpo": ("grpo", _render(
+    "grpo": ("grpo", renderer(
         "model | workload | tokens sent: | unique: | naive peer: | sharing off: | sharing on: | on / off: "
         "| of the unique-token floor: | grouped form: | computed tokens:",
         _grpo,
     )),
-    "plain": ("grpo", _render(
+    "plain": ("grpo", renderer(
         "model | workload | client | ms (of the unique-token floor): | grouped form:", _plain
     )),
     "long": ("long", long),
-    "invariance": ("invariance", _render(
+    "invariance": ("invariance", renderer(
         "model | workload | mode off ms: | mode on ms: | cost: | bitwise on | bitwise off", _invariance
     )),
-    "moe": ("moe", _render(
+    "moe": ("moe", renderer(
         "shape | HTTP ms: | tokens/s: | of the floor: | slowest round: | in-process ms: | ready s:", _moe
     )),
-    "moe_peers": ("moe", _render(
+    "moe_peers": ("moe", renderer(
         "shape | fused MoE, HTTP ms: | transformers, `grouped_mm` experts: | transformers, `eager`: "
         "| speed-up: | \\|Δ\\| vs fp32, max / mean: | transformers' \\|Δ\\|:",
         _moe_peers,
     )),
-    "replay": ("replay", _render(
+    "replay": ("replay", renderer(
         "model | live ms (of the floor): | record ms (cost): | replay ms (cost): | bytes per route entry: "
         "| replay vs live \\|Δ\\|: | lowest agreement:",
         _replay,
     )),
-    "distribution": ("distribution", _render(
+    "prefix_cache": ("prefix_cache", renderer(
+        "model | scenario | unique tokens: | cache on, ms (of the unique-token floor): | computed / unique: "
+        "| cached tokens: | cache off, ms (of the floor): | computed / unique, off: | on vs off:",
+        _prefix_cache,
+    )),
+    "distribution": ("distribution", renderer(
         "model | GRPO round, plain ms: | top-100: | top-1000: | processed: | teacher call ms (of the floor): "
-        "| with a tokenizer: | teacher's peak GiB over the weights:",
+        "| with a tokenizer: | teacher's answer MB: | teacher's peak GiB over the weights:",
         _distribution,
     )),
-    "reload": ("reload", _render(
-        "model | mode | GiB: | stage s: | pause ms: | extra GPU peak GiB: | exact", _reload
+    "distribution_json": ("distribution", renderer(
+        "model | client | plain JSON ms (of the unique-token floor): | top-100 as lists: "
+        "| top-100 as base64: | top-1000 as lists: | top-1000 as base64: | processed: "
+        "| logprobd client, top-100 / top-1000 ms:",
+        _distribution_json,
     )),
-    "tp": ("tp", _render(
-        "model | workload | tensor parallel: | ms: | tokens/s: | of the floor: | kernels", _tp
+    "reload": ("reload", renderer(
+        "model | mode | GiB: | stage s: | pause ms: | extra GPU peak GiB: | exact", serving.reload
     )),
-    "startup": ("startup", _render(
+    "push_soak": ("push_soak", renderer(
+        "model | backend | mode | pushes (failed): | push s, p50 / max: | pause ms, p50 / max (target): "
+        "| answers checked bitwise (versions): | errors / mismatched / unknown / unchecked "
+        "| scoring tokens/s, during / between pushes: | ok",
+        serving.push_soak,
+    )),
+    "tp": ("tp", renderer(
+        "model | workload | tensor parallel: | ms: | tokens/s: | of the floor: | kernels", serving.tp
+    )),
+    "startup": ("startup", renderer(
         "model | caches | ready s: | build decoders s: | warm-up s: | CUDA graphs s: | Triton compiles: "
         "| CuTe DSL compiles:",
-        _startup,
+        serving.startup,
     )),
 }  # fmt: skip

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.page.layout import Entry
 from benchmarks.page.results import Sources, load
-from benchmarks.page.tables import SECTIONS, Entry
+from benchmarks.page.tables import SECTIONS
 
 
 def page_rows(section: str, path: Path) -> list[list[str]]:

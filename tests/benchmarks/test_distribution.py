@@ -47,3 +47,11 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     assert teacher["tokenizer"]["answer_bytes"] >= teacher["answer_bytes"] + teacher["entries"]
     (row,) = page_rows("distribution", out)  # the results page reads what the suite wrote
     assert row[1:3] == ["tiny", f"{model['grpo-short']['variants']['plain']['ms']:,.1f}"]
+    (forms,) = page_rows("distribution_json", out)  # its JSON forms, each over plain JSON
+    plain = model["grpo-short"]["json"]["plain_json"]
+    assert forms[1:4] == [
+        "tiny",
+        "a process per rank",
+        f"{plain['ms']:,.1f} ({plain['unique_floor_fraction'] * 100:.1f} %)",
+    ]
+    assert all(cell.endswith(" %)") for cell in forms[4:9])  # lists and base64 of top-100 and 1000, processed

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.page import build
-from benchmarks.page.results import PROVENANCE, RESULTS, PageError, Sources, load, read, stack
-from benchmarks.page.tables import SECTIONS, Entry
+from benchmarks.page.layout import Entry
+from benchmarks.page.results import NONE, PROVENANCE, RESULTS, PageError, Sources, load, read, short, stack
+from benchmarks.page.tables import SECTIONS
+from tests.benchmarks.page_rows import page_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 CURRENT = tomllib.loads((ROOT / "benchmarks/page/current.toml").read_text())
@@ -115,3 +117,90 @@ def test_a_marker_without_a_table_or_a_section_without_a_marker_is_refused() -> 
         build.render("{{sources}}\n", {"reload": [{"file": "reload-h200-2026-11-21.json"}]})
     with pytest.raises(PageError, match="no table"):
         build.render("{{sources}}\n", {"nothing": []})
+
+
+def _rows(section: str, file: str) -> list[list[str]]:
+    """The cells of each row of `section`'s table for the cited result file `file`."""
+    return page_rows(section, RESULTS / file)
+
+
+PREFIX_CACHE = "h200-2026-11-29-s49/prefix-cache-7b-9b90841.json"
+
+
+def test_the_prefix_cache_rows_are_the_files_numbers_and_a_variant_not_run_is_a_dash() -> None:
+    scenarios = read(PREFIX_CACHE, "prefix_cache").data["models"]["qwen2.5-7b"]["scenarios"]
+    rows = {row[2]: row for row in _rows("prefix_cache", PREFIX_CACHE)}
+    assert list(rows) == list(scenarios)
+    split = scenarios["split-grpo"]
+    on, off = split["variants"]["cache_on"], split["variants"]["cache_off"]
+    assert rows["split-grpo"][:-1] == [
+        "H200",
+        "qwen2.5-7b",
+        "split-grpo",
+        f"{split['unique_tokens']:,}",
+        f"{on['ms']:,.1f} ({on['unique_floor_fraction'] * 100:.1f} %)",
+        f"{on['computed_per_unique']:.3f}\N{MULTIPLICATION SIGN}",
+        f"{on['cached_tokens']:,.0f}",
+        f"{off['ms']:,.1f} ({off['unique_floor_fraction'] * 100:.1f} %)",
+        f"{off['computed_per_unique']:.3f}\N{MULTIPLICATION SIGN}",
+        f"{(on['ms'] / off['ms'] - 1) * 100:+.1f} %".replace("-", "\N{MINUS SIGN}"),
+    ]
+    assert rows["split-grpo"][4:6] == [
+        "1,036.9 (81.1 %)",
+        "1.001\N{MULTIPLICATION SIGN}",
+    ]  # as the run's log printed them
+    assert "cache_off" not in scenarios["grpo-long"]["variants"]  # the run was cut before it
+    assert rows["grpo-long"][7:10] == [NONE] * 3
+
+
+def test_the_push_soak_row_is_the_files_numbers() -> None:
+    file = "h200-2026-11-29-s49/push-soak-1gpu-9b90841.json"
+    data = read(file, "push_soak").data
+    ((gpu, model, backend, mode, pushes, push_s, pause, answers, wrong, _, ok, link),) = _rows(
+        "push_soak", file
+    )
+    assert (gpu, model, backend, mode) == ("H200", "qwen2.5-1.5b", "gloo", "swap, flattened")  # one GPU
+    assert pushes == f"{data['pushes']['done']} (0)"
+    assert push_s == f"{data['pushes']['push_s_p50']:.2f} / {data['pushes']['push_s_max']:.2f}"
+    assert (
+        pause
+        == f"{data['pause']['p50_ms']:.1f} / {data['pause']['max_ms']:.1f} (≤ 50)"
+        == "15.0 / 25.6 (≤ 50)"
+    )
+    assert answers == f"{data['answers']['checked']:,} ({len(data['answers']['per_version'])})"
+    assert (wrong, ok) == ("0 / 0 / 0 / 0", "yes")
+    assert link.endswith(f"(benchmarks/results/{file})")
+
+
+def test_the_distribution_json_forms_are_the_files_numbers_beside_its_other_rows() -> None:
+    file = "h200-2026-11-29-s49/distribution-7b.json"
+    short = read(file, "distribution").data["models"]["qwen2.5-7b"]["grpo-short"]
+    forms, frames = short["json"], short["variants"]
+    ((*cells, _),) = _rows("distribution_json", file)
+    assert cells[2:4] == ["a process per rank", f"{forms['plain_json']['ms']:,.1f} (85.3 %)"]
+    costs = [forms[f"top_logprobs_{k}_{form}"] for k in (100, 1000) for form in ("json", "base64")]
+    assert cells[4:8] == [f"{v['ms']:,.1f} ({v['cost_over_plain_json'] * 100:+.1f} %)" for v in costs]
+    assert cells[4:8] == ["569.5 (+33.7 %)", "460.3 (+8.1 %)", "1,771.9 (+316.0 %)", "751.9 (+76.5 %)"]
+    assert cells[8:] == [
+        NONE,
+        f"{frames['top_logprobs_100']['ms']:.1f} / {frames['top_logprobs_1000']['ms']:.1f}",
+    ]
+    ((_, _, plain, top100, top1000, processed, teacher, *_),) = _rows("distribution", file)
+    assert (
+        frames["top_logprobs_100"]["cost_over_plain"] != frames["top_logprobs_100"]["cost_over_plain"]
+    )  # NaN
+    assert [plain, top100, top1000, processed] == [NONE] * 4  # no plain round: no figure, not "nan"
+    assert teacher == "1,023.3 (62.2 %)"
+    # a file without the JSON forms has no row in their table
+    assert _rows("distribution_json", "h200-2026-11-26-804101c/distribution.json") == []
+
+
+def test_a_derived_table_leaves_the_notes_to_the_section_it_reads() -> None:
+    current = {"distribution": [{"file": "h200-2026-11-29-s49/distribution-7b.json", "note": "NOTED"}]}
+    page = build.render("{{distribution}}\n\n{{distribution_json}}\n\n{{sources}}\n", current)
+    assert page.count("NOTED") == 1
+
+
+def test_a_full_commit_hash_is_shown_as_its_first_seven_digits() -> None:
+    full = "9b90841779f92098acf07949b44c217b7e140667"
+    assert [short(full), short(full + "+dirty"), short("047621c")] == ["9b90841", "9b90841+dirty", "047621c"]

@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.prefix_cache import SCENARIOS, main, split_grpo, teacher, trajectories
 from benchmarks.workload import unique_tokens
+from tests.benchmarks.page_rows import page_rows
 
 
 def test_the_scenarios_hold_what_the_issue_names() -> None:
@@ -51,3 +52,8 @@ def test_the_benchmark_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
         if name in {"split-grpo", "trajectories", "teacher"}:
             assert on["cached_tokens"] > 0, name
             assert on["computed_per_unique"] < off["computed_per_unique"], name
+    rows = page_rows("prefix_cache", out)  # the results page reads what the suite wrote
+    assert [row[2] for row in rows] == list(SCENARIOS)
+    for (_, model, _, unique, on_ms, *_), r in zip(rows, scenarios.values(), strict=True):
+        assert (model, unique) == ("tiny", f"{r['unique_tokens']:,}")
+        assert on_ms.startswith(f"{r['variants']['cache_on']['ms']:,.1f} (")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from benchmarks import push, push_soak, soak_check
+from tests.benchmarks.page_rows import page_rows
 
 
 @pytest.mark.slow
@@ -90,6 +91,27 @@ def test_the_soak_scores_concurrently_through_pushes_and_checks_every_answer_on_
         scoring = report["scoring"][window]
         assert min(scoring["answers"], scoring["tokens_per_s"]) > 0  # scoring went on during pushes
         assert 0 < scoring["latency_ms_p50"] <= scoring["latency_ms_max"]
+    ((_, model, backend, mode, done, _, pause_cells, answers_cells, wrong, _, ok, _),) = page_rows(
+        "push_soak", out
+    )
+    assert (model, backend, mode, done, wrong, ok) == (
+        "tiny",
+        "gloo",
+        "swap, flattened",
+        "2 (0)",
+        "0 / 0 / 0 / 0",
+        "yes",
+    )
+    assert pause_cells.endswith("(≤ 50)")
+    assert answers_cells == f"{answers['checked']:,} ({len(answers['per_version'])})"
+
+
+def test_a_push_run_counts_the_gpus_it_holds() -> None:
+    one, two = (
+        push.parser().parse_args(["--trainer-gpu", "0", "--server-gpu", "0"]),
+        push.parser().parse_args([]),
+    )
+    assert (push.gpus(one), push.gpus(two)) == (1, 2)  # trainer and server on one GPU; on GPUs 0 and 1
 
 
 def probe(index: int, version: str, rows: soak_check.Rows, status: int = 200) -> soak_check.Answer:
