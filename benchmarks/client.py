@@ -134,6 +134,32 @@ def _rank(url: str, body: bytes, wire: Wire, conn: Connection) -> None:
             conn.send(time.perf_counter())
 
 
+def cached_tokens(answer: dict[str, Any]) -> int:
+    """The tokens the prefix cache served an answer: /logprobs' usage.cached_tokens or
+    /v1/completions' usage.prompt_tokens_details.cached_tokens."""
+    usage = answer.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return int(usage.get("cached_tokens", details.get("cached_tokens", 0)))
+
+
+def calls_rank(url: str, calls: list[tuple[str, dict[str, Any]]], conn: Connection) -> None:
+    """A trainer rank posting several calls, one after another (benchmarks.prefix_cache): for each
+    (start instant, delay) received, post them from then, and report when the last answer was read
+    and the tokens the cache served them. It lives here, not there, so that a spawned rank imports
+    httpx, not torch."""
+    with httpx.Client(base_url=url, timeout=3600) as client:
+        while (go := conn.recv()) is not None:
+            start, delay = go
+            while (left := start + delay - time.perf_counter()) > 0:
+                time.sleep(min(left, 0.002))
+            cached = 0
+            for route, body in calls:
+                reply = client.post(route, json=body)
+                reply.raise_for_status()
+                cached += cached_tokens(reply.json())
+            conn.send((time.perf_counter(), cached))
+
+
 def in_processes(url: str, bodies: list[bytes], reps: int, wire: Wire) -> list[float]:
     """Wall seconds of each round after a warm-up, every body sent by its own process."""
     ctx = mp.get_context("spawn")

@@ -40,7 +40,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,7 @@ import numpy as np
 import orjson
 import torch
 
+from benchmarks.client import calls_rank
 from benchmarks.harness import RESULTS, active_params, packed_model, run_models
 from benchmarks.server import HttpServer, http_bodies
 from benchmarks.shapes import SHAPES
@@ -141,28 +141,6 @@ SCENARIOS: dict[str, Callable[[int, float], Scenario]] = {
 }
 
 
-def _cached(answer: dict[str, Any]) -> int:
-    usage = answer.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return int(usage.get("cached_tokens", details.get("cached_tokens", 0)))
-
-
-def _rank(url: str, calls: list[tuple[str, dict[str, Any]]], conn: Connection) -> None:
-    """A trainer rank: for each (start instant, delay) received, post its calls one after another
-    from then, and report when the last answer was read and the tokens the cache served them."""
-    with httpx.Client(base_url=url, timeout=3600) as client:
-        while (go := conn.recv()) is not None:
-            start, delay = go
-            while (left := start + delay - time.perf_counter()) > 0:
-                time.sleep(min(left, 0.002))
-            cached = 0
-            for route, body in calls:
-                reply = client.post(route, json=body)
-                reply.raise_for_status()
-                cached += _cached(reply.json())
-            conn.send((time.perf_counter(), cached))
-
-
 def computed_total(url: str) -> float:
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line.startswith("logprobd_computed_tokens_total "):
@@ -176,7 +154,7 @@ def rounds(url: str, scenario: Scenario, reps: int, seed: int) -> list[dict[str,
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in scenario.ranks]
     procs = [
-        ctx.Process(target=_rank, args=(url, calls, child), daemon=True)
+        ctx.Process(target=calls_rank, args=(url, calls, child), daemon=True)
         for calls, (_, child) in zip(scenario.ranks, pipes, strict=True)
     ]
     for p in procs:
