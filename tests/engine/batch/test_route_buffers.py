@@ -1,4 +1,4 @@
-"""batch/routes.lay_out: the given ids packed on the row, row by row as a per-position reference lays
+"""batch/route_buffers.lay_out: the given ids packed on the row, row by row as a per-position reference lays
 them, and the engine's range guard."""
 
 from __future__ import annotations

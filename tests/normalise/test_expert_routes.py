@@ -1,4 +1,4 @@
-"""Routing replay's routes (routes.py): every accepted form gives the same GivenRoutes, on the right
+"""Routing replay's routes (expert_routes.py): every accepted form gives the same GivenRoutes, on the right
 positions of every layout, and every bad input is a 422 naming the field and the row.
 
 The reference is by hand: each test builds routes indexed by the token they belong to, and checks
