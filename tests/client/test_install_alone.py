@@ -16,21 +16,20 @@ import importlib.metadata
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
+from tests.support.servers import free_port, server_process
+
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 pytestmark = pytest.mark.slow  # a venv and a pip install: 15-30 s
@@ -102,38 +101,16 @@ def run(
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`python -m service serve` from this environment, the demo model, on a free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=ROOT, env={**os.environ, "LOGPROBD_DRAIN_SECONDS": "0"},
-            stdout=sink, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while not ready(url):
-            assert process.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
+    port = free_port()
+    with server_process(
+        [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        port,
+        env={**os.environ, "LOGPROBD_DRAIN_SECONDS": "0"},
+        log=tmp_path_factory.mktemp("server") / "server.log",
+        timeout=180,
+        what="the demo server",
+    ) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health/ready", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from tests.support import ROOT, critics, models
-from tests.support.servers import free_port, wait_served
+from tests.support.servers import free_port, stop, wait_served
 
 ADMIN = "push-admin-key"
 PUSH_TIMEOUT_S = 15  # the replicas' --weight-push-timeout-s
@@ -66,7 +66,7 @@ def started(root: Path, commands: dict[int, list[str]], **env: str) -> Iterator[
             log = root / f"replica-{port}.log"
             sink = stack.enter_context(log.open("wb"))
             process = subprocess.Popen(argv, cwd=ROOT, env=environment, stdout=sink, stderr=subprocess.STDOUT)
-            stack.callback(_stop, process)
+            stack.callback(stop, process)
             processes.append((f"http://127.0.0.1:{port}", process, log))
         for url, process, log in processes:
             wait_served(url, process, log, timeout=300, what="a replica")
@@ -87,15 +87,6 @@ def replicas(root: Path) -> Iterator[Replicas]:
     }  # fmt: skip
     with started(root, commands) as urls:
         yield Replicas(urls[0], urls[1], made)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def score(url: str, **extra: Any) -> httpx.Response:
