@@ -46,7 +46,7 @@ import numpy as np
 import orjson
 import torch
 
-from benchmarks.harness import RESULTS, active_params, packed_model, run_models
+from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, active_params, packed_model, run_models
 from benchmarks.server import HttpServer, histogram_totals, http_rounds
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import Sample, floor_flops, grpo_short, unique_floor_flops
@@ -221,6 +221,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
         max_top_logprobs=max(1000, TEACHER_K),
+        prefix_cache=CACHE_IN_ROUNDS,
     )
     backend, _, model = packed_model(dict(SHAPES[name]), dtype, device, args.attention)
     shape = SHAPES[name]

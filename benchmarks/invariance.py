@@ -43,7 +43,7 @@ from typing import Any, get_args
 
 import torch
 
-from benchmarks.harness import RESULTS, packed_model, run_models
+from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, packed_model, run_models
 from benchmarks.server import CLIENTS, HttpServer, http_bodies, http_rounds
 from benchmarks.shapes import MOE_SHAPES, SHAPES, shape_of
 from benchmarks.workload import Sample, _scaled, grpo_long, grpo_short, jobs, long_workload, workload
@@ -146,6 +146,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             kernels=args.kernels,
             max_batch_tokens=args.max_batch_tokens,
             share_prefixes=True,
+            prefix_cache=CACHE_IN_ROUNDS,
         )
         engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
         engine.warm_up()

@@ -41,6 +41,7 @@ import torch
 
 from benchmarks.client import FRAME_HEADERS, read_bodies, write_bodies
 from benchmarks.harness import (
+    CACHE_IN_ROUNDS,
     RESULTS,
     active_params,
     max_abs_diff,
@@ -227,7 +228,12 @@ def single_sequence(  # noqa: PLR0917
     """One sequence of the model's positions (x --long-scale) on the default server."""
     one = single(int(SHAPES[name]["vocab_size"]), round(POSITIONS * args.long_scale))
     one_floor = floor_flops(SHAPES[name], active_params(model), one) / rate
-    settings = Settings(device=device.type, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens)
+    settings = Settings(
+        device=device.type,
+        dtype=args.dtype,
+        max_batch_tokens=args.max_batch_tokens,
+        prefix_cache=CACHE_IN_ROUNDS,
+    )
     with HttpServer(engine, settings) as url:
         seconds, rounds = timed_http(url, one, max(1, args.reps - 1))
         peak = peak_memory(lambda: http_rounds(url, http_bodies(one), 1), device)
@@ -250,6 +256,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
         max_batch_tokens=args.max_batch_tokens,
+        prefix_cache=CACHE_IN_ROUNDS,
     )
     backend, packed_impl, model = packed_model(dict(SHAPES[name]), dtype, device, positions=POSITIONS)
     vocab = int(SHAPES[name]["vocab_size"])

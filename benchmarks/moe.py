@@ -40,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.harness import (
     ACCURACY_SAMPLE,
+    CACHE_IN_ROUNDS,
     RESULTS,
     active_params,
     max_abs_diff,
@@ -199,6 +200,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         kernels=args.kernels,
         cuda_graphs=args.cuda_graphs,
         moe_kernel=args.moe_kernel,
+        prefix_cache=CACHE_IN_ROUNDS,
     )
     built: list[PackedScorer] = []
 

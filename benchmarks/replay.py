@@ -38,7 +38,7 @@ import numpy as np
 import orjson
 import torch
 
-from benchmarks.harness import RESULTS, active_params, packed_model, run_models
+from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, active_params, packed_model, run_models
 from benchmarks.server import HttpServer, http_rounds
 from benchmarks.shapes import MOE_SHAPES, floor_shape
 from benchmarks.workload import Sample, floor_flops, workload
@@ -112,7 +112,13 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     samples = workload(int(shape["vocab_size"]), sequences=args.sequences)
     tokens = sum(len(s.tokens) for s in samples)
     floor_s = floor_flops(floor_shape(shape), active_params(model), samples) / rate
-    settings = Settings(device=device.type, dtype=args.dtype, cuda_graphs=args.cuda_graphs, decoder="fused")
+    settings = Settings(
+        device=device.type,
+        dtype=args.dtype,
+        cuda_graphs=args.cuda_graphs,
+        decoder="fused",
+        prefix_cache=CACHE_IN_ROUNDS,
+    )
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
     engine.warm_up()
     plain = plain_bodies(samples)

@@ -30,7 +30,7 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.harness import RESULTS, matmul_rate, provenance, write_result
+from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, matmul_rate, provenance, write_result
 from benchmarks.server import http_bodies, http_seconds, serve_process
 from benchmarks.shapes import SHAPES, TP_SHAPES
 from benchmarks.workload import Sample, floor_flops, long_workload, workload
@@ -114,6 +114,7 @@ def server(checkpoint: Path, tp: int, args: argparse.Namespace) -> Iterator[str]
     """`python -m service serve --tensor-parallel-size tp` on loopback, once ready; its URL."""
     argv = ["--model", str(checkpoint), "--device", args.device, "--dtype", args.dtype,
             "--tensor-parallel-size", str(tp), "--max-batch-tokens", str(args.max_batch_tokens)]  # fmt: skip
+    argv += ["--prefix-cache" if CACHE_IN_ROUNDS else "--no-prefix-cache"]
     with serve_process(argv, start_timeout=args.start_timeout, verbose=args.verbose) as url:
         yield url
 

@@ -35,7 +35,10 @@ def entries(current: dict[str, Any], section: str) -> list[Entry]:
     suite = SECTIONS[section][0]
     named = current.get(DERIVED.get(section, section), [])
     own = section not in DERIVED
-    return [Entry(read(e["file"], suite), e.get("models"), e.get("note") if own else None) for e in named]
+    return [
+        Entry(read(e["file"], suite), e.get("models"), e.get("note") if own else None, e.get("scenarios"))
+        for e in named
+    ]
 
 
 def render(template: str, current: dict[str, Any]) -> str:

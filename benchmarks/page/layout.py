@@ -14,11 +14,13 @@ from benchmarks.page.results import NONE, Result, Sources, figure, ms, pct, sign
 
 @dataclass(frozen=True)
 class Entry:
-    """One file named for a section, the models of it shown (all where None), and a note."""
+    """One file named for a section, the models of it shown (all where None), the scenarios of a
+    model shown (all where None; the prefix cache's), and a note."""
 
     result: Result
     models: list[str] | None = None
     note: str | None = None
+    scenarios: list[str] | None = None
 
     def rows(self) -> dict[str, Any]:
         return self.result.models(self.models)

@@ -181,6 +181,8 @@ def _distribution_json(e: Entry) -> Iterator[list[str]]:
 def _prefix_cache(e: Entry) -> Iterator[list[str]]:
     for name, m in e.rows().items():
         for scenario, r in m["scenarios"].items():
+            if e.scenarios is not None and scenario not in e.scenarios:
+                continue
             on, off = r["variants"].get("cache_on"), r["variants"].get("cache_off")
             yield [
                 name, scenario, count(r["unique_tokens"]), ms_of(on, "unique_floor_fraction"),

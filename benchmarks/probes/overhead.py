@@ -44,7 +44,7 @@ from typing import Any, get_args
 import torch
 
 from benchmarks import server
-from benchmarks.harness import RESULTS, packed_model, provenance, write_result
+from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, packed_model, provenance, write_result
 from benchmarks.server import HttpServer, http_bodies, http_rounds
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import Sample, grpo_long, grpo_short, jobs, workload
@@ -435,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype="bfloat16" if device.type == "cuda" else "float32",
         cuda_graphs=args.cuda_graphs,
         max_batch_tokens=max(args.max_batch_tokens),
+        prefix_cache=CACHE_IN_ROUNDS,
     )
     backend, _, model = packed_model(dict(SHAPES[args.model]), getattr(torch, settings.dtype), device)
     engine = PackedScorer(

@@ -56,7 +56,7 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.autograd import DeviceType  # type: ignore[attr-defined]
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.harness import RESULTS, packed_model, provenance, sync, write_result
+from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, packed_model, provenance, sync, write_result
 from benchmarks.invariance import WORKLOADS, requests
 from benchmarks.shapes import MOE_SHAPES, SHAPES, shape_of
 from benchmarks.workload import jobs
@@ -250,6 +250,7 @@ def settings_for(args: argparse.Namespace, invariant: bool) -> Settings:
         share_min_tokens=args.share_min_tokens,
         share_prefixes=True,
         max_batch_tokens=args.max_batch_tokens,
+        prefix_cache=CACHE_IN_ROUNDS,
     )
 
 

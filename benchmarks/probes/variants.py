@@ -28,7 +28,7 @@ from typing import Any, get_args
 
 import torch
 
-from benchmarks.harness import packed_model, peak_memory, timed
+from benchmarks.harness import CACHE_IN_ROUNDS, packed_model, peak_memory, timed
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import jobs, workload
 from service.batcher import Batcher
@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             attention=backend.name,
             mlp_kernel=args.mlp_kernel,
             cuda_graphs=args.cuda_graphs,
+            prefix_cache=CACHE_IN_ROUNDS,
         )
         engine_label, ms, peak = measure(
             model, args.model, settings, reps=args.reps, profile=args.profile, rope=args.rope
