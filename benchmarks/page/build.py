@@ -26,7 +26,11 @@ from benchmarks.page.tables import SECTIONS
 HERE = Path(__file__).resolve().parent
 PAGE = HERE.parents[1] / "BENCHMARKS.md"
 MARKER = re.compile(r"^\{\{(\w+)\}\}$", re.MULTILINE)
-DERIVED = {"run_load": "run", "distribution_json": "distribution"}  # tables of another section's files
+DERIVED = {
+    "run_load": "run",
+    "distribution_json": "distribution",
+    "replay_json": "replay",
+}  # tables of another section's files
 
 
 def entries(current: dict[str, Any], section: str) -> list[Entry]:

@@ -143,6 +143,17 @@ def _replay(e: Entry) -> Iterator[list[str]]:
         ]  # fmt: skip
 
 
+ROUTE_FORMS = ("record_base64", "replay_base64", "record_lists", "replay_lists")
+
+
+def _replay_json(e: Entry) -> Iterator[list[str]]:
+    for name, m in e.rows().items():
+        v = m["variants"]
+        if "live_json" not in v:
+            continue
+        yield [name, ms_of(v["live_json"]), *(over(v.get(k), "cost_over_live") for k in ROUTE_FORMS)]
+
+
 def _of(variant: dict[str, Any] | None, key: str) -> Any:
     """`variant[key]`, or None where the variant was not run."""
     return None if variant is None else variant.get(key)
@@ -238,6 +249,11 @@ SECTIONS: dict[str, tuple[str, Render]] = {
         "model | live ms (of the floor): | record ms (cost): | replay ms (cost): | bytes per route entry: "
         "| replay vs live \\|Δ\\|: | lowest agreement:",
         _replay,
+    )),
+    "replay_json": ("replay", renderer(
+        "model | live, plain JSON ms (of the floor): | record, base64: | replay, base64: | record, lists: "
+        "| replay, lists:",
+        _replay_json,
     )),
     "prefix_cache": ("prefix_cache", renderer(
         "model | scenario | unique tokens: | cache on, ms (of the unique-token floor): | computed / unique: "
