@@ -78,4 +78,5 @@ class SlicedResponse(Response):
         body = memoryview(self.body)
         size, step = len(body), self.slice_bytes
         for at in range(0, max(size, 1), step):
-            await send({"type": "http.response.body", "body": body[at : at + step], "more_body": at + step < size})
+            last = at + step >= size
+            await send({"type": "http.response.body", "body": body[at : at + step], "more_body": not last})

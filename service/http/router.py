@@ -1,9 +1,10 @@
 """The HTTP routes; each handler is a few lines over the layers below it.
 
-A large body is parsed (JSON) and normalised, and a JSON answer with routes or a distribution written, on a worker
-thread: their big members are read and written natively with the GIL released (wire/jsonrows.py,
-wire/jsonarrays.py), so requests that arrive or finish together are parsed and written in parallel
-while the event loop goes on feeding the batcher.
+A large body is parsed (JSON) and normalised, and a JSON answer with routes or a distribution
+written, on a worker thread: their big members are read and written natively with the GIL released
+(wire/jsonrows.py, wire/jsonarrays.py), so requests that arrive or finish together are parsed and
+written in parallel while the event loop goes on feeding the batcher. A big answer goes to the server
+in slices (bodies.SlicedResponse).
 """
 
 from __future__ import annotations
