@@ -46,6 +46,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -690,6 +691,31 @@ static Py_ssize_t block_length(const Py_buffer *b, int itemsize, int is_signed) 
     return total;
 }
 
+/* every u1 id's text and a comma, padded to 4 bytes; and its length (digits and comma) */
+static char U1_TEXT[256][4];
+static unsigned char U1_LEN[256];
+
+static void build_u1_text(void) {
+    for (int v = 0; v < 256; v++) {
+        int n = snprintf(U1_TEXT[v], 4, "%d", v);
+        U1_TEXT[v][n] = ',';
+        U1_LEN[v] = (unsigned char)(n + 1);
+    }
+}
+
+/* `n` (> 0) u1 ids as `a,b,c`, the row's text without its brackets. Each id but the last is one
+   4-byte store of U1_TEXT: what it writes past its text lies within the next id's digit, its comma
+   or bracket and the row's `]` (written after), so never past the row. */
+static char *write_u1_row(char *w, const unsigned char *ids, Py_ssize_t n) {
+    for (Py_ssize_t j = 0; j < n - 1; j++) {
+        memcpy(w, U1_TEXT[ids[j]], 4);
+        w += U1_LEN[ids[j]];
+    }
+    unsigned char v = ids[n - 1];
+    memcpy(w, U1_TEXT[v], (size_t)U1_LEN[v] - 1);
+    return w + U1_LEN[v] - 1;
+}
+
 static char *write_block(char *w, const Py_buffer *b, int itemsize, int is_signed) {
     Py_ssize_t n = b->len / itemsize, per_list[8];
     int dims = b->ndim;
@@ -719,22 +745,14 @@ static char *write_block(char *w, const Py_buffer *b, int itemsize, int is_signe
             w += closing;
         }
         *w++ = '[';
+        if (itemsize == 1 && !is_signed) {
+            w = write_u1_row(w, data + i, last);
+            i += last;
+            *w++ = ']';
+            continue;
+        }
         for (Py_ssize_t j = 0; j < last; j++, i++) {
             if (j) *w++ = ',';
-            if (itemsize == 1 && !is_signed) {
-                unsigned v = data[i];
-                if (v >= 100) {
-                    *w++ = (char)('0' + v / 100);
-                    memcpy(w, DIGIT_PAIRS + 2 * (v % 100), 2);
-                    w += 2;
-                } else if (v >= 10) {
-                    memcpy(w, DIGIT_PAIRS + 2 * v, 2);
-                    w += 2;
-                } else {
-                    *w++ = (char)('0' + v);
-                }
-                continue;
-            }
             int negative;
             uint64_t v = item(data, i, itemsize, is_signed, &negative);
             if (negative) *w++ = '-';
@@ -944,5 +962,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jsonrows", NULL, -1
 
 PyMODINIT_FUNC PyInit__jsonrows(void) {
     build_tables();
+    build_u1_text();
     return PyModule_Create(&module);
 }

@@ -80,3 +80,18 @@ def test_int_lists_are_orjsons_bytes(dtype: str) -> None:
     assert int_lists(blocks) == want
     routes = [rng.integers(0, 128, size=(n, 48, 8)).astype(np.uint8) for n in (700, 1, 0)]
     assert int_lists(routes) == orjson.dumps(routes, option=NUMPY)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 8])
+def test_u1_rows_every_id_in_every_place(width: int) -> None:
+    """u1 rows are written 4 bytes an id: every id (1, 2 and 3 digits) first, inside and last in a row,
+    and last in the whole answer (nothing written past its end), as orjson writes them."""
+    ids = np.arange(256, dtype=np.uint8)
+    rng = np.random.default_rng(width)
+    rows = np.concatenate([np.roll(ids, s) for s in range(width)]).reshape(-1, width)  # [256 (...), width]
+    for last in (0, 7, 42, 255):
+        blocks = [rng.permutation(rows).reshape(-1, 1, width), np.array([[last]], dtype=np.uint8)]
+        assert int_lists(blocks) == orjson.dumps(blocks, option=NUMPY)
+        assert int_lists([np.full((1, 1, width), last, np.uint8)]) == orjson.dumps(
+            [np.full((1, 1, width), last, np.uint8)], option=NUMPY
+        )
