@@ -651,9 +651,11 @@ static inline char *write_uint(char *w, uint64_t v) {
     return w + n;
 }
 
-/* What a block's items are: native integers of `itemsize` bytes, signed or not, or float32 */
+/* What a block's items are: native integers of `itemsize` bytes, signed or not, or float32; and
+   the end of the text's buffer (a number below 10^8 is written with one 8-byte store before it) */
 typedef struct {
     int itemsize, is_signed, floats;
+    const char *limit;
 } Items;
 
 /* The brackets and commas of one block as nested lists (every dimension > 0, or an empty first one) */
@@ -715,7 +717,14 @@ static inline char *write_items(char *w, const unsigned char *data, Py_ssize_t i
             uint64_t v = item(data, j, k->itemsize, k->is_signed, &negative);
             if (j > i) *w++ = ',';
             if (negative) *w++ = '-';
-            w = write_uint(w, v);
+            if (v < 100000000 && w + 8 <= k->limit) {
+                int n = digits_of(v);
+                uint64_t text = eight_digits((uint32_t)v) >> (8 * (8 - n));
+                memcpy(w, &text, 8);
+                w += n;
+            } else {
+                w = write_uint(w, v);
+            }
         }
     }
     return w;
@@ -812,7 +821,7 @@ static Py_buffer *block_views(PyObject *blocks, const Items *k, Py_ssize_t *coun
 
 static PyObject *int_lists(PyObject *self, PyObject *args) {
     PyObject *blocks;
-    Items k = {0, 0, 0};
+    Items k = {0, 0, 0, NULL};
     Py_ssize_t count;
     (void)self;
     if (!PyArg_ParseTuple(args, "Oip:int_lists", &blocks, &k.itemsize, &k.is_signed)) return NULL;
@@ -827,6 +836,7 @@ static PyObject *int_lists(PyObject *self, PyObject *args) {
     PyObject *out = PyBytes_FromStringAndSize(NULL, total);
     if (out != NULL) {
         char *w = PyBytes_AsString(out);
+        k.limit = w + total;
         Py_BEGIN_ALLOW_THREADS
         write_blocks(w, views, count, &k);
         Py_END_ALLOW_THREADS
@@ -835,17 +845,17 @@ static PyObject *int_lists(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* The text is written to room for the longest numbers, then copied to the bytes of its length: both
-   with the GIL released. */
+/* The text is written to room for the longest numbers (and f32_text's scratch past the last), then
+   copied to the bytes of its length: both with the GIL released. */
 static PyObject *float_lists(PyObject *self, PyObject *args) {
     PyObject *blocks, *out = NULL;
-    Items k = {4, 1, 1};
+    Items k = {4, 1, 1, NULL};
     Py_ssize_t count;
     (void)self;
     if (!PyArg_ParseTuple(args, "O:float_lists", &blocks)) return NULL;
     Py_buffer *views = block_views(blocks, &k, &count);
     if (views == NULL) return NULL;
-    Py_ssize_t most = 2 + (count ? count - 1 : 0);
+    Py_ssize_t most = 2 + (count ? count - 1 : 0) + F32_TEXT_ROOM;
     for (Py_ssize_t i = 0; i < count; i++) {
         Py_ssize_t n = views[i].len / 4;
         most += lists_length(&views[i], n) + n * F32_TEXT_MOST;
@@ -854,6 +864,7 @@ static PyObject *float_lists(PyObject *self, PyObject *args) {
     if (text == NULL) {
         PyErr_NoMemory();
     } else {
+        k.limit = text + most;
         Py_BEGIN_ALLOW_THREADS
         end = write_blocks(text, views, count, &k);
         Py_END_ALLOW_THREADS
