@@ -5,7 +5,8 @@ per position of a ragged or grouped row's sequence, as the engine's narrow array
 per row and over the request. `to_json` writes the answer in the request's JSON forms: routes and
 the [window, K] blocks of the distribution as nested lists, or as base64 little-endian int32 /
 float32 strings, one a row (SGLang's encoding of routes), with `columns` giving the blocks' K; the
-routes' text written natively (wire/jsonarrays.py).
+routes' and the blocks' text written natively, the GIL released (wire/jsonarrays.py), so answers
+written on worker threads are written in parallel.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from service.core.errors import EngineFailure
 from service.core.jobs import RouteAgreement, RouteArray, SequenceScores
 from service.engine.contract import EngineInfo
 from service.normalise import RowWindow, ScoringPlan
-from service.wire.jsonarrays import base64_rows, int_lists
+from service.wire.jsonarrays import base64_rows, float_lists, int_lists
 from service.wire.schemas import RolloutMismatch, RouteAgreementSummary
 
 
@@ -138,6 +139,7 @@ def _agreement_rows(
 
 # the [window, K] blocks of the distribution and their wire dtype in the base64 form
 BLOCKS = {"top_ids": "<i4", "top_logprobs": "<f4", "candidate_logprobs": "<f4"}
+LISTS = {"top_ids": int_lists, "top_logprobs": float_lists, "candidate_logprobs": float_lists}
 
 
 def to_json(body: dict[str, Any], *, routes: str = "lists", distribution: str = "lists") -> bytes:
@@ -148,11 +150,12 @@ def to_json(body: dict[str, Any], *, routes: str = "lists", distribution: str = 
     if recorded is not None:
         text = base64_rows(recorded, "<i4") if routes == "base64" else int_lists(recorded)
         out = {**out, "routed_experts": orjson.Fragment(text)}
-    if distribution == "base64":
-        blocks = {name: body[name] for name in BLOCKS if body.get(name) is not None}
-        if blocks:
-            out = {**out, "columns": {name: _width(rows) for name, rows in blocks.items()}}
-            out |= {name: orjson.Fragment(base64_rows(rows, BLOCKS[name])) for name, rows in blocks.items()}
+    blocks = {name: body[name] for name in BLOCKS if body.get(name) is not None}
+    if blocks and distribution == "base64":
+        out = {**out, "columns": {name: _width(rows) for name, rows in blocks.items()}}
+        out |= {name: orjson.Fragment(base64_rows(rows, BLOCKS[name])) for name, rows in blocks.items()}
+    elif blocks:
+        out = out | {name: orjson.Fragment(LISTS[name](rows)) for name, rows in blocks.items()}
     return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
 
 

@@ -34,6 +34,11 @@
    native integers of `itemsize` bytes, 1 to 8 dimensions, none empty but the first) each as nested
    lists, as orjson writes a numpy array; the GIL released.
 
+   float_lists(blocks) writes the same of native float32 blocks, each value as orjson writes a numpy
+   float32 (_f32json.h: the shortest decimal that reads back, NaN and infinities null); the GIL
+   released while it writes, and while it copies the text (written to room for the longest numbers)
+   into the bytes of its length.
+
    prompt_entries(numbers, ids, first_rank, keep, slots, pool, start, length) writes a block of vLLM's
    prompt_logprobs positions (service/http/completions/jsonwriter.py), each `,{entry,...}`, an entry
    `,"<id>":{"logprob":<number>,"rank":<rank>,"decoded_token":<piece>` for every slot kept: the
@@ -49,6 +54,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "_f32json.h"
 
 #define MAX_DIGITS 18
 
@@ -619,23 +626,7 @@ done:
     return out;
 }
 
-/* ---- int_lists ---- */
-
-static const char DIGIT_PAIRS[] = "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
-                                  "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
-                                  "8081828384858687888990919293949596979899";
-
-static int digits_of(uint64_t v) {
-    if (v < 10) return 1;
-    if (v < 100) return 2;
-    if (v < 1000) return 3;
-    if (v < 10000) return 4;
-    if (v < 100000) return 5;
-    if (v < 1000000) return 6;
-    int n = 7;
-    for (v /= 1000000; v >= 10; v /= 10) n++;
-    return n;
-}
+/* ---- int_lists, float_lists ---- */
 
 /* item i of a block of `itemsize` (1, 2, 4 or 8) native integers, signed or not, as (negative, magnitude) */
 static inline uint64_t item(const unsigned char *data, Py_ssize_t i, int itemsize, int is_signed, int *negative) {
@@ -657,35 +648,40 @@ static inline uint64_t item(const unsigned char *data, Py_ssize_t i, int itemsiz
 
 static inline char *write_uint(char *w, uint64_t v) {
     int n = digits_of(v);
-    char *end = w + n;
-    while (v >= 100) {
-        end -= 2;
-        memcpy(end, DIGIT_PAIRS + 2 * (v % 100), 2);
-        v /= 100;
-    }
-    if (v >= 10) memcpy(end - 2, DIGIT_PAIRS + 2 * v, 2);
-    else end[-1] = (char)('0' + v);
+    digits_at(w + n, v);
     return w + n;
 }
 
-/* The bytes of one block as nested lists (every dimension > 0, or an empty first one) */
-static Py_ssize_t block_length(const Py_buffer *b, int itemsize, int is_signed) {
-    Py_ssize_t n = b->len / itemsize, lists = 1, elements = 0, width = 1;
+/* What a block's items are: native integers of `itemsize` bytes, signed or not, or float32; and
+   the end of the text's buffer (a number below 10^8 is written with one 8-byte store before it) */
+typedef struct {
+    int itemsize, is_signed, floats;
+    const char *limit;
+} Items;
+
+/* The brackets and commas of one block as nested lists (every dimension > 0, or an empty first one) */
+static Py_ssize_t lists_length(const Py_buffer *b, Py_ssize_t n) {
+    Py_ssize_t lists = 1, elements = 0, width = 1;
     if (n == 0) return 2;
     for (int d = 0; d < b->ndim; d++) {
         width *= b->shape[d];
         elements += width;
         if (d < b->ndim - 1) lists += width;
     }
-    Py_ssize_t total = 2 * lists + (elements - lists); /* brackets, and a comma between siblings */
+    return 2 * lists + (elements - lists); /* brackets, and a comma between siblings */
+}
+
+/* The bytes of one block of integers as nested lists */
+static Py_ssize_t int_block_length(const Py_buffer *b, const Items *k) {
+    Py_ssize_t n = b->len / k->itemsize, total = lists_length(b, n);
     const unsigned char *data = (const unsigned char *)b->buf;
-    if (itemsize == 1 && !is_signed) {
+    if (k->itemsize == 1 && !k->is_signed) {
         for (Py_ssize_t i = 0; i < n; i++) total += 1 + (data[i] >= 10) + (data[i] >= 100);
         return total;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         int negative;
-        uint64_t v = item(data, i, itemsize, is_signed, &negative);
+        uint64_t v = item(data, i, k->itemsize, k->is_signed, &negative);
         total += digits_of(v) + negative;
     }
     return total;
@@ -716,8 +712,39 @@ static char *write_u1_row(char *w, const unsigned char *ids, Py_ssize_t n) {
     return w + U1_LEN[v] - 1;
 }
 
-static char *write_block(char *w, const Py_buffer *b, int itemsize, int is_signed) {
-    Py_ssize_t n = b->len / itemsize, per_list[8];
+/* items i .. i + count - 1 of a block, comma-separated */
+static inline char *write_items(char *w, const unsigned char *data, Py_ssize_t i, Py_ssize_t count, const Items *k) {
+    Py_ssize_t end = i + count;
+    if (k->floats) {
+        for (Py_ssize_t j = i; j < end; j++) {
+            uint32_t bits;
+            memcpy(&bits, data + 4 * j, 4);
+            if (j > i) *w++ = ',';
+            w = f32_text(w, bits);
+        }
+    } else if (k->itemsize == 1 && !k->is_signed) {
+        if (count > 0) w = write_u1_row(w, data + i, count);
+    } else {
+        for (Py_ssize_t j = i; j < end; j++) {
+            int negative;
+            uint64_t v = item(data, j, k->itemsize, k->is_signed, &negative);
+            if (j > i) *w++ = ',';
+            if (negative) *w++ = '-';
+            if (v < 100000000 && w + 8 <= k->limit) {
+                int n = digits_of(v);
+                uint64_t text = eight_digits((uint32_t)v) >> (8 * (8 - n));
+                memcpy(w, &text, 8);
+                w += n;
+            } else {
+                w = write_uint(w, v);
+            }
+        }
+    }
+    return w;
+}
+
+static char *write_block(char *w, const Py_buffer *b, const Items *k) {
+    Py_ssize_t n = b->len / k->itemsize, per_list[8];
     int dims = b->ndim;
     if (n == 0) {
         memcpy(w, "[]", 2);
@@ -732,8 +759,6 @@ static char *write_block(char *w, const Py_buffer *b, int itemsize, int is_signe
     }
     memset(w, '[', (size_t)(dims - 1));
     w += dims - 1;
-    const unsigned char *data = (const unsigned char *)b->buf;
-    Py_ssize_t i = 0;
     for (Py_ssize_t r = 0; r < rows; r++) {
         if (r) {
             int closing = 0;
@@ -745,73 +770,127 @@ static char *write_block(char *w, const Py_buffer *b, int itemsize, int is_signe
             w += closing;
         }
         *w++ = '[';
-        if (itemsize == 1 && !is_signed) {
-            w = write_u1_row(w, data + i, last);
-            i += last;
-            *w++ = ']';
-            continue;
-        }
-        for (Py_ssize_t j = 0; j < last; j++, i++) {
-            if (j) *w++ = ',';
-            int negative;
-            uint64_t v = item(data, i, itemsize, is_signed, &negative);
-            if (negative) *w++ = '-';
-            w = write_uint(w, v);
-        }
+        w = write_items(w, (const unsigned char *)b->buf, r * last, last, k);
         *w++ = ']';
     }
     memset(w, ']', (size_t)(dims - 1));
     return w + dims - 1;
 }
 
-static PyObject *int_lists(PyObject *self, PyObject *args) {
-    PyObject *blocks;
-    int itemsize, is_signed;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "Oip:int_lists", &blocks, &itemsize, &is_signed)) return NULL;
-    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
-        PyErr_SetString(PyExc_ValueError, "itemsize is 1, 2, 4 or 8");
-        return NULL;
-    }
-    PyObject *seq = PySequence_Fast(blocks, "blocks: a sequence of arrays");
-    if (seq == NULL) return NULL;
-    Py_ssize_t count = PySequence_Size(seq), got = 0;
-    Py_buffer *views = count ? calloc((size_t)count, sizeof(Py_buffer)) : NULL;
-    PyObject *out = NULL;
-    if (count && views == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; got < count; got++) {
-        PyObject *block = PySequence_GetItem(seq, got);
-        int failed = block == NULL || PyObject_GetBuffer(block, &views[got], PyBUF_ND) != 0;
-        Py_XDECREF(block);
-        if (failed) goto done;
-        const Py_buffer *b = &views[got];
-        int empty_inside = b->len == 0 && b->ndim > 0 && b->shape[0] != 0;
-        if (b->ndim < 1 || b->ndim > 8 || b->len % itemsize || empty_inside) {
-            got++;
-            PyErr_SetString(PyExc_ValueError, "a block: 1 to 8 dimensions, none empty but the first");
-            goto done;
-        }
-    }
-    Py_ssize_t total = 2 + (count ? count - 1 : 0);
-    for (Py_ssize_t i = 0; i < count; i++) total += block_length(&views[i], itemsize, is_signed);
-    out = PyBytes_FromStringAndSize(NULL, total);
-    if (out == NULL) goto done;
-    char *w = PyBytes_AsString(out);
-    Py_BEGIN_ALLOW_THREADS
+/* `[block, ...]` at w: the byte after it */
+static char *write_blocks(char *w, const Py_buffer *views, Py_ssize_t count, const Items *k) {
     *w++ = '[';
     for (Py_ssize_t i = 0; i < count; i++) {
         if (i) *w++ = ',';
-        w = write_block(w, &views[i], itemsize, is_signed);
+        w = write_block(w, &views[i], k);
     }
     *w++ = ']';
-    Py_END_ALLOW_THREADS
-done:
-    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    return w;
+}
+
+/* float32's format in the buffer protocol, native (little-endian) */
+static int is_float32(const Py_buffer *b) {
+    const char *f = b->format;
+    if (f != NULL && (*f == '<' || *f == '=' || *f == '@')) f++;
+    return b->itemsize == 4 && f != NULL && strcmp(f, "f") == 0;
+}
+
+static void release_views(Py_buffer *views, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) PyBuffer_Release(&views[i]);
     free(views);
+}
+
+/* A view of each of the blocks, checked (1 to 8 dimensions, none empty but the first; float32 where
+   k->floats): the views (free with release_views), or NULL with an exception set */
+static Py_buffer *block_views(PyObject *blocks, const Items *k, Py_ssize_t *count) {
+    PyObject *seq = PySequence_Fast(blocks, "blocks: a sequence of arrays");
+    if (seq == NULL) return NULL;
+    *count = PySequence_Size(seq);
+    Py_buffer *views = calloc((size_t)*count + 1, sizeof(Py_buffer));
+    Py_ssize_t got = 0;
+    int failed = views == NULL;
+    if (failed) PyErr_NoMemory();
+    for (; !failed && got < *count; got++) {
+        PyObject *block = PySequence_GetItem(seq, got);
+        int flags = k->floats ? PyBUF_ND | PyBUF_FORMAT : PyBUF_ND;
+        failed = block == NULL || PyObject_GetBuffer(block, &views[got], flags) != 0;
+        Py_XDECREF(block);
+        if (failed) break;
+        const Py_buffer *b = &views[got];
+        int empty_inside = b->len == 0 && b->ndim > 0 && b->shape[0] != 0;
+        if (b->ndim < 1 || b->ndim > 8 || b->len % k->itemsize || empty_inside) {
+            PyErr_SetString(PyExc_ValueError, "a block: 1 to 8 dimensions, none empty but the first");
+            failed = 1;
+        } else if (k->floats && !is_float32(b)) {
+            PyErr_SetString(PyExc_ValueError, "a block: native float32");
+            failed = 1;
+        }
+    }
     Py_DECREF(seq);
+    if (!failed) return views;
+    release_views(views, got); /* the views taken: the failed one too where its buffer was given */
+    return NULL;
+}
+
+static PyObject *int_lists(PyObject *self, PyObject *args) {
+    PyObject *blocks;
+    Items k = {0, 0, 0, NULL};
+    Py_ssize_t count;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Oip:int_lists", &blocks, &k.itemsize, &k.is_signed)) return NULL;
+    if (k.itemsize != 1 && k.itemsize != 2 && k.itemsize != 4 && k.itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "itemsize is 1, 2, 4 or 8");
+        return NULL;
+    }
+    Py_buffer *views = block_views(blocks, &k, &count);
+    if (views == NULL) return NULL;
+    Py_ssize_t total = 2 + (count ? count - 1 : 0);
+    for (Py_ssize_t i = 0; i < count; i++) total += int_block_length(&views[i], &k);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, total);
+    if (out != NULL) {
+        char *w = PyBytes_AsString(out);
+        k.limit = w + total;
+        Py_BEGIN_ALLOW_THREADS
+        write_blocks(w, views, count, &k);
+        Py_END_ALLOW_THREADS
+    }
+    release_views(views, count);
+    return out;
+}
+
+/* The text is written to room for the longest numbers (and f32_text's scratch past the last), then
+   copied to the bytes of its length: both with the GIL released. */
+static PyObject *float_lists(PyObject *self, PyObject *args) {
+    PyObject *blocks, *out = NULL;
+    Items k = {4, 1, 1, NULL};
+    Py_ssize_t count;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O:float_lists", &blocks)) return NULL;
+    Py_buffer *views = block_views(blocks, &k, &count);
+    if (views == NULL) return NULL;
+    Py_ssize_t most = 2 + (count ? count - 1 : 0) + F32_TEXT_ROOM;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t n = views[i].len / 4;
+        most += lists_length(&views[i], n) + n * F32_TEXT_MOST;
+    }
+    char *text = malloc((size_t)most), *end = NULL;
+    if (text == NULL) {
+        PyErr_NoMemory();
+    } else {
+        k.limit = text + most;
+        Py_BEGIN_ALLOW_THREADS
+        end = write_blocks(text, views, count, &k);
+        Py_END_ALLOW_THREADS
+        out = PyBytes_FromStringAndSize(NULL, end - text);
+    }
+    if (out != NULL) {
+        char *w = PyBytes_AsString(out);
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(w, text, (size_t)(end - text));
+        Py_END_ALLOW_THREADS
+    }
+    free(text);
+    release_views(views, count);
     return out;
 }
 
@@ -951,6 +1030,8 @@ static PyMethodDef methods[] = {
      "route_rows(buffer, start, end) -> (values, rows, itemsize) | None: buffer[start:end] as routed_experts"},
     {"int_lists", int_lists, METH_VARARGS,
      "int_lists(blocks, itemsize, signed) -> bytes: the JSON array of the blocks as nested lists"},
+    {"float_lists", float_lists, METH_VARARGS,
+     "float_lists(blocks) -> bytes: the JSON array of float32 blocks as nested lists, as orjson writes them"},
     {"prompt_entries", prompt_entries, METH_VARARGS,
      "prompt_entries(numbers, ids, first_rank, keep, slots, pool, start, length) -> bytes: vLLM's entries"},
     {"b64_strings", b64_strings, METH_VARARGS,
@@ -963,5 +1044,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jsonrows", NULL, -1
 PyMODINIT_FUNC PyInit__jsonrows(void) {
     build_tables();
     build_u1_text();
+    f32_tables();
     return PyModule_Create(&module);
 }

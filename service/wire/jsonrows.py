@@ -202,6 +202,8 @@ class _Reader(Protocol):
 
     def int_lists(self, blocks: Sequence[Any], itemsize: int, signed: bool, /) -> bytes: ...
 
+    def float_lists(self, blocks: Sequence[Any], /) -> bytes: ...
+
     def prompt_entries(  # noqa: PLR0917 (the C function's arguments)
         self,
         numbers: bytes,

@@ -1,21 +1,27 @@
 """response.distribution and the frame writer on [A, K] blocks: a block that fills its row's window
 goes into the answer (and the frame) as the engine handed it, no copy; any other row is zero where
-no action sits, and either way the frame reads back equal to a reference built entry by entry."""
+no action sits, and either way the frame reads back equal to a reference built entry by entry.
+to_json's lists form writes the blocks natively (or by orjson): orjson's bytes for the whole answer,
+read back as the frame's bits."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 
-from service.answer.layout import distribution
+from service.answer.layout import distribution, to_json
 from service.client.wire import from_frame
 from service.core.jobs import SequenceScores
 from service.normalise import ModelLimits, ScoringPlan, normalise
+from service.wire import jsonrows
 from service.wire.arrays import to_frame
 from service.wire.frame import ArraySpec, pack, unpack
 from service.wire.schemas import LogprobsRequest
+from tests.support.needs import native_or_skip
 
 VOCAB = 151_936
 LIMITS = ModelLimits(vocab_size=VOCAB, max_sequence_tokens=64)
@@ -135,3 +141,47 @@ def test_pack_writes_pieces_as_one_array() -> None:
     assert pieces == joined
     with pytest.raises(ValueError, match="28 bytes for 8 values"):
         pack(b"{}", [(spec, [rows[0].view(np.uint8).data, rows[2][:2].view(np.uint8).data])])
+
+
+@pytest.mark.parametrize("writer", ["native", "python"])
+def test_json_lists_are_orjsons_bytes_and_the_frames_bits(
+    writer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """top_ids, top_logprobs and candidate_logprobs in the lists form (ragged windows, a gap, padding
+    zeros, -0.0, subnormal and tiny log-probs): the bytes orjson writes for the answer, and, read back,
+    the frame's int32 and float32 bits."""
+    if writer == "native":
+        native_or_skip()
+    else:
+        monkeypatch.setattr(jsonrows, "native", lambda: None)
+    body = {
+        "input_ids": [[1, 2, 3, EOS, 5, 6], [1, 2, 3, 4, 5, 6, 8], [1, 2]],
+        "num_actions": [4, 5, 1],
+        "eos_token_id": EOS,
+        "top_logprobs": 6,
+        "candidate_ids": [3, 9],
+    }
+    plan = plan_of(body)
+    scores = engine_scores(plan, 6, seed=6)
+    first = scores[0].top_logprobs
+    assert first is not None
+    first[0] = [-0.0, -1e-45, -1e-8, -30.0, -103.27893, -1.5e-6]
+    rng = np.random.default_rng(7)
+    scores = [
+        dataclasses.replace(
+            s, candidate_logprobs=-rng.exponential(5.0, (len(s.logprobs), 2)).astype(np.float32)
+        )
+        for s in scores
+    ]
+    answer = {"model": "m", "logprobs": [np.zeros(w.width, np.float32) for w in plan.windows]}
+    answer |= distribution(plan, scores)
+    text = to_json(answer)
+    assert text == orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+    read, framed = orjson.loads(text), from_frame(to_frame(answer))
+    for name, dtype in (
+        ("top_ids", np.int32),
+        ("top_logprobs", np.float32),
+        ("candidate_logprobs", np.float32),
+    ):
+        for row, want in zip(read[name], framed[name], strict=True):
+            assert np.array(row, dtype).tobytes() == np.asarray(want, dtype).tobytes(), name

@@ -1,7 +1,8 @@
 """wire/jsonarrays: base64_rows, the JSON array of each block's base64 string as the standard library
 writes it (little-endian int32 or float32, padded, every length mod 3), whether the native writer
-encoded the blocks where they lie (widening u1 and u2 ids to int32) or binascii did; int_lists, the
-blocks as nested lists, the bytes orjson writes, natively or by orjson."""
+encoded the blocks where they lie (widening u1 and u2 ids to int32) or binascii did; int_lists and
+float_lists, the blocks as nested lists, the bytes orjson writes, natively or by orjson: for
+float32, random bit patterns of every exponent, the edges of each layout of a number, and log-probs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import orjson
 import pytest
 
 from service.wire import jsonrows
-from service.wire.jsonarrays import base64_rows, int_lists
+from service.wire.jsonarrays import base64_rows, float_lists, int_lists
 from tests.support.needs import native_or_skip
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY
@@ -95,3 +96,81 @@ def test_u1_rows_every_id_in_every_place(width: int) -> None:
         assert int_lists([np.full((1, 1, width), last, np.uint8)]) == orjson.dumps(
             [np.full((1, 1, width), last, np.uint8)], option=NUMPY
         )
+
+
+def _same(got: bytes, want: bytes) -> None:
+    """got == want, or the first number that differs named."""
+    if got != want:
+        pairs = zip(got.split(b","), want.split(b","), strict=False)
+        at, (mine, theirs) = next((i, p) for i, p in enumerate(pairs) if p[0] != p[1])
+        pytest.fail(f"item {at}: {mine!r}, orjson {theirs!r}")
+
+
+def _floats(bits: np.ndarray) -> np.ndarray:
+    return np.asarray(bits, dtype=np.uint32).view(np.float32)
+
+
+def test_float32_bit_patterns_are_orjsons_bytes(writer: str) -> None:
+    """Four million random bit patterns (every exponent, both signs, NaNs and infinities among them;
+    orjson's own writer: 4000), and each exponent's first, second and last value, both signs:
+    subnormals, powers of two (the narrower interval below them), the largest finite."""
+    n = 4_000_000 if writer == "native" else 4000
+    drawn = np.random.default_rng(3).integers(0, 2**32, size=n, dtype=np.uint64)
+    exponents = np.arange(256, dtype=np.uint64) << np.uint64(23)
+    edges = np.concatenate([exponents, exponents + 1, exponents + 0x7FFFFF, [0x7FC00001, 0x7F800001]])
+    edges = np.concatenate([edges, edges + 2**31])
+    blocks = [_floats(drawn).reshape(1000, -1), _floats(edges)]
+    _same(float_lists(blocks), orjson.dumps(blocks, option=NUMPY))
+
+
+def test_each_layout_of_a_number_and_its_edges() -> None:
+    """Digits with zeros and ".0" up to 13 digits before the point, a point inside, "0.000..." down to
+    1e-6, and otherwise d.ddde+x / e-x; the values either side of each switch, and round numbers."""
+    tens = [10.0**e for e in range(-45, 39)]
+    scaled = [x for t in tens for x in (t, 1.5 * t, 9.999999 * t) if x < 3.4e38]
+    values = np.array([*scaled, 123456789.0, 3.4028235e38, 1e-45], dtype=np.float32)
+    bits = values.view(np.uint32)
+    neighbours = [_floats(bits + 1), _floats(bits - 1)]  # the next float32 up and down
+    blocks = [np.concatenate([values, *neighbours, -values])]
+    text = float_lists(blocks)
+    _same(text, orjson.dumps(blocks, option=NUMPY))
+    for layout in (b"1e+13", b"1000000000000.0", b"3.4028235e+38", b"0.000001", b"1e-7", b"-0.00015"):
+        assert b"," + layout + b"," in text, layout
+
+
+def test_log_probs_are_orjsons_bytes_and_read_back(writer: str) -> None:
+    """A million log-probs in -30 .. 0 and near 0 (orjson's own writer: 1000): orjson's bytes, each
+    the same float32 read back."""
+    rng = np.random.default_rng(4)
+    n = 500_000 if writer == "native" else 500
+    values = np.concatenate([rng.uniform(-30, 0, n), -rng.exponential(1e-4, n)]).astype(np.float32)
+    blocks = [values.reshape(-1, 100)]
+    text = float_lists(blocks)
+    _same(text, orjson.dumps(blocks, option=NUMPY))
+    assert np.array(orjson.loads(text)[0], dtype=np.float32).tobytes() == blocks[0].tobytes()
+
+
+def test_float_blocks_of_every_shape() -> None:
+    """Ragged [window, K] blocks, 1 to 4 dimensions, an empty first dimension, no blocks, a block not
+    contiguous, float64 values (written as float32)."""
+    rng = np.random.default_rng(5)
+    shapes = [(3, 5), (1, 5), (0, 5), (7, 5), (4,), (0,), (1, 1), (2, 3, 4), (2, 1, 3, 2)]
+    blocks = [(-rng.exponential(3.0, size=s)).astype(np.float32) for s in shapes]
+    blocks.append(blocks[0][:, ::2])
+    want = orjson.dumps([np.ascontiguousarray(b) for b in blocks], option=NUMPY)
+    _same(float_lists(blocks), want)
+    assert float_lists([]) == b"[]"
+    wide = [b.astype(np.float64) for b in blocks]
+    _same(float_lists(wide), want)
+
+
+def test_the_native_writer_takes_float32_alone() -> None:
+    native = jsonrows.native()
+    if native is None:
+        pytest.skip("the orjson writer")
+    with pytest.raises(ValueError, match="float32"):
+        native.float_lists([np.zeros(3, np.int32)])
+    with pytest.raises(ValueError, match="float32"):
+        native.float_lists([np.zeros(3, np.float64)])
+    with pytest.raises(ValueError, match="dimensions"):
+        native.float_lists([np.zeros((2, 0), np.float32)])
