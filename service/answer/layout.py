@@ -142,53 +142,21 @@ BLOCKS = {"top_ids": "<i4", "top_logprobs": "<f4", "candidate_logprobs": "<f4"}
 LISTS = {"top_ids": int_lists, "top_logprobs": float_lists, "candidate_logprobs": float_lists}
 
 
-def to_json_parts(body: dict[str, Any], *, routes: str = "lists", distribution: str = "lists") -> list[bytes]:
-    """An answer (see `answer`) as the JSON body of a LogprobsResponse, in parts whose concatenation
-    is the body: recorded routes and the distribution's blocks as nested lists, or (base64) one
-    base64 string a row (`columns`: K). Each of those members' text, written natively, is a part
-    of its own as written (never copied into one body); the rest of the answer lies between them."""
-    out, big = body, Members()
+def to_json(body: dict[str, Any], *, routes: str = "lists", distribution: str = "lists") -> bytes:
+    """An answer (see `answer`) as the JSON body of a LogprobsResponse: recorded routes and the
+    distribution's blocks as nested lists, or (base64) one base64 string a row (`columns`: K)."""
+    out = body
     recorded = body.get("routed_experts")
     if recorded is not None:
         text = base64_rows(recorded, "<i4") if routes == "base64" else int_lists(recorded)
-        out = {**out, "routed_experts": big.hold(text)}
+        out = {**out, "routed_experts": orjson.Fragment(text)}
     blocks = {name: body[name] for name in BLOCKS if body.get(name) is not None}
     if blocks and distribution == "base64":
         out = {**out, "columns": {name: _width(rows) for name, rows in blocks.items()}}
-        out |= {name: big.hold(base64_rows(rows, BLOCKS[name])) for name, rows in blocks.items()}
+        out |= {name: orjson.Fragment(base64_rows(rows, BLOCKS[name])) for name, rows in blocks.items()}
     elif blocks:
-        out = out | {name: big.hold(LISTS[name](rows)) for name, rows in blocks.items()}
-    return big.spliced(orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY))
-
-
-def to_json(body: dict[str, Any], *, routes: str = "lists", distribution: str = "lists") -> bytes:
-    """to_json_parts joined: the JSON body in one piece."""
-    return b"".join(to_json_parts(body, routes=routes, distribution=distribution))
-
-
-class Members:
-    """The big members' text, each held out of orjson's answer as a marker (a control byte, which
-    orjson escapes inside strings and never writes raw) and spliced back between its pieces."""
-
-    def __init__(self) -> None:
-        self.texts: list[bytes] = []
-
-    def hold(self, text: bytes) -> orjson.Fragment:
-        self.texts.append(text)
-        return orjson.Fragment(self._marker(len(self.texts) - 1))
-
-    @staticmethod
-    def _marker(i: int) -> bytes:
-        return b"\x01%d\x01" % i
-
-    def spliced(self, written: bytes) -> list[bytes]:
-        """`written` with each marker replaced by its text: [piece, text, piece, ...]."""
-        at = sorted((written.index(self._marker(i)), i) for i in range(len(self.texts)))
-        parts, start = [], 0
-        for position, i in at:
-            parts += [written[start:position], self.texts[i]]
-            start = position + len(self._marker(i))
-        return [*parts, written[start:]]
+        out = out | {name: orjson.Fragment(LISTS[name](rows)) for name, rows in blocks.items()}
+    return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _width(rows: Sequence[np.ndarray]) -> int:

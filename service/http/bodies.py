@@ -2,10 +2,11 @@
 the deadline passes or the client goes away (dropping the work that has not started), and a big
 answer handed to the server in slices.
 
-A big answer (routes or a distribution: megabytes a request) comes as parts (the JSON around its
-big members, and each member's text as it was written) and goes to the server as memoryview slices
-of SLICE_BYTES of each: uvicorn's flow control waits for each to drain before the next, so nothing
-is joined into one body, and nothing past a slice is copied into the transport's buffer.
+A big answer (routes as base64 or lists: ~14 MB a request) handed to uvicorn whole is copied on the
+event loop: asyncio's socket transport sends what the socket takes and copies the rest twice into
+its buffer (`data[n:]`, then `bytearray.extend`), ~30 ms a 14 MB answer in fresh memory.
+SlicedResponse sends the same bytes as memoryview slices of SLICE_BYTES: the server's flow control
+waits for each to drain before the next, so nothing past a slice is copied or buffered.
 """
 
 from __future__ import annotations
@@ -65,21 +66,17 @@ async def answer_or_give_up(http: Request, work: Awaitable[T], timeout_s: float)
 
 
 class SlicedResponse(Response):
-    """A Response whose body is the concatenation of `parts` (Content-Length their sum), sent as
-    memoryview slices of at most `slice_bytes` of each part in turn, each a `more_body` message but
-    the last; never joined or copied here."""
+    """A Response whose body (Content-Length the whole) is sent as memoryview slices of
+    `slice_bytes`, each a `more_body` message but the last; never copied here."""
 
-    def __init__(self, parts: list[bytes], media_type: str, slice_bytes: int = SLICE_BYTES) -> None:
-        self.parts = [memoryview(p) for p in parts if len(p)]
-        total = sum(len(p) for p in self.parts)
-        super().__init__(b"", media_type=media_type, headers={"content-length": str(total)})
+    def __init__(self, content: bytes, media_type: str, slice_bytes: int = SLICE_BYTES) -> None:
+        super().__init__(content, media_type=media_type)
         self.slice_bytes = slice_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        step = self.slice_bytes
-        views = [part[at : at + step] for part in self.parts for at in range(0, len(part), step)]
-        for i, view in enumerate(views):
-            await send({"type": "http.response.body", "body": view, "more_body": i < len(views) - 1})
-        if not views:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        body = memoryview(self.body)
+        size, step = len(body), self.slice_bytes
+        for at in range(0, max(size, 1), step):
+            last = at + step >= size
+            await send({"type": "http.response.body", "body": body[at : at + step], "more_body": not last})

@@ -2,7 +2,7 @@
 goes into the answer (and the frame) as the engine handed it, no copy; any other row is zero where
 no action sits, and either way the frame reads back equal to a reference built entry by entry.
 to_json's lists form writes the blocks natively (or by orjson): orjson's bytes for the whole answer,
-read back as the frame's bits; to_json_parts gives each big member's text as a part of its own."""
+read back as the frame's bits."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 import pytest
 
-from service.answer.layout import distribution, to_json, to_json_parts
+from service.answer.layout import distribution, to_json
 from service.client.wire import from_frame
 from service.core.jobs import SequenceScores
 from service.normalise import ModelLimits, ScoringPlan, normalise
@@ -185,37 +185,3 @@ def test_json_lists_are_orjsons_bytes_and_the_frames_bits(
     ):
         for row, want in zip(read[name], framed[name], strict=True):
             assert np.array(row, dtype).tobytes() == np.asarray(want, dtype).tobytes(), name
-
-
-def test_each_big_member_is_a_part_of_its_own_in_the_answers_order() -> None:
-    """Recorded routes and the three blocks (base64 and lists): parts [piece, text, piece, ...] whose
-    join is orjson's answer, each text the writer's bytes; a model name holding the marker's bytes is
-    escaped by orjson and left alone."""
-    blocks = [np.arange(12, dtype=np.int32).reshape(4, 3), np.zeros((0, 3), np.int32)]
-    values = [b.astype(np.float32) / -7 for b in blocks]
-    routes = [np.arange(16, dtype=np.uint8).reshape(2, 4, 2)]
-    answer = {
-        "model": "m\x010\x01",
-        "logprobs": [np.zeros(4, np.float32), np.zeros(0, np.float32)],
-        "routed_experts": routes,
-        "top_ids": blocks,
-        "top_logprobs": values,
-        "candidate_logprobs": values,
-        "weights_version": "v1",
-    }
-    for routes_form, form in (("lists", "lists"), ("base64", "base64")):
-        parts = to_json_parts(answer, routes=routes_form, distribution=form)
-        assert len(parts) == 2 * 4 + 1
-        joined = b"".join(parts)
-        assert joined == to_json(answer, routes=routes_form, distribution=form)
-        read = orjson.loads(joined)
-        assert read["model"] == "m\x010\x01"
-        assert read["weights_version"] == "v1"
-        texts = parts[1::2]
-        assert [orjson.loads(t) for t in texts] == [
-            read[k] for k in ("routed_experts", "top_ids", "top_logprobs", "candidate_logprobs")
-        ]
-    lists = to_json_parts(answer)
-    assert lists[1] == orjson.dumps(routes, option=orjson.OPT_SERIALIZE_NUMPY)
-    assert b"".join(lists) == orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
-    assert to_json_parts({"model": "m"}) == [b'{"model":"m"}']
