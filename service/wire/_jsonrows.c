@@ -51,7 +51,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -671,12 +670,25 @@ static Py_ssize_t lists_length(const Py_buffer *b, Py_ssize_t n) {
     return 2 * lists + (elements - lists); /* brackets, and a comma between siblings */
 }
 
+/* every u1 id's text and a comma, padded to 4 bytes; and its length (digits and comma) */
+static char U1_TEXT[256][4];
+static unsigned char U1_LEN[256];
+
+static void build_u1_text(void) {
+    for (int v = 0; v < 256; v++) {
+        int n = digits_of((uint64_t)v);
+        digits_at(U1_TEXT[v] + n, (uint64_t)v);
+        U1_TEXT[v][n] = ',';
+        U1_LEN[v] = (unsigned char)(n + 1);
+    }
+}
+
 /* The bytes of one block of integers as nested lists */
 static Py_ssize_t int_block_length(const Py_buffer *b, const Items *k) {
     Py_ssize_t n = b->len / k->itemsize, total = lists_length(b, n);
     const unsigned char *data = (const unsigned char *)b->buf;
     if (k->itemsize == 1 && !k->is_signed) {
-        for (Py_ssize_t i = 0; i < n; i++) total += 1 + (data[i] >= 10) + (data[i] >= 100);
+        for (Py_ssize_t i = 0; i < n; i++) total += U1_LEN[data[i]] - 1; /* its digits */
         return total;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -685,18 +697,6 @@ static Py_ssize_t int_block_length(const Py_buffer *b, const Items *k) {
         total += digits_of(v) + negative;
     }
     return total;
-}
-
-/* every u1 id's text and a comma, padded to 4 bytes; and its length (digits and comma) */
-static char U1_TEXT[256][4];
-static unsigned char U1_LEN[256];
-
-static void build_u1_text(void) {
-    for (int v = 0; v < 256; v++) {
-        int n = snprintf(U1_TEXT[v], 4, "%d", v);
-        U1_TEXT[v][n] = ',';
-        U1_LEN[v] = (unsigned char)(n + 1);
-    }
 }
 
 /* `n` (> 0) u1 ids as `a,b,c`, the row's text without its brackets. Each id but the last is one
