@@ -149,7 +149,9 @@ class _Process:
         import httpx
 
         self.init_group, self.bucket_class = _import_sglang()
-        self.http = httpx.Client(timeout=600)
+        # a connection per call, as slime's and SGLang's `requests.post` make: a kept-alive one may be
+        # closed by the server (uvicorn: 5 s idle) as the next call goes out on it
+        self.http = httpx.Client(timeout=600, limits=httpx.Limits(max_keepalive_connections=0))
         self.groups: dict[str, Any] = {}
 
     def post_all(self, urls: list[str], path: str, bodies: list[Any], headers: dict[str, str]) -> list[Any]:
@@ -188,14 +190,19 @@ class _Process:
         threads, replies = self.post_all(
             a["urls"], "/init_weights_update_group", bodies, a.get("headers", {})
         )
-        pg = self.init_group(
-            backend=a.get("backend", "gloo"),
-            init_method=f"tcp://127.0.0.1:{port}",
-            world_size=a["world_size"],
-            rank=0,
-            group_name=a["group"],
-            timeout=datetime.timedelta(seconds=a.get("timeout_s", 60)),
-        )
+        try:
+            pg = self.init_group(
+                backend=a.get("backend", "gloo"),
+                init_method=f"tcp://127.0.0.1:{port}",
+                world_size=a["world_size"],
+                rank=0,
+                group_name=a["group"],
+                timeout=datetime.timedelta(seconds=a.get("timeout_s", 60)),
+            )
+        except Exception as exc:  # which server did not join, and what it answered
+            for thread in threads:
+                thread.join(timeout=60)
+            raise RuntimeError(f"{type(exc).__name__}: {exc}; the servers answered {replies}") from exc
         for thread in threads:
             thread.join()
         self.groups[a["group"]] = pg
