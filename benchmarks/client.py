@@ -142,14 +142,74 @@ def cached_tokens(answer: dict[str, Any]) -> int:
     return int(usage.get("cached_tokens", details.get("cached_tokens", 0)))
 
 
-def calls_rank(url: str, calls: list[tuple[str, dict[str, Any]]], conn: Connection) -> None:
-    """A trainer rank posting several calls, one after another (benchmarks.prefix_cache): for each
-    (start instant, delay) received, post them from then, and report when the last answer was read
-    and the tokens the cache served them. It lives here, not there, so that a spawned rank imports
-    httpx, not torch."""
-    with httpx.Client(base_url=url, timeout=3600) as client:
-        while (go := conn.recv()) is not None:
-            start, delay = go
+Calls = list[tuple[str, dict[str, Any]]]  # a rank's calls, in order: (route, JSON body)
+
+
+class Ranks:
+    """Trainer ranks posting calls one after another, each a process of its own with a plain
+    httpx.Client (`json=`, `response.json()`), spawned once and reused for every scenario and server
+    (benchmarks.prefix_cache): `load` hands each rank its calls, `round` starts them at one instant
+    (each rank after its delay) and returns, per rank, when its last answer was read and the tokens
+    the cache served it. The ranks' code lives here, not there, so that a rank imports httpx, not
+    torch (a spawned process still imports the parent's __main__: once, at start)."""
+
+    def __init__(self, count: int) -> None:
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(count)]
+        self._pipes = [parent for parent, _ in pipes]
+        self._procs = [ctx.Process(target=_calls_rank, args=(child,), daemon=True) for _, child in pipes]
+        for p in self._procs:
+            p.start()
+        for _, child in pipes:  # only the rank holds its end now: a rank that fails ends a round (EOFError)
+            child.close()
+        self._loaded = 0
+
+    def load(self, url: str, calls: list[Calls]) -> None:
+        """Rank i posts calls[i] to `url` each round from now on (the ranks beyond len(calls): none)."""
+        if len(calls) > len(self._pipes):
+            raise ValueError(f"{len(calls)} ranks' calls for a pool of {len(self._pipes)}")
+        for pipe, mine in zip(self._pipes, calls, strict=False):
+            pipe.send(("load", url, mine))
+        self._loaded = len(calls)
+
+    def round(self, start: float, delays: list[float]) -> list[tuple[float, int]]:
+        """One round of the loaded ranks from `start` (time.perf_counter), rank i `delays[i]` s later."""
+        pipes = self._pipes[: self._loaded]
+        for pipe, delay in zip(pipes, delays, strict=True):
+            pipe.send(("go", start, delay))
+        ends: list[tuple[float, int]] = [pipe.recv() for pipe in pipes]
+        return ends
+
+    def close(self) -> None:
+        for pipe in self._pipes:
+            with contextlib.suppress(OSError):  # a rank that failed has closed its end
+                pipe.send(None)
+        for p in self._procs:
+            p.join(timeout=10)
+
+    def __enter__(self) -> Ranks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _calls_rank(conn: Connection) -> None:
+    """A rank of `Ranks`: ("load", url, calls) sets what it posts; ("go", start, delay) posts its calls
+    from start + delay and answers (when the last answer was read, the tokens the cache served)."""
+    client: httpx.Client | None = None
+    calls: Calls = []
+    try:
+        while (order := conn.recv()) is not None:
+            if order[0] == "load":
+                _, url, calls = order
+                if client is None or str(client.base_url).rstrip("/") != url.rstrip("/"):
+                    if client is not None:
+                        client.close()
+                    client = httpx.Client(base_url=url, timeout=3600)
+                continue
+            _, start, delay = order
+            assert client is not None, "a round before any load"
             while (left := start + delay - time.perf_counter()) > 0:
                 time.sleep(min(left, 0.002))
             cached = 0
@@ -158,6 +218,9 @@ def calls_rank(url: str, calls: list[tuple[str, dict[str, Any]]], conn: Connecti
                 reply.raise_for_status()
                 cached += cached_tokens(reply.json())
             conn.send((time.perf_counter(), cached))
+    finally:
+        if client is not None:
+            client.close()
 
 
 def in_processes(url: str, bodies: list[bytes], reps: int, wire: Wire) -> list[float]:

@@ -25,7 +25,6 @@ rest: activations), and the largest |Δ| of the chunked scores against float32 o
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ import httpx
 import numpy as np
 import torch
 
-from benchmarks.client import FRAME_HEADERS, read_bodies, write_bodies
+from benchmarks.client import write_bodies
 from benchmarks.harness import (
     CACHE_IN_ROUNDS,
     RESULTS,
@@ -163,7 +162,7 @@ def fairness(url: str, shorts: list[Sample], longs: list[Sample], seconds: float
         write_bodies(short_path, http_bodies(shorts)[:SHORT_CLIENTS])
         write_bodies(long_path, http_bodies(longs))
         for case, extra in (("alone", []), ("with_long_stream", ["--long", str(long_path)])):
-            cmd = [sys.executable, "-m", "benchmarks.long", "--load", url, str(short_path), str(seconds)]
+            cmd = [sys.executable, "-m", "benchmarks.fairness_load", url, str(short_path), str(seconds)]
             done = subprocess.run([*cmd, *extra], capture_output=True, text=True, check=True)
             result = json.loads(done.stdout)
             lat = sorted(result["short_latencies_s"])
@@ -176,39 +175,6 @@ def fairness(url: str, shorts: list[Sample], longs: list[Sample], seconds: float
             print(f"  fairness {case}: {out[case]}", flush=True)
     out["p99_ratio"] = out["with_long_stream"]["short_p99_ms"] / out["alone"]["short_p99_ms"]
     return out
-
-
-async def _load(url: str, shorts: list[bytes], longs: list[bytes], seconds: float) -> dict[str, Any]:
-    latencies: list[float] = []
-    long_done = 0
-    end = 0.0  # `seconds` from the end of the warm-up
-
-    async def short(client: httpx.AsyncClient, body: bytes) -> None:
-        while True:  # at least one request each
-            start = time.perf_counter()
-            reply = await client.post("/logprobs", content=body, headers=FRAME_HEADERS)
-            reply.raise_for_status()
-            latencies.append(time.perf_counter() - start)
-            if start > end:
-                return
-
-    async def stream(client: httpx.AsyncClient) -> None:
-        nonlocal long_done
-        i = 0
-        while time.perf_counter() < end:
-            reply = await client.post("/logprobs", content=longs[i % len(longs)], headers=FRAME_HEADERS)
-            reply.raise_for_status()
-            long_done += 1
-            i += 1
-
-    limits = httpx.Limits(max_connections=len(shorts) + 1)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        for body in shorts:  # warm-up: connections, and every short shape once
-            (await client.post("/logprobs", content=body, headers=FRAME_HEADERS)).raise_for_status()
-        end = time.perf_counter() + seconds
-        tasks = [short(client, body) for body in shorts] + ([stream(client)] if longs else [])
-        await asyncio.gather(*tasks)
-    return {"short_latencies_s": latencies, "long_done": long_done}
 
 
 def memory_parts(engine: PackedScorer, model: Any, longest: int, peak_gib: float) -> dict[str, float]:
@@ -329,18 +295,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--fairness-seconds", type=float, default=0.0)
     parser.add_argument("--fairness-models", nargs="+", default=["qwen2.5-7b"])
     parser.add_argument("--output", type=Path, default=RESULTS / "long-latest.json")
-    parser.add_argument("--load", nargs=3, metavar=("URL", "SHORT_BODIES", "SECONDS"), help=argparse.SUPPRESS)
-    parser.add_argument("--long", type=Path, help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.load:  # the fairness load, in its own process
-        url, short_path, seconds = args.load
-        longs = read_bodies(args.long) if args.long else []
-        print(json.dumps(asyncio.run(_load(url, read_bodies(Path(short_path)), longs, float(seconds)))))
-        return 0
     run_models("long", args, argv, bench_model)
     return 0
 

@@ -31,9 +31,7 @@ measured matmul rate as a share of the wall time. The result file starts with it
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import multiprocessing as mp
 import random
 import statistics
 import sys
@@ -48,7 +46,7 @@ import numpy as np
 import orjson
 import torch
 
-from benchmarks.client import calls_rank
+from benchmarks.client import Ranks
 from benchmarks.harness import RESULTS, active_params, packed_model, run_models
 from benchmarks.server import HttpServer, http_bodies
 from benchmarks.shapes import SHAPES
@@ -148,46 +146,29 @@ def computed_total(url: str) -> float:
     return 0.0
 
 
-def rounds(url: str, scenario: Scenario, reps: int, seed: int) -> list[dict[str, float]]:
+def rounds(url: str, scenario: Scenario, reps: int, seed: int, ranks: Ranks) -> list[dict[str, float]]:
     """Each round after a warm-up: the cache flushed, the ranks' calls from one instant (each rank a
     random 0-100 ms later where the scenario jitters), its wall seconds, computed and cached tokens."""
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe() for _ in scenario.ranks]
-    procs = [
-        ctx.Process(target=calls_rank, args=(url, calls, child), daemon=True)
-        for calls, (_, child) in zip(scenario.ranks, pipes, strict=True)
-    ]
-    for p in procs:
-        p.start()
-    for _, child in pipes:
-        child.close()
+    ranks.load(url, scenario.ranks)
     rng = random.Random(seed)
     out = []
-    try:
-        for _ in range(reps + 1):  # the first round warms up
-            flushed = httpx.post(f"{url}/flush_cache", headers={"authorization": f"Bearer {ADMIN}"})
-            flushed.raise_for_status()
-            before = computed_total(url)
-            start = time.perf_counter() + START_DELAY_S
-            for parent, _ in pipes:
-                parent.send((start, rng.uniform(0.0, 0.1) if scenario.jitter else 0.0))
-            ends = [parent.recv() for parent, _ in pipes]
-            seconds = max(end for end, _ in ends) - start
-            time.sleep(0.05)  # the last micro-batch's metrics are counted as it is collected
-            out.append(
-                {
-                    "seconds": seconds,
-                    "computed": computed_total(url) - before,
-                    "cached": float(sum(c for _, c in ends)),
-                }
-            )
-        return out[1:]
-    finally:
-        for parent, _ in pipes:
-            with contextlib.suppress(OSError):
-                parent.send(None)
-        for p in procs:
-            p.join(timeout=10)
+    for _ in range(reps + 1):  # the first round warms up
+        flushed = httpx.post(f"{url}/flush_cache", headers={"authorization": f"Bearer {ADMIN}"})
+        flushed.raise_for_status()
+        before = computed_total(url)
+        start = time.perf_counter() + START_DELAY_S
+        delays = [rng.uniform(0.0, 0.1) if scenario.jitter else 0.0 for _ in scenario.ranks]
+        ends = ranks.round(start, delays)
+        seconds = max(end for end, _ in ends) - start
+        time.sleep(0.05)  # the last micro-batch's metrics are counted as it is collected
+        out.append(
+            {
+                "seconds": seconds,
+                "computed": computed_total(url) - before,
+                "cached": float(sum(c for _, c in ends)),
+            }
+        )
+    return out[1:]
 
 
 def engine_for(
@@ -208,37 +189,40 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         s: {"sequences": len(sc.samples), "unique_tokens": unique_tokens(sc.samples), "variants": {}}
         for s, sc in scenarios.items()
     }
-    for variant, on in (("cache_on", True), ("cache_off", False)):
-        settings = Settings(
-            device=device.type,
-            dtype=args.dtype,
-            max_batch_tokens=args.max_batch_tokens,
-            prefix_cache=on,
-            admin_api_keys=ADMIN,
-        )
-        engine, params = engine_for(name, args, device, settings)
-        for s, scenario in scenarios.items():
-            results[s]["floor_ms"] = unique_floor_flops(SHAPES[name], params, scenario.samples) / rate * 1e3
-        print(f"  {name} {variant}: prefix cache {engine.info.prefix_cache_tokens} tokens", flush=True)
-        with HttpServer(engine, settings) as url:
-            for k, (s, scenario) in enumerate(scenarios.items()):
-                measured = rounds(url, scenario, args.reps, seed=k)
-                r = results[s]
-                seconds = statistics.median(m["seconds"] for m in measured)
-                computed = statistics.median(m["computed"] for m in measured)
-                r["variants"][variant] = {
-                    "ms": seconds * 1e3,
-                    "computed_tokens": computed,
-                    "cached_tokens": statistics.median(m["cached"] for m in measured),
-                    "computed_per_unique": computed / r["unique_tokens"],
-                    "unique_floor_fraction": r["floor_ms"] / 1e3 / seconds,
-                    "rounds_ms": [round(m["seconds"] * 1e3, 1) for m in measured],
-                }
-                print(f"  {name} {s} {variant}: {r['variants'][variant]}", flush=True)
-        del engine
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    # the ranks, spawned once for every scenario and both variants
+    with Ranks(max(len(sc.ranks) for sc in scenarios.values())) as ranks:
+        for variant, on in (("cache_on", True), ("cache_off", False)):
+            settings = Settings(
+                device=device.type,
+                dtype=args.dtype,
+                max_batch_tokens=args.max_batch_tokens,
+                prefix_cache=on,
+                admin_api_keys=ADMIN,
+            )
+            engine, params = engine_for(name, args, device, settings)
+            for s, scenario in scenarios.items():
+                floor = unique_floor_flops(SHAPES[name], params, scenario.samples)
+                results[s]["floor_ms"] = floor / rate * 1e3
+            print(f"  {name} {variant}: prefix cache {engine.info.prefix_cache_tokens} tokens", flush=True)
+            with HttpServer(engine, settings) as url:
+                for k, (s, scenario) in enumerate(scenarios.items()):
+                    measured = rounds(url, scenario, args.reps, k, ranks)
+                    r = results[s]
+                    seconds = statistics.median(m["seconds"] for m in measured)
+                    computed = statistics.median(m["computed"] for m in measured)
+                    r["variants"][variant] = {
+                        "ms": seconds * 1e3,
+                        "computed_tokens": computed,
+                        "cached_tokens": statistics.median(m["cached"] for m in measured),
+                        "computed_per_unique": computed / r["unique_tokens"],
+                        "unique_floor_fraction": r["floor_ms"] / 1e3 / seconds,
+                        "rounds_ms": [round(m["seconds"] * 1e3, 1) for m in measured],
+                    }
+                    print(f"  {name} {s} {variant}: {r['variants'][variant]}", flush=True)
+            del engine
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     for r in results.values():
         v = r["variants"]
         if "cache_on" in v and "cache_off" in v:

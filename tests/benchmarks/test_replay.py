@@ -17,6 +17,7 @@ def test_replay_benchmark_runs_every_form_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "replay.json"
     argv = ["--models", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--sequences", "8"]
     argv += ["--reps", "1", "--json-forms", "base64", "lists", "--output", str(out)]
+    argv += ["--json-client", "plain"]  # one client process (test_grpo runs the process per request)
     assert main(argv) == 0
     tiny = json.loads(out.read_text())["models"]["tiny-moe"]
     assert list(tiny["variants"]) == [
