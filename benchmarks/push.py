@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.harness import RESULTS, build_model, provenance, write_result
-from benchmarks.server import serve_process
+from benchmarks.server import free_port, serve_process
 from benchmarks.shapes import MOE_SHAPES, SHAPES, shape_of
 from service.engine.contract import WeightGroup
 from service.engine.transfer import group as groups
@@ -254,7 +254,7 @@ def gpus(args: argparse.Namespace) -> int:
 def join(http: httpx.Client, url: str, args: argparse.Namespace, device: torch.device, name: str) -> Any:
     """The server joined to a new group of this trainer (rank 0, the store's host): the group, and
     seconds from the call to both joined."""
-    port = _free_port()
+    port = free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": name, "backend": args.backend}  # fmt: skip
     replies: list[httpx.Response] = []
@@ -420,15 +420,6 @@ def report(
         fmt = ("flattened" if r.get("flattened") else "per tensor") if r["how"] == "push" else "-"
         peak = "-" if r["extra_peak_gib"] is None else f"{r['extra_peak_gib']:.2f}"
         print(f"| {r['how']} | {r['mode']} | {fmt} | {r['push_s']:.2f} | {r['pause_ms']:.2f} | {peak} |")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 if __name__ == "__main__":

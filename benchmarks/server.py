@@ -5,13 +5,14 @@ in this process (`serve_process`: a `python -m service serve` process of its own
 cuts a workload into the 8 clients' request bodies (compact frames, as logprobd's client sends them,
 or JSON); `http_rounds` sends them all at once from client processes
 (benchmarks/client.py) and returns each round's wall seconds; the server's /metrics histograms say
-what it did meanwhile (`batch_counts`).
+what it did meanwhile (`batch_counts`); `free_port` picks the loopback ports they listen on.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import statistics
@@ -40,6 +41,33 @@ from service.settings import Settings
 CLIENTS = 8
 
 
+_HANDED: set[int] = set()
+_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def free_port() -> int:
+    """A loopback port no socket holds, below the kernel's ephemeral range, never handed out before
+    by this process (the suites' servers and trainers' stores; the tests' too). Below that range
+    because clients connect to it before anything listens there (a readiness poll; a replica's
+    TCPStore client, told the port before its trainer's store is up): a connect that draws the
+    destination port as its own source port connects to itself (TCP simultaneous open) and holds
+    the port the listener is about to take."""
+    low = int(_RANGE.read_text().split()[0]) if _RANGE.exists() else 32768
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(min(10_000, low - 1_000), low)
+        if port in _HANDED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port below {low}")
+
+
 class HttpServer:
     """The real app under uvicorn on loopback, in this process, serving an already-built engine (or
     the one a factory builds as the app starts); the context's value is its URL, once ready."""
@@ -47,9 +75,7 @@ class HttpServer:
     def __init__(
         self, engine: PackedScorer | Callable[[EngineConfig], PackedScorer], settings: Settings
     ) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         factory = engine if callable(engine) else lambda _: engine
         app = create_app(settings, engine_factory=factory)
         self.server = uvicorn.Server(

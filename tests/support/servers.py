@@ -4,9 +4,7 @@ what the client tests' servers (tests/client/conftest.py) answer."""
 
 from __future__ import annotations
 
-import random
 import re
-import socket
 import subprocess
 import threading
 import time
@@ -22,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from benchmarks import server as suites
 from service.http.app import create_app
 from service.settings import Settings
 from tests.support import ROOT
@@ -60,30 +59,10 @@ def running(settings: Settings) -> Iterator[TestClient]:
         yield client
 
 
-_HANDED: set[int] = set()
-_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-
-
 def free_port() -> int:
-    """A loopback port no socket holds, below the kernel's ephemeral range, never handed out before
-    by this process. Below that range because a test connects to a port before anything listens
-    there (a readiness poll, a TCPStore client waiting for its trainer): a connect that happens to
-    draw the destination port as its own source port connects to itself (TCP simultaneous open),
-    and holds the port the listener is about to take."""
-    low = int(_RANGE.read_text().split()[0]) if _RANGE.exists() else 32768
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(min(10_000, low - 1_000), low)
-        if port in _HANDED:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED.add(port)
-        return port
-    raise RuntimeError(f"no free loopback port below {low}")
+    """A loopback port as the benchmark suites pick theirs (benchmarks.server.free_port: below the
+    ephemeral range, never the same twice in this process)."""
+    return suites.free_port()
 
 
 @contextmanager
