@@ -19,6 +19,11 @@ import httpx
 from service import __version__
 from service.client.errors import LogprobdConnectionError, LogprobdError
 
+# an idle connection is dropped after this long: below the server's keep-alive (uvicorn's 5 s), so
+# that a call never goes out on a connection the server is closing at that moment (httpx's default
+# expiry, 5 s, is uvicorn's: a push one training step after the last can meet that race)
+KEEPALIVE_EXPIRY_S = 2.0
+
 
 @dataclass(frozen=True, slots=True)
 class Reply:
@@ -45,7 +50,11 @@ class Fleet:
         headers = {"user-agent": f"logprobd-client/{__version__}"}
         if admin_key:
             headers["authorization"] = f"Bearer {admin_key}"
-        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self._http = httpx.Client(
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
+        )
         self._threads = ThreadPoolExecutor(max(2, 2 * len(self.urls)), thread_name_prefix="logprobd-push")
 
     def send(

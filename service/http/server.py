@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 # after the drain: how long uvicorn waits for in-flight requests before cancelling them
 GRACEFUL_SHUTDOWN_S = 30
+# how long an idle kept-alive connection stays open (uvicorn's default); logprobd's own clients drop
+# theirs sooner (service/client/_fleet.py: KEEPALIVE_EXPIRY_S), so that none reuses one the server is closing
+KEEP_ALIVE_S = 5
 # every line, uvicorn's (start, access, shutdown) and the service's: time, level, logger, message
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -103,6 +106,7 @@ def serve(settings: Settings, listener: Listener) -> int:
         log_config=None,  # uvicorn's loggers go to the root logger: LOG_FORMAT
         log_level=settings.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = DrainingServer(config, state, settings.drain_seconds)
     server.run(sockets=[listener.socket])
