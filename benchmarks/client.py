@@ -197,30 +197,22 @@ class Ranks:
 def _calls_rank(conn: Connection) -> None:
     """A rank of `Ranks`: ("load", url, calls) sets what it posts; ("go", start, delay) posts its calls
     from start + delay and answers (when the last answer was read, the tokens the cache served)."""
-    client: httpx.Client | None = None
+    url: str = ""
     calls: Calls = []
-    try:
+    with httpx.Client(timeout=3600) as client:  # its pool keeps each server's connections apart
         while (order := conn.recv()) is not None:
             if order[0] == "load":
                 _, url, calls = order
-                if client is None or str(client.base_url).rstrip("/") != url.rstrip("/"):
-                    if client is not None:
-                        client.close()
-                    client = httpx.Client(base_url=url, timeout=3600)
                 continue
             _, start, delay = order
-            assert client is not None, "a round before any load"
             while (left := start + delay - time.perf_counter()) > 0:
                 time.sleep(min(left, 0.002))
             cached = 0
             for route, body in calls:
-                reply = client.post(route, json=body)
+                reply = client.post(f"{url}{route}", json=body)
                 reply.raise_for_status()
                 cached += cached_tokens(reply.json())
             conn.send((time.perf_counter(), cached))
-    finally:
-        if client is not None:
-            client.close()
 
 
 def in_processes(url: str, bodies: list[bytes], reps: int, wire: Wire) -> list[float]:
