@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 
 # after the drain: how long uvicorn waits for in-flight requests before cancelling them
 GRACEFUL_SHUTDOWN_S = 30
-# how long an idle kept-alive connection stays open (uvicorn's default); logprobd's own clients drop
-# theirs sooner (service/client/_fleet.py: KEEPALIVE_EXPIRY_S), so that none reuses one the server is closing
+# how long an idle kept-alive connection stays open (uvicorn's default); the weight push's client drops
+# its idle ones sooner (service/client/_fleet.py: KEEPALIVE_EXPIRY_S), so that it never reuses one the
+# server is closing (the scoring transport sends again when a reused one turns out closed)
 KEEP_ALIVE_S = 5
 # every line, uvicorn's (start, access, shutdown) and the service's: time, level, logger, message
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
