@@ -2,6 +2,7 @@
 
     python -m benchmarks.probes.moe_layer                  # Qwen3-30B-A3B's layer, a 16k-token micro-batch
     python -m benchmarks.probes.moe_layer --tokens 4096 --tuned   # also quack's autotuned configs (slow)
+    python -m benchmarks.probes.moe_layer --sweep          # each GEMM under each Hopper tile config
 
 Random bf16 weights of Qwen3-30B-A3B's shape (hidden 2048, 128 experts of 768, top-8) on one GPU.
 Each step is timed alone with CUDA events (median of --reps after a warm-up): the router and the
@@ -16,6 +17,7 @@ with each other (largest |Δ| over the largest |x|).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -152,6 +154,78 @@ def quack_steps(layer: Layer, reps: int, tuned: bool) -> dict[str, float]:
     return steps
 
 
+# Hopper tile configurations the sweep pins, each as (tile_m, tile_n, pingpong): quack's own SM90
+# candidates whose tile_n is a multiple of 32 (the SwiGLU epilogue's), pingpong at tile_m 128 and 192,
+# cooperative at 256 (and 128 by 256)
+SWEEP_TILES = [
+    (128, 128, True),
+    (128, 192, True),
+    (192, 128, True),
+    (128, 256, False),
+    (256, 128, False),
+    (256, 192, False),
+]
+# (gemm, cluster_m, cluster_n, dynamic scheduler): gate|up on the dynamic scheduler (as the server
+# runs it), the down GEMM on both, each with and without a pair of CTAs along M
+SWEEP_RUNS = [
+    ("gemm1", 1, 1, True),
+    ("gemm1", 2, 1, True),
+    ("gemm2", 2, 1, False),
+    ("gemm2", 2, 1, True),
+]
+
+
+def sweep_steps(layer: Layer, reps: int) -> dict[str, dict[str, Any]]:
+    """Each grouped GEMM as the server calls it (gate|up gathering its rows, SwiGLU in the epilogue;
+    down plain) with each SWEEP_TILES config pinned, for each of SWEEP_RUNS:
+    {gemm: {config name: ms, or the error's text}}."""
+    from quack.gemm_config import GemmConfig
+    from quack.gemm_interface import gemm_act, gemm_tuned
+
+    hidden, plan = layer.hidden, layer.plan
+    weight1, weight2 = layer.experts.gate_up_proj.transpose(1, 2), layer.experts.down_proj.transpose(1, 2)
+    act = torch.empty(plan.rows.shape[0], weight2.shape[1], device=hidden.device, dtype=hidden.dtype)
+    down = torch.empty(plan.rows.shape[0], weight2.shape[2], device=hidden.device, dtype=hidden.dtype)
+    offsets = plan.groups.offsets
+    out: dict[str, dict[str, Any]] = {"gemm1": {}, "gemm2": {}}
+    for (gemm_name, cluster_m, cluster_n, dynamic), (tile_m, tile_n, pingpong) in itertools.product(
+        SWEEP_RUNS, SWEEP_TILES
+    ):
+        config = GemmConfig(
+            tile_m=tile_m,
+            tile_n=tile_n,
+            pingpong=pingpong,
+            cluster_m=cluster_m,
+            cluster_n=cluster_n,
+            is_dynamic_persistent=dynamic,
+            device_capacity=9,
+        )
+        kind = f"{'pp' if pingpong else 'coop'}_c{cluster_m}{cluster_n}_{'dyn' if dynamic else 'static'}"
+        name = f"{tile_m}x{tile_n}_{kind}"
+        call: Callable[[], object] = (
+            partial(
+                gemm_act,
+                hidden,
+                weight1,
+                activation="swiglu",
+                cu_seqlens_m=offsets,
+                A_idx=plan.rows,
+                store_preact=False,
+                concat_layout=("B",),
+                dynamic_scheduler=dynamic,
+                config=config,
+            )
+            if gemm_name == "gemm1"
+            else partial(gemm_tuned.fn, act, weight2, down, cu_seqlens_m=offsets, config=config)
+        )
+        try:
+            out[gemm_name][name] = timed(call, reps)
+        except Exception as exc:  # a config this shape cannot take is reported, not fatal
+            out[gemm_name][name] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        print(f"  {gemm_name} {name}: {out[gemm_name][name]}", file=sys.stderr, flush=True)
+    return out
+
+
 def whole_layers(layer: Layer, reps: int, results: dict[str, Any]) -> dict[str, float]:
     """moe.SparseMoe as the fused decoder builds it on CUDA, per device kernel: its ms; the largest
     |Δ| of quack's output from grouped_mm's, over the largest |output|, into `results`."""
@@ -189,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tuned", action="store_true", help="also quack's autotuned configurations")
+    parser.add_argument("--sweep", action="store_true", help="also each GEMM under each pinned tile config")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -203,6 +278,18 @@ def main(argv: list[str] | None = None) -> int:
         steps.update(quack_steps(layer, args.reps, args.tuned))
     except Exception as exc:  # report what failed and go on with the rest
         results["quack_error"] = f"{type(exc).__name__}: {exc}"
+    if args.sweep:
+        sweep = sweep_steps(layer, args.reps)
+        flops = {"gemm1": flops1, "gemm2": flops2}
+        results["sweep_ms"] = sweep
+        results["sweep_best"] = {
+            gemm: min(((ms, name) for name, ms in by.items() if isinstance(ms, float)), default=None)
+            for gemm, by in sweep.items()
+        }
+        results["sweep_tflops"] = {
+            gemm: {name: flops[gemm] / ms / 1e9 for name, ms in by.items() if isinstance(ms, float)}
+            for gemm, by in sweep.items()
+        }
     layers = whole_layers(layer, args.reps, results)
     floor_ms = (flops1 + flops2) / rate / 1e9
     results["steps_ms"] = steps
