@@ -125,11 +125,17 @@ def grouped_matmul(fn: Callable[..., torch.Tensor]) -> GroupedMatmul:
     return matmul
 
 
+# gate|up widths (2·I) up to this take the pinned Hopper tile (_hopper_gate_up_config); wider ones
+# quack's heuristic
+NARROW_GATE_UP = 3072
+
+
 def _hopper_gate_up_config(device: torch.device) -> object | None:
-    """The gathered gate|up GEMM's tile on Hopper (compute capability 9.x): 128 by 256, cooperative, no
-    cluster, the dynamic scheduler; None elsewhere (quack's heuristic). On an H200 at Qwen3-30B-A3B's
-    experts (16,384 tokens, 2048 to 2·768) it takes 1.28 ms where the heuristic's 128 by 192
-    pingpong tile takes 1.34 (benchmarks/probes/moe_layer.py --sweep)."""
+    """The gathered gate|up GEMM's tile for narrow experts (2·I up to NARROW_GATE_UP) on Hopper
+    (compute capability 9.x): 128 by 256, cooperative, no cluster, the dynamic scheduler; None elsewhere
+    (quack's heuristic, 128 by 192 pingpong on Hopper). Measured by benchmarks/probes/moe_layer.py
+    --sweep on an H200 at 16,384 tokens: Qwen3-30B-A3B's experts (2048 to 2·768) take 1.28 ms with it,
+    1.34 with the heuristic's; Mixtral's (4096 to 2·14336) 11.6 ms, the heuristic's 11.4."""
     if torch.cuda.get_device_capability(device)[0] != 9:
         return None
     from quack.gemm_config import GemmConfig
@@ -166,7 +172,7 @@ def _quack(device: torch.device) -> MoeKernel:
             A_idx=rows,
             store_preact=False,
             tuned=False,  # one tile per shape: tuning would run every candidate per new row count
-            config=gate_up_config,  # None: quack's heuristic tile
+            config=gate_up_config if weight.shape[1] <= NARROW_GATE_UP else None,  # None: the heuristic
             dynamic_scheduler=True,  # tiles taken as CTAs free up: groups of uneven size (1.42 ms vs 1.60)
             concat_layout=("B",),
         )
