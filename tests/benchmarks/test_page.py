@@ -173,39 +173,39 @@ def test_the_push_soak_row_is_the_files_numbers() -> None:
 
 
 def test_the_distribution_json_forms_are_the_files_numbers_beside_its_other_rows() -> None:
-    file = "h200-2026-11-29-s56/distribution-7b-a797b89.json"
+    file = "h200-2026-11-29-s58/distribution-7b-h11-87ae7eb.json"
     short = read(file, "distribution").data["models"]["qwen2.5-7b"]["grpo-short"]
     forms, frames = short["json"], short["variants"]
     ((*cells, _),) = _rows("distribution_json", file)
-    assert cells[2:4] == ["a process per rank", f"{forms['plain_json']['ms']:,.1f} (85.2 %)"]
+    assert cells[2:4] == ["a process per rank", f"{forms['plain_json']['ms']:,.1f} (85.8 %)"]
     costs = [forms[f"top_logprobs_100_{form}"] for form in ("json", "base64")]
     assert cells[4:6] == [f"{v['ms']:,.1f} ({v['cost_over_plain_json'] * 100:+.1f} %)" for v in costs]
-    assert cells[4:8] == ["536.5 (+25.3 %)", "466.8 (+9.0 %)", NONE, NONE]  # top-1000 not run
+    assert cells[4:8] == ["531.1 (+24.2 %)", "460.4 (+7.7 %)", NONE, NONE]  # top-1000 not run
     assert cells[8:] == [NONE, f"{frames['top_logprobs_100']['ms']:.1f} / {NONE}"]
     ((_, _, plain, top100, top1000, processed, teacher, *_),) = _rows("distribution", file)
     assert (
         frames["top_logprobs_100"]["cost_over_plain"] != frames["top_logprobs_100"]["cost_over_plain"]
     )  # NaN
     assert [plain, top100, top1000, processed] == [NONE] * 4  # no plain round: no figure, not "nan"
-    assert teacher == "1,034.5 (61.8 %)"
+    assert teacher == "1,012.9 (63.5 %)"
     # a file without the JSON forms has no row in their table
     assert _rows("distribution_json", "h200-2026-11-26-804101c/distribution.json") == []
 
 
 def test_the_route_json_forms_are_the_files_costs_over_plain_json() -> None:
-    file = "h200-2026-11-29-s56/replay-json-48l-a797b89.json"
+    file = "h200-2026-11-29-s58/replay-json-48l-h11-87ae7eb.json"
     variants = read(file, "replay").data["models"]["qwen3-30b-a3b"]["variants"]
     ((_, model, live, *forms, _),) = _rows("replay_json", file)
     assert model == "qwen3-30b-a3b"
-    assert live == f"{variants['live_json']['ms']:,.1f} (68.9 %)"
-    assert forms == ["749.5 (+11.6 %)", "852.5 (+26.9 %)", "1,144.8 (+70.4 %)", "1,001.3 (+49.0 %)"]
+    assert live == f"{variants['live_json']['ms']:,.1f} (68.2 %)"
+    assert forms == ["712.7 (+10.5 %)", "840.2 (+30.3 %)", "1,123.6 (+74.2 %)", "907.6 (+40.7 %)"]
     # a replay file without the JSON forms has no row in their table
     assert _rows("replay_json", "h100x2-2026-11-25-b907030/replay.json") == []
 
 
 def test_a_derived_table_leaves_the_notes_to_the_section_it_reads() -> None:
     current = {
-        "distribution": [{"file": "h200-2026-11-29-s56/distribution-7b-a797b89.json", "note": "NOTED"}]
+        "distribution": [{"file": "h200-2026-11-29-s58/distribution-7b-h11-87ae7eb.json", "note": "NOTED"}]
     }
     page = build.render("{{distribution}}\n\n{{distribution_json}}\n\n{{sources}}\n", current)
     assert page.count("NOTED") == 1
