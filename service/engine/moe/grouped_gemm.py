@@ -133,9 +133,8 @@ NARROW_GATE_UP = 3072
 def _hopper_gate_up_config(device: torch.device) -> object | None:
     """The gathered gate|up GEMM's tile for narrow experts (2·I up to NARROW_GATE_UP) on Hopper
     (compute capability 9.x): 128 by 256, cooperative, no cluster, the dynamic scheduler; None elsewhere
-    (quack's heuristic, 128 by 192 pingpong on Hopper). Measured by benchmarks/probes/moe_layer.py
-    --sweep on an H200 at 16,384 tokens: Qwen3-30B-A3B's experts (2048 to 2·768) take 1.28 ms with it,
-    1.34 with the heuristic's; Mixtral's (4096 to 2·14336) 11.6 ms, the heuristic's 11.4."""
+    (quack's heuristic tile). docs/performance.md gives the sweep that chose it
+    (benchmarks/probes/moe_layer.py --sweep)."""
     if torch.cuda.get_device_capability(device)[0] != 9:
         return None
     from quack.gemm_config import GemmConfig
