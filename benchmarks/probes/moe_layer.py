@@ -175,19 +175,49 @@ SWEEP_RUNS = [
 ]
 
 
-def sweep_steps(layer: Layer, reps: int) -> dict[str, dict[str, Any]]:
+def sweep_steps(layer: Layer, reps: int, passes: int) -> dict[str, dict[str, Any]]:
     """Each grouped GEMM as the server calls it (gate|up gathering its rows, SwiGLU in the epilogue;
-    down plain) with each SWEEP_TILES config pinned, for each of SWEEP_RUNS:
-    {gemm: {config name: ms, or the error's text}}."""
+    down plain) under quack's heuristic tile and with each SWEEP_TILES config pinned, for each of
+    SWEEP_RUNS: {gemm: {config name: {"ms", "passes_ms", "max_abs_over_max"}, or the error's text}}.
+    The configs are timed in `passes` passes, every other one in reverse order, so a clock that drifts
+    over the sweep does not favour one end; "ms" is the lowest of a config's medians. Each result is
+    compared with the heuristic's (largest |Δ| over the largest |output|): a tile that computes
+    something else shows there, not as a fast time."""
     from quack.gemm_config import GemmConfig
-    from quack.gemm_interface import gemm_act, gemm_tuned
+    from quack.gemm_interface import gemm, gemm_act, gemm_tuned
 
     hidden, plan = layer.hidden, layer.plan
     weight1, weight2 = layer.experts.gate_up_proj.transpose(1, 2), layer.experts.down_proj.transpose(1, 2)
-    act = torch.empty(plan.rows.shape[0], weight2.shape[1], device=hidden.device, dtype=hidden.dtype)
+    act = torch.randn(plan.rows.shape[0], weight2.shape[1], device=hidden.device, dtype=hidden.dtype)
     down = torch.empty(plan.rows.shape[0], weight2.shape[2], device=hidden.device, dtype=hidden.dtype)
     offsets = plan.groups.offsets
-    out: dict[str, dict[str, Any]] = {"gemm1": {}, "gemm2": {}}
+    first = partial(
+        gemm_act,
+        hidden,
+        weight1,
+        activation="swiglu",
+        cu_seqlens_m=offsets,
+        A_idx=plan.rows,
+        store_preact=False,
+        concat_layout=("B",),
+    )
+
+    def gate_up(call: Callable[[], object]) -> torch.Tensor:
+        outputs = call()
+        assert isinstance(outputs, tuple)
+        result: torch.Tensor = outputs[1]  # (pre-activation, post-activation)
+        return result
+
+    def down_of(call: Callable[[], object]) -> torch.Tensor:
+        call()
+        return down.clone()
+
+    calls: dict[tuple[str, str], Callable[[], object]] = {
+        ("gemm1", "heuristic_dyn"): partial(first, tuned=False, dynamic_scheduler=True),
+        ("gemm2", "heuristic_static"): partial(
+            gemm, act, weight2, out=down, cu_seqlens_m=offsets, tuned=False
+        ),
+    }
     for (gemm_name, cluster_m, cluster_n, dynamic), (tile_m, tile_n, pingpong) in itertools.product(
         SWEEP_RUNS, SWEEP_TILES
     ):
@@ -201,27 +231,33 @@ def sweep_steps(layer: Layer, reps: int) -> dict[str, dict[str, Any]]:
             device_capacity=9,
         )
         kind = f"{'pp' if pingpong else 'coop'}_c{cluster_m}{cluster_n}_{'dyn' if dynamic else 'static'}"
-        name = f"{tile_m}x{tile_n}_{kind}"
-        call: Callable[[], object] = (
-            partial(
-                gemm_act,
-                hidden,
-                weight1,
-                activation="swiglu",
-                cu_seqlens_m=offsets,
-                A_idx=plan.rows,
-                store_preact=False,
-                concat_layout=("B",),
-                dynamic_scheduler=dynamic,
-                config=config,
-            )
+        calls[gemm_name, f"{tile_m}x{tile_n}_{kind}"] = (
+            partial(first, dynamic_scheduler=dynamic, config=config)
             if gemm_name == "gemm1"
             else partial(gemm_tuned.fn, act, weight2, down, cu_seqlens_m=offsets, config=config)
         )
+    reference = {
+        "gemm1": gate_up(calls["gemm1", "heuristic_dyn"]).float(),
+        "gemm2": down_of(calls["gemm2", "heuristic_static"]).float(),
+    }
+    out: dict[str, dict[str, Any]] = {"gemm1": {}, "gemm2": {}}
+    timings: dict[tuple[str, str], list[float]] = {}
+    for key, call in calls.items():  # each config once, checked against the heuristic
+        gemm_name, name = key
         try:
-            out[gemm_name][name] = timed(call, reps)
+            got = gate_up(call) if gemm_name == "gemm1" else down_of(call)
         except Exception as exc:  # a config this shape cannot take is reported, not fatal
             out[gemm_name][name] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            continue
+        want = reference[gemm_name]
+        error = float((got.float() - want).abs().max() / want.abs().max())
+        out[gemm_name][name] = {"max_abs_over_max": error}
+        timings[key] = []
+    for turn in range(passes):
+        for key in list(timings)[:: -1 if turn % 2 else 1]:
+            timings[key].append(timed(calls[key], reps))
+    for (gemm_name, name), medians in timings.items():
+        out[gemm_name][name].update(ms=min(medians), passes_ms=medians)
         print(f"  {gemm_name} {name}: {out[gemm_name][name]}", file=sys.stderr, flush=True)
     return out
 
@@ -264,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tuned", action="store_true", help="also quack's autotuned configurations")
     parser.add_argument("--sweep", action="store_true", help="also each GEMM under each pinned tile config")
+    parser.add_argument("--sweep-passes", type=int, default=2, help="timing passes of the sweep")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -279,16 +316,17 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # report what failed and go on with the rest
         results["quack_error"] = f"{type(exc).__name__}: {exc}"
     if args.sweep:
-        sweep = sweep_steps(layer, args.reps)
+        sweep = sweep_steps(layer, args.reps, args.sweep_passes)
         flops = {"gemm1": flops1, "gemm2": flops2}
-        results["sweep_ms"] = sweep
+        timed_ok = {
+            gemm: {n: v["ms"] for n, v in by.items() if isinstance(v, dict)} for gemm, by in sweep.items()
+        }
+        results["sweep"] = sweep
         results["sweep_best"] = {
-            gemm: min(((ms, name) for name, ms in by.items() if isinstance(ms, float)), default=None)
-            for gemm, by in sweep.items()
+            gemm: min(((ms, n) for n, ms in by.items()), default=None) for gemm, by in timed_ok.items()
         }
         results["sweep_tflops"] = {
-            gemm: {name: flops[gemm] / ms / 1e9 for name, ms in by.items() if isinstance(ms, float)}
-            for gemm, by in sweep.items()
+            gemm: {n: flops[gemm] / ms / 1e9 for n, ms in by.items()} for gemm, by in timed_ok.items()
         }
     layers = whole_layers(layer, args.reps, results)
     floor_ms = (flops1 + flops2) / rate / 1e9
