@@ -113,33 +113,54 @@ def torch_steps(layer: Layer, reps: int) -> dict[str, float]:
     }
 
 
-def quack_steps(layer: Layer, reps: int, tuned: bool) -> dict[str, float]:
-    """quack's varlen GEMMs: gate|up with and without the gather, with the heuristic tile, its dynamic
-    scheduler and (tuned) the autotuner's pick; the down GEMM the same ways."""
-    from quack.gemm_interface import gemm, gemm_act
+@dataclass
+class QuackGemms:
+    """quack's two grouped GEMMs of `layer` with the arguments the server gives them, as calls still
+    open to options (a tile, the scheduler, tuning): gate|up with SwiGLU in the epilogue, down plain."""
 
-    hidden, plan = layer.hidden, layer.plan
-    weight1, weight2 = layer.experts.gate_up_proj.transpose(1, 2), layer.experts.down_proj.transpose(1, 2)
-    gathered = hidden.index_select(0, plan.rows)
-    act = torch.empty(plan.rows.shape[0], weight2.shape[1], device=hidden.device, dtype=hidden.dtype)
-    down = torch.empty_like(gathered)
-    offsets = plan.groups.offsets
+    layer: Layer
+    act: torch.Tensor  # [S, I]: the down GEMM's input (random)
+    down: torch.Tensor  # [S, H]: its output
 
-    def first(gather: bool, **options: Any) -> Callable[[], object]:
-        return lambda: gemm_act(
-            hidden if gather else gathered,
-            weight1,
+    @staticmethod
+    def of(layer: Layer) -> QuackGemms:
+        rows, (_, hidden, width) = layer.plan.rows.shape[0], layer.experts.down_proj.shape
+        device, dtype = layer.hidden.device, layer.hidden.dtype
+        act = torch.randn(rows, width, device=device, dtype=dtype)
+        return QuackGemms(layer, act, torch.empty(rows, hidden, device=device, dtype=dtype))
+
+    def gate_up(self, gather: bool = True, **options: Any) -> Callable[[], object]:
+        """gate|up gathering its rows of h itself (or reading them gathered beforehand):
+        returns (pre-activation, SwiGLU [S, I])."""
+        from quack.gemm_interface import gemm_act
+
+        h, plan = self.layer.hidden, self.layer.plan
+        return partial(
+            gemm_act,
+            h if gather else h.index_select(0, plan.rows),
+            self.layer.experts.gate_up_proj.transpose(1, 2),
             activation="swiglu",
-            cu_seqlens_m=offsets,
+            cu_seqlens_m=plan.groups.offsets,
             A_idx=plan.rows if gather else None,
             store_preact=False,
             concat_layout=("B",),
             **options,
         )
 
-    def second(**options: Any) -> Callable[[], object]:
-        return lambda: gemm(act, weight2, out=down, cu_seqlens_m=offsets, **options)
+    def down_proj(self, fn: Callable[..., object], **options: Any) -> Callable[[], object]:
+        """`fn` (quack's gemm, or gemm_tuned.fn with a pinned config) writing act @ down into `down`."""
+        weight = self.layer.experts.down_proj.transpose(1, 2)
+        return partial(
+            fn, self.act, weight, self.down, cu_seqlens_m=self.layer.plan.groups.offsets, **options
+        )
 
+
+def quack_steps(layer: Layer, reps: int, tuned: bool) -> dict[str, float]:
+    """quack's varlen GEMMs: gate|up with and without the gather, with the heuristic tile, its dynamic
+    scheduler and (tuned) the autotuner's pick; the down GEMM the same ways."""
+    from quack.gemm_interface import gemm
+
+    gemms = QuackGemms.of(layer)
     modes: dict[str, dict[str, bool]] = {
         "heuristic": {"tuned": False},
         "dynamic": {"tuned": False, "dynamic_scheduler": True},
@@ -148,9 +169,9 @@ def quack_steps(layer: Layer, reps: int, tuned: bool) -> dict[str, float]:
         modes["tuned"] = {"tuned": True}
     steps = {}
     for mode, options in modes.items():
-        steps[f"gemm1_quack_gather_swiglu_{mode}"] = timed(first(True, **options), reps)
-        steps[f"gemm1_quack_swiglu_{mode}"] = timed(first(False, **options), reps)
-        steps[f"gemm2_quack_{mode}"] = timed(second(**options), reps)
+        steps[f"gemm1_quack_gather_swiglu_{mode}"] = timed(gemms.gate_up(True, **options), reps)
+        steps[f"gemm1_quack_swiglu_{mode}"] = timed(gemms.gate_up(False, **options), reps)
+        steps[f"gemm2_quack_{mode}"] = timed(gemms.down_proj(gemm, **options), reps)
     return steps
 
 
@@ -184,23 +205,9 @@ def sweep_steps(layer: Layer, reps: int, passes: int) -> dict[str, dict[str, Any
     compared with the heuristic's (largest |Δ| over the largest |output|): a tile that computes
     something else shows there, not as a fast time."""
     from quack.gemm_config import GemmConfig
-    from quack.gemm_interface import gemm, gemm_act, gemm_tuned
+    from quack.gemm_interface import gemm, gemm_tuned
 
-    hidden, plan = layer.hidden, layer.plan
-    weight1, weight2 = layer.experts.gate_up_proj.transpose(1, 2), layer.experts.down_proj.transpose(1, 2)
-    act = torch.randn(plan.rows.shape[0], weight2.shape[1], device=hidden.device, dtype=hidden.dtype)
-    down = torch.empty(plan.rows.shape[0], weight2.shape[2], device=hidden.device, dtype=hidden.dtype)
-    offsets = plan.groups.offsets
-    first = partial(
-        gemm_act,
-        hidden,
-        weight1,
-        activation="swiglu",
-        cu_seqlens_m=offsets,
-        A_idx=plan.rows,
-        store_preact=False,
-        concat_layout=("B",),
-    )
+    gemms = QuackGemms.of(layer)
 
     def gate_up(call: Callable[[], object]) -> torch.Tensor:
         outputs = call()
@@ -210,13 +217,11 @@ def sweep_steps(layer: Layer, reps: int, passes: int) -> dict[str, dict[str, Any
 
     def down_of(call: Callable[[], object]) -> torch.Tensor:
         call()
-        return down.clone()
+        return gemms.down.clone()
 
     calls: dict[tuple[str, str], Callable[[], object]] = {
-        ("gemm1", "heuristic_dyn"): partial(first, tuned=False, dynamic_scheduler=True),
-        ("gemm2", "heuristic_static"): partial(
-            gemm, act, weight2, out=down, cu_seqlens_m=offsets, tuned=False
-        ),
+        ("gemm1", "heuristic_dyn"): gemms.gate_up(tuned=False, dynamic_scheduler=True),
+        ("gemm2", "heuristic_static"): gemms.down_proj(gemm, tuned=False),
     }
     for (gemm_name, cluster_m, cluster_n, dynamic), (tile_m, tile_n, pingpong) in itertools.product(
         SWEEP_RUNS, SWEEP_TILES
@@ -232,9 +237,9 @@ def sweep_steps(layer: Layer, reps: int, passes: int) -> dict[str, dict[str, Any
         )
         kind = f"{'pp' if pingpong else 'coop'}_c{cluster_m}{cluster_n}_{'dyn' if dynamic else 'static'}"
         calls[gemm_name, f"{tile_m}x{tile_n}_{kind}"] = (
-            partial(first, dynamic_scheduler=dynamic, config=config)
+            gemms.gate_up(dynamic_scheduler=dynamic, config=config)
             if gemm_name == "gemm1"
-            else partial(gemm_tuned.fn, act, weight2, down, cu_seqlens_m=offsets, config=config)
+            else gemms.down_proj(gemm_tuned.fn, config=config)
         )
     reference = {
         "gemm1": gate_up(calls["gemm1", "heuristic_dyn"]).float(),

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.probes import moe_layer
-from service.engine.moe import dispatch, routing_rule
+from service.engine.moe import dispatch, grouped_gemm, routing_rule
 
 
 @dataclass
@@ -30,12 +30,8 @@ class FakeConfig:
 
 
 def per_expert(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """x [S, K] grouped by expert @ weight [E, K, N] (quack's layout) -> [S, N]."""
-    out, start = x.new_zeros(x.shape[0], weight.shape[2]), 0
-    for expert, end in enumerate(offsets[1:].tolist()):
-        out[start:end] = x[start:end] @ weight[expert]
-        start = end
-    return out
+    """x [S, K] grouped by expert @ weight [E, K, N] (quack's layout) -> [S, N]: the CPU loop's GEMM."""
+    return grouped_gemm.LOOP.matmul(x, weight.transpose(1, 2), grouped_gemm.Groups(offsets))
 
 
 def fake_quack() -> dict[str, types.ModuleType]:
