@@ -22,11 +22,17 @@ scores with agreement 1.0. Their cost is over `live_json`.
 
 Each: the median round's ms after a warm-up round and its cost over live. `route_bytes_per_entry`:
 the frames' extra request bytes over the plain frames, per (position, layer, slot) sent.
+
+With `--timeline PATH`, the server's side of each variant's last round goes there (JSON, per variant:
+[what, start ms, end ms] from the round's first request's arrival, benchmarks/probes/overhead.py's
+events): each request's `headers` and `body` (its last part read), `parse`, `normalise`, `render`,
+and each micro-batch's `launch` and `collected` (the wait for its scores).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from dataclasses import dataclass
@@ -39,6 +45,7 @@ import orjson
 import torch
 
 from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, active_params, packed_model, run_models
+from benchmarks.probes.overhead import Event, recorded_launches, recording_server
 from benchmarks.server import HttpServer, http_rounds
 from benchmarks.shapes import MOE_SHAPES, floor_shape
 from benchmarks.workload import Sample, floor_flops, workload
@@ -123,7 +130,14 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     engine.warm_up()
     plain = plain_bodies(samples)
     variants: dict[str, dict[str, Any]] = {}
-    with HttpServer(engine, settings) as url:
+    events: list[Event] = []
+    timelines: dict[str, list[list[Any]]] = {}
+    if args.timeline is not None:
+        engine.launch = recorded_launches(events, engine.launch)  # type: ignore[method-assign,assignment]
+    with (
+        recording_server(events) if args.timeline is not None else contextlib.nullcontext(),
+        HttpServer(engine, settings) as url,
+    ):
         routes, live_scores = recorded(url, plain)
         replay = [
             {**body, "routed_experts": [r.tolist() for r in rs]}
@@ -142,11 +156,17 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         }
         entries = sum(r.size for rs in routes for r in rs)
         for variant, bodies in wire.items():
+            events.clear()
             variants[variant] = timed(http_rounds(url, bodies, args.reps), bodies, floor_s)
+            timelines[variant] = last_round(events, len(bodies))
             print(f"  {name} {variant:>7}: {variants[variant]['ms']:9.1f} ms", flush=True)
         if args.json_forms:
             frames_check = RouteCheck(min(agreement), diff)
-            json_rounds(url, plain, routes, live_scores, frames_check, args, floor_s, variants)
+            json_rounds(
+                url, plain, routes, live_scores, frames_check, args, floor_s, variants, (events, timelines)
+            )
+    if args.timeline is not None:
+        args.timeline.write_bytes(orjson.dumps(timelines))
     for v in variants.values():
         v["cost_over_live"] = v["ms"] / variants[v.pop("over", "live")]["ms"] - 1
     return {
@@ -171,6 +191,7 @@ def json_rounds(  # noqa: PLR0917
     args: argparse.Namespace,
     floor_s: float,
     variants: dict[str, dict[str, Any]],
+    recorded_events: tuple[list[Event], dict[str, list[list[Any]]]],
 ) -> None:
     """The JSON forms' rounds from a plain client, into `variants` (each over `live_json`); every
     replay checked once against the live scores, held to what the same routes replayed from a frame
@@ -193,9 +214,12 @@ def json_rounds(  # noqa: PLR0917
                 f"replay_{form}: agreement {min(agreement)}, max |live - replayed| {diff}; from a frame "
                 f"{frames_check.agreement}, {frames_check.max_abs_diff}"
             )
+    events, timelines = recorded_events
     for variant, sent_bodies in bodies.items():
         raw = [orjson.dumps(b) for b in sent_bodies]
+        events.clear()
         rounds = http_rounds(url, raw, args.reps, args.json_client, frames=False)
+        timelines[variant] = last_round(events, len(raw))
         variants[variant] = timed(rounds, raw, floor_s) | {"over": "live_json"}
         print(f"  {variant:>14}: {variants[variant]['ms']:9.1f} ms", flush=True)
 
@@ -212,6 +236,21 @@ class RouteCheck:
         """`other` (the same routes, another wire form) as good as this, up to numeric drift."""
         close = other.max_abs_diff <= max(1e-3, 2 * self.max_abs_diff)
         return other.agreement >= self.agreement - 0.01 and close
+
+
+def last_round(events: list[Event], requests: int) -> list[list[Any]]:
+    """The events of the last round (its `requests` arrivals on), as [what, start ms, end ms] from
+    its first arrival; none when nothing was recorded."""
+    ordered = sorted(events, key=lambda e: e[1])
+    arrivals = [e[1] for e in ordered if e[0] == "headers"]
+    if len(arrivals) < requests:
+        return []
+    begin = arrivals[-requests]
+    return [
+        [what, round((a - begin) * 1e3, 2), round((b - begin) * 1e3, 2)]
+        for what, a, b in ordered
+        if a >= begin
+    ]
 
 
 def timed(rounds: list[float], bodies: list[bytes], floor_s: float) -> dict[str, Any]:
@@ -266,6 +305,7 @@ def parser() -> argparse.ArgumentParser:
         help="the JSON rounds' client (benchmarks/client.py's modes)",
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "replay-latest.json")
+    parser.add_argument("--timeline", type=Path, help="the server's side of each variant's last round (JSON)")
     return parser
 
 

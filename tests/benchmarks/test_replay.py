@@ -18,6 +18,7 @@ def test_replay_benchmark_runs_every_form_on_cpu(tmp_path: Path) -> None:
     argv = ["--models", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--sequences", "8"]
     argv += ["--reps", "1", "--json-forms", "base64", "lists", "--output", str(out)]
     argv += ["--json-client", "plain"]  # one client process (test_grpo runs the process per request)
+    argv += ["--timeline", str(tmp_path / "timeline.json")]
     assert main(argv) == 0
     tiny = json.loads(out.read_text())["models"]["tiny-moe"]
     assert list(tiny["variants"]) == [
@@ -37,6 +38,15 @@ def test_replay_benchmark_runs_every_form_on_cpu(tmp_path: Path) -> None:
     assert 1 <= tiny["route_bytes_per_entry"] < 1.1  # one byte an entry (u1), and the rows' lengths
     base64_bytes = tiny["variants"]["replay_base64"]["request_bytes"]
     assert base64_bytes > tiny["variants"]["replay"]["request_bytes"]  # 4/3 x 4 bytes an id, not 1
+    timelines = json.loads((tmp_path / "timeline.json").read_text())
+    assert list(timelines) == list(tiny["variants"])
+    for events in timelines.values():  # the last round: its 8 requests, each parsed, scored, answered
+        whats = [e[0] for e in events]
+        assert [whats.count(w) for w in ("headers", "body", "parse", "normalise", "render")] == [8] * 5
+        assert whats.count("launch") >= 1
+        assert whats.count("collected") == whats.count("launch")
+        assert events[0][:2] == ["headers", 0.0]
+        assert all(0 <= start <= end for _, start, end in events)
     (row,) = page_rows("replay", out)  # the results page reads what the suite wrote
     assert row[1] == "tiny-moe"
     assert row[2].startswith(f"{tiny['variants']['live']['ms']:,.1f} (")
