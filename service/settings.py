@@ -241,18 +241,6 @@ class Settings(BaseSettings):
     )
     max_body_bytes: int = Field(64 << 20, ge=1024, description="Largest request body accepted (413 past it).")
     max_request_sequences: int = Field(4096, ge=1, description="Most rows in one request (413 past it).")
-    serial_body_bytes: int = Field(
-        1 << 20,
-        ge=0,
-        description="Bodies from this size (their Content-Length) are read one after another in the order "
-        "they arrive, so the first of a burst is scored while the rest arrive; 0: every body at once.",
-    )
-    serial_body_wait_ms: float = Field(
-        100.0,
-        ge=0,
-        description="Most a body of serial_body_bytes or more waits for the one before it to be read (a "
-        "slow or stalled client holds the next back no longer than this).",
-    )
     stream_batch_tokens: int = Field(
         4096,
         ge=16,
@@ -407,9 +395,9 @@ GROUPS = (
     _group(
         "HTTP",
         "Where the server listens, what one request may ask, and the keys it needs.",
-        "host port max_body_bytes serial_body_bytes serial_body_wait_ms max_request_sequences "
-        "max_request_tokens max_top_logprobs request_timeout_s max_request_timeout_s api_keys api_keys_file "
-        "admin_api_keys admin_api_keys_file auth_all_routes docs_ui",
+        "host port max_body_bytes max_request_sequences max_request_tokens max_top_logprobs "
+        "request_timeout_s max_request_timeout_s api_keys api_keys_file admin_api_keys admin_api_keys_file "
+        "auth_all_routes docs_ui",
     ),
     _group(
         "weights",

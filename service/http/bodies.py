@@ -1,13 +1,6 @@
-"""What a scoring request needs from the connection: a bounded body, big bodies read in turn, an
-answer that gives up when the deadline passes or the client goes away (dropping the work that has
-not started), and a big answer handed to the server in slices.
-
-Big bodies (routes as base64: ~14 MB a request) are read by the one event loop, ~1-3 GB/s on loopback.
-Read all at once, the requests of a burst take turns chunk by chunk and every one of them is whole
-only when the last is: the accelerator waits for the whole burst. BodyTurns reads them one after
-another in the order they arrived, so the first is parsed and scored while the rest arrive; a turn
-that is not over within its wait (a slow or stalled client) no longer holds the next one back. A
-body that waits is not buffered here: uvicorn stops reading its connection past 64 KiB.
+"""What a scoring request needs from the connection: a bounded body, an answer that gives up when
+the deadline passes or the client goes away (dropping the work that has not started), and a big
+answer handed to the server in slices.
 
 A big answer (routes as base64 or lists: ~14 MB a request) handed to uvicorn whole is copied on the
 event loop: asyncio's socket transport sends what the socket takes and copies the rest twice into
@@ -45,37 +38,6 @@ async def read_body(http: Request, limit: int) -> bytes:
             raise PayloadTooLarge(f"body over {limit} bytes (max_body_bytes)")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-class BodyTurns:
-    """Reads bodies declared (Content-Length) from `min_bytes` one at a time in arrival order: each
-    waits until the body before it is read, or at most `wait_s`; smaller, chunked and over-limit
-    bodies, and every body when `min_bytes` is 0, are read at once."""
-
-    def __init__(self, min_bytes: int, wait_s: float) -> None:
-        self.min_bytes, self.wait_s = min_bytes, wait_s
-        self._last: asyncio.Future[None] | None = None  # done once the latest body to queue is read
-
-    def _queues(self, http: Request, limit: int) -> bool:
-        declared = http.headers.get("content-length")
-        if not self.min_bytes or declared is None or not declared.isdigit():
-            return False
-        return self.min_bytes <= int(declared) <= limit
-
-    async def read(self, http: Request, limit: int) -> bytes:
-        """read_body's body, read in its turn."""
-        if not self._queues(http, limit):
-            return await read_body(http, limit)
-        before, mine = self._last, asyncio.get_running_loop().create_future()
-        self._last = mine
-        try:
-            if before is not None and not before.done():
-                await asyncio.wait({before}, timeout=self.wait_s)
-            return await read_body(http, limit)
-        finally:
-            mine.set_result(None)
-            if self._last is mine:
-                self._last = None
 
 
 async def _disconnected(http: Request) -> None:

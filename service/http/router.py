@@ -26,7 +26,7 @@ from service.core.errors import NotReady
 from service.core.jobs import SequenceScores
 from service.http.admin import build_admin_router
 from service.http.auth import ApiKeys
-from service.http.bodies import SLICE_BYTES, SlicedResponse, answer_or_give_up
+from service.http.bodies import SLICE_BYTES, SlicedResponse, answer_or_give_up, read_body
 from service.http.completions.endpoints import build_completions_router
 from service.http.state import ServiceState
 from service.http.weight_sync import build_weight_sync_router
@@ -153,7 +153,7 @@ def build_router(state: ServiceState) -> APIRouter:
     async def logprobs(http: Request) -> Response:
         """Per-token log-probs (and entropy) of the action tokens of each row."""
         started = time.perf_counter()
-        raw = await state.bodies.read(http, settings.max_body_bytes)
+        raw = await read_body(http, settings.max_body_bytes)
         framed = _media_type(http.headers.get("content-type")) == MEDIA_TYPE
         request = await _parsed(raw, framed)
         serving = state.require_serving()

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from service.batcher import Batcher
 from service.core.errors import NotReady
 from service.engine.contract import EngineInfo, Supervised, TokenText
-from service.http.bodies import BodyTurns
 from service.metrics import Metrics
 from service.normalise import ModelLimits
 from service.settings import Settings
@@ -38,10 +37,6 @@ class ServiceState:
     failure: str | None = None
     draining: bool = False
     url: str | None = None  # where the server listens (the ready line names it); None under tests
-    bodies: BodyTurns = field(init=False)  # the turns of big bodies, shared by the scoring routes
-
-    def __post_init__(self) -> None:
-        self.bodies = BodyTurns(self.settings.serial_body_bytes, self.settings.serial_body_wait_ms / 1e3)
 
     @property
     def phase(self) -> str:

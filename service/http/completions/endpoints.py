@@ -36,7 +36,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from service.core.jobs import SequenceJob, SequenceScores
-from service.http.bodies import answer_or_give_up
+from service.http.bodies import answer_or_give_up, read_body
 from service.http.completions.pieces import PiecesCache
 from service.http.completions.plan import CompletionPlan, plan_completion
 from service.http.completions.response import Drawn, Shared, completion_stream, last_position, render_pool
@@ -75,7 +75,7 @@ def build_completions_router(
     async def completions(http: Request) -> Response:
         """Scores of token-id prompts in the OpenAI / vLLM completions form (docs/api.md, 'Completions')."""
         began = time.perf_counter()
-        request = parse_body(CompletionRequest, await state.bodies.read(http, settings.max_body_bytes))
+        request = parse_body(CompletionRequest, await read_body(http, settings.max_body_bytes))
         serving = state.require_serving()
         plan = plan_completion(
             request,
