@@ -18,7 +18,9 @@ where the ids fit), a base64 str as int32, lists through one np.asarray; once th
 they are narrowed to jobs.route_dtype (uint8 up to 256 experts). Every check is vectorised and works
 on that dtype: ids in [0, experts) (min / max first, a fault located only once found), distinct
 within one (position, layer) (the k slots compared pairwise, no sort), the layer count and top_k of
-the policy, no position past the row. Faults are 422s naming field and row.
+the policy, no position past the row. The range and distinctness checks are one pass of the native
+reader (service/wire/_jsonrows.c's route_faults, the GIL released once) where it is built, else
+numpy's. Faults are 422s naming field and row.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +37,7 @@ from service.core.errors import InvalidRequest
 from service.core.jobs import GivenRoutes, RouteArray, route_dtype
 from service.engine.contract import MoeShape
 from service.normalise.rows import Row, per_row
+from service.wire.jsonrows import native
 from service.wire.schemas import Base64Ids, LogprobsRequest
 
 FIELD, PROMPT_FIELD = "routed_experts", "prompt_routed_experts"
@@ -150,42 +154,82 @@ def check_experts(
 ) -> RouteArray:
     """Ids in [0, experts) and distinct within each (position, layer) (`keep` [P] bool: only those
     positions); the ids in route_dtype (no copy where they are in it already)."""
-    _check_range(experts, moe, field, i, name=name, keep=keep)
-    narrow = experts.astype(route_dtype(moe.experts), copy=False)
-    twice = _repeats(narrow)
-    if twice is not None and keep is not None:
-        twice &= keep[:, None]
-    if twice is not None and twice.any():
-        p, layer = (int(x) for x in np.argwhere(twice)[0])
-        raise InvalidRequest(
-            f"{name}[{p}][{layer}] names an expert twice ({experts[p, layer].tolist()}); the top_k ids of "
-            "one position and layer are distinct",
-            field=field,
-            row=i,
-        )
-    return narrow
-
-
-def _check_range(experts: RouteArray, moe: MoeShape, field: str, i: int, *, name: str, keep: Any) -> None:
-    """Ids in [0, experts): min / max over the whole array, the first fault's place only past that."""
-    if experts.size == 0:
-        return
-    signed = experts.dtype.kind == "i"
-    if int(experts.max()) < moe.experts and not (signed and int(experts.min()) < 0):
-        return
-    bad = experts >= moe.experts
-    if signed:
-        bad |= experts < 0
-    if keep is not None:
-        bad &= keep[:, None, None]
-    if bad.any():
-        p, layer, slot = (int(x) for x in np.argwhere(bad)[0])
+    fault = _fault(experts, moe, keep)
+    if fault is not None and fault.slot is not None:
+        p, layer, slot = fault.position, fault.layer, fault.slot
         raise InvalidRequest(
             f"{name}[{p}][{layer}][{slot}] is {experts[p, layer, slot]}; expert ids are 0 .. "
             f"{moe.experts - 1}",
             field=field,
             row=i,
         )
+    if fault is not None:
+        raise InvalidRequest(
+            f"{name}[{fault.position}][{fault.layer}] names an expert twice "
+            f"({experts[fault.position, fault.layer].tolist()}); the top_k ids of one position and layer "
+            "are distinct",
+            field=field,
+            row=i,
+        )
+    return experts.astype(route_dtype(moe.experts), copy=False)
+
+
+@dataclass(frozen=True, slots=True)
+class _Fault:
+    """The first fault of a row's routes: an id out of range at (position, layer, slot), else a
+    (position, layer) that names an expert twice (slot None)."""
+
+    position: int
+    layer: int
+    slot: int | None = None
+
+
+def _fault(experts: RouteArray, moe: MoeShape, keep: Any) -> _Fault | None:
+    """The first fault: the native reader's one pass where it is built and takes the dtype (the GIL
+    released once: numpy's checks take it back ~60 times a row, and each time can wait the
+    interpreter's switch interval behind a thread that runs Python), else numpy's."""
+    reader = native()
+    if experts.size == 0 or reader is None or experts.dtype.str not in _NATIVE_IDS:
+        return _numpy_fault(experts, moe, keep)
+    ids = np.ascontiguousarray(experts)
+    kept = None if keep is None else np.ascontiguousarray(keep, dtype=np.uint8)
+    kind, at = reader.route_faults(
+        ids, ids.itemsize, ids.dtype.kind == "i", moe.layers, moe.top_k, moe.experts, kept
+    )
+    if kind == _OUT_OF_RANGE:
+        p, layer, slot = (int(x) for x in np.unravel_index(at, ids.shape))
+        return _Fault(p, layer, slot)
+    if kind == _TWICE:
+        return _Fault(*divmod(at, moe.layers))
+    return None
+
+
+_NATIVE_IDS = frozenset({"|u1", "<u2", "<i4", "<i8"})  # the dtypes route_faults reads (little-endian)
+_OUT_OF_RANGE, _TWICE = 1, 2  # route_faults' kinds of fault
+
+
+def _numpy_fault(experts: RouteArray, moe: MoeShape, keep: Any) -> _Fault | None:
+    """_fault with numpy: min / max over the whole array (a fault located only past that), then the k
+    slots compared pairwise."""
+    if experts.size == 0:
+        return None
+    signed = experts.dtype.kind == "i"
+    if int(experts.max()) >= moe.experts or (signed and int(experts.min()) < 0):
+        bad = experts >= moe.experts
+        if signed:
+            bad |= experts < 0
+        if keep is not None:
+            bad &= keep[:, None, None]
+        if bad.any():
+            p, layer, slot = (int(x) for x in np.argwhere(bad)[0])
+            return _Fault(p, layer, slot)
+    twice = _repeats(experts.astype(route_dtype(moe.experts), copy=False))
+    if twice is not None and keep is not None:
+        twice &= keep[:, None]
+    if twice is not None and twice.any():
+        p, layer = (int(x) for x in np.argwhere(twice)[0])
+        return _Fault(p, layer)
+    return None
 
 
 def _repeats(experts: RouteArray) -> np.ndarray | None:

@@ -46,6 +46,12 @@
    first_rank [positions] (slot j > 0 has rank j), the pieces `pool[start[id] : start[id] +
    length[id]]`. The GIL released; a ValueError where the arrays do not fit together.
 
+   route_faults(ids, itemsize, signed, layers, k, experts, keep) judges routes [positions, layers, k]
+   (C-contiguous native u1, u2, i4 or i8; keep: None or one byte a position, 0 where the position is
+   not judged) in one pass with the GIL released: (1, i) for the first id in C order outside
+   0 .. experts - 1 (i its flat index), else (2, g) for the first (position, layer) group g naming an
+   expert twice, else (0, -1). service/normalise/expert_routes.py reads it, as its numpy checks do.
+
    The limited API (abi3), so one build serves every CPython from 3.11. */
 #define Py_LIMITED_API 0x030B0000
 #define PY_SSIZE_T_CLEAN
@@ -1021,6 +1027,148 @@ static PyObject *prompt_entries(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ---- route_faults ---- */
+
+typedef struct {
+    Py_ssize_t groups;   /* (position, layer) groups of k ids */
+    Py_ssize_t k;        /* ids a group */
+    Py_ssize_t layers;   /* groups a position */
+    int64_t experts;     /* ids are 0 .. experts - 1 */
+    const unsigned char *keep; /* [groups / layers] 0: the position is not judged; NULL: every one is */
+    int kind;            /* out: 0 none, 1 an id out of range, 2 an id twice in one group */
+    Py_ssize_t at;       /* out: the flat index of the id (1), the group (2) */
+} Faults;
+
+/* One pass over the groups: the first id out of range in C order ends it; else the first group that
+   names an expert twice (a 256-bit set where every id is below 256, else the k(k-1)/2 pairs). */
+#define ROUTE_SCAN(NAME, T)                                                                        \
+    static void NAME(const T *ids, Faults *f) {                                                    \
+        Py_ssize_t repeat = -1;                                                                    \
+        for (Py_ssize_t g = 0; g < f->groups; g++) {                                               \
+            if (f->keep != NULL && g % f->layers == 0 && !f->keep[g / f->layers]) {                \
+                g += f->layers - 1; /* the position's groups are not judged */                     \
+                continue;                                                                          \
+            }                                                                                      \
+            const T *x = ids + g * f->k;                                                           \
+            for (Py_ssize_t s = 0; s < f->k; s++) {                                                \
+                if ((int64_t)x[s] < 0 || (int64_t)x[s] >= f->experts) {                            \
+                    f->kind = 1;                                                                   \
+                    f->at = g * f->k + s;                                                          \
+                    return;                                                                        \
+                }                                                                                  \
+            }                                                                                      \
+            if (repeat >= 0) continue;                                                             \
+            if (f->experts <= 256) {                                                               \
+                uint64_t seen[4] = {0, 0, 0, 0};                                                   \
+                for (Py_ssize_t s = 0; s < f->k; s++) {                                            \
+                    uint64_t bit = (uint64_t)1 << ((uint64_t)x[s] & 63);                           \
+                    uint64_t *word = &seen[(uint64_t)x[s] >> 6];                                   \
+                    if (*word & bit) {                                                             \
+                        repeat = g;                                                                \
+                        break;                                                                     \
+                    }                                                                              \
+                    *word |= bit;                                                                  \
+                }                                                                                  \
+            } else {                                                                               \
+                for (Py_ssize_t a = 0; a + 1 < f->k && repeat < 0; a++)                            \
+                    for (Py_ssize_t b = a + 1; b < f->k; b++)                                      \
+                        if (x[a] == x[b]) {                                                        \
+                            repeat = g;                                                            \
+                            break;                                                                 \
+                        }                                                                          \
+            }                                                                                      \
+        }                                                                                          \
+        if (repeat >= 0) {                                                                         \
+            f->kind = 2;                                                                           \
+            f->at = repeat;                                                                        \
+        }                                                                                          \
+    }
+
+ROUTE_SCAN(scan_u1, uint8_t)
+ROUTE_SCAN(scan_u2, uint16_t)
+ROUTE_SCAN(scan_i4, int32_t)
+ROUTE_SCAN(scan_i8, int64_t)
+
+#define ONES 0x0101010101010101ULL
+#define HIGHS 0x8080808080808080ULL
+
+/* u1 ids with k = 8 (Qwen3-MoE's, DeepSeek's top 8): the largest id first (a loop the compiler
+   vectorises), then each group as one 64-bit word compared with its rotations by 1 .. 4 bytes, which
+   pair every two slots; a zero byte of the XOR is a repeat. Anything else: scan_u1. */
+static void scan_u1_k8(const uint8_t *ids, Faults *f) {
+    uint8_t top = 0;
+    for (Py_ssize_t i = 0; i < f->groups * 8; i++) top = ids[i] > top ? ids[i] : top;
+    if (top >= f->experts) {
+        scan_u1(ids, f);
+        return;
+    }
+    for (Py_ssize_t g = 0; g < f->groups; g++) {
+        if (f->keep != NULL && !f->keep[g / f->layers]) continue;
+        uint64_t v, zero = 0;
+        memcpy(&v, ids + g * 8, 8);
+        for (int r = 8; r <= 32; r += 8) {
+            uint64_t y = v ^ ((v << r) | (v >> (64 - r)));
+            zero |= (y - ONES) & ~y & HIGHS;
+        }
+        if (zero) {
+            f->kind = 2;
+            f->at = g;
+            return;
+        }
+    }
+}
+
+static PyObject *route_faults(PyObject *self, PyObject *args) {
+    Py_buffer ids, keep = {0};
+    int itemsize, is_signed;
+    Py_ssize_t layers, k;
+    long long experts;
+    PyObject *keep_obj;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*ipnnLO:route_faults", &ids, &itemsize, &is_signed, &layers, &k, &experts,
+                          &keep_obj))
+        return NULL;
+    Faults f = {0, k, layers, experts, NULL, 0, -1};
+    int kind_ok = (itemsize == 1 && !is_signed) || (itemsize == 2 && !is_signed) || (itemsize == 4 && is_signed) ||
+                  (itemsize == 8 && is_signed);
+    Py_ssize_t per = layers * k;
+    if (!kind_ok || layers < 1 || k < 1 || ids.len % ((Py_ssize_t)itemsize * per)) {
+        PyBuffer_Release(&ids);
+        PyErr_SetString(PyExc_ValueError, "route_faults: u1, u2, i4 or i8 ids, [positions, layers, k]");
+        return NULL;
+    }
+    f.groups = ids.len / itemsize / k;
+    if (keep_obj != Py_None) {
+        if (PyObject_GetBuffer(keep_obj, &keep, PyBUF_SIMPLE) < 0) {
+            PyBuffer_Release(&ids);
+            return NULL;
+        }
+        if (keep.len != f.groups / layers) {
+            PyBuffer_Release(&ids);
+            PyBuffer_Release(&keep);
+            PyErr_SetString(PyExc_ValueError, "route_faults: keep holds one byte a position");
+            return NULL;
+        }
+        f.keep = (const unsigned char *)keep.buf;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    switch (itemsize) {
+    case 1:
+        if (k == 8)
+            scan_u1_k8((const uint8_t *)ids.buf, &f);
+        else
+            scan_u1((const uint8_t *)ids.buf, &f);
+        break;
+    case 2: scan_u2((const uint16_t *)ids.buf, &f); break;
+    case 4: scan_i4((const int32_t *)ids.buf, &f); break;
+    default: scan_i8((const int64_t *)ids.buf, &f); break;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&ids);
+    if (keep_obj != Py_None) PyBuffer_Release(&keep);
+    return Py_BuildValue("(in)", f.kind, f.at);
+}
+
 static PyMethodDef methods[] = {
     {"int_rows", int_rows, METH_VARARGS,
      "int_rows(buffer, start, end) -> (values, counts) | None: buffer[start:end] as rows of int64"},
@@ -1036,6 +1184,8 @@ static PyMethodDef methods[] = {
      "prompt_entries(numbers, ids, first_rank, keep, slots, pool, start, length) -> bytes: vLLM's entries"},
     {"b64_strings", b64_strings, METH_VARARGS,
      "b64_strings(blocks, itemsize) -> bytes: the JSON array of the blocks' base64 strings"},
+    {"route_faults", route_faults, METH_VARARGS,
+     "route_faults(ids, itemsize, signed, layers, k, experts, keep) -> (kind, at): the first fault of routes"},
     {NULL, NULL, 0, NULL},
 };
 

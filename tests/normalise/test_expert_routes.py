@@ -404,3 +404,58 @@ def test_the_first_repeat_is_found_as_a_sort_finds_it(seed: int) -> None:
     assert normalise(
         parse_request(json.dumps({**body, "routed_experts": [b64(ordered[:10])]}).encode()), limits
     )
+
+
+def _planted(rng: np.random.Generator, moe: MoeShape, positions: int, dtype: str) -> np.ndarray:
+    """[positions, layers, k] distinct ids of `dtype`, with a few out-of-range ids and repeats planted."""
+    keys = rng.random((positions, moe.layers, moe.experts))
+    r = np.argsort(keys, axis=-1)[..., : moe.top_k].astype(np.int64)
+    for _ in range(int(rng.integers(0, 3))):
+        p, layer = int(rng.integers(positions)), int(rng.integers(moe.layers))
+        a, b = rng.choice(moe.top_k, 2, replace=False)
+        r[p, layer, b] = r[p, layer, a]
+    if rng.random() < 0.5:
+        wrong = moe.experts + int(rng.integers(0, 3)) if dtype[0] == "u" or rng.random() < 0.5 else -1
+        r[int(rng.integers(positions)), int(rng.integers(moe.layers)), int(rng.integers(moe.top_k))] = wrong
+    return r.astype(dtype)
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+@pytest.mark.parametrize("experts", [8, 128, 256, 300])
+@pytest.mark.parametrize("dtype", ["u1", "<u2", "<i4", "<i8"])
+def test_the_native_checks_find_the_first_fault_numpy_finds(dtype: str, experts: int, top_k: int) -> None:
+    """route_faults (the native reader's one pass; u1 with top_k 8 its word-wide path) against the
+    numpy checks: the same first fault, or none, on routes with out-of-range ids and repeats planted,
+    every position judged or some."""
+    from service.normalise import expert_routes
+    from service.wire.jsonrows import native
+
+    if native() is None:
+        pytest.skip("the native reader is not built")
+    if dtype == "u1" and experts > 255:
+        experts = 255  # ids past a byte do not travel in u1
+    moe = MoeShape(layers=3, experts=experts, top_k=top_k)
+    rng = np.random.default_rng(experts + top_k)
+    found = 0
+    for _ in range(60):
+        r = _planted(rng, moe, int(rng.integers(1, 30)), dtype)
+        keep = rng.random(r.shape[0]) < 0.7 if rng.random() < 0.5 else None
+        numpy_fault = expert_routes._numpy_fault(r, moe, keep)
+        assert expert_routes._fault(r, moe, keep) == numpy_fault
+        found += numpy_fault is not None
+    assert 10 < found < 60  # faults of both kinds, and clean routes, were met
+
+
+def test_the_checks_hold_without_the_native_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.normalise import expert_routes
+
+    monkeypatch.setattr(expert_routes, "native", lambda: None)
+    with pytest.raises(InvalidRequest) as caught:
+        framed_routes("u1", np.asarray(bad(GOOD, 2, 0, 1, 8)).ravel().tolist())
+    assert "routed_experts[0][2][0][1] is 8; expert ids are 0 .. 7" in caught.value.message
+    twice = GOOD.copy()
+    twice[1, 1] = [3, 3]
+    with pytest.raises(InvalidRequest) as caught:
+        framed_routes("i4", twice.ravel().tolist())
+    assert "routed_experts[0][1][1] names an expert twice ([3, 3])" in caught.value.message
+    assert framed_routes("u1", GOOD.ravel().tolist()).jobs[0].routes is not None
