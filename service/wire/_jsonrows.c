@@ -1092,29 +1092,37 @@ ROUTE_SCAN(scan_i8, int64_t)
 #define ONES 0x0101010101010101ULL
 #define HIGHS 0x8080808080808080ULL
 
-/* u1 ids with k = 8 (Qwen3-MoE's, DeepSeek's top 8): the largest id first (a loop the compiler
-   vectorises), then each group as one 64-bit word compared with its rotations by 1 .. 4 bytes, which
-   pair every two slots; a zero byte of the XOR is a repeat. Anything else: scan_u1. */
+/* u1 ids with k = 8 (Qwen3-MoE's, DeepSeek's top 8) and at most 128 or 256 experts: each group one
+   64-bit word. In range: with at most 128 experts, an id b is past them iff b or b + 128 - experts has
+   its high bit set (no carry crosses a byte); with 256 every byte is. A repeat: a zero byte of the
+   word XOR its rotations by 1 .. 4 bytes, which pair every two slots. A fault out of range sends the
+   whole scan to scan_u1, which names the first; anything else goes there too. */
 static void scan_u1_k8(const uint8_t *ids, Faults *f) {
-    uint8_t top = 0;
-    for (Py_ssize_t i = 0; i < f->groups * 8; i++) top = ids[i] > top ? ids[i] : top;
-    if (top >= f->experts) {
+    if (f->experts > 128 && f->experts < 256) {
         scan_u1(ids, f);
         return;
     }
+    uint64_t shift = f->experts <= 128 ? (uint64_t)(128 - f->experts) * ONES : 0;
+    uint64_t past = f->experts <= 128 ? HIGHS : 0;
+    Py_ssize_t repeat = -1;
     for (Py_ssize_t g = 0; g < f->groups; g++) {
         if (f->keep != NULL && !f->keep[g / f->layers]) continue;
         uint64_t v, zero = 0;
         memcpy(&v, ids + g * 8, 8);
+        if ((v | (v + shift)) & past) {
+            scan_u1(ids, f);
+            return;
+        }
+        if (repeat >= 0) continue;
         for (int r = 8; r <= 32; r += 8) {
             uint64_t y = v ^ ((v << r) | (v >> (64 - r)));
             zero |= (y - ONES) & ~y & HIGHS;
         }
-        if (zero) {
-            f->kind = 2;
-            f->at = g;
-            return;
-        }
+        if (zero) repeat = g;
+    }
+    if (repeat >= 0) {
+        f->kind = 2;
+        f->at = repeat;
     }
 }
 
