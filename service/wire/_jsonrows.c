@@ -576,6 +576,32 @@ static char *encode_widened(const unsigned char *in, Py_ssize_t items, int items
     return w;
 }
 
+/* u1 items widened to int32 come three to 12 bytes, `a 0 0 0 b 0 0 0 c 0 0 0`: four quads, of which
+   the first three hold one item each and the last none. U1_QUADS[j][v]: the quad's four characters
+   where item v lands at byte j of it. */
+static char U1_QUADS[3][256][4];
+
+static void build_u1_quads(void) {
+    for (int j = 0; j < 3; j++)
+        for (int v = 0; v < 256; v++) {
+            unsigned char quad[3] = {0, 0, 0};
+            quad[j] = (unsigned char)v;
+            encode(quad, 3, U1_QUADS[j][v]);
+        }
+}
+
+/* encode_widened of u1 items: three items at a time by table, the last one or two as encode_widened */
+static char *encode_u1_widened(const unsigned char *in, Py_ssize_t items, char *w) {
+    Py_ssize_t i = 0;
+    for (; i + 3 <= items; i += 3, w += 16) {
+        memcpy(w, U1_QUADS[0][in[i]], 4);
+        memcpy(w + 4, U1_QUADS[1][in[i + 1]], 4);
+        memcpy(w + 8, U1_QUADS[2][in[i + 2]], 4);
+        memcpy(w + 12, "AAAA", 4);
+    }
+    return encode_widened(in + i, items - i, 1, w);
+}
+
 static Py_ssize_t encoded_length(Py_ssize_t bytes) { return (bytes + 2) / 3 * 4; }
 
 static PyObject *b64_strings(PyObject *self, PyObject *args) {
@@ -619,7 +645,12 @@ static PyObject *b64_strings(PyObject *self, PyObject *args) {
         if (i) *w++ = ',';
         *w++ = '"';
         const unsigned char *in = (const unsigned char *)views[i].buf;
-        w = itemsize == 4 ? encode(in, views[i].len, w) : encode_widened(in, views[i].len / itemsize, itemsize, w);
+        if (itemsize == 4)
+            w = encode(in, views[i].len, w);
+        else if (itemsize == 1)
+            w = encode_u1_widened(in, views[i].len, w);
+        else
+            w = encode_widened(in, views[i].len / itemsize, itemsize, w);
         *w++ = '"';
     }
     *w++ = ']';
@@ -1201,6 +1232,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jsonrows", NULL, -1
 
 PyMODINIT_FUNC PyInit__jsonrows(void) {
     build_tables();
+    build_u1_quads();
     build_u1_text();
     f32_tables();
     return PyModule_Create(&module);

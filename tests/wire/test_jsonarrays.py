@@ -39,6 +39,9 @@ def test_ids_of_any_narrow_dtype_go_out_as_int32(source: str) -> None:
     top = {"u1": 256, "u2": 65536, "<i4": 2**31 - 1, "i8": 2**31 - 1}[source]
     blocks = [rng.integers(0, top, size=(n, 3, 2)).astype(source) for n in (0, 1, 2, 3, 5, 700)]
     blocks.append(blocks[-1][:, 1:, :])  # not contiguous
+    blocks += [
+        rng.integers(0, top, size=(n, 1, 1)).astype(source) for n in (1, 2, 4, 5, 7)
+    ]  # 3 ids a time, and not
     text = base64_rows(blocks, "<i4")
     assert json.loads(text) == _want(blocks, "<i4")
     for row, block in zip(json.loads(text), blocks, strict=True):  # decoded as docs/api.md shows
