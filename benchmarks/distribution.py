@@ -15,7 +15,8 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
   plain-processes, a process per request, or plain, one process; httpx's `json=` and
   `response.json()`, benchmarks/client.py): `<variant>_json` the [window, K] blocks as nested lists,
   `<variant>_base64` with `distribution_format: "base64"` (top_logprobs variants; the client decodes
-  each row as docs/api.md shows), each over `plain_json`.
+  each row as docs/api.md shows), each over `plain_json`; `--timeline PATH` writes the server's side
+  of each one's last round there (benchmarks/probes/overhead.py's last_round, as benchmarks.replay).
 - `teacher`: one TRL-style distillation call, `POST /v1/completions` with 8 token-id prompts of
   --teacher-tokens tokens, `max_tokens: 1`, `prompt_logprobs: 100` (every position's top 100, vLLM's
   form), from a client process as a trainer makes it (benchmarks/client.py --mode teacher), timed
@@ -32,6 +33,7 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -47,6 +49,7 @@ import orjson
 import torch
 
 from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, active_params, packed_model, run_models
+from benchmarks.probes.overhead import Event, last_round, recorded_launches, recording_server
 from benchmarks.server import HttpServer, histogram_totals, http_rounds
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import Sample, floor_flops, grpo_short, unique_floor_flops
@@ -116,13 +119,21 @@ def json_variants(variants: list[str], forms: list[str]) -> dict[str, dict[str, 
 
 
 def json_rounds(
-    url: str, samples: list[Sample], args: argparse.Namespace, unique_floor_s: float
+    url: str,
+    samples: list[Sample],
+    args: argparse.Namespace,
+    unique_floor_s: float,
+    recorded: tuple[list[Event], dict[str, list[list[Any]]]],
 ) -> dict[str, dict[str, Any]]:
-    """The GRPO rounds as JSON from a plain client (json_variants), each over `plain_json`."""
+    """The GRPO rounds as JSON from a plain client (json_variants), each over `plain_json`; each
+    one's last round into `recorded`'s timelines from its events (when the server records them)."""
     out: dict[str, dict[str, Any]] = {}
+    events, timelines = recorded
     for variant, extra in json_variants(args.variants, args.json_forms).items():
         bodies = json_group_bodies(samples, extra)
+        events.clear()
         rounds = http_rounds(url, bodies, args.reps, args.json_client, frames=False)
+        timelines[variant] = last_round(events, len(bodies))
         ms = statistics.median(rounds) * 1e3
         out[variant] = {
             "ms": ms,
@@ -238,7 +249,14 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         "grpo-short": {"unique_floor_ms": unique_floor_s * 1e3, "variants": {}},
         "teacher": {},
     }
-    with HttpServer(engine, settings) as url:
+    events: list[Event] = []
+    timelines: dict[str, list[list[Any]]] = {}
+    if args.timeline is not None:
+        engine.launch = recorded_launches(events, engine.launch)  # type: ignore[method-assign,assignment]
+    with (
+        recording_server(events) if args.timeline is not None else contextlib.nullcontext(),
+        HttpServer(engine, settings) as url,
+    ):
         for variant in args.variants:
             rounds = http_rounds(url, group_bodies(samples, EXTRAS[variant]), args.reps)
             ms = statistics.median(rounds) * 1e3
@@ -252,7 +270,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         for v in out["grpo-short"]["variants"].values():
             v["cost_over_plain"] = v["ms"] / plain - 1 if plain else float("nan")
         if args.json_forms:
-            out["grpo-short"]["json"] = json_rounds(url, samples, args, unique_floor_s)
+            out["grpo-short"]["json"] = json_rounds(url, samples, args, unique_floor_s, (events, timelines))
+    if args.timeline is not None:
+        args.timeline.write_bytes(orjson.dumps(timelines))
     if not args.teacher_budgets:
         return {"attention": engine.info.attention_backend, "decoder": engine.info.decoder, **out}
     body = teacher_body(name, prompts)
@@ -394,6 +414,9 @@ def parser() -> argparse.ArgumentParser:
         help="the call again to a server with a tokenizer (words t<id>): it draws, every entry has text",
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "distribution-latest.json")
+    parser.add_argument(
+        "--timeline", type=Path, help="the server's side of each JSON round's last round (JSON)"
+    )
     return parser
 
 

@@ -45,7 +45,7 @@ import orjson
 import torch
 
 from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, active_params, packed_model, run_models
-from benchmarks.probes.overhead import Event, recorded_launches, recording_server
+from benchmarks.probes.overhead import Event, last_round, recorded_launches, recording_server
 from benchmarks.server import HttpServer, http_rounds
 from benchmarks.shapes import MOE_SHAPES, floor_shape
 from benchmarks.workload import Sample, floor_flops, workload
@@ -236,21 +236,6 @@ class RouteCheck:
         """`other` (the same routes, another wire form) as good as this, up to numeric drift."""
         close = other.max_abs_diff <= max(1e-3, 2 * self.max_abs_diff)
         return other.agreement >= self.agreement - 0.01 and close
-
-
-def last_round(events: list[Event], requests: int) -> list[list[Any]]:
-    """The events of the last round (its `requests` arrivals on), as [what, start ms, end ms] from
-    its first arrival; none when nothing was recorded."""
-    ordered = sorted(events, key=lambda e: e[1])
-    arrivals = [e[1] for e in ordered if e[0] == "headers"]
-    if len(arrivals) < requests:
-        return []
-    begin = arrivals[-requests]
-    return [
-        [what, round((a - begin) * 1e3, 2), round((b - begin) * 1e3, 2)]
-        for what, a, b in ordered
-        if a >= begin
-    ]
 
 
 def timed(rounds: list[float], bodies: list[bytes], floor_s: float) -> dict[str, Any]:

@@ -176,6 +176,21 @@ def received(events: list[Event], create_app: Callable[..., Any]) -> Callable[..
     return create
 
 
+def last_round(events: list[Event], requests: int) -> list[list[Any]]:
+    """The events of the last round (its `requests` arrivals on), as [what, start ms, end ms] from
+    its first arrival; none when nothing was recorded."""
+    ordered = sorted(events, key=lambda e: e[1])
+    arrivals = [e[1] for e in ordered if e[0] == "headers"]
+    if len(arrivals) < requests:
+        return []
+    begin = arrivals[-requests]
+    return [
+        [what, round((a - begin) * 1e3, 2), round((b - begin) * 1e3, 2)]
+        for what, a, b in ordered
+        if a >= begin
+    ]
+
+
 def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | None = None) -> dict[str, Any]:
     """Print the rounds' medians (after the first, a warm-up) under `label`, and return them (ms)."""
     rows: list[tuple[float, ...]] = []

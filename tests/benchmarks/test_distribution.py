@@ -17,6 +17,7 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     argv += ["--teacher-tokens", "64", "--reps", "1", "--output", str(out)]
     argv += ["--teacher-budgets", "16384", "256", "--json-forms", "lists", "base64"]
     argv += ["--json-client", "plain"]  # one client process (test_grpo runs the process per request)
+    argv += ["--timeline", str(tmp_path / "timeline.json")]
     assert distribution.main(argv) == 0
     model = json.loads(out.read_text())["models"]["tiny"]
     assert set(model["grpo-short"]["variants"]) == {
@@ -33,6 +34,12 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
         "top_logprobs_1000_base64",
         "processed_json",
     }
+    timelines = json.loads((tmp_path / "timeline.json").read_text())
+    assert list(timelines) == list(model["grpo-short"]["json"])
+    for events in timelines.values():  # the last round: its 8 requests (a GRPO group each), scored, answered
+        whats = [e[0] for e in events]
+        assert [whats.count(w) for w in ("headers", "body", "parse", "normalise", "render")] == [8] * 5
+        assert whats.count("collected") == whats.count("launch") >= 1
     teacher = model["teacher"]
     assert (
         teacher["entries"] >= 8 * 63 * 100
