@@ -33,7 +33,6 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import subprocess
@@ -49,7 +48,7 @@ import orjson
 import torch
 
 from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, active_params, packed_model, run_models
-from benchmarks.probes.overhead import Event, last_round, recorded_launches, recording_server
+from benchmarks.probes.overhead import Timelines
 from benchmarks.server import HttpServer, histogram_totals, http_rounds
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import Sample, floor_flops, grpo_short, unique_floor_flops
@@ -123,17 +122,16 @@ def json_rounds(
     samples: list[Sample],
     args: argparse.Namespace,
     unique_floor_s: float,
-    recorded: tuple[list[Event], dict[str, list[list[Any]]]],
+    timeline: Timelines,
 ) -> dict[str, dict[str, Any]]:
-    """The GRPO rounds as JSON from a plain client (json_variants), each over `plain_json`; each
-    one's last round into `recorded`'s timelines from its events (when the server records them)."""
+    """The GRPO rounds as JSON from a plain client (json_variants), each over `plain_json` (and its
+    last round in `timeline`)."""
     out: dict[str, dict[str, Any]] = {}
-    events, timelines = recorded
     for variant, extra in json_variants(args.variants, args.json_forms).items():
         bodies = json_group_bodies(samples, extra)
-        events.clear()
+        timeline.start()
         rounds = http_rounds(url, bodies, args.reps, args.json_client, frames=False)
-        timelines[variant] = last_round(events, len(bodies))
+        timeline.take(variant, len(bodies))
         ms = statistics.median(rounds) * 1e3
         out[variant] = {
             "ms": ms,
@@ -249,14 +247,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         "grpo-short": {"unique_floor_ms": unique_floor_s * 1e3, "variants": {}},
         "teacher": {},
     }
-    events: list[Event] = []
-    timelines: dict[str, list[list[Any]]] = {}
-    if args.timeline is not None:
-        engine.launch = recorded_launches(events, engine.launch)  # type: ignore[method-assign,assignment]
-    with (
-        recording_server(events) if args.timeline is not None else contextlib.nullcontext(),
-        HttpServer(engine, settings) as url,
-    ):
+    timeline = Timelines(args.timeline)
+    with timeline.recording(engine), HttpServer(engine, settings) as url:
         for variant in args.variants:
             rounds = http_rounds(url, group_bodies(samples, EXTRAS[variant]), args.reps)
             ms = statistics.median(rounds) * 1e3
@@ -270,9 +262,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         for v in out["grpo-short"]["variants"].values():
             v["cost_over_plain"] = v["ms"] / plain - 1 if plain else float("nan")
         if args.json_forms:
-            out["grpo-short"]["json"] = json_rounds(url, samples, args, unique_floor_s, (events, timelines))
-    if args.timeline is not None:
-        args.timeline.write_bytes(orjson.dumps(timelines))
+            out["grpo-short"]["json"] = json_rounds(url, samples, args, unique_floor_s, timeline)
     if not args.teacher_budgets:
         return {"attention": engine.info.attention_backend, "decoder": engine.info.decoder, **out}
     body = teacher_body(name, prompts)

@@ -32,7 +32,6 @@ and each micro-batch's `launch` and `collected` (the wait for its scores).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ import orjson
 import torch
 
 from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, active_params, packed_model, run_models
-from benchmarks.probes.overhead import Event, last_round, recorded_launches, recording_server
+from benchmarks.probes.overhead import Timelines
 from benchmarks.server import HttpServer, http_rounds
 from benchmarks.shapes import MOE_SHAPES, floor_shape
 from benchmarks.workload import Sample, floor_flops, workload
@@ -130,14 +129,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     engine.warm_up()
     plain = plain_bodies(samples)
     variants: dict[str, dict[str, Any]] = {}
-    events: list[Event] = []
-    timelines: dict[str, list[list[Any]]] = {}
-    if args.timeline is not None:
-        engine.launch = recorded_launches(events, engine.launch)  # type: ignore[method-assign,assignment]
-    with (
-        recording_server(events) if args.timeline is not None else contextlib.nullcontext(),
-        HttpServer(engine, settings) as url,
-    ):
+    timeline = Timelines(args.timeline)
+    with timeline.recording(engine), HttpServer(engine, settings) as url:
         routes, live_scores = recorded(url, plain)
         replay = [
             {**body, "routed_experts": [r.tolist() for r in rs]}
@@ -156,17 +149,13 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         }
         entries = sum(r.size for rs in routes for r in rs)
         for variant, bodies in wire.items():
-            events.clear()
+            timeline.start()
             variants[variant] = timed(http_rounds(url, bodies, args.reps), bodies, floor_s)
-            timelines[variant] = last_round(events, len(bodies))
+            timeline.take(variant, len(bodies))
             print(f"  {name} {variant:>7}: {variants[variant]['ms']:9.1f} ms", flush=True)
         if args.json_forms:
             frames_check = RouteCheck(min(agreement), diff)
-            json_rounds(
-                url, plain, routes, live_scores, frames_check, args, floor_s, variants, (events, timelines)
-            )
-    if args.timeline is not None:
-        args.timeline.write_bytes(orjson.dumps(timelines))
+            json_rounds(url, plain, routes, live_scores, frames_check, args, floor_s, variants, timeline)
     for v in variants.values():
         v["cost_over_live"] = v["ms"] / variants[v.pop("over", "live")]["ms"] - 1
     return {
@@ -191,7 +180,7 @@ def json_rounds(  # noqa: PLR0917
     args: argparse.Namespace,
     floor_s: float,
     variants: dict[str, dict[str, Any]],
-    recorded_events: tuple[list[Event], dict[str, list[list[Any]]]],
+    timeline: Timelines,
 ) -> None:
     """The JSON forms' rounds from a plain client, into `variants` (each over `live_json`); every
     replay checked once against the live scores, held to what the same routes replayed from a frame
@@ -214,12 +203,11 @@ def json_rounds(  # noqa: PLR0917
                 f"replay_{form}: agreement {min(agreement)}, max |live - replayed| {diff}; from a frame "
                 f"{frames_check.agreement}, {frames_check.max_abs_diff}"
             )
-    events, timelines = recorded_events
     for variant, sent_bodies in bodies.items():
         raw = [orjson.dumps(b) for b in sent_bodies]
-        events.clear()
+        timeline.start()
         rounds = http_rounds(url, raw, args.reps, args.json_client, frames=False)
-        timelines[variant] = last_round(events, len(raw))
+        timeline.take(variant, len(raw))
         variants[variant] = timed(rounds, raw, floor_s) | {"over": "live_json"}
         print(f"  {variant:>14}: {variants[variant]['ms']:9.1f} ms", flush=True)
 

@@ -38,9 +38,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
+import orjson
 import torch
 
 from benchmarks import server
@@ -189,6 +191,41 @@ def last_round(events: list[Event], requests: int) -> list[list[Any]]:
         for what, a, b in ordered
         if a >= begin
     ]
+
+
+@dataclass
+class Timelines:
+    """A benchmark's `--timeline PATH`: while `recording`, the server's side of its rounds (the app's
+    arrivals, parse, normalise and render, the engine's launches and collections); `take` keeps a
+    variant's last round, and PATH gets every variant's (JSON) when recording ends. Without a path,
+    nothing is recorded."""
+
+    path: Path | None
+    events: list[Event] = field(default_factory=list)
+    rounds: dict[str, list[list[Any]]] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def recording(self, engine: PackedScorer) -> Iterator[None]:
+        if self.path is None:
+            yield
+            return
+        launch = engine.launch
+        engine.launch = recorded_launches(self.events, launch)  # type: ignore[method-assign,assignment]
+        try:
+            with recording_server(self.events):
+                yield
+        finally:
+            engine.launch = launch  # type: ignore[method-assign]
+        self.path.write_bytes(orjson.dumps(self.rounds))
+
+    def start(self) -> None:
+        """A variant's rounds begin."""
+        self.events.clear()
+
+    def take(self, variant: str, requests: int) -> None:
+        """The variant's rounds of `requests` requests each are over: keep its last."""
+        if self.path is not None:
+            self.rounds[variant] = last_round(self.events, requests)
 
 
 def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | None = None) -> dict[str, Any]:
