@@ -1,7 +1,8 @@
 """The package reads top-down: each module imports only the modules below it (the order of
 service/normalise/__init__.py's docstring), and outside the package only the wire models, the
-error table, the job types and the engine contract (MoeShape). Read from the source with ast, so
-nothing is imported to check it."""
+native reader's loader (wire/jsonrows.native: expert_routes' one-pass checks), the error table, the
+job types and the engine contract (MoeShape). Read from the source with ast, so nothing is imported
+to check it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ import service.normalise
 PACKAGE = Path(service.normalise.__file__).parent
 # top to bottom
 ORDER = ["__init__", "limits", "plan", "distribution", "ragged", "padded", "grouped", "expert_routes", "rows"]
-OUTSIDE = {"service.core.errors", "service.core.jobs", "service.wire.schemas", "service.engine.contract"}
+OUTSIDE = {
+    "service.core.errors",
+    "service.core.jobs",
+    "service.wire.schemas",
+    "service.wire.jsonrows",
+    "service.engine.contract",
+}
 
 
 def imported(module: str) -> set[str]:
