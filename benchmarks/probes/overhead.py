@@ -31,12 +31,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import statistics
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +56,7 @@ from benchmarks.workload import Sample, grpo_long, grpo_short, jobs, workload
 from service.batcher import Batcher
 from service.core.jobs import IntArray, SequenceJob, SequenceScores
 from service.engine.contract import Launched
+from service.engine.decoder.graphs import GraphedDecoder
 from service.engine.loading.pretrained import LoadedModel
 from service.engine.scorer.engine import PackedScorer
 from service.http import router as api
@@ -193,10 +197,81 @@ def last_round(events: list[Event], requests: int) -> list[list[Any]]:
     ]
 
 
+ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+@contextlib.contextmanager
+def recording_stalls(events: list[Event]) -> Iterator[None]:
+    """Within: what can hold a launch or the event loop up goes into `events` too: each garbage
+    collection ("gc<generation>"), each CUDA graph captured as met ("capture", "capture checked": the
+    first of a routed mode, checked against the eager forward), on CUDA each launch that allocated or
+    freed device memory ("cudaMalloc <n> cudaFree <n> retries <n>", over the launch) and each
+    synchronising CUDA call torch reports (`torch.cuda.set_sync_debug_mode`: "sync <file:line>", the
+    innermost frame of the service). The originals are back after."""
+    collecting: dict[str, float] = {}
+
+    def collected(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collecting["at"] = time.perf_counter()
+        elif "at" in collecting:
+            events.append((f"gc{info['generation']}", collecting.pop("at"), time.perf_counter()))
+
+    def showwarning(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+        if "synchronizing CUDA operation" not in str(message):
+            shown(message, category, *args, **kwargs)
+            return
+        now = time.perf_counter()
+        frames = [f for f in traceback.extract_stack() if "/service/" in f.filename]
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+        events.append((f"sync {where}", now, now))
+
+    saved = {name: getattr(GraphedDecoder, name) for name in ("_record", "_record_checked")}
+    GraphedDecoder._record = recorded(events, "capture", saved["_record"])  # type: ignore[method-assign]
+    GraphedDecoder._record_checked = recorded(events, "capture checked", saved["_record_checked"])  # type: ignore[method-assign]
+    gc.callbacks.append(collected)
+    shown, cuda = warnings.showwarning, torch.cuda.is_available()
+    warnings.showwarning = showwarning
+    if cuda:
+        torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("always", message=".*synchronizing CUDA operation")
+            yield
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = shown
+        gc.callbacks.remove(collected)
+        for name, fn in saved.items():
+            setattr(GraphedDecoder, name, fn)
+
+
+def allocating_launches(events: list[Event], launch: Callable[..., Launched]) -> Callable[..., Launched]:
+    """`launch`, recording ("cudaMalloc <n> cudaFree <n> retries <n>", start, end) over a launch
+    that allocated or freed device memory (the caching allocator's counts; CUDA only)."""
+
+    def counts() -> list[int]:
+        stats = torch.cuda.memory_stats()
+        return [int(stats.get(name, 0)) for name in ALLOCATOR_COUNTS]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Launched:
+        before, start = counts(), time.perf_counter()
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            moved = [b - a for a, b in zip(before, counts(), strict=True)]
+            if any(moved):
+                what = "cudaMalloc {} cudaFree {} retries {}".format(*moved)
+                events.append((what, start, time.perf_counter()))
+
+    return wrapper
+
+
 @dataclass
 class Timelines:
     """A benchmark's `--timeline PATH`: while `recording`, the server's side of its rounds (the app's
-    arrivals, parse, normalise and render, the engine's launches and collections); `take` keeps a
+    arrivals, parse, normalise and render, the engine's launches and collections, and what may stall
+    them: `recording_stalls`, `allocating_launches`); `take` keeps a
     variant's last round, and PATH gets every variant's (JSON) when recording ends. Without a path,
     nothing is recorded."""
 
@@ -210,9 +285,10 @@ class Timelines:
             yield
             return
         launch = engine.launch
-        engine.launch = recorded_launches(self.events, launch)  # type: ignore[method-assign,assignment]
+        counted = allocating_launches(self.events, launch) if torch.cuda.is_available() else launch
+        engine.launch = recorded_launches(self.events, counted)  # type: ignore[method-assign,assignment]
         try:
-            with recording_server(self.events):
+            with recording_server(self.events), recording_stalls(self.events):
                 yield
         finally:
             engine.launch = launch  # type: ignore[method-assign]

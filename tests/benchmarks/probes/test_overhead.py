@@ -3,13 +3,16 @@ the plain JSON client, each request's parse, the engine's launches and collectio
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 
-from benchmarks.probes.overhead import main
+from benchmarks.probes.overhead import main, recording_stalls
+from service.engine.decoder.graphs import GraphedDecoder
 
 
 @pytest.mark.slow
@@ -59,3 +62,19 @@ def test_budgets_run_in_process_and_over_http_each(tmp_path: Path) -> None:
     assert sum(over[4096]["micro_batch_tokens"]) == sum(large["micro_batch_tokens"])
     assert over[64]["micro_batches"] > 1
     assert max(over[64]["micro_batch_tokens"]) <= 64
+
+
+def test_stalls_record_collections_and_captures_and_restore_the_originals() -> None:
+    events: list[tuple[str, float, float]] = []
+    saved = (GraphedDecoder._record, GraphedDecoder._record_checked, list(gc.callbacks), warnings.showwarning)
+    with recording_stalls(events):
+        gc.collect(1)
+        gc.collect()
+        decoder = GraphedDecoder.__new__(GraphedDecoder)  # a capture as met, its work stood in
+        with pytest.raises(AttributeError):
+            decoder._record(None)  # type: ignore[arg-type]
+    kept = [what for what, _, _ in events if what != "gc0"]  # the interpreter's own collections aside
+    assert kept == ["gc1", "gc2", "capture"]
+    assert all(start <= end for _, start, end in events)
+    after = (GraphedDecoder._record, GraphedDecoder._record_checked, list(gc.callbacks), warnings.showwarning)
+    assert after == saved
