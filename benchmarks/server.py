@@ -70,13 +70,21 @@ def free_port() -> int:
 
 class HttpServer:
     """The real app under uvicorn on loopback, in this process, serving an already-built engine (or
-    the one a factory builds as the app starts); the context's value is its URL, once ready."""
+    the one a factory builds as the app starts); the context's value is its URL, once ready and once
+    the engine has captured the CUDA graphs it keeps for its idle time (an MoE policy's routed ones,
+    which a server captures after ready: measured rounds are those of a server past them)."""
 
     def __init__(
         self, engine: PackedScorer | Callable[[EngineConfig], PackedScorer], settings: Settings
     ) -> None:
         self.port = free_port()
-        factory = engine if callable(engine) else lambda _: engine
+        self.engine: PackedScorer | None = None if callable(engine) else engine
+        build = engine if callable(engine) else lambda _: engine
+
+        def factory(config: EngineConfig) -> PackedScorer:
+            self.engine = build(config)
+            return self.engine
+
         app = create_app(settings, engine_factory=factory)
         self.server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
@@ -89,11 +97,22 @@ class HttpServer:
         for _ in range(6000):
             try:
                 if httpx.get(f"{url}/health/ready").status_code == 200:
+                    self._settle()
                     return url
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
         raise TimeoutError("server not ready")
+
+    def _settle(self, timeout: float = 600.0) -> None:
+        """Wait for the engine's idle-time graphs (its batcher captures them while nothing runs)."""
+        started = time.perf_counter()
+        while (pending := getattr(self.engine, "pending_graphs", 0)) > 0:  # a stand-in engine: none
+            if time.perf_counter() - started > timeout:
+                raise TimeoutError(f"{pending} CUDA graphs still queued after {timeout:.0f} s")
+            time.sleep(0.05)
+        if (seconds := time.perf_counter() - started) > 0.1:
+            print(f"  idle-time CUDA graphs captured {seconds:.1f} s after ready", file=sys.stderr)
 
     def __exit__(self, *_: object) -> None:
         self.server.should_exit = True

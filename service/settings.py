@@ -133,7 +133,9 @@ class Settings(BaseSettings):
         description="Most CUDA graphs one decoder keeps (the least recently used goes first). With "
         "flash-attn 4 two graphs serve every micro-batch of the same padded size and up to 64 sequences, "
         "one for those whose sequences share prefixes: max_batch_tokens / 64, all captured at start; a "
-        "micro-batch of more sequences adds one of its own when first met.",
+        "micro-batch of more sequences adds one of its own when first met. An MoE policy adds a graph "
+        "per size for micro-batches that record routes and one for those that replay them, captured "
+        "while the engine idles after the start (never evicting one).",
     )
     tensor_parallel_size: int = Field(
         1,

@@ -9,6 +9,9 @@ engine thread and the requests' futures, and waits. No scheduling decision is ma
 - With the engine idle and less than a budget queued, the worker collates for at most `wait_s`.
 - Staged weights are applied on the engine thread at the barrier `Policy.open` defines, after every
   launched micro-batch is collected (the engine drops the model's prefix-cache entries).
+- With nothing queued or launched, the worker has the engine thread do the work the engine keeps
+  for its idle time (`ScoringEngine.tend`: a CUDA graph at a time) until none is left; a request
+  that comes meanwhile waits for at most one piece of it.
 - A micro-batch's prefix-cache plan is settled once its launch is queued or failed
   (`Policy.settle`); the cache's counts go to the metrics after each micro-batch is taken.
 """
@@ -124,6 +127,7 @@ class Batcher:
         self._worker: asyncio.Task[None] | None = None
         self._waiting = False  # the worker waits for work or collates, launching nothing
         self._handed: _Handed | None = None
+        self._tending = True  # the engine may have work for its idle time (again after each launch)
 
     @classmethod
     def from_settings(cls, engine: ScoringEngine, settings: Settings, metrics: Metrics) -> Batcher:
@@ -233,6 +237,9 @@ class Batcher:
         while True:
             self._waiting = True
             while self._policy.idle and not self._swaps and self._handed is None:
+                if self._tending and not self._flights:
+                    await self._tend()
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
             if self._handed is None and not self._swaps:
@@ -253,6 +260,15 @@ class Batcher:
                 await self._launch(batch)
             while len(self._flights) >= IN_FLIGHT:
                 await self._oldest_collected()
+
+    async def _tend(self) -> None:
+        """One piece of the engine's idle-time work, on the engine thread; a failure ends it (logged)."""
+        try:
+            loop = asyncio.get_running_loop()
+            self._tending = await loop.run_in_executor(self._executor, self._engine.tend)
+        except Exception:  # the work is an optimisation: serving goes on without it
+            log.exception("the engine's idle-time work failed; it stops until the next launch")
+            self._tending = False
 
     def _take(self, only_started: bool) -> Batch[Future]:
         """The policy's next micro-batch; fails the requests it refused, drops abandoned stores."""
@@ -323,6 +339,7 @@ class Batcher:
             self._fail(batch, EngineFailure(f"scoring failed: {type(exc).__name__}: {exc}"))
             return
         self._policy.settle(batch, queued=True)
+        self._tending = True  # a routed shape met first leaves its graph for the idle time
         flight = _Flight(batch, tokens, launched)
         flight.collected = asyncio.create_task(self._collect(flight, handle), name="logprobd-collect")
         self._flights.append(flight)

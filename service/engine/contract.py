@@ -237,7 +237,9 @@ class ScoringEngine(Protocol):
     thread). A micro-batch may end with one chunk of a sequence longer than a micro-batch; the
     chunks of a sequence are launched in order, and its scores are the chunks' scores, joined.
     `release` drops what the engine keeps of a chunked sequence whose last chunk will not come.
-    `launch`, `release` and `apply` are called from the one engine thread only; `stage` from a
+    `tend` does one piece of the work the engine keeps for its idle time (a CUDA graph to capture)
+    and says whether more is left; the batcher calls it while nothing is launched or queued.
+    `launch`, `release`, `tend` and `apply` are called from the one engine thread only; `stage` from a
     loader thread, while micro-batches run.
 
     The prefix cache (core/prefix_cache.py): `prefix_cache` is the index over the engine's pools, from
@@ -267,6 +269,8 @@ class ScoringEngine(Protocol):
         what the micro-batch reads from and writes to the prefix cache (None: nothing)."""
 
     def release(self, sequence: int) -> None: ...
+
+    def tend(self) -> bool: ...
 
     def flush_cache(self) -> None: ...
 

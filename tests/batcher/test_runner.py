@@ -702,3 +702,36 @@ def test_without_sharing_nothing_is_shared(loop: asyncio.AbstractEventLoop) -> N
     assert engine.batches == [[120, 120], [120]]
     assert engine.forests == [None, None]
     assert result.computed_tokens == 360
+
+
+def test_the_engine_does_its_idle_work_between_bursts_on_its_thread(loop: asyncio.AbstractEventLoop) -> None:
+    """Three pieces of idle-time work (CUDA graphs to capture): done one call each before the first
+    request; after each burst, the engine is asked again (a shape met first may have left one)."""
+    engine = FakeEngine()
+    engine.idle_work = 3
+
+    async def body(batcher: Batcher) -> list[SequenceScores]:
+        await asyncio.to_thread(engine.wait_tended, 3)
+        first = await scores(batcher, [job(10)])
+        await asyncio.to_thread(engine.wait_tended, 4)
+        return first + await scores(batcher, [job(12)])
+
+    results = run(loop, engine, 64, body)
+    np.testing.assert_array_equal(results[1].logprobs, expected_scores(job(12)).logprobs)
+    assert engine.tended[:4] == [0, 0, 0, 1]  # nothing left after the third: asked again after a launch
+    assert engine.threads == {name for name in engine.threads if name.startswith("logprobd-engine")}
+
+
+def test_a_request_waits_for_one_piece_of_idle_work_at_most(loop: asyncio.AbstractEventLoop) -> None:
+    engine = FakeEngine()
+    engine.idle_work, engine.tend_delay = 20, 0.05
+
+    async def body(batcher: Batcher) -> tuple[int, float]:
+        await asyncio.to_thread(engine.wait_tended, 2)
+        started = time.perf_counter()
+        await scores(batcher, [job(10)])
+        return len(engine.tended), time.perf_counter() - started
+
+    tends, seconds = run(loop, engine, 64, body)
+    assert tends <= 4  # the two waited for, the one under way when the request came, perhaps one more
+    assert seconds < 0.5  # not the 20 pieces' second

@@ -88,6 +88,7 @@ class FakeEngine:
         self.forests: list[Forest | None] = []  # the prefixes each micro-batch shared (None: none)
         self.plans: list[CachePlan | None] = []  # each micro-batch's prefix-cache plan (None: none)
         self.threads: set[str] = set()
+        self.tended: list[int] = []  # per call of `tend`: the micro-batches launched before it
         self._entered = threading.Condition()  # notified as each micro-batch enters `launch`
         self.info = EngineInfo(
             model="fake",
@@ -105,6 +106,26 @@ class FakeEngine:
 
     def warm_up(self) -> None:
         pass
+
+    idle_work = 0  # pieces of work for the engine's idle time, each `tend_delay` s (a test sets them)
+    tend_delay = 0.0
+
+    def tend(self) -> bool:
+        """One piece of `idle_work`; `tended` gets the micro-batches launched by then, each call."""
+        self.threads.add(threading.current_thread().name)
+        if self.idle_work:
+            time.sleep(self.tend_delay)
+            self.idle_work -= 1
+        with self._entered:
+            self.tended.append(len(self.batches))
+            self._entered.notify_all()
+        return self.idle_work > 0
+
+    def wait_tended(self, count: int, timeout: float = 30.0) -> None:
+        """Block until `tend` has been called `count` times."""
+        with self._entered:
+            if not self._entered.wait_for(lambda: len(self.tended) >= count, timeout):
+                raise TimeoutError(f"{len(self.tended)} calls of tend, not {count}, in {timeout} s")
 
     prefix_cache: PrefixIndex | None = None  # a test may give it one: launches then record their plans
 

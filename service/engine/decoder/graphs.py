@@ -39,13 +39,18 @@ where it is captured, as routed ones are. A failed check turns graphs off for sh
 only (`shared_off`). In batch-invariant mode they run eagerly, the path its bitwise GPU suite covers.
 
 Routes. A micro-batch that records MoE routes (R2) or replays given ones (R3, moe/replay.py) replays
-a graph of its own mode (the key's `mode`: live / record / replay), captured lazily the first time a
-mode meets a shape, never for live-only traffic. Its routes go through static buffers
-(graph_routes.py): the given ids copied in, the records copied out after the last layer. The first
-graph of a mode is checked where it is captured: its replay, over outputs cleared first, against the
-eager forward of the same batch (hidden states within the start-up check's bound, the records
-equal); a mismatch or a failed capture turns graphs off for that mode (a warning; eager from then
-on), never for live routing.
+a graph of its own mode (the key's `mode`: live / record / replay). Its routes go through static
+buffers (graph_routes.py): the given ids copied in, the records copied out after the last layer. The
+first graph of a mode is checked where it is captured: its replay, over outputs cleared first,
+against the eager forward of the same batch (hidden states within the start-up check's bound, the
+records equal); a mismatch or a failed capture turns graphs off for that mode (a warning; eager from
+then on), never for live routing. The engine checks both modes on its probe at start for an MoE
+policy (allocating the static routes then), and `plan_routed` queues a record and a replay graph for
+every N: captured one at a time while the engine idles (`capture_pending`, which the batcher calls
+between bursts), not at start, where they would double the graphs' share of the time to ready. A
+routed shape met before its graph is captured runs eagerly and goes to the queue's front; met again
+before the engine idled, its graph is captured there and then, as a live one's would be. The queue
+never evicts a graph: past the limit, what is left of it is dropped.
 
 The prefix cache. Where the engine keeps a pool for this decoder's model (`attach_pool`, before the
 graphs are captured), every graph writes each layer's keys and values of its N rows into the pool at
@@ -201,6 +206,9 @@ class GraphedDecoder:
         if not shared:
             self.shared_off = "shared-prefix micro-batches run eagerly in batch-invariant mode"
         self._checked: set[tuple[RouteMode, bool]] = set()  # (mode, shared) variants whose check passed
+        self._pending: OrderedDict[GraphKey, None] = OrderedDict()  # to capture while the engine idles
+        self._met: set[GraphKey] = set()  # routed shapes run eagerly once while their graph was pending
+        self._planned = False  # plan_routed queued every N's routed graphs (again after a rebind)
         self._routes: RouteBuffers | None = None
         self._pool: ModelPool | None = None
 
@@ -275,7 +283,7 @@ class GraphedDecoder:
                 return self.inner(batch, rows)
         else:  # first met: run what the graph will record, eagerly (every kernel of the shape is then
             self._body(key)  # compiled and loaded: loading one inside a capture fails it), then record it
-            self._record(key)
+            self._met_eagerly(key)
         x, cos, sin = buffers.x[:n], buffers.cos[:n], buffers.sin[:n]
         stream = Stream(x, cos, sin, batch.cu_seqlens, batch.max_len, context)
         with self.inner.routed(static):  # the last layer records into the same buffers
@@ -284,6 +292,56 @@ class GraphedDecoder:
             assert self._routes is not None
             self._routes.unload(routes, n)
         return out
+
+    def _met_eagerly(self, key: GraphKey) -> None:
+        """`key`'s body has just run eagerly: capture its graph now (a live shape, or a routed one met
+        before), or queue it first for the engine's next idle moment (a routed shape met first)."""
+        if key.mode == "live" or key in self._met:
+            self._pending.pop(key, None)
+            self._record(key)
+            return
+        self._met.add(key)
+        self._pending[key] = None
+        self._pending.move_to_end(key, last=False)
+
+    @property
+    def pending(self) -> int:
+        """Graphs queued to capture while the engine idles."""
+        return len(self._pending)
+
+    def plan_routed(self) -> int:
+        """Queue a record and a replay graph for every N, largest first, where one graph serves each N
+        and both modes' checks have passed (the static routes allocated): how many were queued."""
+        if self.disabled is not None or not self._total_bounded or self._routes is None:
+            return 0
+        self._planned = True
+        modes: tuple[RouteMode, ...] = ("record", "replay")
+        for tokens in range(self._capacity, 0, -SHAPE_STEP):
+            for mode in modes:
+                key = self.key(tokens, 1, tokens)
+                if key is None or mode in self.modes_off or (mode, False) not in self._checked:
+                    continue
+                key = dataclasses.replace(key, mode=mode)
+                if key not in self._graphs:
+                    self._pending.setdefault(key, None)
+        return len(self._pending)
+
+    def capture_pending(self) -> bool:
+        """Capture the next queued graph (none past the limit: the queue is dropped then); True while
+        more are queued. On the engine's thread, between micro-batches: a capture launches nothing."""
+        while self._pending:
+            key, _ = self._pending.popitem(last=False)
+            off = self.disabled is not None or key.mode in self.modes_off
+            if key in self._graphs or off or (key.keys and self.shared_off is not None):
+                continue
+            if len(self._graphs) >= self._limit:
+                dropped = len(self._pending) + 1
+                log.info("CUDA graphs: %d queued shapes dropped at the limit of %d", dropped, self._limit)
+                self._pending.clear()
+                break
+            self._record(key)
+            break
+        return bool(self._pending)
 
     def _gathers(self, context: KVContext | None) -> bool:
         """Whether a graph may run a micro-batch with `context`: none, or shared prefixes' keys within
@@ -379,6 +437,10 @@ class GraphedDecoder:
         if params != self._params:  # a swap reload rebound parameters the graphs read
             self._params = params
             self._graphs.clear()
+            self._pending.clear()
+            self._met.clear()
+            if self._planned:
+                self.plan_routed()
             log.info("weights rebound: CUDA graphs dropped, captured again as micro-batches meet them")
 
     def warm(self, rows: int) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from service.core.cache_plan import BLOCK, CachePlan
-from service.core.jobs import Chunk, SequenceJob, SequenceScores
+from service.core.jobs import Chunk, GivenRoutes, SequenceJob, SequenceScores
 from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest
 from service.engine.batch.kv_store import KVStore
@@ -312,6 +312,37 @@ class PackedScorer:
         if isinstance(policy, graphs.GraphedDecoder) and policy.disabled is not None:
             kernels = self._info.kernels.replace("+graphs", "")
             self._info = dataclasses.replace(self._info, kernels=kernels)
+        if isinstance(policy, graphs.GraphedDecoder) and self._info.moe is not None:
+            self._plan_routed(policy, jobs)
+
+    def _plan_routed(self, policy: graphs.GraphedDecoder, jobs: list[SequenceJob]) -> None:
+        """Check the routed modes' graphs on the warm-up's jobs (recorded, then those records replayed:
+        graphs.py captures and checks each mode's first) and queue every N's for the engine's idle
+        time (`tend`)."""
+        recorded = self.score([dataclasses.replace(job, return_routes=True) for job in jobs])
+        given = [
+            dataclasses.replace(job, routes=GivenRoutes(0, scores.routes))
+            for job, scores in zip(jobs, recorded, strict=True)
+            if scores.routes is not None
+        ]
+        self.score(given)
+        queued = policy.plan_routed()
+        if queued:
+            log.info("CUDA graphs: %d routed shapes queued, captured while the engine idles", queued)
+
+    @torch.inference_mode()
+    def tend(self) -> bool:
+        """Capture one CUDA graph queued for the engine's idle time (graphs.py); True while more are
+        queued. The batcher calls it on the engine thread with nothing launched."""
+        waiting = [f for f in self._served.forwards() if isinstance(f, graphs.GraphedDecoder) and f.pending]
+        if waiting:
+            waiting[0].capture_pending()
+        return self.pending_graphs > 0
+
+    @property
+    def pending_graphs(self) -> int:
+        """CUDA graphs queued for the engine's idle time (`tend`)."""
+        return sum(f.pending for f in self._served.forwards() if isinstance(f, graphs.GraphedDecoder))
 
     def meet_shapes(self) -> None:
         memory.meet_shapes(self._served, self._device, self._config.max_batch_tokens)

@@ -79,23 +79,112 @@ BATCHES = [
 BATCHES += [((100, 90), "replay"), ((100, 90), "record"), ((50, 40), "record"), ((11, 60), "replay")]
 
 
-@pytest.mark.parametrize("name", models.MOE_ARCHITECTURES)
-def test_routed_replays_equal_the_eager_forward(name: str) -> None:
-    model = packed_model(name)
-    decoder = graphed(model)
-    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+Batches = list[tuple[tuple[int, ...], str]]  # each micro-batch's sequence lengths and its routes' mode
+
+
+def assert_batches(decoder: GraphedDecoder, eager: FusedDecoder, batches: Batches) -> None:
+    """Each batch through `decoder` equals the eager forward, the same records."""
     shape = shape_of(eager)
     with torch.inference_mode():
-        for seed, (lengths, mode) in enumerate(BATCHES):
+        for seed, (lengths, mode) in enumerate(batches):
             mine, theirs = twice(jobs_of(lengths, mode, shape, seed), shape)
             got = decoder(mine, mine.hidden_index)
             want = eager(theirs, theirs.hidden_index)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             if mode != "live":
                 assert_same_records(mine, theirs)
+
+
+@pytest.mark.parametrize("name", models.MOE_ARCHITECTURES)
+def test_routed_replays_equal_the_eager_forward(name: str) -> None:
+    model = packed_model(name)
+    decoder = graphed(model)
+    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    assert_batches(decoder, eager, BATCHES)
     assert decoder.modes_off == {}
     assert {key.mode for key in decoder._graphs} == {"live", "record", "replay"}
-    assert decoder.graphs == 5  # 128 tokens in three modes, 256 in record and replay
+    assert decoder.graphs == 3  # 128 tokens in three modes; 256 in record and replay ran eagerly, met once
+    assert decoder.pending == 2
+    with torch.inference_mode():
+        assert decoder.capture_pending()  # the engine idles: one graph a call
+        assert not decoder.capture_pending()
+    assert decoder.graphs == 5
+    assert_batches(decoder, eager, BATCHES)  # the graphs captured while idle replay every mode
+    assert decoder.graphs == 5
+
+
+class Counting(EagerRecorder):
+    def __init__(self) -> None:
+        self.captures = 0
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        self.captures += 1
+        return body
+
+
+def test_a_routed_shape_met_again_before_the_engine_idles_is_captured_then() -> None:
+    model = packed_model("qwen3_moe")
+    recorder = Counting()
+    decoder = graphed(model, recorder)
+    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    assert_batches(decoder, eager, [((20, 33, 7, 12), "record"), ((100, 90), "record")])
+    assert (recorder.captures, decoder.pending) == (1, 1)  # the mode's first (checked); 256 queued
+    assert_batches(decoder, eager, [((100, 90), "record")])
+    assert (recorder.captures, decoder.pending) == (2, 0)
+    with torch.inference_mode():
+        assert not decoder.capture_pending()
+    assert recorder.captures == 2
+
+
+def test_plan_routed_queues_every_size_in_both_modes_once_both_are_checked() -> None:
+    model = packed_model("mixtral")
+    recorder = Counting()
+    decoder = graphed(model, recorder)
+    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    assert decoder.plan_routed() == 0  # no routed micro-batch yet: no static routes, no checks
+    assert_batches(decoder, eager, [((20, 33, 7, 12), "record"), ((30, 25, 9), "replay")])
+    assert decoder.plan_routed() == 6  # 512, 384, 256 tokens in each mode (128's are captured)
+    queued = list(decoder._pending)
+    assert [(key.tokens, key.mode) for key in queued[:2]] == [(512, "record"), (512, "replay")]
+    with torch.inference_mode():
+        while decoder.capture_pending():
+            pass
+    assert (recorder.captures, decoder.graphs, decoder.pending) == (8, 8, 0)
+    sizes: Batches = [((20, 33, 7, 12), "record"), ((100, 90), "replay"), ((200, 100), "record")]
+    assert_batches(decoder, eager, [*sizes, ((300, 150), "replay")])
+    assert recorder.captures == 8  # every routed micro-batch replayed a graph captured while idle
+
+
+def test_weights_rebound_queue_every_routed_graph_again() -> None:
+    model, other = packed_model("qwen3_moe"), packed_model("qwen3_moe", seed=1)
+    decoder = graphed(model, Counting())
+    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    routed: Batches = [((20, 33, 7, 12), "record"), ((30, 25, 9), "replay"), ((100, 90), "replay")]
+    assert_batches(decoder, eager, routed)
+    decoder.plan_routed()
+    with torch.inference_mode():
+        while decoder.capture_pending():
+            pass
+        for param, new in zip(model.parameters(), other.parameters(), strict=True):
+            param.data = new.detach().clone()  # a swap reload
+    decoder.refresh()
+    assert (decoder.graphs, decoder.pending) == (0, 8)  # the old graphs read the old tensors
+    with torch.inference_mode():
+        while decoder.capture_pending():
+            pass
+    assert_batches(decoder, FusedDecoder(model.base_model, KERNEL, TORCH, 0), [((100, 90), "replay")])
+
+
+def test_the_idle_queue_never_evicts_a_graph() -> None:
+    decoder = graphed(packed_model("qwen3_moe"), Counting(), limit=3)
+    eager = FusedDecoder(decoder.inner.decoder, KERNEL, TORCH, 0)
+    assert_batches(decoder, eager, [((20, 33, 7, 12), "record"), ((30, 25, 9), "replay")])
+    assert decoder.plan_routed() == 6
+    with torch.inference_mode():
+        assert decoder.capture_pending()  # the third graph
+        assert not decoder.capture_pending()  # the limit: the rest of the queue is dropped
+    assert (decoder.graphs, decoder.pending) == (3, 0)
+    assert {key.tokens for key in decoder._graphs} == {128, 512}
 
 
 def test_live_traffic_allocates_no_route_buffers() -> None:
@@ -173,5 +262,17 @@ def test_cuda_routed_graphs_equal_the_eager_forward(name: str) -> None:
             assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-3
             if mode != "live":
                 assert_same_records(mine, theirs)
+        assert decoder.pending > 0  # the routed shapes met once: their graphs wait for the idle time
+        while decoder.capture_pending():  # captured over whatever the static buffers hold
+            pass
+        captured = decoder.graphs
+        for seed, (lengths, mode) in enumerate(BATCHES):
+            jobs = jobs_of(lengths, mode, shape, seed + 100)
+            mine, theirs = pack(jobs, device, moe=shape), pack(jobs, device, moe=shape)
+            got, want = decoder(mine, mine.hidden_index), inner(theirs, theirs.hidden_index)
+            assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-3
+            if mode != "live":
+                assert_same_records(mine, theirs)
+        assert (decoder.graphs, decoder.pending) == (captured, 0)  # every one replayed a graph
     assert decoder.modes_off == {}
     assert {key.mode for key in decoder._graphs} == {"live", "record", "replay"}
