@@ -339,9 +339,35 @@ class GraphedDecoder:
                 log.info("CUDA graphs: %d queued shapes dropped at the limit of %d", dropped, self._limit)
                 self._pending.clear()
                 break
+            self._prime(key)
             self._record(key)
             break
         return bool(self._pending)
+
+    def _prime(self, key: GraphKey) -> None:
+        """Run `key`'s body eagerly before its capture, as a first-met micro-batch's is (a kernel met
+        first inside a capture fails it), over static inputs of its own: its N tokens of id 0 in
+        segments of at most its max_len, each attending to its own keys only, none written to the
+        prefix cache's pool (the trash row), nothing given."""
+        buffers, n = self._ready(), key.tokens
+        longest = min(key.max_len, key.max_len_k) if key.keys else key.max_len
+        starts = np.arange(0, n, longest)  # at most key.slots: a micro-batch of the key had no more
+        bounds = np.full(key.slots + 1, n, dtype=np.int32)
+        bounds[: starts.shape[0]] = starts
+        rows = np.arange(n)
+        device = buffers.ids.device
+        buffers.ids[:n].zero_()
+        buffers.positions[0, :n].copy_(torch.from_numpy(rows % longest).to(device))
+        buffers.cu[: key.slots + 1].copy_(torch.from_numpy(bounds).to(device))
+        if self._pool is not None:
+            buffers.save_to[:n].fill_(self._pool.trash)
+        if key.keys:
+            buffers.key_index[:n].copy_(torch.from_numpy(rows).to(device))
+            buffers.key_count.fill_(n)
+            buffers.cu_k[: key.slots + 1].copy_(buffers.cu[: key.slots + 1])
+        if self._routes is not None:
+            self._routes.covered[:n].zero_()
+        self._body(key)
 
     def _gathers(self, context: KVContext | None) -> bool:
         """Whether a graph may run a micro-batch with `context`: none, or shared prefixes' keys within
