@@ -211,8 +211,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         return built[0]
 
     _release(device)
-    with HttpServer(factory, settings) as url:
-        ready_s = time.perf_counter() - loaded
+    server = HttpServer(factory, settings)
+    with server as url:
+        ready_s = server.ready_at - loaded
         engine = built[0]
         print(
             f"  {name}: ready {ready_s:.1f} s after the weights; moe_kernel {engine.info.moe_kernel}",

@@ -90,6 +90,7 @@ class HttpServer:
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.ready_at = self.settled_at = 0.0  # time.perf_counter() at ready, and once settled
 
     def __enter__(self) -> str:
         self.thread.start()
@@ -97,7 +98,9 @@ class HttpServer:
         for _ in range(6000):
             try:
                 if httpx.get(f"{url}/health/ready").status_code == 200:
+                    self.ready_at = time.perf_counter()
                     self._settle()
+                    self.settled_at = time.perf_counter()
                     return url
             except httpx.TransportError:
                 pass

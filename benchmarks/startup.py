@@ -11,7 +11,9 @@ on, as the image does) and the CUDA driver's PTX cache (CUDA_CACHE_PATH). A fres
 the first start cold, as on a new node; the later ones find what the first wrote, as after a
 restart or on a pod sharing the chart's compileCache volume.
 
-Per start: `ready_s` (weights built to ready over HTTP: what benchmarks.moe reports), the
+Per start: `ready_s` (weights built to ready over HTTP: what benchmarks.moe reports),
+`idle_graphs_s` (from ready until the engine has captured the CUDA graphs it leaves for its idle
+time: an MoE policy's routed ones), the
 engine's own phases (building the decoders, the warm-up's scoring, the self-check, the GEMM shapes
 met, a micro-batch's working set measured, the prefix cache's pools allocated, the CUDA graphs
 checked and captured, the longest sequence sized: each timed to the device's idle), and the
@@ -180,13 +182,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         return engines[0]
 
     loaded = time.perf_counter()
-    with HttpServer(factory, settings):
-        ready_s = time.perf_counter() - loaded
+    server = HttpServer(factory, settings)
+    with server:
         info = engines[0].info
     return {
         "device": device_name(device),
         "versions": versions(),
-        "ready_s": ready_s,
+        "ready_s": server.ready_at - loaded,
+        "idle_graphs_s": server.settled_at - server.ready_at,
         "model_build_s": build_s,
         **clock.report(),
         "kernels": info.kernels,
@@ -198,7 +201,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 def _summary(n: int, run: dict[str, Any]) -> str:
     phases = ", ".join(f"{k} {v:.1f}" for k, v in run["phases_s"].items() if "/" not in k)
     compiles = ", ".join(f"{k} {v['count']} in {v['seconds']:.1f} s" for k, v in run["compiles"].items())
-    return f"start {n + 1}: ready {run['ready_s']:.1f} s ({phases}); compiles: {compiles}"
+    graphs = run["idle_graphs_s"]
+    idle = f"; idle-time graphs {graphs:.1f} s after ready" if graphs >= 0.1 else ""
+    return f"start {n + 1}: ready {run['ready_s']:.1f} s ({phases}){idle}; compiles: {compiles}"
 
 
 def parser() -> argparse.ArgumentParser:
