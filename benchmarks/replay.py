@@ -21,7 +21,10 @@ as SGLang's base64 strings (`base64`) or nested lists (`lists`), each checked on
 scores with agreement 1.0. Their cost is over `live_json`.
 
 Each: the median round's ms after a warm-up round and its cost over live. `route_bytes_per_entry`:
-the frames' extra request bytes over the plain frames, per (position, layer, slot) sent.
+the frames' extra request bytes over the plain frames, per (position, layer, slot) sent. The
+benchmark's own objects (the bodies, the routes as lists) are frozen out of the garbage collector's
+way before the rounds (benchmarks/server.py's freeze_client_data): the server runs in this process,
+and a server's clients are other processes.
 
 With `--timeline PATH`, the server's side of each variant's last round goes there (JSON, per variant:
 [what, start ms, end ms] from the round's first request's arrival, benchmarks/probes/overhead.py's
@@ -32,8 +35,10 @@ and each micro-batch's `launch` and `collected` (the wait for its scores).
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
@@ -45,7 +50,7 @@ import torch
 
 from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, active_params, packed_model, run_models
 from benchmarks.probes.overhead import Timelines
-from benchmarks.server import HttpServer, http_rounds
+from benchmarks.server import HttpServer, freeze_client_data, http_rounds
 from benchmarks.shapes import MOE_SHAPES, floor_shape
 from benchmarks.workload import Sample, floor_flops, workload
 from service.client.routed_experts import encode
@@ -126,7 +131,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         prefix_cache=CACHE_IN_ROUNDS,
     )
     engine = PackedScorer(LoadedModel(model, name, demo=False), device, backend, settings.engine_config())
+    started = time.perf_counter()
     engine.warm_up()
+    print(f"  {name}: warm-up {time.perf_counter() - started:.1f} s", flush=True)
     plain = plain_bodies(samples)
     variants: dict[str, dict[str, Any]] = {}
     timeline = Timelines(args.timeline)
@@ -148,6 +155,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             "replay": framed(replay),
         }
         entries = sum(r.size for rs in routes for r in rs)
+        freeze_client_data()
         for variant, bodies in wire.items():
             timeline.start()
             variants[variant] = timed(http_rounds(url, bodies, args.reps), bodies, floor_s)
@@ -203,6 +211,7 @@ def json_rounds(  # noqa: PLR0917
                 f"replay_{form}: agreement {min(agreement)}, max |live - replayed| {diff}; from a frame "
                 f"{frames_check.agreement}, {frames_check.max_abs_diff}"
             )
+    freeze_client_data()
     for variant, sent_bodies in bodies.items():
         raw = [orjson.dumps(b) for b in sent_bodies]
         timeline.start()
@@ -284,6 +293,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("service.engine.scorer.engine").setLevel(logging.INFO)  # the routed graphs' check
     results = run_models("replay", args, argv, bench_model)
     print(table(results))
     return 0

@@ -10,6 +10,7 @@ what it did meanwhile (`batch_counts`); `free_port` picks the loopback ports the
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -66,6 +67,15 @@ def free_port() -> int:
         _HANDED.add(port)
         return port
     raise RuntimeError(f"no free loopback port below {low}")
+
+
+def freeze_client_data() -> None:
+    """Move every object alive (the benchmark's own: bodies, routes as nested lists, millions of
+    containers) to the interpreter's permanent generation. The server shares this process; its
+    collections would otherwise walk them, where a server whose clients are other processes never
+    does (the server freezes its own start-up objects at ready: service/core/heap.py)."""
+    gc.collect()
+    gc.freeze()
 
 
 class HttpServer:
