@@ -207,6 +207,13 @@ class Metrics:
         )
         self.queue_tokens = Gauge(f"{PREFIX}_queue_tokens", "Tokens waiting in the queue.", registry=r)
         self.ready = Gauge(f"{PREFIX}_ready", "1 once the model is loaded and warmed up.", registry=r)
+        self.graphs_pending = Gauge(
+            f"{PREFIX}_cuda_graphs_pending",
+            "CUDA graphs the engine captures while idle (an MoE policy's for routed micro-batches, "
+            "after the start): how many are left. Each capture makes a request that comes meanwhile "
+            "wait for it.",
+            registry=r,
+        )
         self.model_info = InfoMetric(f"{PREFIX}_model", "The model being served.", registry=r)
         self.weights_version = Gauge(
             f"{PREFIX}_weights_version",

@@ -9,9 +9,9 @@ engine thread and the requests' futures, and waits. No scheduling decision is ma
 - With the engine idle and less than a budget queued, the worker collates for at most `wait_s`.
 - Staged weights are applied on the engine thread at the barrier `Policy.open` defines, after every
   launched micro-batch is collected (the engine drops the model's prefix-cache entries).
-- With nothing queued or launched, the worker has the engine thread do the work the engine keeps
-  for its idle time (`ScoringEngine.tend`: a CUDA graph at a time) until none is left; a request
-  that comes meanwhile waits for at most one piece of it.
+- With nothing queued or launched, the worker has the engine thread capture the CUDA graphs the
+  engine keeps for its idle time (`ScoringEngine.tend`, one a call; how many are left goes to the
+  metrics) until none is left; a request that comes meanwhile waits for one capture at most.
 - A micro-batch's prefix-cache plan is settled once its launch is queued or failed
   (`Policy.settle`); the cache's counts go to the metrics after each micro-batch is taken.
 """
@@ -262,13 +262,16 @@ class Batcher:
                 await self._oldest_collected()
 
     async def _tend(self) -> None:
-        """One piece of the engine's idle-time work, on the engine thread; a failure ends it (logged)."""
+        """One capture of the engine's idle time, on the engine thread; a failure ends them (logged)."""
         try:
             loop = asyncio.get_running_loop()
-            self._tending = await loop.run_in_executor(self._executor, self._engine.tend)
-        except Exception:  # the work is an optimisation: serving goes on without it
-            log.exception("the engine's idle-time work failed; it stops until the next launch")
+            left = await loop.run_in_executor(self._executor, self._engine.tend)
+        except Exception:  # the graphs are an optimisation: serving goes on without them
+            log.exception("the engine's idle-time capture failed; it stops until the next launch")
             self._tending = False
+            return
+        self._tending = left > 0
+        self._metrics.graphs_pending.set(left)
 
     def _take(self, only_started: bool) -> Batch[Future]:
         """The policy's next micro-batch; fails the requests it refused, drops abandoned stores."""

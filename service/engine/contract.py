@@ -237,8 +237,8 @@ class ScoringEngine(Protocol):
     thread). A micro-batch may end with one chunk of a sequence longer than a micro-batch; the
     chunks of a sequence are launched in order, and its scores are the chunks' scores, joined.
     `release` drops what the engine keeps of a chunked sequence whose last chunk will not come.
-    `tend` does one piece of the work the engine keeps for its idle time (a CUDA graph to capture)
-    and says whether more is left; the batcher calls it while nothing is launched or queued.
+    `tend` captures one of the CUDA graphs the engine keeps for its idle time and says how many are
+    left; the batcher calls it while nothing is launched or queued.
     `launch`, `release`, `tend` and `apply` are called from the one engine thread only; `stage` from a
     loader thread, while micro-batches run.
 
@@ -270,7 +270,7 @@ class ScoringEngine(Protocol):
 
     def release(self, sequence: int) -> None: ...
 
-    def tend(self) -> bool: ...
+    def tend(self) -> int: ...
 
     def flush_cache(self) -> None: ...
 

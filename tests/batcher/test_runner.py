@@ -708,18 +708,36 @@ def test_the_engine_does_its_idle_work_between_bursts_on_its_thread(loop: asynci
     """Three pieces of idle-time work (CUDA graphs to capture): done one call each before the first
     request; after each burst, the engine is asked again (a shape met first may have left one)."""
     engine = FakeEngine()
-    engine.idle_work = 3
+    engine.idle_work, engine.tend_delay = 3, 0.1
+    metrics = Metrics()
+    left: list[float | None] = []
 
-    async def body(batcher: Batcher) -> list[SequenceScores]:
-        await asyncio.to_thread(engine.wait_tended, 3)
-        first = await scores(batcher, [job(10)])
-        await asyncio.to_thread(engine.wait_tended, 4)
-        return first + await scores(batcher, [job(12)])
+    def pending() -> float | None:
+        return metrics.registry.get_sample_value("logprobd_cuda_graphs_pending")
 
-    results = run(loop, engine, 64, body)
+    async def main() -> list[SequenceScores]:
+        batcher = Batcher(engine, 64, metrics)
+        batcher.start()
+        try:
+            await asyncio.to_thread(engine.wait_tended, 1)
+            for _ in range(50):  # the worker sets the gauge once the call's answer is back
+                if pending() != 0.0:
+                    break
+                await asyncio.sleep(0.001)
+            left.append(pending())  # the second capture takes 0.1 s: still 2 left
+            await asyncio.to_thread(engine.wait_tended, 3)
+            first = await scores(batcher, [job(10)])
+            await asyncio.to_thread(engine.wait_tended, 4)
+            return first + await scores(batcher, [job(12)])
+        finally:
+            await batcher.stop()
+
+    results = loop.run_until_complete(main())
     np.testing.assert_array_equal(results[1].logprobs, expected_scores(job(12)).logprobs)
     assert engine.tended[:4] == [0, 0, 0, 1]  # nothing left after the third: asked again after a launch
     assert engine.threads == {name for name in engine.threads if name.startswith("logprobd-engine")}
+    assert left == [2.0]
+    assert pending() == 0.0
 
 
 def test_a_request_waits_for_one_piece_of_idle_work_at_most(loop: asyncio.AbstractEventLoop) -> None:

@@ -110,8 +110,9 @@ class FakeEngine:
     idle_work = 0  # pieces of work for the engine's idle time, each `tend_delay` s (a test sets them)
     tend_delay = 0.0
 
-    def tend(self) -> bool:
-        """One piece of `idle_work`; `tended` gets the micro-batches launched by then, each call."""
+    def tend(self) -> int:
+        """One piece of `idle_work`, and how many are left; `tended` gets the micro-batches launched
+        by then, each call."""
         self.threads.add(threading.current_thread().name)
         if self.idle_work:
             time.sleep(self.tend_delay)
@@ -119,7 +120,7 @@ class FakeEngine:
         with self._entered:
             self.tended.append(len(self.batches))
             self._entered.notify_all()
-        return self.idle_work > 0
+        return self.idle_work
 
     def wait_tended(self, count: int, timeout: float = 30.0) -> None:
         """Block until `tend` has been called `count` times."""

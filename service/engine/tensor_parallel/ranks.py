@@ -197,8 +197,8 @@ class TensorParallelEngine:
         self._broadcast(("warm_up", None))
         self._scorer.warm_up()
 
-    def tend(self) -> bool:
-        return False  # the ranks' decoders run without CUDA graphs: nothing waits for idle time
+    def tend(self) -> int:
+        return 0  # the ranks' decoders run without CUDA graphs: nothing waits for idle time
 
     def stage(self, order: ReloadOrder) -> StagedWeights:
         """Every rank stages its slices; unless all could, WeightsRejected and every staged copy dropped."""

@@ -10,7 +10,7 @@ prompt), chunked sequences, with a reference model and a critic served beside th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,8 @@ import torch
 
 from service.core.jobs import Chunk, GivenRoutes, RouteAgreement, SequenceJob, SequenceScores
 from service.core.prefixes import share
+from service.engine.decoder import FusedDecoder, graphs
+from service.engine.decoder.graphs import EagerRecorder, GraphedDecoder
 from service.engine.scorer.engine import PackedScorer
 from tests.support import critics, models
 from tests.support.device import eager, settings_for
@@ -331,3 +333,43 @@ def test_engine_info_describes_the_sparse_layers(moe_dirs: dict[str, Path], name
         blocks[0].gate.weight.shape[0],
         blocks[0].gate.top_k,
     )
+
+
+class _Counting(EagerRecorder):
+    def __init__(self) -> None:
+        self.captures = 0
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        self.captures += 1
+        return body
+
+
+def test_the_warm_up_leaves_every_routed_graph_for_the_idle_time(
+    moe_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU twin of a CUDA engine's routed graphs (EagerRecorder, flash-attn 4's one graph per size):
+    the warm-up checks record and replay on its probe (256 tokens) and queues the other sizes of a
+    512-token budget; `tend` captures one a call; routed micro-batches then replay them, as the forced
+    reference scores them."""
+    recorder = _Counting()
+
+    def wrap(forward: Any, *args: Any, **_: Any) -> Any:  # (forward, setting, backend, device, recorder, ...)
+        tokens, limit = args[4], args[5]
+        if not isinstance(forward, FusedDecoder):
+            return forward
+        return GraphedDecoder(forward, recorder, tokens, True, limit)
+
+    monkeypatch.setattr(graphs, "wrap", wrap)
+    scorer = engine(moe_dirs["qwen3_moe"], "fused", max_batch_tokens=512, prefix_cache=False)
+    scorer.warm_up()
+    assert scorer.pending_graphs == 6  # 512, 384 and 128 tokens, recording and replaying
+    left = [scorer.tend() for _ in range(6)]
+    assert left == [5, 4, 3, 2, 1, 0]
+    captured = recorder.captures
+    model = eager(moe_dirs["qwen3_moe"])
+    rng = np.random.default_rng(3)
+    jobs = ragged(rng, model)  # 89 tokens: 128 with its filler, replaying
+    check(model, jobs, scorer.score(jobs))
+    check(model, [job(j.tokens) for j in jobs], scorer.score([job(j.tokens) for j in jobs]))  # recording
+    assert recorder.captures == captured  # both replayed graphs captured while idle
+    assert scorer.pending_graphs == 0  # a routed size met before its capture would wait here
