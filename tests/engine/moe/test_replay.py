@@ -373,3 +373,25 @@ def test_the_warm_up_leaves_every_routed_graph_for_the_idle_time(
     check(model, [job(j.tokens) for j in jobs], scorer.score([job(j.tokens) for j in jobs]))  # recording
     assert recorder.captures == captured  # both replayed graphs captured while idle
     assert scorer.pending_graphs == 0  # a routed size met before its capture would wait here
+
+
+def test_a_routed_check_that_fails_at_start_leaves_the_graphs_to_be_captured_as_met(
+    moe_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def wrap(forward: Any, *args: Any, **_: Any) -> Any:
+        return GraphedDecoder(forward, EagerRecorder(), args[4], True, args[5])
+
+    monkeypatch.setattr(graphs, "wrap", wrap)
+    scorer = engine(moe_dirs["mixtral"], "fused", max_batch_tokens=512, prefix_cache=False)
+    score = scorer.score
+
+    def failing(jobs: list[SequenceJob], forest: Any = None) -> list[SequenceScores]:
+        if any(j.return_routes for j in jobs):
+            raise RuntimeError("a routed forward failed")
+        return score(jobs, forest)
+
+    monkeypatch.setattr(scorer, "score", failing)
+    with caplog.at_level("WARNING"):
+        scorer.warm_up()  # the start goes on
+    assert "left to be captured as met: a routed forward failed" in caplog.text
+    assert scorer.pending_graphs == 0
