@@ -25,6 +25,7 @@ from service.engine.decoder.graphs import EagerRecorder, GraphedDecoder
 from service.engine.ops.elementwise import TORCH
 from tests.engine.decoder.test_fused import KERNEL, packed_model
 from tests.support import models
+from tests.support.recorders import Counting
 
 CPU = torch.device("cpu")
 
@@ -113,20 +114,14 @@ def test_routed_replays_equal_the_eager_forward(name: str) -> None:
     assert decoder.graphs == 5
 
 
-class Counting(EagerRecorder):
-    def __init__(self) -> None:
-        self.captures = 0
-
-    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
-        self.captures += 1
-        return body
+def counted(name: str, limit: int = 16) -> tuple[GraphedDecoder, Counting, FusedDecoder]:
+    """A graphed decoder of the architecture's tiny model whose captures are counted, and its eager twin."""
+    model, recorder = packed_model(name), Counting()
+    return graphed(model, recorder, limit), recorder, FusedDecoder(model.base_model, KERNEL, TORCH, 0)
 
 
 def test_a_routed_shape_met_again_before_the_engine_idles_is_captured_then() -> None:
-    model = packed_model("qwen3_moe")
-    recorder = Counting()
-    decoder = graphed(model, recorder)
-    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    decoder, recorder, eager = counted("qwen3_moe")
     assert_batches(decoder, eager, [((20, 33, 7, 12), "record"), ((100, 90), "record")])
     assert (recorder.captures, decoder.pending) == (1, 1)  # the mode's first (checked); 256 queued
     assert_batches(decoder, eager, [((100, 90), "record")])
@@ -137,10 +132,7 @@ def test_a_routed_shape_met_again_before_the_engine_idles_is_captured_then() -> 
 
 
 def test_plan_routed_queues_every_size_in_both_modes_once_both_are_checked() -> None:
-    model = packed_model("mixtral")
-    recorder = Counting()
-    decoder = graphed(model, recorder)
-    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    decoder, recorder, eager = counted("mixtral")
     assert decoder.plan_routed() == 0  # no routed micro-batch yet: no static routes, no checks
     assert_batches(decoder, eager, [((20, 33, 7, 12), "record"), ((30, 25, 9), "replay")])
     assert decoder.plan_routed() == 6  # 512, 384, 256 tokens in each mode (128's are captured)
@@ -176,8 +168,7 @@ def test_weights_rebound_queue_every_routed_graph_again() -> None:
 
 
 def test_the_idle_queue_never_evicts_a_graph() -> None:
-    decoder = graphed(packed_model("qwen3_moe"), Counting(), limit=3)
-    eager = FusedDecoder(decoder.inner.decoder, KERNEL, TORCH, 0)
+    decoder, _, eager = counted("qwen3_moe", limit=3)
     assert_batches(decoder, eager, [((20, 33, 7, 12), "record"), ((30, 25, 9), "replay")])
     assert decoder.plan_routed() == 6
     with torch.inference_mode():

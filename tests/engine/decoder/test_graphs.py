@@ -29,6 +29,7 @@ from service.engine.scorer.engine import PackedScorer
 from service.settings import Settings
 from tests.engine.decoder.test_fused import KERNEL, packed_model
 from tests.support import models
+from tests.support.recorders import Counting
 
 CPU = torch.device("cpu")
 
@@ -280,15 +281,6 @@ def test_other_kernels_capture_as_met() -> None:
         decoder.capture(batch_of((20, 33, 7)))
     assert recorder.captures == 1
     assert decoder.graphs == 1
-
-
-class Counting(EagerRecorder):
-    def __init__(self) -> None:
-        self.captures = 0
-
-    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
-        self.captures += 1
-        return body
 
 
 def test_a_probe_past_the_buffers_turns_graphs_off(caplog: pytest.LogCaptureFixture) -> None:

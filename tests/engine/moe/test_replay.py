@@ -10,7 +10,7 @@ prompt), chunked sequences, with a reference model and a critic served beside th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from service.engine.decoder.graphs import EagerRecorder, GraphedDecoder
 from service.engine.scorer.engine import PackedScorer
 from tests.support import critics, models
 from tests.support.device import eager, settings_for
+from tests.support.recorders import Counting
 
 pytestmark = pytest.mark.parity  # make test-gpu runs it again on cuda in each dtype
 
@@ -335,15 +336,6 @@ def test_engine_info_describes_the_sparse_layers(moe_dirs: dict[str, Path], name
     )
 
 
-class _Counting(EagerRecorder):
-    def __init__(self) -> None:
-        self.captures = 0
-
-    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
-        self.captures += 1
-        return body
-
-
 def test_the_warm_up_leaves_every_routed_graph_for_the_idle_time(
     moe_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -351,7 +343,7 @@ def test_the_warm_up_leaves_every_routed_graph_for_the_idle_time(
     the warm-up checks record and replay on its probe (256 tokens) and queues the other sizes of a
     512-token budget; `tend` captures one a call; routed micro-batches then replay them, as the forced
     reference scores them."""
-    recorder = _Counting()
+    recorder = Counting()
 
     def wrap(forward: Any, *args: Any, **_: Any) -> Any:  # (forward, setting, backend, device, recorder, ...)
         tokens, limit = args[4], args[5]
