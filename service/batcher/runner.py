@@ -465,6 +465,7 @@ class Batcher:
             swap.future.set_exception(EngineFailure(f"applying weights failed: {type(exc).__name__}: {exc}"))
             return
         self._policy.versions = _serving_versions(self._engine)
+        self._tending = True  # weights rebound: the engine queues its idle-time graphs again
         done = time.perf_counter()
         if not swap.future.done():
             swap.future.set_result(Applied(state, started - swap.enqueued, done - started))

@@ -753,3 +753,19 @@ def test_a_request_waits_for_one_piece_of_idle_work_at_most(loop: asyncio.Abstra
     tends, seconds = run(loop, engine, 64, body)
     assert tends <= 4  # the two waited for, the one under way when the request came, perhaps one more
     assert seconds < 0.5  # not the 20 pieces' second
+
+
+def test_the_engine_idles_again_after_new_weights(loop: asyncio.AbstractEventLoop) -> None:
+    """Weights rebound drop the graphs, which the engine queues again: it is asked without a launch."""
+    engine = FakeEngine()
+
+    async def body(batcher: Batcher) -> Applied:
+        await asyncio.to_thread(engine.wait_tended, 1)  # nothing queued at start
+        engine.idle_work = 2  # what the rebind queues
+        applied = await batcher.apply(engine.stage(_order(2, "v2")))
+        await asyncio.to_thread(engine.wait_tended, 3)
+        return applied
+
+    assert run(loop, engine, 16, body).state.version == "v2"
+    assert engine.tended == [0, 0, 0]
+    assert engine.idle_work == 0
