@@ -315,13 +315,14 @@ class GraphedDecoder:
         if self.disabled is not None or not self._total_bounded or self._routes is None:
             return 0
         self._planned = True
-        modes: tuple[RouteMode, ...] = ("record", "replay")
+        routed: tuple[RouteMode, ...] = ("record", "replay")
+        modes = [mode for mode in routed if mode not in self.modes_off and (mode, False) in self._checked]
         for tokens in range(self._capacity, 0, -SHAPE_STEP):
+            live = self.key(tokens, 1, tokens)
+            if live is None:
+                continue
             for mode in modes:
-                key = self.key(tokens, 1, tokens)
-                if key is None or mode in self.modes_off or (mode, False) not in self._checked:
-                    continue
-                key = dataclasses.replace(key, mode=mode)
+                key = dataclasses.replace(live, mode=mode)
                 if key not in self._graphs:
                     self._pending.setdefault(key, None)
         return len(self._pending)

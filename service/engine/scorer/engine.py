@@ -340,7 +340,7 @@ class PackedScorer:
     def tend(self) -> int:
         """Capture one CUDA graph queued for the engine's idle time (graphs.py); how many are left.
         The batcher calls it on the engine thread with nothing launched."""
-        waiting = [f for f in self._served.forwards() if isinstance(f, graphs.GraphedDecoder) and f.pending]
+        waiting = [f for f in self._graphed() if f.pending]
         if waiting:
             waiting[0].capture_pending()
         return self.pending_graphs
@@ -348,7 +348,11 @@ class PackedScorer:
     @property
     def pending_graphs(self) -> int:
         """CUDA graphs queued for the engine's idle time (`tend`)."""
-        return sum(f.pending for f in self._served.forwards() if isinstance(f, graphs.GraphedDecoder))
+        return sum(f.pending for f in self._graphed())
+
+    def _graphed(self) -> list[graphs.GraphedDecoder]:
+        """The served models' forwards that replay CUDA graphs."""
+        return [f for f in self._served.forwards() if isinstance(f, graphs.GraphedDecoder)]
 
     def meet_shapes(self) -> None:
         memory.meet_shapes(self._served, self._device, self._config.max_batch_tokens)
