@@ -16,7 +16,8 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
   `response.json()`, benchmarks/client.py): `<variant>_json` the [window, K] blocks as nested lists,
   `<variant>_base64` with `distribution_format: "base64"` (top_logprobs variants; the client decodes
   each row as docs/api.md shows), each over `plain_json`; `--timeline PATH` writes the server's side
-  of each one's last round there (benchmarks/probes/overhead.py's last_round, as benchmarks.replay).
+  of each one's last round there (benchmarks/probes/overhead.py's last_round, as benchmarks.replay),
+  and of the teacher call's last call (`teacher`: its micro-batches, each choice's chunks, the sends).
 - `teacher`: one TRL-style distillation call, `POST /v1/completions` with 8 token-id prompts of
   --teacher-tokens tokens, `max_tokens: 1`, `prompt_logprobs: 100` (every position's top 100, vLLM's
   form), from a client process as a trainer makes it (benchmarks/client.py --mode teacher), timed
@@ -185,11 +186,14 @@ def in_process_ms(engine: PackedScorer, body: dict[str, Any], name: str, vocab: 
     return statistics.median(times[1:]) * 1e3
 
 
-def teacher_calls(url: str, body: dict[str, Any], reps: int, device: torch.device) -> dict[str, Any]:
+def teacher_calls(
+    url: str, body: dict[str, Any], reps: int, device: torch.device, timeline: Timelines | None = None
+) -> dict[str, Any]:
     """The call from a client process, as a TRL trainer makes it (benchmarks/client.py --mode teacher:
-    a fresh httpx.Client per call, `client.post`, `reply.content`), a warm-up and `reps` timed calls;
-    the device's peak allocation over them; then one call from this process for the answer's size,
-    its entries and the client-side parse time."""
+    a fresh httpx.Client per call, `client.post`, `reply.content`), a warm-up and `reps` timed calls
+    (the server's side of the last one into `timeline` as "teacher"); the device's peak allocation
+    over them; then one call from this process for the answer's size, its entries and the client-side
+    parse time."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -198,7 +202,11 @@ def teacher_calls(url: str, body: dict[str, Any], reps: int, device: torch.devic
         path = Path(tmp) / "body.json"
         path.write_text(json.dumps(body))
         cmd = [sys.executable, "-m", "benchmarks.client", url, str(path), str(reps), "--mode", "teacher"]
+        if timeline is not None:
+            timeline.start()
         timed = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+        if timeline is not None:
+            timeline.take("teacher", 1)
     after = histogram_totals(url, FORWARD)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     with httpx.Client(base_url=url, timeout=600) as client:
@@ -266,48 +274,51 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     if not args.teacher_budgets:
         return {"attention": engine.info.attention_backend, "decoder": engine.info.decoder, **out}
     body = teacher_body(name, prompts)
-    for i, budget in enumerate(args.teacher_budgets):
-        with HttpServer(engine, settings.model_copy(update={"max_batch_tokens": budget})) as url:
-            call = teacher_calls(url, body, args.reps, device)
-            drawing = teacher_calls(url, {**body, "logprobs": 1}, args.reps, device) if args.drawing else None
-        at = {
-            "max_batch_tokens": budget,
-            "micro_batches_per_call": call["micro_batches_per_call"],
-            "forward_ms_per_micro_batch": call["forward_ms_per_micro_batch"],
-            "ms": call["ms"],
-            "calls_ms": call["calls_ms"],
-            "headers_ms": call["headers_ms"],
-            "floor_fraction": teacher_floor_s * 1e3 / call["ms"],
-            "peak_gib_over_weights": call["peak_gib"] - weights_gib,
-        }
-        print(f"  {name} teacher at max_batch_tokens {budget}: {at}", flush=True)
-        if i:
-            out["teacher"]["budgets"].append(at)
-            continue
-        out["teacher"] = {
-            "prompts": len(prompts),
-            "tokens_per_prompt": args.teacher_tokens,
-            "k": TEACHER_K,
-            "floor_ms": teacher_floor_s * 1e3,
-            **at,
-            "answer_bytes": call["bytes"],
-            "entries": call["entries"],
-            "client_parse_ms": call["client_parse_s"] * 1e3,
-            "weights_gib": weights_gib,
-            "peak_gib": call["peak_gib"],
-            "budgets": [at],
-            "in_process_ms": in_process_ms(engine, body, name, vocab, args.reps),
-        }
-        if drawing is not None:
-            # the same call with OpenAI's logprobs: 1, whose answer shows the drawn token, so each
-            # prompt's job draws one (as it does wherever the checkpoint has a tokenizer)
-            out["teacher"]["drawing"] = {
-                "ms": drawing["ms"],
-                "calls_ms": drawing["calls_ms"],
-                "floor_fraction": teacher_floor_s * 1e3 / drawing["ms"],
-                "peak_gib_over_weights": drawing["peak_gib"] - weights_gib,
+    with timeline.recording(engine):  # the first budget's last call
+        for i, budget in enumerate(args.teacher_budgets):
+            with HttpServer(engine, settings.model_copy(update={"max_batch_tokens": budget})) as url:
+                call = teacher_calls(url, body, args.reps, device, timeline if i == 0 else None)
+                drawing = (
+                    teacher_calls(url, {**body, "logprobs": 1}, args.reps, device) if args.drawing else None
+                )
+            at = {
+                "max_batch_tokens": budget,
+                "micro_batches_per_call": call["micro_batches_per_call"],
+                "forward_ms_per_micro_batch": call["forward_ms_per_micro_batch"],
+                "ms": call["ms"],
+                "calls_ms": call["calls_ms"],
+                "headers_ms": call["headers_ms"],
+                "floor_fraction": teacher_floor_s * 1e3 / call["ms"],
+                "peak_gib_over_weights": call["peak_gib"] - weights_gib,
             }
-        print(f"  {name} teacher: {out['teacher']}", flush=True)
+            print(f"  {name} teacher at max_batch_tokens {budget}: {at}", flush=True)
+            if i:
+                out["teacher"]["budgets"].append(at)
+                continue
+            out["teacher"] = {
+                "prompts": len(prompts),
+                "tokens_per_prompt": args.teacher_tokens,
+                "k": TEACHER_K,
+                "floor_ms": teacher_floor_s * 1e3,
+                **at,
+                "answer_bytes": call["bytes"],
+                "entries": call["entries"],
+                "client_parse_ms": call["client_parse_s"] * 1e3,
+                "weights_gib": weights_gib,
+                "peak_gib": call["peak_gib"],
+                "budgets": [at],
+                "in_process_ms": in_process_ms(engine, body, name, vocab, args.reps),
+            }
+            if drawing is not None:
+                # the same call with OpenAI's logprobs: 1, whose answer shows the drawn token, so each
+                # prompt's job draws one (as it does wherever the checkpoint has a tokenizer)
+                out["teacher"]["drawing"] = {
+                    "ms": drawing["ms"],
+                    "calls_ms": drawing["calls_ms"],
+                    "floor_fraction": teacher_floor_s * 1e3 / drawing["ms"],
+                    "peak_gib_over_weights": drawing["peak_gib"] - weights_gib,
+                }
+            print(f"  {name} teacher: {out['teacher']}", flush=True)
     if args.tokenizer:  # TRL's body to a checkpoint with a tokenizer: a token drawn, every entry's text
         with tempfile.TemporaryDirectory() as tmp:
             served = settings.model_copy(update={"model": word_tokenizer(vocab, Path(tmp))})

@@ -60,6 +60,7 @@ from service.engine.decoder.graphs import GraphedDecoder
 from service.engine.loading.pretrained import LoadedModel
 from service.engine.scorer.engine import PackedScorer
 from service.http import router as api
+from service.http.completions import response as completions_response
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings
 
@@ -154,15 +155,20 @@ def rounds(events: list[Event], per_round: int) -> list[list[Event]]:
     return out
 
 
+SCORING_PATHS = ("/logprobs", "/v1/completions")
+
+
 def received(events: list[Event], create_app: Callable[..., Any]) -> Callable[..., Any]:
-    """create_app whose app records, per POST /logprobs, when uvicorn handed it over (its headers
-    parsed: "headers") and when its body's last part was read ("body")."""
+    """create_app whose app records, per POST /logprobs or /v1/completions, when uvicorn handed it
+    over (its headers parsed: "headers"), when its body's last part was read ("body") and each part
+    of the answer handed back to uvicorn ("sent": the await, which waits while the client has not
+    read what went before)."""
 
     def create(*args: Any, **kwargs: Any) -> Any:
         app = create_app(*args, **kwargs)
 
         async def recorded_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            if scope["type"] != "http" or scope["path"] != "/logprobs":
+            if scope["type"] != "http" or scope["path"] not in SCORING_PATHS:
                 await app(scope, receive, send)
                 return
             now = time.perf_counter()
@@ -175,7 +181,15 @@ def received(events: list[Event], create_app: Callable[..., Any]) -> Callable[..
                     events.append(("body", at, at))
                 return message
 
-            await app(scope, receive_recorded, send)
+            async def send_recorded(message: dict[str, Any]) -> None:
+                start = time.perf_counter()
+                try:
+                    await send(message)
+                finally:
+                    if message["type"] == "http.response.body":
+                        events.append(("sent", start, time.perf_counter()))
+
+            await app(scope, receive_recorded, send_recorded)
 
         return recorded_app
 
@@ -496,16 +510,44 @@ def recording_server(events: list[Event]) -> Iterator[None]:
     steps = {"parse_json": "parse", "parse_frame": "parse", "normalise": "normalise"}
     steps |= {"to_json": "render", "to_frame": "render"}
     saved = {name: getattr(api, name) for name in steps}
+    choice_stream = completions_response.choice_stream
     create_app = server.create_app  # type: ignore[attr-defined]
     server.create_app = received(events, create_app)  # type: ignore[attr-defined]
     for name, what in steps.items():
         setattr(api, name, recorded(events, what, saved[name]))
+    completions_response.choice_stream = recorded_choices(events, choice_stream)
     try:
         yield
     finally:
         server.create_app = create_app  # type: ignore[attr-defined]
+        completions_response.choice_stream = choice_stream
         for name, fn in saved.items():
             setattr(api, name, fn)
+
+
+def recorded_choices(
+    events: list[Event], choice_stream: Callable[..., Iterator[bytes]]
+) -> Callable[..., Iterator[bytes]]:
+    """A streamed completions answer's choice_stream recording its check and submission ("choice
+    <i>") and each chunk taken from it ("chunk <i>": the wait for its block's render)."""
+
+    def wrapper(plan: Any, i: int, *args: Any, **kwargs: Any) -> Iterator[bytes]:
+        start = time.perf_counter()
+        chunks = choice_stream(plan, i, *args, **kwargs)
+        events.append((f"choice {i}", start, time.perf_counter()))
+
+        def taken() -> Iterator[bytes]:
+            while True:
+                began = time.perf_counter()
+                chunk = next(chunks, None)
+                if chunk is None:
+                    return
+                events.append((f"chunk {i}", began, time.perf_counter()))
+                yield chunk
+
+        return taken()
+
+    return wrapper
 
 
 def over_http(

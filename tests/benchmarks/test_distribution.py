@@ -35,7 +35,11 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
         "processed_json",
     }
     timelines = json.loads((tmp_path / "timeline.json").read_text())
-    assert list(timelines) == list(model["grpo-short"]["json"])
+    assert list(timelines) == [*model["grpo-short"]["json"], "teacher"]
+    teacher_events = [e[0] for e in timelines.pop("teacher")]  # the last timed call: one request
+    assert [teacher_events.count(w) for w in ("headers", "body")] == [1, 1]
+    assert teacher_events.count("collected") == teacher_events.count("launch") >= 1
+    assert teacher_events.count("sent") >= 1  # the answer handed to uvicorn
     for events in timelines.values():  # the last round: its 8 requests (a GRPO group each), scored, answered
         whats = [e[0] for e in events]
         assert [whats.count(w) for w in ("headers", "body", "parse", "normalise", "render")] == [8] * 5

@@ -38,7 +38,6 @@ from service.http.completions.response import (
     Shared,
     answer_head,
     answer_tail,
-    choice_stream,
     render_pool,
 )
 
@@ -94,7 +93,7 @@ class StreamedAnswer:
         drawn = await self._drawn(i, scores)
         assert self._shared is not None
         return await asyncio.to_thread(
-            choice_stream, self._plan, i, scores, drawn, h=self._shared, pool=self._pool
+            response.choice_stream, self._plan, i, scores, drawn, h=self._shared, pool=self._pool
         )
 
     async def rest(

@@ -7,12 +7,14 @@ import gc
 import itertools
 import json
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from benchmarks.probes.overhead import main, recording_stalls
+from benchmarks.probes.overhead import main, recording_server, recording_stalls
 from service.engine.decoder.graphs import GraphedDecoder
+from service.http.completions import response as completions_response
 
 
 @pytest.mark.slow
@@ -78,3 +80,25 @@ def test_stalls_record_collections_and_captures_and_restore_the_originals() -> N
     assert all(start <= end for _, start, end in events)
     after = (GraphedDecoder._record, GraphedDecoder._record_checked, list(gc.callbacks), warnings.showwarning)
     assert after == saved
+
+
+def test_the_server_records_a_streamed_answers_choices_chunks_and_sends() -> None:
+    """recording_server on the real app: a teacher call streamed a choice at a time shows each
+    choice's submission, its chunks and the parts handed to uvicorn, and the bytes are the same."""
+    events: list[tuple[str, float, float]] = []
+    saved = completions_response.choice_stream
+    plan = object()
+
+    def choices(_plan: object, i: int, *_: object, **__: object) -> Iterator[bytes]:
+        return iter([b"a%d" % i, b"b%d" % i])
+
+    completions_response.choice_stream = choices  # type: ignore[assignment]
+    try:
+        with recording_server(events):
+            recorded: Callable[..., Iterator[bytes]] = completions_response.choice_stream
+            stream = recorded(plan, 3)
+            assert list(stream) == [b"a3", b"b3"]
+    finally:
+        completions_response.choice_stream = saved
+    assert [what for what, _, _ in events] == ["choice 3", "chunk 3", "chunk 3"]
+    assert all(start <= end for _, start, end in events)
