@@ -388,16 +388,23 @@ async def poisson_load(
 
 
 def teacher_call(url: str, body: dict[str, Any]) -> dict[str, float]:
-    """One teacher call as TRL makes it: ms to the last byte (and to the status line), its bytes."""
+    """One teacher call as TRL makes it: ms to the last byte (and to the status line), its bytes, and
+    when it started and ended (time.perf_counter: CLOCK_MONOTONIC, the server process's clock too)."""
     seen: list[float] = []
     hooks = {"response": [lambda _: seen.append(time.perf_counter())]}
     with httpx.Client(base_url=url, timeout=600, event_hooks=hooks) as client:
         started = time.perf_counter()
         reply = client.post("/v1/completions", json=body)
         content = reply.content
-        seconds = time.perf_counter() - started
+        ended = time.perf_counter()
     reply.raise_for_status()
-    return {"ms": seconds * 1e3, "headers_ms": (seen[0] - started) * 1e3, "bytes": len(content)}
+    return {
+        "ms": (ended - started) * 1e3,
+        "headers_ms": (seen[0] - started) * 1e3,
+        "bytes": len(content),
+        "started": started,
+        "ended": ended,
+    }
 
 
 def teacher_calls(url: str, body: dict[str, Any], reps: int) -> dict[str, Any]:
@@ -409,6 +416,7 @@ def teacher_calls(url: str, body: dict[str, Any], reps: int) -> dict[str, Any]:
         "headers_ms": statistics.median(c["headers_ms"] for c in made),
         "calls_ms": [round(c["ms"], 1) for c in made],
         "bytes": made[0]["bytes"],
+        "last": {"started": made[-1]["started"], "ended": made[-1]["ended"]},
     }
 
 

@@ -145,6 +145,9 @@ def json_rounds(
     return out
 
 
+OUTSIDE_SERVER = ("client_before_ms", "server_ms", "client_after_ms")
+
+
 def teacher_prompts(vocab: int, tokens: int, count: int = 8, seed: int = 13) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, tokens).tolist() for _ in range(count)]
@@ -205,6 +208,7 @@ def teacher_calls(
         if timeline is not None:
             timeline.start()
         timed = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+        client_side = timeline.outside_server(timed["last"]) if timeline is not None else {}
         if timeline is not None:
             timeline.take("teacher", 1)
     after = histogram_totals(url, FORWARD)
@@ -226,6 +230,7 @@ def teacher_calls(
         "peak_gib": peak,
         # the batcher's micro-batches over the warm-up and timed calls: how many a call, and the
         # forward's mean ms each (launch to collection)
+        **client_side,
         "micro_batches_per_call": (after[0] - before[0]) / (reps + 1),
         "forward_ms_per_micro_batch": (after[1] - before[1]) / max(1.0, after[0] - before[0]) * 1e3,
     }
@@ -277,7 +282,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     with timeline.recording(engine):  # the first budget's last call
         for i, budget in enumerate(args.teacher_budgets):
             with HttpServer(engine, settings.model_copy(update={"max_batch_tokens": budget})) as url:
-                call = teacher_calls(url, body, args.reps, device, timeline if i == 0 else None)
+                call = teacher_calls(
+                    url, body, args.reps, device, timeline if i == 0 and args.timeline else None
+                )
                 drawing = (
                     teacher_calls(url, {**body, "logprobs": 1}, args.reps, device) if args.drawing else None
                 )
@@ -290,6 +297,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
                 "headers_ms": call["headers_ms"],
                 "floor_fraction": teacher_floor_s * 1e3 / call["ms"],
                 "peak_gib_over_weights": call["peak_gib"] - weights_gib,
+                **{k: call[k] for k in OUTSIDE_SERVER if k in call},  # the last call, with --timeline
             }
             print(f"  {name} teacher at max_batch_tokens {budget}: {at}", flush=True)
             if i:

@@ -312,6 +312,20 @@ class Timelines:
         """A variant's rounds begin."""
         self.events.clear()
 
+    def outside_server(self, call: dict[str, float]) -> dict[str, float]:
+        """Of one call whose `started` and `ended` (a client process's time.perf_counter, the same
+        clock) hold the last request recorded: ms before its headers reached the app
+        (`client_before_ms`: the client's encoding and connection), from them to the answer's last
+        part handed to uvicorn (`server_ms`), and after that to the client's last byte read
+        (`client_after_ms`: what the client still had to read, and its own copies)."""
+        arrived = max(e[1] for e in self.events if e[0] == "headers")
+        sent = max(e[2] for e in self.events if e[0] == "sent")
+        return {
+            "client_before_ms": (arrived - call["started"]) * 1e3,
+            "server_ms": (sent - arrived) * 1e3,
+            "client_after_ms": (call["ended"] - sent) * 1e3,
+        }
+
     def take(self, variant: str, requests: int) -> None:
         """The variant's rounds of `requests` requests each are over: keep its last."""
         if self.path is not None:

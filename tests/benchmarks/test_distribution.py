@@ -45,6 +45,9 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
         assert [whats.count(w) for w in ("headers", "body", "parse", "normalise", "render")] == [8] * 5
         assert whats.count("collected") == whats.count("launch") >= 1
     teacher = model["teacher"]
+    split = [teacher[k] for k in ("client_before_ms", "server_ms", "client_after_ms")]
+    assert all(ms > 0 for ms in split)  # the last call: the client's encoding, the server, its reading
+    assert sum(split) <= max(teacher["calls_ms"]) + 1.0
     assert (
         teacher["entries"] >= 8 * 63 * 100
     )  # every scored position's top 100 (and the token, where not among them)
