@@ -30,7 +30,7 @@ from service.wire.jsonrows import native
 
 Map = Callable[[Callable[[Any], bytes], Iterable[Any]], Iterator[bytes]]  # map, Executor.map
 FLOOR = -9999.0  # vLLM's clamp for -inf, which JSON cannot carry
-BLOCK_ENTRIES = 1 << 17  # entries (tokens shown) rendered at once: about 10 MB of JSON
+BLOCK_ENTRIES = 1 << 15  # entries (tokens shown) rendered at once: about 2.3 MB of prompt_logprobs' JSON
 NUMBERS = orjson.OPT_SERIALIZE_NUMPY
 # prompt_logprobs' copies spill up to width - 1 bytes past a piece, into the pieces after it, which
 # _prompt_block copies later: the shortest of those must hold the spill (test_jsonwriter checks it).

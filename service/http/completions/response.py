@@ -45,7 +45,7 @@ from service.http.completions.pieces import TokenPieces
 from service.http.completions.plan import CompletionPlan
 
 CHUNK_BYTES = 1 << 20  # small pieces of the answer are sent together, up to this many bytes
-RENDER_THREADS = min(4, os.cpu_count() or 1)  # each holds one block's temporaries (~30 MB) at a time
+RENDER_THREADS = min(4, os.cpu_count() or 1)  # each holds one block's temporaries (a few MB) at a time
 
 
 @dataclass(frozen=True, slots=True)
