@@ -53,6 +53,7 @@ from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, packed_model, provenanc
 from benchmarks.server import HttpServer, http_bodies, http_rounds
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import Sample, grpo_long, grpo_short, jobs, workload
+from service.answer import layout as answer_layout
 from service.batcher import Batcher
 from service.core.jobs import IntArray, SequenceJob, SequenceScores
 from service.engine.contract import Launched
@@ -520,21 +521,26 @@ def in_process_budgets(
 @contextlib.contextmanager
 def recording_server(events: list[Event]) -> Iterator[None]:
     """Within: the app records each request's arrival (`received`) and the route its parse,
-    normalise and render (`recorded`) into `events`; the originals are back after."""
+    normalise and render (`recorded`), within a render each block written as nested lists ("lists
+    <field>"), and a streamed completions answer's choices (`recorded_choices`) into `events`; the
+    originals are back after."""
     steps = {"parse_json": "parse", "parse_frame": "parse", "normalise": "normalise"}
     steps |= {"to_json": "render", "to_frame": "render"}
     saved = {name: getattr(api, name) for name in steps}
     choice_stream = completions_response.choice_stream
+    lists = dict(answer_layout.LISTS)
     create_app = server.create_app  # type: ignore[attr-defined]
     server.create_app = received(events, create_app)  # type: ignore[attr-defined]
     for name, what in steps.items():
         setattr(api, name, recorded(events, what, saved[name]))
     completions_response.choice_stream = recorded_choices(events, choice_stream)
+    answer_layout.LISTS.update({name: recorded(events, f"lists {name}", fn) for name, fn in lists.items()})
     try:
         yield
     finally:
         server.create_app = create_app  # type: ignore[attr-defined]
         completions_response.choice_stream = choice_stream
+        answer_layout.LISTS.update(lists)
         for name, fn in saved.items():
             setattr(api, name, fn)
 

@@ -44,6 +44,8 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
         whats = [e[0] for e in events]
         assert [whats.count(w) for w in ("headers", "body", "parse", "normalise", "render")] == [8] * 5
         assert whats.count("collected") == whats.count("launch") >= 1
+    lists = [e[0] for e in timelines["top_logprobs_100_json"] if e[0].startswith("lists")]
+    assert sorted(lists) == ["lists top_ids"] * 8 + ["lists top_logprobs"] * 8  # within each render
     teacher = model["teacher"]
     split = [teacher[k] for k in ("client_before_ms", "server_ms", "client_after_ms")]
     assert all(ms > 0 for ms in split)  # the last call: the client's encoding, the server, its reading
