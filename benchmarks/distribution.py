@@ -17,7 +17,10 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
   `<variant>_base64` with `distribution_format: "base64"` (top_logprobs variants; the client decodes
   each row as docs/api.md shows), each over `plain_json`; `--timeline PATH` writes the server's side
   of each one's last round there (benchmarks/probes/overhead.py's last_round, as benchmarks.replay),
-  and of the teacher call's last call (`teacher`: its micro-batches, each choice's chunks, the sends).
+  and of the teacher call's last call (`teacher`: its micro-batches, each choice's chunks, the sends);
+  each variant's last round is then split into `server_span_ms` and `outside_server_ms` (the plain
+  clients' own encoding, reading and parsing), the teacher's last call into `client_before_ms`,
+  `server_ms` and `client_after_ms`.
 - `teacher`: one TRL-style distillation call, `POST /v1/completions` with 8 token-id prompts of
   --teacher-tokens tokens, `max_tokens: 1`, `prompt_logprobs: 100` (every position's top 100, vLLM's
   form), from a client process as a trainer makes it (benchmarks/client.py --mode teacher), timed
@@ -49,7 +52,7 @@ import orjson
 import torch
 
 from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, active_params, packed_model, run_models
-from benchmarks.probes.overhead import Timelines
+from benchmarks.probes.overhead import Timelines, split_text
 from benchmarks.server import HttpServer, histogram_totals, http_rounds
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import Sample, floor_flops, grpo_short, unique_floor_flops
@@ -132,14 +135,15 @@ def json_rounds(
         bodies = json_group_bodies(samples, extra)
         timeline.start()
         rounds = http_rounds(url, bodies, args.reps, args.json_client, frames=False)
-        timeline.take(variant, len(bodies))
+        split = timeline.take(variant, len(bodies), rounds[-1])
         ms = statistics.median(rounds) * 1e3
         out[variant] = {
             "ms": ms,
             "rounds_ms": [round(r * 1e3, 1) for r in rounds],
             "unique_floor_fraction": unique_floor_s * 1e3 / ms,
+            **split,  # the last round's, with --timeline
         }
-        print(f"  grpo-short {variant:>24}: {ms:9.1f} ms", flush=True)
+        print(f"  grpo-short {variant:>24}: {ms:9.1f} ms{split_text(split)}", flush=True)
     for v in out.values():
         v["cost_over_plain_json"] = v["ms"] / out["plain_json"]["ms"] - 1
     return out

@@ -29,7 +29,10 @@ and a server's clients are other processes.
 With `--timeline PATH`, the server's side of each variant's last round goes there (JSON, per variant:
 [what, start ms, end ms] from the round's first request's arrival, benchmarks/probes/overhead.py's
 events): each request's `headers` and `body` (its last part read), `parse`, `normalise`, `render`,
-and each micro-batch's `launch` and `collected` (the wait for its scores).
+each part of an answer handed to uvicorn (`sent`), and each micro-batch's `launch` and `collected`
+(the wait for its scores); each JSON variant's figures then split its last round into
+`server_span_ms` (the first headers to the last part sent) and `outside_server_ms` (the plain
+clients' encoding before it, their reading and parsing after).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import orjson
 import torch
 
 from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, active_params, packed_model, run_models
-from benchmarks.probes.overhead import Timelines
+from benchmarks.probes.overhead import Timelines, split_text
 from benchmarks.server import HttpServer, freeze_client_data, http_rounds
 from benchmarks.shapes import MOE_SHAPES, floor_shape
 from benchmarks.workload import Sample, floor_flops, workload
@@ -216,9 +219,9 @@ def json_rounds(  # noqa: PLR0917
         raw = [orjson.dumps(b) for b in sent_bodies]
         timeline.start()
         rounds = http_rounds(url, raw, args.reps, args.json_client, frames=False)
-        timeline.take(variant, len(raw))
-        variants[variant] = timed(rounds, raw, floor_s) | {"over": "live_json"}
-        print(f"  {variant:>14}: {variants[variant]['ms']:9.1f} ms", flush=True)
+        split = timeline.take(variant, len(raw), rounds[-1])  # the last round's, with --timeline
+        variants[variant] = timed(rounds, raw, floor_s) | {"over": "live_json"} | split
+        print(f"  {variant:>14}: {variants[variant]['ms']:9.1f} ms{split_text(split)}", flush=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -327,10 +327,29 @@ class Timelines:
             "client_after_ms": (call["ended"] - sent) * 1e3,
         }
 
-    def take(self, variant: str, requests: int) -> None:
-        """The variant's rounds of `requests` requests each are over: keep its last."""
-        if self.path is not None:
-            self.rounds[variant] = last_round(self.events, requests)
+    def take(self, variant: str, requests: int, round_s: float | None = None) -> dict[str, float]:
+        """The variant's rounds of `requests` requests each are over: keep its last. With the last
+        round's seconds (`round_s`, as its client timed it), that round's split: `server_span_ms`, its
+        first request's headers at the app to its last answer's last part handed to uvicorn, and
+        `outside_server_ms`, the rest of the round (the clients' encoding before, their reading and
+        parsing after). Empty without a path."""
+        if self.path is None:
+            return {}
+        kept = last_round(self.events, requests)
+        self.rounds[variant] = kept
+        sent = [end for what, _, end in kept if what == "sent"]
+        if round_s is None or not sent:
+            return {}
+        return {"server_span_ms": max(sent), "outside_server_ms": round_s * 1e3 - max(sent)}
+
+
+def split_text(split: dict[str, float]) -> str:
+    """Timelines.take's split of a last round, as a printed line ends ("" without one)."""
+    if not split:
+        return ""
+    return (
+        f" (last round: server {split['server_span_ms']:.1f} ms, the rest {split['outside_server_ms']:.1f})"
+    )
 
 
 def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | None = None) -> dict[str, Any]:

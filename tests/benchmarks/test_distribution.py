@@ -44,6 +44,9 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
         whats = [e[0] for e in events]
         assert [whats.count(w) for w in ("headers", "body", "parse", "normalise", "render")] == [8] * 5
         assert whats.count("collected") == whats.count("launch") >= 1
+    for name, variant in model["grpo-short"]["json"].items():  # the last round: the server's span, the rest
+        assert variant["server_span_ms"] == max(e[2] for e in timelines[name] if e[0] == "sent")
+        assert 0 < variant["server_span_ms"] <= variant["rounds_ms"][-1] + 0.1
     lists = [e[0] for e in timelines["top_logprobs_100_json"] if e[0].startswith("lists")]
     assert sorted(lists) == ["lists top_ids"] * 8 + ["lists top_logprobs"] * 8  # within each render
     teacher = model["teacher"]

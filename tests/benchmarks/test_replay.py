@@ -47,6 +47,13 @@ def test_replay_benchmark_runs_every_form_on_cpu(tmp_path: Path) -> None:
         assert whats.count("collected") == whats.count("launch")
         assert events[0][:2] == ["headers", 0.0]
         assert all(0 <= start <= end for _, start, end in events)
+    for name, variant in tiny["variants"].items():  # a JSON round: the server's span, then the clients'
+        if name.endswith(("_json", "_base64", "_lists")):
+            sent = max(e[2] for e in timelines[name] if e[0] == "sent")
+            assert variant["server_span_ms"] == sent
+            assert variant["server_span_ms"] + variant["outside_server_ms"] == pytest.approx(
+                variant["rounds_ms"][-1], abs=0.1
+            )
     (row,) = page_rows("replay", out)  # the results page reads what the suite wrote
     assert row[1] == "tiny-moe"
     assert row[2].startswith(f"{tiny['variants']['live']['ms']:,.1f} (")
