@@ -152,6 +152,18 @@ def _replay_json(e: Entry) -> Iterator[list[str]]:
         if "live_json" not in v:
             continue
         yield [name, ms_of(v["live_json"]), *(over(v.get(k), "cost_over_live") for k in ROUTE_FORMS)]
+        if "server_span_ms" in v["live_json"]:  # --timeline: the last rounds split
+            yield [f"{name}, {SPLIT_ROW}", *(_split(v.get(k)) for k in ("live_json", *ROUTE_FORMS))]
+
+
+SPLIT_ROW = "last round: server / clients, ms"
+
+
+def _split(v: dict[str, Any] | None) -> str:
+    """A JSON variant's last round (--timeline): the server's span / the plain clients' rest, ms."""
+    if v is None or "server_span_ms" not in v:
+        return NONE
+    return f"{ms(v['server_span_ms'])} / {ms(v['outside_server_ms'])}"
 
 
 def _of(variant: dict[str, Any] | None, key: str) -> Any:
@@ -168,6 +180,16 @@ def _distribution(e: Entry) -> Iterator[list[str]]:
             ms_of(t), ms_of(t.get("tokenizer")), f"{t['answer_bytes'] / 1e6:.1f}",
             f"{t['peak_gib_over_weights']:.2f}",
         ]  # fmt: skip
+        if "server_ms" in t:  # --timeline: the last call split; its prompts in-process, no HTTP
+            teacher = f"{ms(t['server_ms'])} / {ms(t['client_before_ms'] + t['client_after_ms'])}"
+            yield [
+                f"{name}, {SPLIT_ROW}",
+                *[NONE] * 4,
+                teacher,
+                f"in-process {ms(t['in_process_ms'])}",
+                NONE,
+                NONE,
+            ]
 
 
 JSON_FORMS = ("top_logprobs_100_json", "top_logprobs_100_base64", "top_logprobs_1000_json",
@@ -187,6 +209,13 @@ def _distribution_json(e: Entry) -> Iterator[list[str]]:
             *(over(forms.get(k), "cost_over_plain_json") for k in JSON_FORMS),
             " / ".join(ms(_of(frames.get(k), "ms")) for k in ("top_logprobs_100", "top_logprobs_1000")),
         ]  # fmt: skip
+        if "server_span_ms" in forms["plain_json"]:  # --timeline: the last rounds split
+            yield [
+                f"{name}, {SPLIT_ROW}",
+                client,
+                *(_split(forms.get(k)) for k in ("plain_json", *JSON_FORMS)),
+                NONE,
+            ]
 
 
 def _prefix_cache(e: Entry) -> Iterator[list[str]]:

@@ -65,9 +65,21 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     assert teacher["tokenizer"]["ms"] > 0
     # "t<id>" rather than null: a byte more an entry at least
     assert teacher["tokenizer"]["answer_bytes"] >= teacher["answer_bytes"] + teacher["entries"]
-    (row,) = page_rows("distribution", out)  # the results page reads what the suite wrote
+    row, split_row = page_rows("distribution", out)  # the results page reads what the suite wrote
     assert row[1:3] == ["tiny", f"{model['grpo-short']['variants']['plain']['ms']:,.1f}"]
-    (forms,) = page_rows("distribution_json", out)  # its JSON forms, each over plain JSON
+    rest = teacher["client_before_ms"] + teacher["client_after_ms"]  # and the teacher's last call split
+    assert split_row[1:2] + split_row[6:8] == [
+        "tiny, last round: server / clients, ms",
+        f"{teacher['server_ms']:,.1f} / {rest:,.1f}",
+        f"in-process {teacher['in_process_ms']:,.1f}",
+    ]
+    forms, forms_split = page_rows("distribution_json", out)  # its JSON forms, each over plain JSON
+    assert forms_split[4] == "{:,.1f} / {:,.1f}".format(
+        *(
+            model["grpo-short"]["json"]["top_logprobs_100_json"][k]
+            for k in ("server_span_ms", "outside_server_ms")
+        )
+    )
     plain = model["grpo-short"]["json"]["plain_json"]
     assert forms[1:4] == [
         "tiny",

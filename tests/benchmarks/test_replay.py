@@ -56,6 +56,12 @@ def test_replay_benchmark_runs_every_form_on_cpu(tmp_path: Path) -> None:
             )
     (row,) = page_rows("replay", out)  # the results page reads what the suite wrote
     assert row[1] == "tiny-moe"
+    _, split = page_rows("replay_json", out)  # the JSON forms, and their last rounds split
+    replay_b64 = tiny["variants"]["replay_base64"]
+    assert split[1:2] + split[4:5] == [
+        "tiny-moe, last round: server / clients, ms",
+        f"{replay_b64['server_span_ms']:,.1f} / {replay_b64['outside_server_ms']:,.1f}",
+    ]
     assert row[2].startswith(f"{tiny['variants']['live']['ms']:,.1f} (")
 
 
