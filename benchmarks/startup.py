@@ -16,8 +16,8 @@ Per start: `ready_s` (weights built to ready over HTTP: what benchmarks.moe repo
 time: an MoE policy's routed ones), the
 engine's own phases (building the decoders, the warm-up's scoring, the self-check, the GEMM shapes
 met, a micro-batch's working set measured, the prefix cache's pools allocated, the CUDA graphs
-checked and captured, the longest sequence sized, an MoE policy's routed modes checked and their
-graphs queued: each timed to the device's idle), and the
+checked and captured, the longest sequence sized, and after ready, within `idle_graphs_s`, an MoE
+policy's routed modes checked: each timed to the device's idle), and the
 compiles within them: Triton's (`_do_compile`, a disk hit included) and the CuTe DSL's
 (`cute.compile`, quack's and flash-attn 4's kernels; a disk hit skips it), by kernel.
 """
@@ -128,7 +128,7 @@ def instrument(clock: Clock) -> None:
     PackedScorer.__init__ = clock.timed_phase("build decoders", PackedScorer.__init__)  # type: ignore[method-assign]
     steps = {"score": "warm-up scoring", "_self_check": "self-check", "meet_shapes": "GEMM shapes"}
     steps |= {"_measure": "working set", "_open_cache": "prefix cache", "_size_longest": "longest sequence"}
-    steps |= {"_plan_routed": "routed graphs checked"}  # an MoE policy's: its scoring is under this too
+    steps |= {"_plan_routed": "idle: routed modes checked"}  # an MoE policy's, after ready (idle_graphs_s)
     for method, name in steps.items():
         setattr(PackedScorer, method, clock.timed_phase(name, getattr(PackedScorer, method)))
     for module, function, name in [

@@ -210,8 +210,8 @@ class Metrics:
         self.graphs_pending = Gauge(
             f"{PREFIX}_cuda_graphs_pending",
             "CUDA graphs the engine captures while idle (an MoE policy's for routed micro-batches, "
-            "after the start): how many are left. Each capture makes a request that comes meanwhile "
-            "wait for it.",
+            "after the start; the first two with the check of both routed modes): how many are left. "
+            "Each capture makes a request that comes meanwhile wait for it.",
             registry=r,
         )
         self.model_info = InfoMetric(f"{PREFIX}_model", "The model being served.", registry=r)

@@ -237,8 +237,9 @@ class ScoringEngine(Protocol):
     thread). A micro-batch may end with one chunk of a sequence longer than a micro-batch; the
     chunks of a sequence are launched in order, and its scores are the chunks' scores, joined.
     `release` drops what the engine keeps of a chunked sequence whose last chunk will not come.
-    `tend` captures one of the CUDA graphs the engine keeps for its idle time and says how many are
-    left; the batcher calls it while nothing is launched or queued.
+    `tend` does one step of the work the engine keeps for its idle time (an MoE policy's routed modes
+    checked, then one CUDA graph captured a call) and says how many graphs are left; the batcher calls
+    it while nothing is launched or queued.
     `launch`, `release`, `tend` and `apply` are called from the one engine thread only; `stage` from a
     loader thread, while micro-batches run.
 

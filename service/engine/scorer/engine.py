@@ -114,6 +114,7 @@ class PackedScorer:
         )
         self._weights = build.initial_weights(config, loaded.name, self._info)
         self._receiver: PushReceiver | None = None
+        self._routed_probe: list[SequenceJob] = []  # an MoE policy's: its routed modes to check while idle
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> PackedScorer:
@@ -288,7 +289,8 @@ class PackedScorer:
     def warm_up(self) -> None:
         """Run every model's kernels once and check the heads reproduce the models' own final logits;
         on a GPU, meet every GEMM shape and measure a micro-batch's working set; allocate the prefix
-        cache's pools; capture the graphs (which write the pools) and size the longest sequence."""
+        cache's pools; capture the graphs (which write the pools) and size the longest sequence. An
+        MoE policy's routed modes are checked later, in the engine's idle time (`tend`)."""
         rng = random.Random(0)
         jobs = [self._random_job(rng, min(64, self._info.max_positions)) for _ in range(4)]
         self.score(jobs)
@@ -313,13 +315,19 @@ class PackedScorer:
         if isinstance(policy, graphs.GraphedDecoder) and policy.disabled is not None:
             kernels = self._info.kernels.replace("+graphs", "")
             self._info = dataclasses.replace(self._info, kernels=kernels)
-        if isinstance(policy, graphs.GraphedDecoder) and self._info.moe is not None:
-            self._plan_routed(policy, jobs)
+        if (
+            isinstance(policy, graphs.GraphedDecoder)
+            and policy.disabled is None
+            and self._info.moe is not None
+        ):
+            self._routed_probe = jobs
 
     def _plan_routed(self, policy: graphs.GraphedDecoder, jobs: list[SequenceJob]) -> None:
         """Check the routed modes' graphs on the warm-up's jobs (recorded, then those records replayed:
         graphs.py captures and checks each mode's first) and queue every N's for the engine's idle
-        time (`tend`)."""
+        time (`tend`). The first idle time's work, not the start's: cold, the routed kernels' compiles
+        make it ~15 s of a Qwen3-30B-A3B start on an H200 (benchmarks.startup), which no request needs
+        before it sends routes (one that does meanwhile is checked in its launch, as met)."""
         started = time.perf_counter()
         try:
             recorded = self.score([dataclasses.replace(job, return_routes=True) for job in jobs])
@@ -338,8 +346,14 @@ class PackedScorer:
 
     @torch.inference_mode()
     def tend(self) -> int:
-        """Capture one CUDA graph queued for the engine's idle time (graphs.py); how many are left.
-        The batcher calls it on the engine thread with nothing launched."""
+        """One step of the engine's idle-time work: an MoE policy's routed modes checked (the first),
+        else one CUDA graph queued for it captured (graphs.py); how many graphs are left. The batcher
+        calls it on the engine thread with nothing launched."""
+        policy = self._served.policy.forward
+        if self._routed_probe and isinstance(policy, graphs.GraphedDecoder):
+            jobs, self._routed_probe = self._routed_probe, []
+            self._plan_routed(policy, jobs)
+            return self.pending_graphs
         waiting = [f for f in self._graphed() if f.pending]
         if waiting:
             waiting[0].capture_pending()
@@ -347,8 +361,9 @@ class PackedScorer:
 
     @property
     def pending_graphs(self) -> int:
-        """CUDA graphs queued for the engine's idle time (`tend`)."""
-        return sum(f.pending for f in self._graphed())
+        """CUDA graphs left for the engine's idle time (`tend`): those queued, and the routed modes'
+        first two while their check waits."""
+        return sum(f.pending for f in self._graphed()) + (2 if self._routed_probe else 0)
 
     def _graphed(self) -> list[graphs.GraphedDecoder]:
         """The served models' forwards that replay CUDA graphs."""

@@ -340,9 +340,10 @@ def test_the_warm_up_leaves_every_routed_graph_for_the_idle_time(
     moe_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CPU twin of a CUDA engine's routed graphs (EagerRecorder, flash-attn 4's one graph per size):
-    the warm-up checks record and replay on its probe (256 tokens) and queues the other sizes of a
-    512-token budget; `tend` captures one a call; routed micro-batches then replay them, as the forced
-    reference scores them."""
+    the warm-up leaves the routed modes unchecked (nothing routed captured before ready); the first
+    `tend` checks record and replay on the warm-up's probe (256 tokens) and queues the other sizes of a
+    512-token budget; each later one captures one; routed micro-batches then replay them, as the
+    forced reference scores them."""
     recorder = Counting()
 
     def wrap(forward: Any, *args: Any, **_: Any) -> Any:  # (forward, setting, backend, device, recorder, ...)
@@ -354,7 +355,10 @@ def test_the_warm_up_leaves_every_routed_graph_for_the_idle_time(
     monkeypatch.setattr(graphs, "wrap", wrap)
     scorer = engine(moe_dirs["qwen3_moe"], "fused", max_batch_tokens=512, prefix_cache=False)
     scorer.warm_up()
-    assert scorer.pending_graphs == 6  # 512, 384 and 128 tokens, recording and replaying
+    live = recorder.captures  # the live graphs: no routed one before ready, their check waits for idle time
+    assert scorer.pending_graphs == 2  # the routed modes' first graphs, checked by the first tend
+    assert scorer.tend() == 6  # checked on the probe (256 tokens); 512, 384 and 128, recording and replaying
+    assert recorder.captures == live + 2
     left = [scorer.tend() for _ in range(6)]
     assert left == [5, 4, 3, 2, 1, 0]
     captured = recorder.captures
@@ -367,7 +371,7 @@ def test_the_warm_up_leaves_every_routed_graph_for_the_idle_time(
     assert scorer.pending_graphs == 0  # a routed size met before its capture would wait here
 
 
-def test_a_routed_check_that_fails_at_start_leaves_the_graphs_to_be_captured_as_met(
+def test_a_routed_check_that_fails_leaves_the_graphs_to_be_captured_as_met(
     moe_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def wrap(forward: Any, *args: Any, **_: Any) -> Any:
@@ -383,7 +387,8 @@ def test_a_routed_check_that_fails_at_start_leaves_the_graphs_to_be_captured_as_
         return score(jobs, forest)
 
     monkeypatch.setattr(scorer, "score", failing)
+    scorer.warm_up()  # the start goes on
     with caplog.at_level("WARNING"):
-        scorer.warm_up()  # the start goes on
+        assert scorer.tend() == 0  # serving goes on too: nothing queued
     assert "left to be captured as met: a routed forward failed" in caplog.text
     assert scorer.pending_graphs == 0
