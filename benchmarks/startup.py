@@ -128,7 +128,7 @@ def instrument(clock: Clock) -> None:
     PackedScorer.__init__ = clock.timed_phase("build decoders", PackedScorer.__init__)  # type: ignore[method-assign]
     steps = {"score": "warm-up scoring", "_self_check": "self-check", "meet_shapes": "GEMM shapes"}
     steps |= {"_measure": "working set", "_open_cache": "prefix cache", "_size_longest": "longest sequence"}
-    steps |= {"_plan_routed": "idle: routed modes checked"}  # an MoE policy's, after ready (idle_graphs_s)
+    steps |= {"_check_routed": "idle: routed modes checked"}  # an MoE policy's, after ready (idle_graphs_s)
     for method, name in steps.items():
         setattr(PackedScorer, method, clock.timed_phase(name, getattr(PackedScorer, method)))
     for module, function, name in [

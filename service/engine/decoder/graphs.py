@@ -44,8 +44,8 @@ buffers (graph_routes.py): the given ids copied in, the records copied out after
 first graph of a mode is checked where it is captured: its replay, over outputs cleared first,
 against the eager forward of the same batch (hidden states within the start-up check's bound, the
 records equal); a mismatch or a failed capture turns graphs off for that mode (a warning; eager from
-then on), never for live routing. For an MoE policy the engine checks both modes on its warm-up
-probe in its first idle time after the start (allocating the static routes then), and `plan_routed`
+then on), never for live routing. For an MoE policy the engine checks each mode on its warm-up
+probe in its first idle times after the start (allocating the static routes then), and `plan_routed`
 queues a record and a replay graph for every N: captured one at a time while the engine idles
 (`capture_pending`, which the batcher calls between bursts), not at start, where they would double
 the graphs' share of the time to ready. A

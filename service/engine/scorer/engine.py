@@ -115,6 +115,7 @@ class PackedScorer:
         self._weights = build.initial_weights(config, loaded.name, self._info)
         self._receiver: PushReceiver | None = None
         self._routed_probe: list[SequenceJob] = []  # an MoE policy's: its routed modes to check while idle
+        self._routed_replay: list[SequenceJob] = []  # the probe's records, to replay the next idle time
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> PackedScorer:
@@ -322,37 +323,45 @@ class PackedScorer:
         ):
             self._routed_probe = jobs
 
-    def _plan_routed(self, policy: graphs.GraphedDecoder, jobs: list[SequenceJob]) -> None:
-        """Check the routed modes' graphs on the warm-up's jobs (recorded, then those records replayed:
-        graphs.py captures and checks each mode's first) and queue every N's for the engine's idle
-        time (`tend`). The first idle time's work, not the start's: cold, the routed kernels' compiles
-        make it ~15 s of a Qwen3-30B-A3B start on an H200 (benchmarks.startup), which no request needs
-        before it sends routes (one that does meanwhile is checked in its launch, as met)."""
+    def _check_routed(self, policy: graphs.GraphedDecoder) -> None:
+        """One of the routed modes' checks (graphs.py captures and checks each mode's first graph): the
+        warm-up's jobs recorded, or, the next call, those records replayed, and then every N's routed
+        graphs queued for the idle time. Idle-time work, not the start's: cold, the routed kernels'
+        compiles made it ~15 s of a Qwen3-30B-A3B start on an H200 (benchmarks.startup), which no
+        request needs before it sends routes (one that does meanwhile is checked in its launch, as
+        met); in two steps, a request that comes meanwhile waits for half of it."""
         started = time.perf_counter()
         try:
-            recorded = self.score([dataclasses.replace(job, return_routes=True) for job in jobs])
-            given = [
-                dataclasses.replace(job, routes=GivenRoutes(0, scores.routes))
-                for job, scores in zip(jobs, recorded, strict=True)
-                if scores.routes is not None
-            ]
+            if self._routed_probe:
+                jobs, self._routed_probe = self._routed_probe, []
+                recorded = self.score([dataclasses.replace(job, return_routes=True) for job in jobs])
+                self._routed_replay = [
+                    dataclasses.replace(job, routes=GivenRoutes(0, scores.routes))
+                    for job, scores in zip(jobs, recorded, strict=True)
+                    if scores.routes is not None
+                ]
+                log.info("CUDA graphs: routed recording checked in %.1f s", time.perf_counter() - started)
+                return
+            given, self._routed_replay = self._routed_replay, []
             self.score(given)
-        except Exception as exc:  # routed scoring fails alike when served: the start goes on
+        except Exception as exc:  # routed scoring fails alike when served: serving goes on
+            self._routed_probe, self._routed_replay = [], []
             log.warning("routed micro-batches' CUDA graphs left to be captured as met: %s", exc)
             return
         queued = policy.plan_routed()
         seconds = time.perf_counter() - started
-        log.info("CUDA graphs: routed modes checked in %.1f s, %d shapes left for idle time", seconds, queued)
+        log.info(
+            "CUDA graphs: routed replay checked in %.1f s, %d shapes left for idle time", seconds, queued
+        )
 
     @torch.inference_mode()
     def tend(self) -> int:
-        """One step of the engine's idle-time work: an MoE policy's routed modes checked (the first),
-        else one CUDA graph queued for it captured (graphs.py); how many graphs are left. The batcher
-        calls it on the engine thread with nothing launched."""
+        """One step of the engine's idle-time work: an MoE policy's routed modes checked (the first
+        two), else one CUDA graph queued for it captured (graphs.py); how many graphs are left. The
+        batcher calls it on the engine thread with nothing launched."""
         policy = self._served.policy.forward
-        if self._routed_probe and isinstance(policy, graphs.GraphedDecoder):
-            jobs, self._routed_probe = self._routed_probe, []
-            self._plan_routed(policy, jobs)
+        if (self._routed_probe or self._routed_replay) and isinstance(policy, graphs.GraphedDecoder):
+            self._check_routed(policy)
             return self.pending_graphs
         waiting = [f for f in self._graphed() if f.pending]
         if waiting:
@@ -362,8 +371,9 @@ class PackedScorer:
     @property
     def pending_graphs(self) -> int:
         """CUDA graphs left for the engine's idle time (`tend`): those queued, and the routed modes'
-        first two while their check waits."""
-        return sum(f.pending for f in self._graphed()) + (2 if self._routed_probe else 0)
+        first ones while their checks wait (recording's and replay's)."""
+        checks = (2 if self._routed_probe else 0) + (1 if self._routed_replay else 0)
+        return sum(f.pending for f in self._graphed()) + checks
 
     def _graphed(self) -> list[graphs.GraphedDecoder]:
         """The served models' forwards that replay CUDA graphs."""

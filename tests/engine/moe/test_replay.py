@@ -341,9 +341,9 @@ def test_the_warm_up_leaves_every_routed_graph_for_the_idle_time(
 ) -> None:
     """The CPU twin of a CUDA engine's routed graphs (EagerRecorder, flash-attn 4's one graph per size):
     the warm-up leaves the routed modes unchecked (nothing routed captured before ready); the first
-    `tend` checks record and replay on the warm-up's probe (256 tokens) and queues the other sizes of a
-    512-token budget; each later one captures one; routed micro-batches then replay them, as the
-    forced reference scores them."""
+    `tend` checks recording on the warm-up's probe (256 tokens), the second replaying those records,
+    and queues the other sizes of a 512-token budget; each later one captures one; routed micro-batches
+    then replay them, as the forced reference scores them."""
     recorder = Counting()
 
     def wrap(forward: Any, *args: Any, **_: Any) -> Any:  # (forward, setting, backend, device, recorder, ...)
@@ -356,8 +356,10 @@ def test_the_warm_up_leaves_every_routed_graph_for_the_idle_time(
     scorer = engine(moe_dirs["qwen3_moe"], "fused", max_batch_tokens=512, prefix_cache=False)
     scorer.warm_up()
     live = recorder.captures  # the live graphs: no routed one before ready, their check waits for idle time
-    assert scorer.pending_graphs == 2  # the routed modes' first graphs, checked by the first tend
-    assert scorer.tend() == 6  # checked on the probe (256 tokens); 512, 384 and 128, recording and replaying
+    assert scorer.pending_graphs == 2  # the routed modes' first graphs, checked by the first two tends
+    assert scorer.tend() == 1  # recording checked on the probe (256 tokens); replaying waits
+    assert recorder.captures == live + 1
+    assert scorer.tend() == 6  # replaying checked; 512, 384 and 128, recording and replaying, queued
     assert recorder.captures == live + 2
     left = [scorer.tend() for _ in range(6)]
     assert left == [5, 4, 3, 2, 1, 0]
@@ -371,8 +373,12 @@ def test_the_warm_up_leaves_every_routed_graph_for_the_idle_time(
     assert scorer.pending_graphs == 0  # a routed size met before its capture would wait here
 
 
+@pytest.mark.parametrize("failing_mode", ["record", "replay"])
 def test_a_routed_check_that_fails_leaves_the_graphs_to_be_captured_as_met(
-    moe_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    moe_dirs: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    failing_mode: str,
 ) -> None:
     def wrap(forward: Any, *args: Any, **_: Any) -> Any:
         return GraphedDecoder(forward, EagerRecorder(), args[4], True, args[5])
@@ -382,13 +388,16 @@ def test_a_routed_check_that_fails_leaves_the_graphs_to_be_captured_as_met(
     score = scorer.score
 
     def failing(jobs: list[SequenceJob], forest: Any = None) -> list[SequenceScores]:
-        if any(j.return_routes for j in jobs):
+        routed = {"record": any(j.return_routes for j in jobs), "replay": any(j.routes for j in jobs)}
+        if routed[failing_mode]:
             raise RuntimeError("a routed forward failed")
         return score(jobs, forest)
 
     monkeypatch.setattr(scorer, "score", failing)
     scorer.warm_up()  # the start goes on
     with caplog.at_level("WARNING"):
+        if failing_mode == "replay":
+            assert scorer.tend() == 1  # recording checked; the replay's check fails next
         assert scorer.tend() == 0  # serving goes on too: nothing queued
     assert "left to be captured as met: a routed forward failed" in caplog.text
     assert scorer.pending_graphs == 0
