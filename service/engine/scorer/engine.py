@@ -329,7 +329,7 @@ class PackedScorer:
         graphs queued for the idle time. Idle-time work, not the start's: cold, the routed kernels'
         compiles made it ~15 s of a Qwen3-30B-A3B start on an H200 (benchmarks.startup), which no
         request needs before it sends routes (one that does meanwhile is checked in its launch, as
-        met); in two steps, a request that comes meanwhile waits for half of it."""
+        met); in two steps, so that a request that comes meanwhile waits for one of them."""
         started = time.perf_counter()
         try:
             if self._routed_probe:
