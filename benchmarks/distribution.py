@@ -212,8 +212,9 @@ def teacher_calls(
         if timeline is not None:
             timeline.start()
         timed = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-        client_side = timeline.outside_server(timed["last"]) if timeline is not None else {}
+        client_side: dict[str, float] = {}
         if timeline is not None:
+            client_side = timeline.outside_server(timed["last"])
             timeline.take("teacher", 1)
     after = histogram_totals(url, FORWARD)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
@@ -286,9 +287,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     with timeline.recording(engine):  # the first budget's last call
         for i, budget in enumerate(args.teacher_budgets):
             with HttpServer(engine, settings.model_copy(update={"max_batch_tokens": budget})) as url:
-                call = teacher_calls(
-                    url, body, args.reps, device, timeline if i == 0 and args.timeline else None
-                )
+                call = teacher_calls(url, body, args.reps, device, timeline if i == 0 else None)
                 drawing = (
                     teacher_calls(url, {**body, "logprobs": 1}, args.reps, device) if args.drawing else None
                 )

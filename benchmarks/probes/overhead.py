@@ -318,7 +318,10 @@ class Timelines:
         clock) hold the last request recorded: ms before its headers reached the app
         (`client_before_ms`: the client's encoding and connection), from them to the answer's last
         part handed to uvicorn (`server_ms`), and after that to the client's last byte read
-        (`client_after_ms`: what the client still had to read, and its own copies)."""
+        (`client_after_ms`: what the client still had to read, and its own copies). Empty without a
+        path, as `take`."""
+        if self.path is None:
+            return {}
         arrived = max(e[1] for e in self.events if e[0] == "headers")
         sent = max(e[2] for e in self.events if e[0] == "sent")
         return {
