@@ -4,7 +4,8 @@ builds, the clock it times with, and the result file it writes.
 A result file is one JSON object. Its top level says where it came from (`provenance`): `suite`,
 `device`, `gpus`, `date`, `commit` (LOGPROBD_COMMIT where set, else git's HEAD, `+dirty` when
 service/ or benchmarks/ differ from it), `command` (the `python -m benchmarks.<suite> ...` that
-reproduces it, without --output) and `versions` (python, torch, cuda and the packages that choose the
+reproduces it, without --output), `environment` (the LOGPROBD_* settings the run's environment gave)
+and `versions` (python, torch, cuda and the packages that choose the
 kernels); beside it the suite's own keys (`settings`, `matmul_tflops`, `models`, ...). benchmarks/page
 renders BENCHMARKS.md from such files.
 """
@@ -103,7 +104,8 @@ def command(suite: str, argv: list[str] | None) -> str:
 
 def provenance(suite: str, device: torch.device, argv: list[str] | None, gpus: int = 1) -> dict[str, Any]:
     """The top level every result file starts with (the module docstring); `gpus`: how many the run
-    used (none off a GPU)."""
+    used (none off a GPU); `environment`: the server settings given as LOGPROBD_* variables (a run's
+    Settings read them), but the commit's."""
     return {
         "suite": suite,
         "device": device_name(device),
@@ -111,8 +113,13 @@ def provenance(suite: str, device: torch.device, argv: list[str] | None, gpus: i
         "date": dt.date.today().isoformat(),
         "commit": commit(),
         "command": command(suite, argv),
+        "environment": {k: v for k, v in sorted(os.environ.items()) if _setting(k)},
         "versions": versions(),
     }
+
+
+def _setting(variable: str) -> bool:
+    return variable.startswith("LOGPROBD_") and variable != "LOGPROBD_COMMIT"
 
 
 def write_result(path: Path, result: dict[str, Any]) -> None:

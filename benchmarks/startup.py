@@ -17,7 +17,9 @@ time: an MoE policy's routed ones), the
 engine's own phases (building the decoders, the warm-up's scoring, the self-check, the GEMM shapes
 met, a micro-batch's working set measured, the prefix cache's pools allocated, the CUDA graphs
 checked and captured, the longest sequence sized, and after ready, within `idle_graphs_s`, an MoE
-policy's routed modes checked: each timed to the device's idle), and the
+policy's routed modes checked: each timed to the device's idle; a phase in several calls, such as
+the routed check's two idle-time steps, also its longest call: what a request arriving then waits
+for at most), and the
 compiles within them: Triton's (`_do_compile`, a disk hit included) and the CuTe DSL's
 (`cute.compile`, quack's and flash-attn 4's kernels; a disk hit skips it), by kernel.
 """
@@ -54,6 +56,7 @@ class Clock:
     def __init__(self, sync: Callable[[], None]) -> None:
         self.sync = sync
         self.phases: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, list[float]] = defaultdict(list)  # each call of a phase, in order
         self.compiles: dict[str, dict[str, list[float]]] = {
             "triton": defaultdict(list),
             "cute": defaultdict(list),
@@ -73,7 +76,9 @@ class Clock:
         finally:
             self.sync()
             self._stack.pop()
-            self.phases[key] += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.phases[key] += elapsed
+            self.calls[key].append(elapsed)
 
     def timed_phase(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -99,6 +104,8 @@ class Clock:
     def report(self) -> dict[str, Any]:
         return {
             "phases_s": dict(self.phases),
+            "phase_calls": {k: len(v) for k, v in self.calls.items()},
+            "phase_longest_s": {k: max(v) for k, v in self.calls.items()},
             "compiles": {
                 kind: {
                     "count": sum(len(v) for v in by.values()),
@@ -201,7 +208,12 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _summary(n: int, run: dict[str, Any]) -> str:
-    phases = ", ".join(f"{k} {v:.1f}" for k, v in run["phases_s"].items() if "/" not in k)
+    calls, longest = run["phase_calls"], run["phase_longest_s"]
+    phases = ", ".join(
+        f"{k} {v:.1f}" + (f" ({calls[k]} calls, the longest {longest[k]:.1f})" if calls[k] > 1 else "")
+        for k, v in run["phases_s"].items()
+        if "/" not in k
+    )
     compiles = ", ".join(f"{k} {v['count']} in {v['seconds']:.1f} s" for k, v in run["compiles"].items())
     graphs = run["idle_graphs_s"]
     idle = f"; idle-time graphs {graphs:.1f} s after ready" if graphs >= 0.1 else ""

@@ -23,5 +23,8 @@ def test_startup_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     assert start["ready_s"] > 0
     assert start["phases_s"]["build decoders"] > 0
     assert set(start["compiles"]) == {"triton", "cute"}
+    assert set(start["phase_calls"]) == set(start["phase_longest_s"]) == set(start["phases_s"])
+    for phase, total in start["phases_s"].items():
+        assert 0 < start["phase_longest_s"][phase] <= total
     (row,) = page_rows("startup", out)  # the results page reads what the suite wrote
     assert row[1:4] == ["tiny-moe", "as given", f"{start['ready_s']:.1f}"]  # --cache-dir: not known cold
