@@ -332,14 +332,6 @@ class Settings(BaseSettings):
         False, description="Also require a key on /health/*, /info and /metrics (open by default)."
     )
     log_level: LogLevel = Field("info", description="Log level.")
-    gil_switch_ms: float = Field(
-        5.0,
-        gt=0,
-        le=100,
-        description="How long one of the server's Python threads (the event loop reading bodies and "
-        "sending answers, the engine thread launching, the parse and render threads) may keep the GIL "
-        "while another waits for it (sys.setswitchinterval; Python's default is 5).",
-    )
     docs_ui: bool = Field(
         False,
         description="Serve Swagger UI at /docs and ReDoc at /redoc. They load their scripts, styles and "
@@ -415,9 +407,5 @@ GROUPS = (
         "weights_version ref_weights_version critic_weights_version reload_mode reload_roots weights_follow "
         "weights_follow_interval_s weight_push_timeout_s weight_push_partial_timeout_s weight_push_addresses",
     ),
-    _group(
-        "operations",
-        "Shutting down, logging and the process's threads.",
-        "drain_seconds log_level gil_switch_ms",
-    ),
+    _group("operations", "Shutting down and logging.", "drain_seconds log_level"),
 )

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 
 import service
 from service.batcher import Batcher
-from service.core import gil, heap
+from service.core import heap
 from service.core.errors import ServiceError, from_pydantic, from_routing, status_for
 from service.engine import EngineInfo, ScoringEngine, Supervised, load_engine
 from service.engine.config import EngineConfig
@@ -61,8 +61,7 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         starting = asyncio.create_task(_start(state, engine_factory, on_fatal))
         try:
-            with gil.switching(settings.gil_switch_ms):
-                yield
+            yield
         finally:
             state.draining = True
             starting.cancel()

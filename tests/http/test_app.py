@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import sys
 import time
 from pathlib import Path
 
@@ -198,12 +197,3 @@ def test_unknown_routes_and_methods_answer_in_the_error_shape() -> None:
         metrics = client.get("/metrics").text
         assert "not_found" not in metrics  # not scoring requests: the outcomes stay those of scoring
         assert "method_not_allowed" not in metrics
-
-
-def test_the_gil_switch_interval_holds_while_the_app_serves() -> None:
-    before = sys.getswitchinterval()
-    app = create_app(Settings(gil_switch_ms=0.5), engine_factory=lambda _: FakeEngine())
-    with TestClient(app) as client:
-        wait_ready(client)
-        assert sys.getswitchinterval() == 0.0005
-    assert sys.getswitchinterval() == before

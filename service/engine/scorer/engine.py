@@ -331,24 +331,27 @@ class PackedScorer:
         request needs before it sends routes (one that does meanwhile is checked in its launch, as
         met); in two steps, so that a request that comes meanwhile waits for one of them."""
         started = time.perf_counter()
+        # each step's list stays until the step is done, so that pending_graphs, read by other threads
+        # (a benchmark waiting for the idle time's graphs), never reads 0 while a step runs
         try:
             if self._routed_probe:
-                jobs, self._routed_probe = self._routed_probe, []
+                jobs = self._routed_probe
                 recorded = self.score([dataclasses.replace(job, return_routes=True) for job in jobs])
                 self._routed_replay = [
                     dataclasses.replace(job, routes=GivenRoutes(0, scores.routes))
                     for job, scores in zip(jobs, recorded, strict=True)
                     if scores.routes is not None
                 ]
+                self._routed_probe = []
                 log.info("CUDA graphs: routed recording checked in %.1f s", time.perf_counter() - started)
                 return
-            given, self._routed_replay = self._routed_replay, []
-            self.score(given)
+            self.score(self._routed_replay)
         except Exception as exc:  # routed scoring fails alike when served: serving goes on
             self._routed_probe, self._routed_replay = [], []
             log.warning("routed micro-batches' CUDA graphs left to be captured as met: %s", exc)
             return
         queued = policy.plan_routed()
+        self._routed_replay = []
         seconds = time.perf_counter() - started
         log.info(
             "CUDA graphs: routed replay checked in %.1f s, %d shapes left for idle time", seconds, queued

@@ -357,10 +357,15 @@ def test_the_warm_up_leaves_every_routed_graph_for_the_idle_time(
     scorer.warm_up()
     live = recorder.captures  # the live graphs: no routed one before ready, their check waits for idle time
     assert scorer.pending_graphs == 2  # the routed modes' first graphs, checked by the first two tends
+    during: list[int] = []  # what another thread reads while a step scores (a benchmark's wait for them)
+    score = scorer.score
+    monkeypatch.setattr(scorer, "score", lambda jobs: (during.append(scorer.pending_graphs), score(jobs))[1])
     assert scorer.tend() == 1  # recording checked on the probe (256 tokens); replaying waits
     assert recorder.captures == live + 1
     assert scorer.tend() == 6  # replaying checked; 512, 384 and 128, recording and replaying, queued
     assert recorder.captures == live + 2
+    assert during == [2, 1]  # never 0 while a check runs
+    monkeypatch.setattr(scorer, "score", score)
     left = [scorer.tend() for _ in range(6)]
     assert left == [5, 4, 3, 2, 1, 0]
     captured = recorder.captures
