@@ -21,7 +21,8 @@ policy's routed modes checked: each timed to the device's idle; a phase in sever
 the routed check's two idle-time steps, also its longest call: what a request arriving then waits
 for at most), and the
 compiles within them: Triton's (`_do_compile`, a disk hit included) and the CuTe DSL's
-(`cute.compile`, quack's and flash-attn 4's kernels; a disk hit skips it), by kernel.
+(`cute.compile`, quack's and flash-attn 4's kernels; a disk hit skips it), by kernel and by the
+outermost phase they fell in.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Clock:
         self.sync = sync
         self.phases: dict[str, float] = defaultdict(float)
         self.calls: dict[str, list[float]] = defaultdict(list)  # each call of a phase, in order
+        self.compiles_in: dict[str, float] = defaultdict(float)  # compile seconds per outermost phase
         self.compiles: dict[str, dict[str, list[float]]] = {
             "triton": defaultdict(list),
             "cute": defaultdict(list),
@@ -97,7 +99,9 @@ class Clock:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.compiles[kind][label(*args, **kwargs)].append(time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                self.compiles[kind][label(*args, **kwargs)].append(elapsed)
+                self.compiles_in[self._stack[0] if self._stack else "outside the phases"] += elapsed
 
         return wrapper
 
@@ -106,6 +110,7 @@ class Clock:
             "phases_s": dict(self.phases),
             "phase_calls": {k: len(v) for k, v in self.calls.items()},
             "phase_longest_s": {k: max(v) for k, v in self.calls.items()},
+            "compile_s_by_phase": dict(self.compiles_in),
             "compiles": {
                 kind: {
                     "count": sum(len(v) for v in by.values()),

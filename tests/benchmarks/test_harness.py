@@ -25,11 +25,11 @@ def test_the_commit_is_the_one_given_where_there_is_no_history(monkeypatch: pyte
 
 
 def test_provenance_says_where_a_result_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LOGPROBD_GIL_SWITCH_MS", "0.5")
+    monkeypatch.setenv("LOGPROBD_MAX_BATCH_TOKENS", "8192")
     monkeypatch.setenv("LOGPROBD_COMMIT", "1234abc")
     found = harness.provenance("run", torch.device("cpu"), ["--reps", "1"])
     assert list(found) == ["suite", "device", "gpus", "date", "commit", "command", "environment", "versions"]
-    assert found["environment"] == {"LOGPROBD_GIL_SWITCH_MS": "0.5"}  # the commit is said apart
+    assert found["environment"] == {"LOGPROBD_MAX_BATCH_TOKENS": "8192"}  # the commit is said apart
     assert (found["suite"], found["gpus"], found["command"]) == (
         "run",
         0,

@@ -24,6 +24,7 @@ def test_startup_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     assert start["phases_s"]["build decoders"] > 0
     assert set(start["compiles"]) == {"triton", "cute"}
     assert set(start["phase_calls"]) == set(start["phase_longest_s"]) == set(start["phases_s"])
+    assert set(start["compile_s_by_phase"]) <= {*start["phases_s"], "outside the phases"}
     for phase, total in start["phases_s"].items():
         assert 0 < start["phase_longest_s"][phase] <= total
     (row,) = page_rows("startup", out)  # the results page reads what the suite wrote
