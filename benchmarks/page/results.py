@@ -46,8 +46,9 @@ class Result:
         return f"{gpus} \N{MULTIPLICATION SIGN} {short}" if gpus > 1 else short
 
     def models(self, only: list[str] | None = None) -> dict[str, Any]:
-        """The file's `models` in its order, only those named where `only` is given."""
-        models: dict[str, Any] = self.data["models"]
+        """The file's `models` in its order, only those named where `only` is given (a suite of one
+        model, as startup's, has its `model` and nothing else)."""
+        models: dict[str, Any] = self.data.get("models") or {self.data["model"]: self.data}
         missing = [m for m in only or [] if m not in models]
         if missing:
             raise PageError(f"{self.file}: no model {missing}")

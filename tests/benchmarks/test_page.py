@@ -13,8 +13,19 @@ from pathlib import Path
 import pytest
 
 from benchmarks.page import build
-from benchmarks.page.layout import Entry
-from benchmarks.page.results import NONE, PROVENANCE, RESULTS, PageError, Sources, load, read, short, stack
+from benchmarks.page.layout import Entry, notes
+from benchmarks.page.results import (
+    NONE,
+    PROVENANCE,
+    RESULTS,
+    PageError,
+    Result,
+    Sources,
+    load,
+    read,
+    short,
+    stack,
+)
 from benchmarks.page.tables import SECTIONS
 from tests.benchmarks.page_rows import page_rows
 
@@ -214,3 +225,9 @@ def test_a_derived_table_leaves_the_notes_to_the_section_it_reads() -> None:
 def test_a_full_commit_hash_is_shown_as_its_first_seven_digits() -> None:
     full = "9b90841779f92098acf07949b44c217b7e140667"
     assert [short(full), short(full + "+dirty"), short("047621c")] == ["9b90841", "9b90841+dirty", "047621c"]
+
+
+def test_a_note_on_a_suite_of_one_model_names_that_model() -> None:
+    data = {"suite": "startup", "device": "NVIDIA H200", "model": "qwen3-30b-a3b", "starts": []}
+    entry = Entry(Result("s.json", data), None, "a note")
+    assert notes([entry]) == ["", "- H200 qwen3-30b-a3b: a note"]

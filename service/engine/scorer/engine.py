@@ -326,8 +326,8 @@ class PackedScorer:
     def _check_routed(self, policy: graphs.GraphedDecoder) -> None:
         """One of the routed modes' checks (graphs.py captures and checks each mode's first graph): the
         warm-up's jobs recorded, or, the next call, those records replayed, and then every N's routed
-        graphs queued for the idle time. Idle-time work, not the start's: cold, the routed kernels'
-        compiles made it ~15 s of a Qwen3-30B-A3B start on an H200 (benchmarks.startup), which no
+        graphs queued for the idle time. Idle-time work, not the start's: with cold caches the routed
+        kernels' compiles take 5 s of a Qwen3-30B-A3B start on an H200 (benchmarks.startup), which no
         request needs before it sends routes (one that does meanwhile is checked in its launch, as
         met); in two steps, so that a request that comes meanwhile waits for one of them."""
         started = time.perf_counter()

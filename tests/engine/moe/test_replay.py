@@ -359,7 +359,12 @@ def test_the_warm_up_leaves_every_routed_graph_for_the_idle_time(
     assert scorer.pending_graphs == 2  # the routed modes' first graphs, checked by the first two tends
     during: list[int] = []  # what another thread reads while a step scores (a benchmark's wait for them)
     score = scorer.score
-    monkeypatch.setattr(scorer, "score", lambda jobs: (during.append(scorer.pending_graphs), score(jobs))[1])
+
+    def watched(jobs: list[SequenceJob]) -> list[SequenceScores]:
+        during.append(scorer.pending_graphs)
+        return score(jobs)
+
+    monkeypatch.setattr(scorer, "score", watched)
     assert scorer.tend() == 1  # recording checked on the probe (256 tokens); replaying waits
     assert recorder.captures == live + 1
     assert scorer.tend() == 6  # replaying checked; 512, 384 and 128, recording and replaying, queued
