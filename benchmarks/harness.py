@@ -34,6 +34,7 @@ import torch
 
 from benchmarks.workload import Sample
 from service.engine.ops.attention import AttentionBackend, choose_backend, register
+from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -105,7 +106,7 @@ def command(suite: str, argv: list[str] | None) -> str:
 def provenance(suite: str, device: torch.device, argv: list[str] | None, gpus: int = 1) -> dict[str, Any]:
     """The top level every result file starts with (the module docstring); `gpus`: how many the run
     used (none off a GPU); `environment`: the server settings given as LOGPROBD_* variables (a run's
-    Settings read them), but the commit's."""
+    Settings read them; other LOGPROBD_* variables, such as LOGPROBD_COMMIT, are not settings)."""
     return {
         "suite": suite,
         "device": device_name(device),
@@ -119,7 +120,9 @@ def provenance(suite: str, device: torch.device, argv: list[str] | None, gpus: i
 
 
 def _setting(variable: str) -> bool:
-    return variable.startswith("LOGPROBD_") and variable != "LOGPROBD_COMMIT"
+    """Whether `variable` sets one of the server's Settings (LOGPROBD_<FIELD>)."""
+    prefix = "LOGPROBD_"
+    return variable.startswith(prefix) and variable[len(prefix) :].lower() in Settings.model_fields
 
 
 def write_result(path: Path, result: dict[str, Any]) -> None:

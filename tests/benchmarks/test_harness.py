@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -25,11 +26,14 @@ def test_the_commit_is_the_one_given_where_there_is_no_history(monkeypatch: pyte
 
 
 def test_provenance_says_where_a_result_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in [v for v in os.environ if v.startswith("LOGPROBD_")]:
+        monkeypatch.delenv(variable)
     monkeypatch.setenv("LOGPROBD_MAX_BATCH_TOKENS", "8192")
     monkeypatch.setenv("LOGPROBD_COMMIT", "1234abc")
+    monkeypatch.setenv("LOGPROBD_REQUIRE_NATIVE", "1")  # the tests' switch, not a setting
     found = harness.provenance("run", torch.device("cpu"), ["--reps", "1"])
     assert list(found) == ["suite", "device", "gpus", "date", "commit", "command", "environment", "versions"]
-    assert found["environment"] == {"LOGPROBD_MAX_BATCH_TOKENS": "8192"}  # the commit is said apart
+    assert found["environment"] == {"LOGPROBD_MAX_BATCH_TOKENS": "8192"}  # not the commit, not a switch
     assert (found["suite"], found["gpus"], found["command"]) == (
         "run",
         0,
