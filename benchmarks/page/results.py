@@ -48,7 +48,9 @@ class Result:
     def models(self, only: list[str] | None = None) -> dict[str, Any]:
         """The file's `models` in its order, only those named where `only` is given (a suite of one
         model, as startup's, has its `model` and nothing else)."""
-        models: dict[str, Any] = self.data.get("models") or {self.data["model"]: self.data}
+        models: dict[str, Any] = (
+            self.data["models"] if "models" in self.data else {self.data["model"]: self.data}
+        )
         missing = [m for m in only or [] if m not in models]
         if missing:
             raise PageError(f"{self.file}: no model {missing}")

@@ -236,7 +236,7 @@ def route_kernel(  # noqa: PLR0917
     if given is not None and given.stride(1) != 1:
         raise ValueError("route_kernel reads given ids as rows of contiguous slots")
     with triton_jit.on_device(logits):
-        triton_jit.jit(_route, ("tokens",))[(blocks,)](  # one compile for any T
+        triton_jit.jit(_route, ("tokens",))[(blocks,)](  # T only bounds masks: not specialised
             logits,
             logits.stride(0),
             weights,

@@ -4,28 +4,21 @@ but the compiler rejects fails here rather than on the GPU host."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import pytest
 
 from service.engine.heads import topk_kernel
+from tests.support.sm90 import compile_sm90
 
-triton = pytest.importorskip("triton")
-compiler = pytest.importorskip("triton.compiler")
-backends = pytest.importorskip("triton.backends.compiler")
+pytest.importorskip("triton.compiler")
 
 VOCAB = 152064  # Qwen2.5's
 ROW = {"z_ptr": "*bf16", "row_stride": "i64", "rows_ptr": "*i64"}
 
 
 def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any]) -> bytes:
-    topk_kernel.tl = importlib.import_module("triton.language")
-    source = compiler.ASTSource(
-        triton.jit(fn), {**signature, **dict.fromkeys(constants, "constexpr")}, constexprs=constants
-    )
-    kernel = compiler.compile(source, target=backends.GPUTarget("cuda", 90, 64), options={"num_warps": 4})
-    return bytes(kernel.asm["cubin"])
+    return bytes(compile_sm90(fn, signature, constants).asm["cubin"])
 
 
 @pytest.mark.parametrize(

@@ -4,16 +4,15 @@ its PTX was 1.05 MB and each mode took ~4 s to compile, most of a cold start's r
 
 from __future__ import annotations
 
-import importlib
+import inspect
 from typing import Any
 
 import pytest
 
 from service.engine.moe import kernels
+from tests.support.sm90 import compile_sm90
 
-triton = pytest.importorskip("triton")
-compiler = pytest.importorskip("triton.compiler")
-backends = pytest.importorskip("triton.backends.compiler")
+pytest.importorskip("triton.compiler")
 
 POINTERS = {
     "logits_ptr": "*bf16",
@@ -31,14 +30,10 @@ POINTERS = {
 
 def _compile(**modes: bool) -> Any:
     """_route for Qwen3-30B-A3B's router (128 experts, top-8) as route_kernel launches it."""
-    kernels.tl = importlib.import_module("triton.language")
-    fn = triton.jit(kernels._route)
     constants: dict[str, Any] = {"EXPERTS": 128, "K": 8, "BLOCK_T": kernels.ROUTE_TOKENS, "BLOCK_E": 128}
     constants |= {"BLOCK_K": 8, "NORMALISE": True, **modes}
-    names = fn.arg_names
-    signature = {name: "constexpr" if name in constants else POINTERS.get(name, "i32") for name in names}
-    source = compiler.ASTSource(fn, signature, constexprs=constants)
-    return compiler.compile(source, target=backends.GPUTarget("cuda", 90, 64), options={"num_warps": 4})
+    names = [name for name in inspect.signature(kernels._route).parameters if name not in constants]
+    return compile_sm90(kernels._route, {name: POINTERS.get(name, "i32") for name in names}, constants)
 
 
 @pytest.mark.parametrize(
