@@ -37,7 +37,6 @@ from service.client.wire import group_prompts, to_frame
 from service.engine.config import EngineConfig
 from service.engine.scorer.engine import PackedScorer
 from service.http.app import create_app
-from service.http.server import uvicorn_config
 from service.settings import Settings
 
 CLIENTS = 8
@@ -97,7 +96,9 @@ class HttpServer:
             return self.engine
 
         app = create_app(settings, engine_factory=factory)
-        self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", self.port, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.ready_at = self.settled_at = 0.0  # time.perf_counter() at ready, and once settled
 

@@ -18,17 +18,13 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 import uvicorn
-from uvicorn.config import LOGGING_CONFIG
 
 from service.core import heap
 from service.http.app import create_app
 from service.http.listen import Listener
-from service.http.protocol import WideReads
 from service.http.state import ServiceState
 from service.metrics import Metrics
 from service.settings import Settings
@@ -43,28 +39,6 @@ GRACEFUL_SHUTDOWN_S = 30
 KEEP_ALIVE_S = 5
 # every line, uvicorn's (start, access, shutdown) and the service's: time, level, logger, message
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def uvicorn_config(
-    app: Callable[..., Any],
-    host: str,
-    port: int,
-    log_level: str = "info",
-    log_config: dict[str, Any] | None = LOGGING_CONFIG,
-) -> uvicorn.Config:
-    """How uvicorn serves `app` on host:port, here and wherever the app runs under a real uvicorn (the
-    benchmarks' and the tests' loopback servers): its HTTP protocol reading wide (protocol.py), the
-    keep-alive and the graceful shutdown's wait."""
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        http=WideReads,
-        log_config=log_config,
-        log_level=log_level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        timeout_keep_alive=KEEP_ALIVE_S,
-    )
 
 
 class DrainingServer(uvicorn.Server):
@@ -126,8 +100,15 @@ def serve(settings: Settings, listener: Listener) -> int:
 
     state = ServiceState(settings=settings, metrics=Metrics(), url=listener.url)
     app = create_app(settings, on_fatal=on_fatal, state=state)
-    # log_config None: uvicorn's loggers go to the root logger (LOG_FORMAT)
-    config = uvicorn_config(app, settings.host, settings.port, settings.log_level, log_config=None)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,  # uvicorn's loggers go to the root logger: LOG_FORMAT
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
     server = DrainingServer(config, state, settings.drain_seconds)
     server.run(sockets=[listener.socket])
     heap.exiting()

@@ -22,7 +22,6 @@ from fastapi.testclient import TestClient
 
 from benchmarks import server as suites
 from service.http.app import create_app
-from service.http.server import uvicorn_config
 from service.settings import Settings
 from tests.support import ROOT
 from tests.support.device import settings_for
@@ -70,7 +69,7 @@ def free_port() -> int:
 def loopback(app: FastAPI, timeout: float = 60.0, log_level: str = "warning") -> Iterator[str]:
     """`app` under a real uvicorn on a free loopback port, once ready; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level=log_level))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
