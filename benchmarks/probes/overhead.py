@@ -547,7 +547,7 @@ def recording_server(events: list[Event]) -> Iterator[None]:
     <field>"), and a streamed completions answer's choices (`recorded_choices`) into `events`; the
     originals are back after."""
     steps = {"parse_json": "parse", "parse_frame": "parse", "normalise": "normalise"}
-    steps |= {"to_json": "render", "to_frame": "render"}
+    steps |= {"json_parts": "render", "to_frame": "render"}
     saved = {name: getattr(api, name) for name in steps}
     choice_stream = completions_response.choice_stream
     lists = dict(answer_layout.LISTS)

@@ -145,18 +145,36 @@ LISTS = {"top_ids": int_lists, "top_logprobs": float_lists, "candidate_logprobs"
 def to_json(body: dict[str, Any], *, routes: str = "lists", distribution: str = "lists") -> bytes:
     """An answer (see `answer`) as the JSON body of a LogprobsResponse: recorded routes and the
     distribution's blocks as nested lists, or (base64) one base64 string a row (`columns`: K)."""
+    return b"".join(json_parts(body, routes=routes, distribution=distribution))
+
+
+def json_parts(body: dict[str, Any], *, routes: str = "lists", distribution: str = "lists") -> list[bytes]:
+    """`to_json`'s bytes as parts to send one after another: each big array's text (recorded routes,
+    the distribution's blocks: ~14 MB of a 48-layer request's routes) as its writer wrote it, and
+    orjson's JSON around them, so that the big texts are never copied into one buffer (orjson would
+    copy them into its own, growing it as it goes: ~9 ms a 14 MB answer)."""
     out = body
+    big: dict[str, bytes] = {}
     recorded = body.get("routed_experts")
     if recorded is not None:
-        text = base64_rows(recorded, "<i4") if routes == "base64" else int_lists(recorded)
-        out = {**out, "routed_experts": orjson.Fragment(text)}
+        big["routed_experts"] = base64_rows(recorded, "<i4") if routes == "base64" else int_lists(recorded)
     blocks = {name: body[name] for name in BLOCKS if body.get(name) is not None}
     if blocks and distribution == "base64":
         out = {**out, "columns": {name: _width(rows) for name, rows in blocks.items()}}
-        out |= {name: orjson.Fragment(base64_rows(rows, BLOCKS[name])) for name, rows in blocks.items()}
+        big |= {name: base64_rows(rows, BLOCKS[name]) for name, rows in blocks.items()}
     elif blocks:
-        out = out | {name: orjson.Fragment(LISTS[name](rows)) for name, rows in blocks.items()}
-    return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
+        big |= {name: LISTS[name](rows) for name, rows in blocks.items()}
+    out = {**out, **dict.fromkeys(big, _HOLE)}  # keys keep their places: the holes come in `out`'s order
+    around = orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY).split(_NUL)
+    parts = [around[0]]
+    for name, after in zip((k for k in out if k in big), around[1:], strict=True):
+        parts += [big[name], after]
+    return parts
+
+
+# where a big array's text goes: orjson writes no raw NUL anywhere else (a string escapes it)
+_NUL = b"\0"
+_HOLE = orjson.Fragment(_NUL)
 
 
 def _width(rows: Sequence[np.ndarray]) -> int:

@@ -6,13 +6,15 @@ A big answer (routes as base64 or lists: ~14 MB a request) handed to uvicorn who
 event loop: asyncio's socket transport sends what the socket takes and copies the rest twice into
 its buffer (`data[n:]`, then `bytearray.extend`), ~30 ms a 14 MB answer in fresh memory.
 SlicedResponse sends the same bytes as memoryview slices of SLICE_BYTES: the server's flow control
-waits for each to drain before the next, so nothing past a slice is copied or buffered.
+waits for each to drain before the next, so nothing past a slice is copied or buffered. It takes the
+answer in parts (the JSON around the big arrays, and each array's text as written), so the parts are
+never joined either.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
 from fastapi import Request
@@ -66,17 +68,23 @@ async def answer_or_give_up(http: Request, work: Awaitable[T], timeout_s: float)
 
 
 class SlicedResponse(Response):
-    """A Response whose body (Content-Length the whole) is sent as memoryview slices of
-    `slice_bytes`, each a `more_body` message but the last; never copied here."""
+    """A Response whose body, one or more parts (Content-Length their total), is sent as memoryview
+    slices of at most `slice_bytes` of each part in turn, each a `more_body` message but the last;
+    never copied or joined here."""
 
-    def __init__(self, content: bytes, media_type: str, slice_bytes: int = SLICE_BYTES) -> None:
-        super().__init__(content, media_type=media_type)
+    def __init__(
+        self, content: bytes | Sequence[bytes], media_type: str, slice_bytes: int = SLICE_BYTES
+    ) -> None:
+        self.parts = [content] if isinstance(content, bytes) else list(content)
+        size = sum(len(part) for part in self.parts)
+        super().__init__(None, media_type=media_type, headers={"content-length": str(size)})
         self.slice_bytes = slice_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        body = memoryview(self.body)
-        size, step = len(body), self.slice_bytes
-        for at in range(0, max(size, 1), step):
-            last = at + step >= size
-            await send({"type": "http.response.body", "body": body[at : at + step], "more_body": not last})
+        step = self.slice_bytes
+        views = [memoryview(part) for part in self.parts]
+        slices = [view[at : at + step] for view in views for at in range(0, len(view), step)]
+        slices = slices or [memoryview(b"")]
+        for i, piece in enumerate(slices):
+            await send({"type": "http.response.body", "body": piece, "more_body": i < len(slices) - 1})

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.answer.diagnostics import rollout_statistics
-from service.answer.layout import answer, route_agreement, to_json
+from service.answer.layout import answer, json_parts, route_agreement
 from service.batcher import sharing
 from service.core.errors import NotReady
 from service.core.jobs import SequenceScores
@@ -94,11 +94,11 @@ async def _planned(request: LogprobsRequest, limits: ModelLimits, size: int) -> 
     return normalise(request, limits)
 
 
-async def _json(answered: dict[str, Any], plan: ScoringPlan) -> bytes:
-    """The JSON answer in the request's forms; on a worker thread where it carries routes or a
-    distribution's blocks."""
+async def _json(answered: dict[str, Any], plan: ScoringPlan) -> list[bytes]:
+    """The JSON answer in the request's forms, in parts (layout.json_parts); on a worker thread where
+    it carries routes or a distribution's blocks."""
     write = functools.partial(
-        to_json, answered, routes=plan.route_format, distribution=plan.distribution_format
+        json_parts, answered, routes=plan.route_format, distribution=plan.distribution_format
     )
     job = plan.jobs[0]
     big = job.return_routes or job.top_logprobs or any(j.candidate_ids is not None for j in plan.jobs)
@@ -177,14 +177,14 @@ def build_router(state: ServiceState) -> APIRouter:
             agreement=agreement,
         )
         media_type = MEDIA_TYPE if MEDIA_TYPE in http.headers.get("accept", "") else "application/json"
-        body = to_frame(answered) if media_type == MEDIA_TYPE else await _json(answered, plan)
+        parts = [to_frame(answered)] if media_type == MEDIA_TYPE else await _json(answered, plan)
         metrics.requests.labels("ok").inc()
         metrics.input_tokens.inc(plan.input_tokens)
         metrics.scored_tokens.inc(plan.scored_tokens)
         metrics.request_seconds.observe(time.perf_counter() - started)
-        if len(body) > SLICE_BYTES:
-            return SlicedResponse(body, media_type)
-        return Response(body, media_type=media_type)
+        if sum(len(part) for part in parts) > SLICE_BYTES:
+            return SlicedResponse(parts, media_type)
+        return Response(b"".join(parts), media_type=media_type)
 
     @router.get("/health/live", response_model=Health)
     async def live() -> Health:

@@ -6,6 +6,7 @@ read back as the frame's bits."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from typing import Any
 
@@ -13,7 +14,7 @@ import numpy as np
 import orjson
 import pytest
 
-from service.answer.layout import distribution, to_json
+from service.answer.layout import distribution, json_parts, to_json
 from service.client.wire import from_frame
 from service.core.jobs import SequenceScores
 from service.normalise import ModelLimits, ScoringPlan, normalise
@@ -185,3 +186,39 @@ def test_json_lists_are_orjsons_bytes_and_the_frames_bits(
     ):
         for row, want in zip(read[name], framed[name], strict=True):
             assert np.array(row, dtype).tobytes() == np.asarray(want, dtype).tobytes(), name
+
+
+@pytest.mark.parametrize(
+    ("routes", "blocks"), [("lists", "lists"), ("base64", "base64"), ("base64", "lists")]
+)
+def test_json_parts_are_the_answer_with_each_big_text_a_part_of_its_own(routes: str, blocks: str) -> None:
+    rng = np.random.default_rng(8)
+    answer: dict[str, Any] = {
+        "model": "a\0b",  # a NUL the answer carries escaped, never taken for a big text's place
+        "logprobs": [rng.standard_normal(5).astype(np.float32), np.zeros(3, np.float32)],
+        "routed_experts": [rng.integers(0, 128, (5, 4, 2), dtype=np.uint8), np.zeros((0, 4, 2), np.uint8)],
+        "top_ids": [
+            rng.integers(0, VOCAB, (5, 3), dtype=np.int32),
+            rng.integers(0, VOCAB, (3, 3), dtype=np.int32),
+        ],
+        "top_logprobs": [-rng.exponential(3.0, (5, 3)).astype(np.float32), np.zeros((3, 3), np.float32)],
+        "usage": {"input_tokens": 8},
+    }
+    parts = json_parts(answer, routes=routes, distribution=blocks)
+
+    def b64(rows: list[np.ndarray], dtype: str) -> list[str]:
+        return [base64.b64encode(np.ascontiguousarray(r, dtype).tobytes()).decode() for r in rows]
+
+    want: dict[str, Any] = dict(answer)
+    if routes == "base64":
+        want["routed_experts"] = b64(answer["routed_experts"], "<i4")
+    if blocks == "base64":
+        want["top_ids"], want["top_logprobs"] = (
+            b64(answer["top_ids"], "<i4"),
+            b64(answer["top_logprobs"], "<f4"),
+        )
+        want["columns"] = {"top_ids": 3, "top_logprobs": 3}
+    assert b"".join(parts) == orjson.dumps(want, option=orjson.OPT_SERIALIZE_NUMPY)
+    assert len(parts) == 7  # the JSON around three big texts
+    for text, name in zip(parts[1::2], ("routed_experts", "top_ids", "top_logprobs"), strict=True):
+        assert text == orjson.dumps(want[name], option=orjson.OPT_SERIALIZE_NUMPY), name

@@ -13,7 +13,7 @@ from starlette.types import Message
 from service.http.bodies import SlicedResponse
 
 
-def _sent(body: bytes, slice_bytes: int) -> list[Message]:
+def _sent(body: bytes | list[bytes], slice_bytes: int) -> list[Message]:
     messages: list[Message] = []
 
     async def receive() -> Message:
@@ -57,3 +57,20 @@ def test_a_client_reads_the_whole_body() -> None:
     assert got.status_code == 200
     assert got.headers["content-length"] == str(len(body))
     assert got.content == body
+
+
+def test_parts_go_out_as_slices_of_each_in_turn_never_joined() -> None:
+    parts = [b"head", b"", bytes(range(256)) * 3, b"}"]
+    start, *sent = _sent(parts, 256)
+    assert dict(start["headers"])[b"content-length"] == str(sum(map(len, parts))).encode()
+    assert [(p["body"].obj, len(p["body"])) for p in sent] == [
+        (parts[0], 4),
+        (parts[2], 256),
+        (parts[2], 256),
+        (parts[2], 256),
+        (parts[3], 1),
+    ]
+    assert [p["more_body"] for p in sent] == [True] * 4 + [False]
+    assert b"".join(bytes(p["body"]) for p in sent) == b"".join(parts)
+    _, *empty = _sent([b"", b""], 256)
+    assert [(bytes(p["body"]), p["more_body"]) for p in empty] == [(b"", False)]
