@@ -142,6 +142,11 @@ BLOCKS = {"top_ids": "<i4", "top_logprobs": "<f4", "candidate_logprobs": "<f4"}
 LISTS = {"top_ids": int_lists, "top_logprobs": float_lists, "candidate_logprobs": float_lists}
 
 
+# where a big array's text goes: orjson writes no raw NUL anywhere else (a string escapes it)
+_NUL = b"\0"
+_HOLE = orjson.Fragment(_NUL)
+
+
 def to_json(body: dict[str, Any], *, routes: str = "lists", distribution: str = "lists") -> bytes:
     """An answer (see `answer`) as the JSON body of a LogprobsResponse: recorded routes and the
     distribution's blocks as nested lists, or (base64) one base64 string a row (`columns`: K)."""
@@ -170,11 +175,6 @@ def json_parts(body: dict[str, Any], *, routes: str = "lists", distribution: str
     for name, after in zip((k for k in out if k in big), around[1:], strict=True):
         parts += [big[name], after]
     return parts
-
-
-# where a big array's text goes: orjson writes no raw NUL anywhere else (a string escapes it)
-_NUL = b"\0"
-_HOLE = orjson.Fragment(_NUL)
 
 
 def _width(rows: Sequence[np.ndarray]) -> int:

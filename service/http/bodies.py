@@ -72,11 +72,9 @@ class SlicedResponse(Response):
     slices of at most `slice_bytes` of each part in turn, each a `more_body` message but the last;
     never copied or joined here."""
 
-    def __init__(
-        self, content: bytes | Sequence[bytes], media_type: str, slice_bytes: int = SLICE_BYTES
-    ) -> None:
-        self.parts = [content] if isinstance(content, bytes) else list(content)
-        size = sum(len(part) for part in self.parts)
+    def __init__(self, parts: Sequence[bytes], media_type: str, slice_bytes: int = SLICE_BYTES) -> None:
+        self.parts = parts
+        size = sum(len(part) for part in parts)
         super().__init__(None, media_type=media_type, headers={"content-length": str(size)})
         self.slice_bytes = slice_bytes
 

@@ -13,7 +13,7 @@ from starlette.types import Message
 from service.http.bodies import SlicedResponse
 
 
-def _sent(body: bytes | list[bytes], slice_bytes: int) -> list[Message]:
+def _sent(parts: list[bytes], slice_bytes: int) -> list[Message]:
     messages: list[Message] = []
 
     async def receive() -> Message:
@@ -22,7 +22,7 @@ def _sent(body: bytes | list[bytes], slice_bytes: int) -> list[Message]:
     async def send(message: Message) -> None:
         messages.append(message)
 
-    response = SlicedResponse(body, "application/json", slice_bytes=slice_bytes)
+    response = SlicedResponse(parts, "application/json", slice_bytes=slice_bytes)
     asyncio.run(response(_SCOPE, receive, send))
     return messages
 
@@ -34,7 +34,7 @@ _SCOPE: dict[str, Any] = {"type": "http", "method": "POST", "path": "/"}
 def test_slices_are_views_of_the_body_in_order(size: int, slices: int) -> None:
     body = bytes(range(256)) * 5
     body = body[:size]
-    start, *parts = _sent(body, 256)
+    start, *parts = _sent([body], 256)
     assert start["type"] == "http.response.start"
     assert dict(start["headers"])[b"content-length"] == str(size).encode()
     assert len(parts) == slices
@@ -50,7 +50,7 @@ def test_a_client_reads_the_whole_body() -> None:
 
     @app.get("/big")
     async def big() -> SlicedResponse:
-        return SlicedResponse(body, "application/octet-stream", slice_bytes=1000)
+        return SlicedResponse([body], "application/octet-stream", slice_bytes=1000)
 
     with TestClient(app) as client:
         got = client.get("/big")
