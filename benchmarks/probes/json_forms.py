@@ -13,7 +13,8 @@ alone in this process:
   strings), `lists` (nested lists) and `frames` (logprobd's client, u1 arrays). Stages:
   client_encode (a plain client's `json=`: json.dumps as httpx 0.28 does it; frames: the client's
   wire.to_frame of numpy rows), parse (jsonrows.parse_json / arrays.parse_frame), normalise, answer
-  (layout.answer + to_json / to_frame), client_decode (a plain client's `response.json()`, json.loads;
+  (layout.answer + json_parts, the parts the server sends unjoined / to_frame), client_decode (a
+  plain client's `response.json()` of the joined parts, json.loads;
   frames: from_frame + Scores) and client_arrays (logprobd's client: Scores.from_body and
   Scores.routed_experts, int64 arrays).
 - distributions: GRPO 8 x 8 (grpo_short, 14,737 actions, vocabulary 151,936), every action asking
@@ -42,7 +43,7 @@ import orjson
 
 from benchmarks.probes.routes_host import MOE, routes
 from benchmarks.workload import Sample, grpo_short, host_info, workload
-from service.answer.layout import answer, to_json
+from service.answer.layout import answer, json_parts
 from service.client.wire import Scores, from_frame
 from service.client.wire import to_frame as client_frame
 from service.core.jobs import SequenceScores
@@ -126,11 +127,19 @@ def _route_scores(plan: ScoringPlan, given: Sequence[np.ndarray | None]) -> list
 Answered = tuple[ScoringPlan, list[SequenceScores]]
 
 
-def _json_answer(routes: str, distribution: str) -> Callable[[Answered], bytes]:
-    def write(scored: Answered) -> bytes:
-        return to_json(answer(*scored, INFO, VERSIONS), routes=routes, distribution=distribution)
+def _json_write(routes: str, distribution: str) -> Callable[[Answered], list[bytes]]:
+    """The server's write of a JSON answer: its parts, sent unjoined (router.py)."""
+
+    def write(scored: Answered) -> list[bytes]:
+        return json_parts(answer(*scored, INFO, VERSIONS), routes=routes, distribution=distribution)
 
     return write
+
+
+def _json_answer(routes: str, distribution: str) -> Callable[[Answered], bytes]:
+    """The JSON answer a client receives: the server's parts, joined."""
+    write = _json_write(routes, distribution)
+    return lambda scored: b"".join(write(scored))
 
 
 def _frame_answer(scored: Answered) -> bytes:
@@ -171,7 +180,7 @@ def route_figures(reps: int, forms: Sequence[str]) -> dict[str, dict[str, float]
     st.time("live", "client_encode", httpx_json, plain)
     st.time("live", "parse", parse_json, raw)
     st.time("live", "normalise", _normalise_routed, requests)
-    st.time("live", "answer", _json_answer("lists", "lists"), live)
+    st.time("live", "answer", _json_write("lists", "lists"), live)
     st.time("live", "client_decode", json.loads, [_json_answer("lists", "lists")(a) for a in live])
     for form in forms:
         replay_form(st, form, plain, given)
@@ -203,8 +212,8 @@ def record_form(st: Stages, form: str, plain: list[dict[str, Any]], given: list[
     asked = {"return_routed_experts": True, "routed_experts_format": "lists" if form == "frames" else form}
     plans = [normalise(parse_json(httpx_json({**b, **asked})), ROUTE_LIMITS) for b in plain]
     scored = [(p, _route_scores(p, g)) for p, g in zip(plans, given, strict=True)]
+    st.time(name, "answer", _frame_answer if form == "frames" else _json_write(form, "lists"), scored)
     write = _frame_answer if form == "frames" else _json_answer(form, "lists")
-    st.time(name, "answer", write, scored)
     written = [write(a) for a in scored]
     st.figures[name]["answer_mb"] = round(sum(map(len, written)) / 1e6, 1)
     if form == "frames":
@@ -262,15 +271,15 @@ def distribution_figures(reps: int, k: int, forms: Sequence[str]) -> dict[str, d
         for p, t in zip(plain_plans, top, strict=True)
     ]
     lists = _json_answer("lists", "lists")
-    st.time("plain", "answer", lists, plain_scored)
+    st.time("plain", "answer", _json_write("lists", "lists"), plain_scored)
     st.time("plain", "client_decode", json.loads, [lists(a) for a in plain_scored])
     for form in forms:
         name = f"top{k}_{form}"
         asked = {"top_logprobs": k} | ({"distribution_format": "base64"} if form == "base64" else {})
         plans = [normalise(parse_json(httpx_json({**b, **asked})), limits) for b in plain]
         scored = list(zip(plans, top, strict=True))
+        st.time(name, "answer", _frame_answer if form == "frames" else _json_write("lists", form), scored)
         write = _frame_answer if form == "frames" else _json_answer("lists", form)
-        st.time(name, "answer", write, scored)
         written = [write(a) for a in scored]
         st.figures[name]["answer_mb"] = round(sum(map(len, written)) / 1e6, 1)
         if form == "frames":
