@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any, get_args
 
 import httpx
-import numpy as np
 import orjson
 import torch
 
@@ -55,7 +54,7 @@ from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, active_params, packed_m
 from benchmarks.probes.overhead import Timelines, split_text
 from benchmarks.server import HttpServer, histogram_totals, http_rounds
 from benchmarks.shapes import SHAPES
-from benchmarks.workload import Sample, floor_flops, grpo_short, unique_floor_flops
+from benchmarks.workload import Sample, floor_flops, grpo_short, teacher_prompts, unique_floor_flops
 from service.client.wire import to_frame
 from service.engine.loading.pretrained import LoadedModel
 from service.engine.scorer.engine import PackedScorer
@@ -150,11 +149,6 @@ def json_rounds(
 
 
 OUTSIDE_SERVER = ("client_before_ms", "server_ms", "client_after_ms")
-
-
-def teacher_prompts(vocab: int, tokens: int, count: int = 8, seed: int = 13) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, tokens).tolist() for _ in range(count)]
 
 
 def teacher_body(model: str, prompts: list[list[int]]) -> dict[str, Any]:

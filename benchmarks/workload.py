@@ -134,6 +134,18 @@ def long_workload(vocab: int, scale: float = 1.0, seed: int = 1) -> list[Sample]
     return out
 
 
+def teacher_prompts(vocab: int, tokens: int, count: int = 8, seed: int = 13) -> list[list[int]]:
+    """TRL's teacher call's prompts (benchmarks.distribution): `count` random prompts of `tokens` ids."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, tokens).tolist() for _ in range(count)]
+
+
+def teacher(vocab: int, scale: float = 1.0) -> list[Sample]:
+    """The teacher call's prompts (8 x 4,096 tokens, times `scale`) as samples whose every position
+    after the first is an action: what `prompt_logprobs` scores (service/http/completions/plan.py)."""
+    return [Sample(prompt=p[:1], response=p[1:]) for p in teacher_prompts(vocab, max(2, round(4096 * scale)))]
+
+
 def chat_header(vocab: int, scale: float = 1.0, *, header: int = 32) -> list[Sample]:
     """The standard workload (64 sequences, nothing else in common) whose every prompt starts with
     the same `header` tokens, as a chat template's: what sharing a short prefix costs or saves

@@ -6,6 +6,8 @@
         --variants plain record replay
     python -m benchmarks.probes.profile_engine --model qwen2.5-7b --workload grpo-short \\
         --variants plain top100
+    python -m benchmarks.probes.profile_engine --model qwen2.5-7b --workload teacher \\
+        --max-batch-tokens 4096 --variants plain top100             # TRL's teacher call's compute
     python -m benchmarks.probes.profile_engine --model tiny --device cpu --dtype float32 --scale 0.05 \\
         --share-min-tokens 4 --variants plain invariant top100        # CPU smoke test (tests/benchmarks)
 
@@ -48,6 +50,7 @@ import gc
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
 
@@ -57,9 +60,10 @@ from torch.autograd import DeviceType  # type: ignore[attr-defined]
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.harness import CACHE_IN_ROUNDS, RESULTS, packed_model, provenance, sync, write_result
-from benchmarks.invariance import WORKLOADS, requests
+from benchmarks.invariance import WORKLOADS as SHARED_WORKLOADS
+from benchmarks.invariance import requests
 from benchmarks.shapes import MOE_SHAPES, SHAPES, shape_of
-from benchmarks.workload import jobs
+from benchmarks.workload import Sample, jobs, teacher
 from service.batcher import Batcher
 from service.core.jobs import GivenRoutes, RouteAgreement, Sampling, SequenceJob, SequenceScores
 from service.engine.loading.pretrained import LoadedModel
@@ -67,6 +71,13 @@ from service.engine.scorer.engine import PackedScorer
 from service.metrics import Metrics
 from service.settings import CudaGraphs, Settings
 
+# benchmarks.invariance's, and TRL's teacher call: 8 prompts of 4,096 tokens, every position after
+# the first an action (with --variants top100, what prompt_logprobs 100 asks; --max-batch-tokens 4096
+# cuts it a prompt per micro-batch, as the streamed completions answer does)
+WORKLOADS: dict[str, Callable[[int, float, int], list[Sample]]] = {
+    **SHARED_WORKLOADS,
+    "teacher": lambda vocab, scale, _: teacher(vocab, scale),
+}
 VARIANTS = ("plain", "invariant", "record", "replay", "top100", "processed")
 MOE_ONLY = {"record", "replay"}
 TOP_K = 100

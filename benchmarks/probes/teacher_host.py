@@ -45,12 +45,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 
 from benchmarks.client import teacher_calls
 from benchmarks.probes.host_path import VOCAB, InstantEngine, median_ms
 from benchmarks.server import HttpServer
+from benchmarks.workload import teacher_prompts
 from service.http.completions import response, stream
 from service.http.completions.pieces import TokenPieces
 from service.http.completions.plan import plan_completion
@@ -64,11 +64,10 @@ MAX_K = 1000
 
 
 def teacher_body(prompts: int, tokens: int, k: int, model: str, seed: int = 13) -> dict[str, Any]:
-    """teacher_call's body over benchmarks.distribution's teacher_prompts (random ids, seed 13)."""
-    rng = np.random.default_rng(seed)
+    """teacher_call's body over benchmarks.workload's teacher_prompts (random ids, seed 13)."""
     return {
         "model": model,
-        "prompt": [rng.integers(0, VOCAB, tokens).tolist() for _ in range(prompts)],
+        "prompt": teacher_prompts(VOCAB, tokens, prompts, seed),
         "max_tokens": 1,
         "temperature": 1.0,
         "prompt_logprobs": k,

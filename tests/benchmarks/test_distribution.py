@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from benchmarks import distribution
+from benchmarks.workload import jobs, teacher, teacher_prompts
 from tests.benchmarks.page_rows import page_rows
 
 
@@ -87,3 +88,14 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
         f"{plain['ms']:,.1f} ({plain['unique_floor_fraction'] * 100:.1f} %)",
     ]
     assert all(cell.endswith(" %)") for cell in forms[4:9])  # lists and base64 of top-100 and 1000, processed
+
+
+def test_teacher_workload_scores_every_position_of_the_calls_prompts_after_the_first() -> None:
+    prompts = teacher_prompts(1000, 4096)
+    assert len(prompts) == 8
+    assert all(len(p) == 4096 and min(p) >= 0 and max(p) < 1000 for p in prompts)
+    samples = teacher(1000)
+    assert [s.tokens for s in samples] == prompts  # the call's own prompts (seed 13)
+    for job in jobs(samples):
+        assert job.actions.tolist() == list(range(1, 4096))  # prompt_logprobs: position 0 has none
+    assert [len(s.tokens) for s in teacher(1000, 0.01)] == [41] * 8
