@@ -261,6 +261,7 @@ def settings_for(args: argparse.Namespace, invariant: bool) -> Settings:
         share_min_tokens=args.share_min_tokens,
         share_prefixes=True,
         max_batch_tokens=args.max_batch_tokens,
+        logits_chunk_rows=args.logits_chunk_rows,
         prefix_cache=CACHE_IN_ROUNDS,
     )
 
@@ -388,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--share-min-tokens", type=int, default=Settings().share_min_tokens)
     parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
+    parser.add_argument("--logits-chunk-rows", type=int, default=Settings().logits_chunk_rows)
     parser.add_argument("--sequences", type=int, default=64, help="the standard workload's")
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
     parser.add_argument("--rounds", type=int, default=1, help="profiled rounds per variant")
