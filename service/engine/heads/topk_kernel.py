@@ -26,10 +26,10 @@ benchmarks/probes/topk_sweep.py.
 allocation and nothing read back; `select` allocates them. Given `Candidates`, `launch` skips 2 and
 3 for most rows: pass 1 also bounds the K-th largest key from below by the K-th largest of its
 lanes' largest keys (each lane is one column of every block, so K lanes hold a key at least that
-large), and a gather pass writes every key at or above the bound, in id order; only rows where more
-than the candidates' width reach the bound (ties, flat rows) run 2 and 3, the others' programs
-returning at once. The stats kernel also keeps each row's largest x and copies z at given ids
-(target, candidates); the write kernel writes z beside each id.
+large), and a gather pass writes every key at or above the bound, in slots taken by atomics; only
+rows where more than the candidates' width reach the bound (ties, flat rows) run 2 and 3, the
+others' programs returning at once. The stats kernel also keeps each row's
+largest x and copies z at given ids (target, candidates); the write kernel writes z beside each id.
 `mass`: one more pass, Σ exp(x - shift) over tokens with key >= a per-row key and
 exp(x - shift) >= a per-row floor (the kept mass of vLLM's min-p and top-k).
 
@@ -106,7 +106,8 @@ class Out:
 @dataclass(frozen=True, slots=True)
 class Candidates:
     """Each row's keys at or above a lower bound of its K-th largest (the K-th largest of its lanes'
-    largest keys: K lanes hold one each), in id order, and how many there are. Where they fit (count <= C) they hold the K largest and every tie of the K-th; else the exact
+    largest keys: K lanes hold one each), in slots taken by atomics (any order), and how many there
+    are. Where they fit (count <= C) they hold the K largest and every tie of the K-th; else the exact
     selection ran for the row (`launch`) and its ids are in Out.ids."""
 
     ids: torch.Tensor  # [r, C] int32, rows contiguous; slots past count unwritten
@@ -488,31 +489,24 @@ def _gather_kernel(  # noqa: PLR0917
     VOCAB: tl.constexpr,
     BLOCK: tl.constexpr,
 ) -> None:
-    """One pass of one row: every key >= the row's bound into the next slots, in id order, with z
-    beside its id; the row's count grows by how many there are (slots past width are counted, not
-    written). The program owns its row: the slots come from a running count, a block's prefix sum
-    computed only where the block holds a key at or above the bound."""
+    """One pass of one row: every key >= the row's bound into a slot taken by an atomic increment
+    of its count (slots past width are counted, not written), with z beside its id."""
     i = tl.program_id(0)
     row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
     bound = tl.load(bound_ptr + i)
     out_ptr = ids_ptr + i.to(tl.int64) * width
     values_out = values_ptr + i.to(tl.int64) * width
-    written = tl.load(count_ptr + i)
     ahead = tl.load(row_ptr + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < VOCAB, other=0.0)
     for start in range(0, VOCAB, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         z = ahead
         ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < VOCAB, other=0.0)  # in flight
         bits = z.to(tl.int16, bitcast=True).to(tl.int32)
-        take = ((cols < VOCAB) & (tl.where(bits < 0, -bits, bits + 32768) >= bound)).to(tl.int32)
-        here = tl.sum(take, axis=0)
-        if here > 0:
-            slot = written + tl.cumsum(take, axis=0) - 1
-            kept = (take > 0) & (slot < width)
-            tl.store(out_ptr + slot, cols, mask=kept)
-            tl.store(values_out + slot, z, mask=kept)
-            written += here
-    tl.store(count_ptr + i, written)
+        take = (cols < VOCAB) & (tl.where(bits < 0, -bits, bits + 32768) >= bound)
+        slot = tl.atomic_add(count_ptr + i + cols * 0, 1, mask=take)
+        kept = take & (slot < width)
+        tl.store(out_ptr + slot, cols, mask=kept)
+        tl.store(values_out + slot, z, mask=kept)
 
 
 def _mass_kernel(  # noqa: PLR0917

@@ -526,32 +526,6 @@ def test_interpreter_select_writes_the_values_the_row_max_and_the_picks() -> Non
     assert torch.equal(out.threshold, torch.where(k > 0, kth, 0).to(torch.int32))
 
 
-@only_interpreted
-def test_interpreter_gather_writes_every_key_at_the_bound_in_id_order_and_counts_past_the_width() -> None:
-    """Candidates: each row's ids with a key at or above its bound (out.threshold), in id order, with
-    z beside them; count is how many there are, past the width too (then the first width are written)."""
-    rows, vocab, k, width = 6, 1800, 7, 48
-    z = logits(rows, vocab, torch.bfloat16, seed=14)
-    at = torch.arange(rows)
-    found = topk_kernel.Candidates.empty(rows, width, z.dtype, z.device)
-    out = topk_kernel.Out.empty(rows, z.device)
-    topk_kernel.launch(
-        z, at, at, SCALE, None, torch.full((rows,), k, dtype=torch.int32), out, found=found, block=256
-    )
-    keys = topk_kernel.order_keys(z)
-    overflowed = []
-    for r in range(rows):
-        want = torch.nonzero(keys[r] >= out.threshold[r]).flatten()  # ascending ids
-        assert int(found.count[r]) == want.numel() >= k
-        n = min(want.numel(), width)
-        assert found.ids[r, :n].tolist() == want[:n].tolist()
-        assert torch.equal(found.values[r, :n].view(torch.int16), z[r, want[:n]].view(torch.int16))
-        assert found.ids[r, n:].tolist() == [-1] * (width - n)
-        overflowed.append(want.numel() > width)
-    assert overflowed[2]  # the flat row: every key ties
-    assert overflowed[1::2] == [False] * 3  # random rows fit
-
-
 class Stored(torch.nn.Module):
     """A head whose logits are given: row i of hidden holds i, and its logits are z[i]."""
 
