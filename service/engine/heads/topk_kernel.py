@@ -48,6 +48,9 @@ from service.engine.runtime import triton_jit
 # Not tuned on a GPU yet (benchmarks/probes/head_extras.py measures it).
 BLOCK = 2048
 NUM_WARPS = 4
+# the gather pass's programs per row, each over a segment of its blocks: the pass does little per key,
+# so a row's keys are read by several programs at once (its count is taken by atomics anyway)
+GATHER_SPLIT = 4
 DIGIT = 8  # bits of the 16-bit key per histogram pass: 16 // DIGIT passes of 2^DIGIT bins
 SIXTEEN = (torch.bfloat16, torch.float16)
 
@@ -225,9 +228,10 @@ def launch(  # noqa: PLR0917
         stats(gated, False)
         if gated:
             assert found is not None
-            triton_jit.jit(_gather_kernel)[(r,)](
+            split = max(1, min(GATHER_SPLIT, triton_jit.cdiv(vocab, step)))
+            triton_jit.jit(_gather_kernel)[(r, split)](
                 z, z.stride(0), rows, out.threshold, found.count, found.ids, found.values, cap,
-                VOCAB=vocab, BLOCK=step, num_warps=NUM_WARPS,
+                VOCAB=vocab, BLOCK=step, SPLIT=split, num_warps=NUM_WARPS,
             )  # fmt: skip
             stats(False, True)
         if out.ids is not None:
@@ -488,21 +492,26 @@ def _gather_kernel(  # noqa: PLR0917
     width: tl.tensor,
     VOCAB: tl.constexpr,
     BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
 ) -> None:
-    """One pass of one row: every key >= the row's bound into a slot taken by an atomic increment
-    of its count (slots past width are counted, not written), with z beside its id."""
+    """One pass over one of a row's SPLIT segments of blocks (program (row, segment)): every key >= the
+    row's bound into a slot taken by an atomic increment of its count (slots past width are counted,
+    not written), with z beside its id."""
     i = tl.program_id(0)
+    span = tl.cdiv(tl.cdiv(VOCAB, BLOCK), SPLIT) * BLOCK  # a segment's columns, whole blocks
+    first = tl.program_id(1) * span
+    stop = tl.minimum(first + span, VOCAB)
     row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
     bound = tl.load(bound_ptr + i)
     out_ptr = ids_ptr + i.to(tl.int64) * width
     values_out = values_ptr + i.to(tl.int64) * width
-    ahead = tl.load(row_ptr + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < VOCAB, other=0.0)
-    for start in range(0, VOCAB, BLOCK):
+    ahead = tl.load(row_ptr + first + tl.arange(0, BLOCK), mask=first + tl.arange(0, BLOCK) < stop, other=0.0)
+    for start in range(first, stop, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         z = ahead
-        ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < VOCAB, other=0.0)  # in flight
+        ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < stop, other=0.0)  # in flight
         bits = z.to(tl.int16, bitcast=True).to(tl.int32)
-        take = (cols < VOCAB) & (tl.where(bits < 0, -bits, bits + 32768) >= bound)
+        take = (cols < stop) & (tl.where(bits < 0, -bits, bits + 32768) >= bound)
         slot = tl.atomic_add(count_ptr + i + cols * 0, 1, mask=take)
         kept = take & (slot < width)
         tl.store(out_ptr + slot, cols, mask=kept)

@@ -46,7 +46,8 @@ def test_write_and_gather_kernels_compile_for_sm90(gated: bool) -> None:
     assert _compile(topk_kernel._write_kernel, write, constants)
     gather = {**ROW, "bound_ptr": "*i32", "count_ptr": "*i32", "ids_ptr": "*i32", "values_ptr": "*bf16"}
     gather |= {"width": "i32"}
-    assert _compile(topk_kernel._gather_kernel, gather, {"VOCAB": VOCAB, "BLOCK": topk_kernel.BLOCK})
+    constants = {"VOCAB": VOCAB, "BLOCK": topk_kernel.BLOCK, "SPLIT": topk_kernel.GATHER_SPLIT}
+    assert _compile(topk_kernel._gather_kernel, gather, constants)
 
 
 def test_mass_kernel_compiles_for_sm90() -> None:

@@ -526,6 +526,37 @@ def test_interpreter_select_writes_the_values_the_row_max_and_the_picks() -> Non
     assert torch.equal(out.threshold, torch.where(k > 0, kth, 0).to(torch.int32))
 
 
+@only_interpreted
+@pytest.mark.parametrize("vocab", [1800, 1793])  # 8 blocks of 256 (segments of 2), the last one short
+def test_interpreter_gather_takes_every_key_at_the_bound_once_across_its_segments(vocab: int) -> None:
+    """Candidates: each row's ids with a key at or above its bound (out.threshold), each once, with z
+    beside them, whichever of the row's segments read them; count is how many, past the width too."""
+    rows, k, width = 6, 7, 48
+    z = logits(rows, vocab, torch.bfloat16, seed=14)
+    at = torch.arange(rows)
+    found = topk_kernel.Candidates.empty(rows, width, z.dtype, z.device)
+    out = topk_kernel.Out.empty(rows, z.device)
+    ks = torch.full((rows,), k, dtype=torch.int32)
+    topk_kernel.launch(z, at, at, SCALE, None, ks, out, found=found, block=256)
+    keys = topk_kernel.order_keys(z)
+    fits = []
+    for r in range(rows):
+        want = torch.nonzero(keys[r] >= out.threshold[r]).flatten()
+        assert int(found.count[r]) == want.numel() >= k
+        if want.numel() > width:  # only the first width taken are written
+            assert found.ids[r].unique().numel() == width
+            assert set(found.ids[r].tolist()) <= set(want.tolist())
+        else:
+            got = found.ids[r, : want.numel()]
+            assert sorted(got.tolist()) == want.tolist()
+            assert torch.equal(
+                found.values[r, : want.numel()].view(torch.int16), z[r, got.long()].view(torch.int16)
+            )
+            assert found.ids[r, want.numel() :].tolist() == [-1] * (width - want.numel())
+        fits.append(want.numel() <= width)
+    assert fits == [False, True, False, True, False, True]  # tied rows overflow, random rows fit
+
+
 class Stored(torch.nn.Module):
     """A head whose logits are given: row i of hidden holds i, and its logits are z[i]."""
 
