@@ -228,10 +228,11 @@ def launch(  # noqa: PLR0917
         stats(gated, False)
         if gated:
             assert found is not None
-            split = max(1, min(GATHER_SPLIT, triton_jit.cdiv(vocab, step)))
-            triton_jit.jit(_gather_kernel)[(r, split)](
+            blocks = triton_jit.cdiv(vocab, step)
+            span = triton_jit.cdiv(blocks, min(GATHER_SPLIT, blocks)) * step  # a segment's columns
+            triton_jit.jit(_gather_kernel)[(r, triton_jit.cdiv(vocab, span))](
                 z, z.stride(0), rows, out.threshold, found.count, found.ids, found.values, cap,
-                VOCAB=vocab, BLOCK=step, SPLIT=split, num_warps=NUM_WARPS,
+                VOCAB=vocab, BLOCK=step, SPAN=span, num_warps=NUM_WARPS,
             )  # fmt: skip
             stats(False, True)
         if out.ids is not None:
@@ -492,22 +493,21 @@ def _gather_kernel(  # noqa: PLR0917
     width: tl.tensor,
     VOCAB: tl.constexpr,
     BLOCK: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPAN: tl.constexpr,
 ) -> None:
-    """One pass over one of a row's SPLIT segments of blocks (program (row, segment)): every key >= the
-    row's bound into a slot taken by an atomic increment of its count (slots past width are counted,
-    not written), with z beside its id."""
+    """One pass over a segment of a row (program (row, segment): SPAN columns, whole blocks): every
+    key >= the row's bound into a slot taken by an atomic increment of its count (slots past width
+    are counted, not written), with z beside its id."""
     i = tl.program_id(0)
-    span = tl.cdiv(tl.cdiv(VOCAB, BLOCK), SPLIT) * BLOCK  # a segment's columns, whole blocks
-    first = tl.program_id(1) * span
-    stop = tl.minimum(first + span, VOCAB)
+    first = tl.program_id(1) * SPAN
+    stop = tl.minimum(first + SPAN, VOCAB)
     row_ptr = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_stride
     bound = tl.load(bound_ptr + i)
     out_ptr = ids_ptr + i.to(tl.int64) * width
     values_out = values_ptr + i.to(tl.int64) * width
     ahead = tl.load(row_ptr + first + tl.arange(0, BLOCK), mask=first + tl.arange(0, BLOCK) < stop, other=0.0)
-    for start in range(first, stop, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    for offset in range(0, SPAN, BLOCK):
+        cols = first + offset + tl.arange(0, BLOCK)
         z = ahead
         ahead = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < stop, other=0.0)  # in flight
         bits = z.to(tl.int16, bitcast=True).to(tl.int32)
