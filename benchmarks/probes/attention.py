@@ -1,8 +1,9 @@
 """Packed causal attention kernels on the benchmark's micro-batches: which one pays.
 
-    python -m benchmarks.probes.attention [--models qwen2.5-1.5b ...] [--reps 10]
+    python -m benchmarks.probes.attention [--models qwen2.5-1.5b qwen3-30b-a3b ...] [--reps 10]
 
-For each model's attention shape (query heads, key/value heads, head dim 128) the benchmark
+For each model's attention shape (query heads, key/value heads, head dim 128; dense or a mixture of
+experts) the benchmark
 workload is cut into micro-batches as the batcher cuts it (sequences in order, under
 `max_batch_tokens`) and packed as the engine packs them. Every kernel importable here runs the
 attention of a whole round: one call per layer per micro-batch, on random bf16 q/k/v, timed as
@@ -12,7 +13,8 @@ on the first micro-batch.
 
 The kernels are the service's attention backends (service/engine/ops/attention.py) that this host can
 run: torch's varlen_attn (FA2 kernels shipped with torch), flash-attn 2 and flash-attn 4's CuTe
-kernels (FA3-class on Hopper).
+kernels (FA3-class on Hopper), the last also with its PackGQA off (`pack_gqa off`: each tile's rows
+one query head's, where flash-attn packs a key/value head's query heads together).
 """
 
 from __future__ import annotations
@@ -24,10 +26,17 @@ import torch
 
 from benchmarks.harness import timed
 from benchmarks.probes.kernels import cli, micro_batches
-from benchmarks.shapes import SHAPES
+from benchmarks.shapes import shape_of
 from benchmarks.workload import jobs, workload
 from service.engine.batch.packing import pack
-from service.engine.ops.attention import BACKENDS, Kernel, Segments, choose_backend, sdpa_kernel
+from service.engine.ops.attention import (
+    BACKENDS,
+    Kernel,
+    Segments,
+    choose_backend,
+    flash_cute_kernel,
+    sdpa_kernel,
+)
 
 HEAD_DIM = 128
 
@@ -43,8 +52,9 @@ def attention_flops(segments: list[Segments], q_heads: int) -> float:
 
 def measure(name: str, reps: int, budget: int) -> dict[str, Any]:
     device = torch.device("cuda")
-    shape = SHAPES[name]
+    shape = shape_of(name)  # dense or a mixture of experts: the attention is the same
     hq, hk = int(shape["num_attention_heads"]), int(shape["num_key_value_heads"])
+    assert int(shape.get("head_dim", int(shape["hidden_size"]) // hq)) == HEAD_DIM, name
     layers = int(shape["num_hidden_layers"])
     batches = [pack(b, device) for b in micro_batches(jobs(workload(int(shape["vocab_size"]))), budget)]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -58,13 +68,19 @@ def measure(name: str, reps: int, budget: int) -> dict[str, Any]:
     want = sdpa_kernel(q0.float(), k0.float(), v0.float(), segments[0])
     flops = attention_flops(segments, hq) * layers
     row: dict[str, Any] = {"micro_batch_tokens": [b.num_tokens for b in batches]}
+    kernels: dict[str, Kernel | str] = {}
     for backend_name in BACKENDS:
         if backend_name == "sdpa":
             continue
         try:
-            kernel = choose_backend(backend_name, device).kernel
+            kernels[backend_name] = choose_backend(backend_name, device).kernel
         except RuntimeError as error:
-            row[backend_name] = {"skipped": str(error)}
+            kernels[backend_name] = str(error)
+    if not isinstance(kernels.get("flash_attn_cute", ""), str):
+        kernels["flash_attn_cute, pack_gqa off"] = flash_cute_kernel(pack_gqa=False)
+    for backend_name, kernel in kernels.items():
+        if isinstance(kernel, str):
+            row[backend_name] = {"skipped": kernel}
             continue
 
         def round_(kernel: Kernel = kernel) -> None:

@@ -147,7 +147,9 @@ def flash_attn_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Se
     return out
 
 
-def _flash_cute_kernel() -> Kernel:
+def flash_cute_kernel(pack_gqa: bool | None = None) -> Kernel:
+    """flash-attn 4's kernel; `pack_gqa`: its PackGQA (a key/value head's query heads in one tile's
+    rows), None: flash-attn's own choice (on, wherever heads are grouped)."""
     from flash_attn.cute import flash_attn_varlen_func
 
     def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
@@ -166,6 +168,7 @@ def _flash_cute_kernel() -> Kernel:
             causal=True,
             window_size=(seg.window - 1, 0) if seg.window is not None else (None, None),
             softcap=seg.softcap or 0.0,
+            pack_gqa=pack_gqa,
         )
         result = out[0] if isinstance(out, tuple) else out  # (out, lse) in some releases
         assert isinstance(result, torch.Tensor)
@@ -399,7 +402,7 @@ def _device_can_run(name: str, device: torch.device) -> bool:
 
 def _build(name: str) -> AttentionBackend:
     if name == "flash_attn_cute":
-        return AttentionBackend(name, _flash_cute_kernel())
+        return AttentionBackend(name, flash_cute_kernel())
     if name == "flash_attn":
         return AttentionBackend(name, flash_attn_kernel)
     return AttentionBackend(name, _torch_varlen_kernel())
