@@ -39,6 +39,9 @@ from service.engine.ops.attention import (
 )
 
 HEAD_DIM = 128
+# the `attention` settings a packed kernel answers to: not sdpa (the reference) nor blocked (batch
+# invariance's, built by its mode, not chosen)
+CHOSEN = tuple(name for name in BACKENDS if name not in ("sdpa", "blocked"))
 
 
 def attention_flops(segments: list[Segments], q_heads: int) -> float:
@@ -69,9 +72,7 @@ def measure(name: str, reps: int, budget: int) -> dict[str, Any]:
     flops = attention_flops(segments, hq) * layers
     row: dict[str, Any] = {"micro_batch_tokens": [b.num_tokens for b in batches]}
     kernels: dict[str, Kernel | str] = {}
-    for backend_name in BACKENDS:
-        if backend_name == "sdpa":
-            continue
+    for backend_name in CHOSEN:
         try:
             kernels[backend_name] = choose_backend(backend_name, device).kernel
         except RuntimeError as error:
