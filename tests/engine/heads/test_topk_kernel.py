@@ -544,8 +544,9 @@ def test_interpreter_gather_takes_every_key_at_the_bound_once_across_its_segment
         want = torch.nonzero(keys[r] >= out.threshold[r]).flatten()
         assert int(found.count[r]) == want.numel() >= k
         if want.numel() > width:  # only the first width taken are written
-            assert found.ids[r].unique().numel() == width
-            assert set(found.ids[r].tolist()) <= set(want.tolist())
+            taken = found.ids[r].tolist()
+            assert len(set(taken)) == width  # each slot written, no id twice
+            assert set(taken) <= set(want.tolist())
         else:
             got = found.ids[r, : want.numel()]
             assert sorted(got.tolist()) == want.tolist()
