@@ -152,6 +152,8 @@ def flash_cute_kernel(pack_gqa: bool | None = None) -> Kernel:
     rows), None: flash-attn's own choice (on, wherever heads are grouped)."""
     from flash_attn.cute import flash_attn_varlen_func
 
+    packing = {} if pack_gqa is None else {"pack_gqa": pack_gqa}  # the default call names no option
+
     def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
         if q.dtype not in FAST_DTYPES:
             return sdpa_kernel(q, k, v, seg)
@@ -168,7 +170,7 @@ def flash_cute_kernel(pack_gqa: bool | None = None) -> Kernel:
             causal=True,
             window_size=(seg.window - 1, 0) if seg.window is not None else (None, None),
             softcap=seg.softcap or 0.0,
-            pack_gqa=pack_gqa,
+            **packing,
         )
         result = out[0] if isinstance(out, tuple) else out  # (out, lse) in some releases
         assert isinstance(result, torch.Tensor)

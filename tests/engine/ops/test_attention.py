@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from service.engine.ops.attention import (
     Segments,
     blocked_kernel,
     choose_backend,
+    flash_cute_kernel,
     invariant,
     sdpa_kernel,
 )
@@ -177,6 +179,28 @@ def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(
     assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
     assert _versions()["flash_attn_4"] == "4.0.0b1"
     optional.forget()  # the fake flash_attn.cute leaves with the test
+
+
+def test_flash_attn_4_gets_pack_gqa_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service's call names no PackGQA option (flash-attn's choice, and releases without the
+    option); the attention probe's `pack_gqa off` passes it."""
+    calls: list[dict[str, object]] = []
+
+    def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object) -> torch.Tensor:
+        calls.append(options)
+        return q
+
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_varlen_func = varlen  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    q = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    k = v = torch.zeros(4, 1, 8, dtype=torch.bfloat16)
+    seg = Segments(torch.tensor([0, 4], dtype=torch.int32), 4, 8**-0.5, None, None)
+    for kernel in (flash_cute_kernel(), flash_cute_kernel(pack_gqa=False), flash_cute_kernel(pack_gqa=True)):
+        assert kernel(q, k, v, seg) is q
+    assert ["pack_gqa" in c for c in calls] == [False, True, True]
+    assert [c.get("pack_gqa") for c in calls[1:]] == [False, True]
+    assert all(c["causal"] is True for c in calls)
 
 
 def _gpu_backends() -> list[str]:
