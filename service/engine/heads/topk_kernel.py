@@ -11,8 +11,8 @@ bits with the sign folded so that integers increase with z, -0 mapped onto +0 (`
 
 `select`: one program per row, passes over its 16-bit values (a 2 B read per element each; each
 pass loads its next block while it works on one, as heads/fused_kernel.py does):
-1. the online log-sum-exp of x (a running max per lane, the lanes combined at the end), the count of
-   keys >= the target's (vLLM's rank: tokens at least as likely) and the row's largest key;
+1. the online log-sum-exp of x (as heads/fused_kernel.py), the count of keys >= the target's (vLLM's
+   rank: tokens at least as likely) and the row's largest key;
 2. a histogram of the 2^DIGIT keys at and below the largest, one bin each: where they hold K keys
    (the usual case: a row's K most likely lie within 256 bf16 steps of its largest, two binades) it
    gives the K-th largest key v, the count above it and the ties at v at once;
@@ -306,9 +306,8 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
     BLOCK: tl.constexpr,
     DIGIT: tl.constexpr,
 ) -> None:
-    """The selecting passes of one row: the first with the online log-sum-exp (per lane the running
-    max m and the sum d = Σ exp(x - m), rescaled when m grows; the lanes combined once at the end) and
-    the rank; each a histogram of the
+    """The selecting passes of one row: the first with the online log-sum-exp (the running max m and
+    per-lane sums d = Σ exp(x - m), rescaled when m grows) and the rank; each a histogram of the
     next DIGIT bits of the keys whose higher bits are those of the K-th largest key found so far.
     Padding loads as -inf (exp gives 0) and is masked out of the counts. A row with K = 0 writes
     threshold, above and tied 0 (every key is at or above threshold 0). Also stores the row's
@@ -333,9 +332,7 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
         picks = tl.load(picks_ptr + i.to(tl.int64) * PICKS + at, mask=some, other=0)
         tl.store(picked_ptr + i.to(tl.int64) * PICKS + at, tl.load(row_ptr + picks, mask=some), mask=some)
     bins = tl.arange(0, 1 << DIGIT)
-    # per lane (no reduction across the warps per block), from a finite floor: a lane that meets only
-    # padding (-inf) keeps d = 0 and never computes -inf - -inf
-    m = tl.full([BLOCK], -3.0e38, tl.float32)
+    m = float("-inf")
     d = tl.zeros([BLOCK], tl.float32)
     rank = tl.zeros([BLOCK], tl.int32)
     before = tl.zeros([BLOCK], tl.int32)
@@ -353,19 +350,17 @@ def _stats_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel takes its argument
             x = x * scale
         if HAS_TEMP:
             x = x * t
-        m_new = tl.maximum(m, x)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
         d = d * tl.exp(m - m_new) + tl.exp(x - m_new)
         m = m_new
         rank += (valid & (key >= target_key)).to(tl.int32)
         before += (valid & (key == target_key) & (cols < target)).to(tl.int32)
         if SELECT:
             top = tl.maximum(top, tl.where(valid, key, 0))
-    row_max = tl.max(m, axis=0)
-    total = tl.sum(d * tl.exp(m - row_max), axis=0)
-    tl.store(shift_ptr + i, row_max + tl.log(total))
+    tl.store(shift_ptr + i, m + tl.log(tl.sum(d, axis=0)))
     tl.store(rank_ptr + i, tl.sum(rank, axis=0))
     tl.store(before_ptr + i, tl.sum(before, axis=0))
-    tl.store(max_ptr + i, row_max)
+    tl.store(max_ptr + i, m)
     if BOUND:
         # the K-th largest of the lanes' largest keys, by bisection of the 16-bit key space: the
         # largest b with K lanes at or above it (0 where fewer than K lanes hold a key)
