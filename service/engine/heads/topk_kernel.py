@@ -229,8 +229,7 @@ def launch(  # noqa: PLR0917
         stats(gated, False)
         if gated:
             assert found is not None
-            blocks = triton_jit.cdiv(vocab, step)
-            span = triton_jit.cdiv(blocks, min(GATHER_SPLIT, blocks)) * step  # a segment's columns
+            span = gather_span(vocab, step)
             triton_jit.jit(_gather_kernel)[(r, triton_jit.cdiv(vocab, span))](
                 z, z.stride(0), rows, out.threshold, found.count, found.ids, found.values, cap,
                 VOCAB=vocab, BLOCK=step, SPAN=span, num_warps=NUM_WARPS,
@@ -242,6 +241,11 @@ def launch(  # noqa: PLR0917
                 z, z.stride(0), rows, k, out.threshold, out.above, out.ids, out.values, out.ids.shape[1],
                 counts, cap, VOCAB=vocab, BLOCK=step, GATED=gated, num_warps=NUM_WARPS,
             )  # fmt: skip
+
+
+def gather_span(vocab: int, block: int) -> int:
+    """The columns of one of a row's GATHER_SPLIT segments for the gather pass: whole blocks."""
+    return triton_jit.cdiv(triton_jit.cdiv(vocab, block), GATHER_SPLIT) * block
 
 
 def mass(  # noqa: PLR0917

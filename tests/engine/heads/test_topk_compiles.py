@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from service.engine.heads import topk_kernel
-from service.engine.runtime.triton_jit import cdiv
 from tests.support.sm90 import compile_sm90
 
 pytest.importorskip("triton.compiler")
@@ -47,7 +46,7 @@ def test_write_and_gather_kernels_compile_for_sm90(gated: bool) -> None:
     assert _compile(topk_kernel._write_kernel, write, constants)
     gather = {**ROW, "bound_ptr": "*i32", "count_ptr": "*i32", "ids_ptr": "*i32", "values_ptr": "*bf16"}
     gather |= {"width": "i32"}
-    span = cdiv(cdiv(VOCAB, topk_kernel.BLOCK), topk_kernel.GATHER_SPLIT) * topk_kernel.BLOCK
+    span = topk_kernel.gather_span(VOCAB, topk_kernel.BLOCK)
     constants = {"VOCAB": VOCAB, "BLOCK": topk_kernel.BLOCK, "SPAN": span}
     assert _compile(topk_kernel._gather_kernel, gather, constants)
 
