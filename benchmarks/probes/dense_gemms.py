@@ -12,10 +12,11 @@ decoder runs as plain GEMMs over tokens, on random bf16 operands:
 - down: x [T, H] += a [T, I] @ W_downᵀ, likewise (dense shapes; an MoE shape's experts are
   benchmarks.probes.moe_layer's).
 
-Implementations: `cublas`, torch's F.linear and addmm_ (the OneCall strategy); `quack`, quack's GEMM
-at its heuristic tile (`tuned=False`, as ops/gate_up.py calls it), its add-to-output epilogue for the
-accumulating projections. Each: the median ms of --reps launches between CUDA events after a
-warm-up, its TFLOP/s, and the largest |Δ| against the float32 product relative to its largest |value|.
+Implementations: `cublas`, the default mode's own calls (strategies/gemm.py ONE_CALL: F.linear and
+addmm_); `quack`, quack's GEMM at its heuristic tile (`tuned=False`, as ops/gate_up.py calls it), its
+add-to-output epilogue for the accumulating projections. Each: the median ms of --reps launches
+between CUDA events after a warm-up, its TFLOP/s, and the largest |Δ| against the float32 product
+relative to its largest |value|.
 An implementation this host cannot run (quack off CUDA, or not installed) is reported skipped.
 """
 
@@ -31,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.harness import RESULTS, median_ms, provenance, write_result
 from benchmarks.shapes import MOE_SHAPES, shape_of
 from service.engine.ops.gate_up import quack_available
+from service.engine.strategies.gemm import ONE_CALL
 
 IMPLEMENTATIONS = ("cublas", "quack")
 BIASED = ("qwen2",)  # families whose q, k and v projections carry a bias
@@ -77,10 +78,11 @@ def runners(device: torch.device) -> dict[str, tuple[Run, Run] | str]:
     """Each implementation's (new output, accumulate) calls, or why it cannot run here."""
 
     def torch_new(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, _: torch.Tensor) -> object:
-        return F.linear(a, w, b)
+        return ONE_CALL.linear(a, w, b)
 
     def torch_add(a: torch.Tensor, w: torch.Tensor, _: torch.Tensor | None, x: torch.Tensor) -> object:
-        return x.addmm_(a, w.t())
+        ONE_CALL.accumulate(x, a, w)
+        return x
 
     out: dict[str, tuple[Run, Run] | str] = {"cublas": (torch_new, torch_add)}
     if not quack_available(device):

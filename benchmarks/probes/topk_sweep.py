@@ -11,61 +11,51 @@ bf16 logits [rows, V] (random, scaled like a 7B head's) at T = 0.7; `select` ove
 (stats and write kernels), median milliseconds over --reps after 3 warm-ups (CUDA events). Prints
 one line per configuration and K, fastest first, and writes them to --output (JSON).
 
-`--gathered`: what a chunk of `top_logprobs` K rows runs while serving (extras_radix.Batch without a
-sampler): `launch` with Candidates (the stats pass bounding each row's K-th key, the gather, the gated
-exact selection and write for the rows that overflow), its buffers made as Batch.make makes them;
-`same` is each row's K largest (z desc, id asc), shift and rank against `select` at the defaults.
+`--gathered`: what a chunk of `top_logprobs` K rows runs while serving: extras_radix.Batch.make and
+`score`'s launch, with Candidates (the stats pass bounding each row's K-th key, the gather, the gated
+exact selection and write for the rows that overflow); `same` is the rows' ExtraScores (`finish`:
+top ids, ranks, top log-probs) against those at the module's defaults.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 
+import numpy as np
 import torch
 
 from benchmarks.harness import median_ms, provenance, write_result
-from benchmarks.probes.head_extras import common_arguments, random_rows
+from benchmarks.probes.head_extras import asks, common_arguments, random_rows
 from service.engine.heads import topk_kernel
+from service.engine.heads.base import ExtraScores
+from service.engine.heads.extras_radix import Batch, finish
 
 
-def gathered(  # noqa: PLR0917
-    z: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, k: int, block: int
-) -> tuple[topk_kernel.Out, topk_kernel.Candidates]:
-    """The serving path's kernels for top_logprobs k over `rows` of z, in new buffers (Batch.make's)."""
-    r, vocab, device = rows.shape[0], z.shape[1], z.device
-    out = dataclasses.replace(
-        topk_kernel.Out.empty(r, device),
-        ids=torch.full((r, k), -1, dtype=torch.int32, device=device),
-        values=torch.empty(r, k, dtype=z.dtype, device=device),
-        picked=torch.empty(r, 1, dtype=z.dtype, device=device),
+def gathered(z: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, k: int, block: int) -> Batch:
+    """A chunk of z's rows asking the top k, as serving runs it (extras_radix.Batch.make and `score`'s
+    launch) but at `block`: the batch, whose `finish` gives the rows' ExtraScores."""
+    rows = z.shape[0]
+    batch = Batch.make(
+        asks(rows, z.device, top=k), np.zeros(rows, dtype=np.int64), targets, inv_t, 1.0, z, lambda _: z
     )
-    found = topk_kernel.Candidates.empty(r, min(vocab, k + max(k // 2, 64)), z.dtype, device)
-    ks = torch.full((r,), k, dtype=torch.int32, device=device)
-    picks = targets[rows][:, None].contiguous()
     topk_kernel.launch(
-        z, rows, targets[rows], 1.0, inv_t[rows], ks, out, picks=picks, found=found, block=block
-    )
-    return out, found
+        z, batch.local, batch.targets, batch.scale, batch.inv_t, batch.k, batch.out,
+        picks=batch.picks, found=batch.found, block=block,
+    )  # fmt: skip
+    return batch
 
 
-def top_lists(out: topk_kernel.Out, found: topk_kernel.Candidates, k: int) -> list[list[int]]:
-    """Each row's k largest ids (z desc, id asc), ascending: from its candidates where they fit, else
-    from the exact selection's ids."""
-    width = found.ids.shape[1]
-    keys = topk_kernel.order_keys(found.values).cpu().tolist()
-    ids, counts = found.ids.cpu().tolist(), found.count.cpu().tolist()
-    assert out.ids is not None
-    exact = out.ids.cpu().tolist()
-    lists = []
-    for i, n in enumerate(counts):
-        if n > width:
-            lists.append(sorted(exact[i]))
-            continue
-        best = sorted(zip(keys[i][:n], ids[i][:n], strict=True), key=lambda kv: (-kv[0], kv[1]))[:k]
-        lists.append(sorted(t for _, t in best))
-    return lists
+def same_extras(got: ExtraScores, want: ExtraScores) -> bool:
+    """The same top ids and ranks, and top log-probs within the shift's rounding."""
+    assert got.top_ids is not None
+    assert want.top_ids is not None
+    assert got.top_logprobs is not None
+    assert want.top_logprobs is not None
+    return bool(
+        torch.equal(got.top_ids, want.top_ids) and torch.equal(got.ranks, want.ranks)
+        and torch.allclose(got.top_logprobs, want.top_logprobs, rtol=1e-5, atol=1e-5)
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,22 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for k in args.k:
         want = topk_kernel.select(z, rows, targets, 1.0, inv_t, k)
-        assert want.ids is not None
-        want_lists = [sorted(row) for row in want.ids.cpu().tolist()]
+        served = finish(gathered(z, targets, inv_t, k, topk_kernel.BLOCK)) if args.gathered else None
         digits = [topk_kernel.DIGIT] if args.gathered else args.digits  # the gather path never histograms
         for block, warps, digit in itertools.product(args.blocks, args.warps, digits):
             topk_kernel.NUM_WARPS = warps
             try:
-                if args.gathered:
-                    served, candidates = gathered(z, rows, targets, inv_t, k, block)
-                    same = bool(
-                        top_lists(served, candidates, k) == want_lists
-                        and torch.equal(served.ranks.long(), want.ranks.long())
-                        and torch.allclose(served.shift, want.shift, rtol=1e-5, atol=1e-5)
-                    )  # fmt: skip
+                if served is not None:
+                    same = same_extras(finish(gathered(z, targets, inv_t, k, block)), served)
                 else:
                     got = topk_kernel.select(z, rows, targets, 1.0, inv_t, k, block=block, digit=digit)
                     assert got.ids is not None
+                    assert want.ids is not None
                     same = bool(
                         torch.equal(got.ids, want.ids) and torch.equal(got.ranks, want.ranks)
                         and torch.allclose(got.shift, want.shift, rtol=1e-5, atol=1e-5)
@@ -114,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 def run(k: int = k, block: int = block, digit: int = digit) -> None:
                     if args.gathered:
-                        gathered(z, rows, targets, inv_t, k, block)
+                        gathered(z, targets, inv_t, k, block)
                     else:
                         topk_kernel.select(z, rows, targets, 1.0, inv_t, k, block=block, digit=digit)
 
