@@ -45,8 +45,9 @@ import torch
 
 from service.engine.runtime import triton_jit
 
-# On an H200 the serving path's kernels at these ran within 4 % of the best of BLOCK 1024-4096 x
-# NUM_WARPS 4-16 (benchmarks/probes/topk_sweep.py --gathered: a chunk of 512 rows asking the top 100)
+# On an H200 the serving path's kernels at these ran within 4-10 % of the best of BLOCK 1024-4096 x
+# NUM_WARPS 4-16, 2048 with 8 warps (benchmarks/probes/topk_sweep.py --gathered: a chunk of 512 rows
+# asking the top 100; docs/performance.md)
 BLOCK = 2048
 NUM_WARPS = 4
 # the gather pass's programs per row, each over a segment of its blocks: the pass does little per key,
