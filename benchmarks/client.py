@@ -23,8 +23,8 @@ round (and the connections) comes first.
   (httpcore's pool), each body posted with `json=` (the standard library's json.dumps, inside the
   round) and each answer read with `response.json()` (json.loads; with `distribution_format:
   "base64"` its blocks then decoded as docs/api.md shows: plain_read); JSON bodies only. `--timeline
-  PATH` writes when each round's requests were posted, read and parsed (benchmarks.probes.overhead lays
-  them beside the server's events).
+  PATH` (here and in the process modes) writes when each round's requests were posted, read and
+  parsed (benchmarks.probes.overhead lays them beside the server's events).
 - `load`: continuous load (`poisson_load`): N tasks on one asyncio loop (logprobd's StreamTransport,
   one connection each), each sending bodies at the instants of a Poisson process of rate R / N, so
   the arrivals of all tasks are a Poisson process of rate R; a task whose previous request is still
@@ -93,12 +93,6 @@ def _parse(content: bytes, frames: bool) -> None:
         orjson.loads(content)
 
 
-def _post(client: httpx.Client, body: bytes, frames: bool) -> None:
-    r = client.post("/logprobs", content=body, headers=FRAME_HEADERS if frames else JSON_HEADERS)
-    r.raise_for_status()
-    _parse(r.content, frames)
-
-
 def plain_read(response: httpx.Response) -> Any:
     """A plain client's read of an answer: `response.json()`, and with `distribution_format: "base64"`
     its blocks decoded as docs/api.md shows (base64, then numpy of little-endian int32 / float32)."""
@@ -109,29 +103,44 @@ def plain_read(response: httpx.Response) -> Any:
     return body
 
 
-def _post_plain(client: httpx.Client, body: Any) -> None:
-    r = client.post("/logprobs", json=body)
-    r.raise_for_status()
-    plain_read(r)
-
-
+Timeline = list[dict[str, Any]]  # per round: its start and end, per request [posted, answer read, parsed];
+# `plain`: when each connection first wrote to its socket in the round ("sent"; _WriteTimes); the
+# processes: when each request's body was encoded ("encoded", in the requests' order) (time.perf_counter,
+# the server's clock too)
 Wire = Literal["json", "frames", "plain"]  # a rank's bodies: JSON bytes, compact frames, or json= of a dict
 
 
+def _post(client: httpx.Client, body: Any, wire: Wire) -> list[float]:
+    """One request as the rank's wire makes it: when it was posted, its body encoded (json= of the
+    plain trainer's dict; bytes as they are otherwise), its answer read whole, and the answer parsed
+    (time.perf_counter)."""
+    posted = time.perf_counter()
+    if wire == "plain":
+        request = client.build_request("POST", "/logprobs", json=body)
+    else:
+        headers = FRAME_HEADERS if wire == "frames" else JSON_HEADERS
+        request = client.build_request("POST", "/logprobs", content=body, headers=headers)
+    encoded = time.perf_counter()
+    r = client.send(request)
+    read = time.perf_counter()
+    r.raise_for_status()
+    if wire == "plain":
+        plain_read(r)
+    else:
+        _parse(r.content, wire == "frames")
+    return [posted, read, time.perf_counter(), encoded]
+
+
 def _rank(url: str, body: bytes, wire: Wire, conn: Connection) -> None:
-    """One client process: for each start instant received, wait for it, send, report the end."""
-    plain, frames = wire == "plain", wire == "frames"
-    trainer_body = json.loads(body) if plain else None  # the plain trainer's dict, built before the rounds
+    """One client process: for each start instant received, wait for it, send, report its times
+    (_post's: posted, read, parsed, encoded)."""
+    trainer_body = json.loads(body) if wire == "plain" else body  # the plain trainer's dict, built before
     with httpx.Client(base_url=url, timeout=600) as client:
         while (start := conn.recv()) is not None:
             while (left := start - time.perf_counter()) > 0:
                 if left > 0.002:
                     time.sleep(left - 0.002)
-            if plain:
-                _post_plain(client, trainer_body)
-            else:
-                _post(client, body, frames)
-            conn.send(time.perf_counter())
+            conn.send(_post(client, trainer_body, wire))
 
 
 def cached_tokens(answer: dict[str, Any]) -> int:
@@ -215,8 +224,11 @@ def _calls_rank(conn: Connection) -> None:
             conn.send((time.perf_counter(), cached))
 
 
-def in_processes(url: str, bodies: list[bytes], reps: int, wire: Wire) -> list[float]:
-    """Wall seconds of each round after a warm-up, every body sent by its own process."""
+def in_processes(
+    url: str, bodies: list[bytes], reps: int, wire: Wire, timeline: Timeline | None = None
+) -> list[float]:
+    """Wall seconds of each round after a warm-up, every body sent by its own process; each of those
+    rounds' request times (posted, read, parsed; and `encoded`, apart) appended to `timeline`."""
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in bodies]
     ranks = [
@@ -233,8 +245,12 @@ def in_processes(url: str, bodies: list[bytes], reps: int, wire: Wire) -> list[f
             start = time.perf_counter() + START_DELAY_S
             for parent, _ in pipes:
                 parent.send(start)
-            ends = [parent.recv() for parent, _ in pipes]
-            seconds.append(max(ends) - start)
+            times: list[list[float]] = [parent.recv() for parent, _ in pipes]
+            end = max(t[2] for t in times)
+            seconds.append(end - start)
+            if timeline is not None and len(seconds) > 1:
+                requests, encoded = [t[:3] for t in times], [t[3] for t in times]
+                timeline.append({"start": start, "end": end, "requests": requests, "encoded": encoded})
         return seconds[1:]
     finally:
         for parent, _ in pipes:
@@ -253,11 +269,6 @@ async def _round(client: httpx.AsyncClient, bodies: list[bytes], frames: bool) -
     start = time.perf_counter()
     await asyncio.gather(*(one(b) for b in bodies))
     return time.perf_counter() - start
-
-
-Timeline = list[dict[str, Any]]  # per round: its start and end, per request when it was posted, when its
-# answer was read and when parsed, and when each connection first wrote to its socket in the round
-# ("sent"; _WriteTimes) (time.perf_counter, the server's clock too)
 
 
 class _Written(httpcore.AsyncNetworkStream):
@@ -388,21 +399,27 @@ async def poisson_load(
 
 
 def teacher_call(url: str, body: dict[str, Any]) -> dict[str, float]:
-    """One teacher call as TRL makes it: ms to the last byte (and to the status line), its bytes, and
-    when it started and ended (time.perf_counter: CLOCK_MONOTONIC, the server process's clock too)."""
+    """One teacher call as TRL makes it: ms to the answer read whole (and to the status line), its
+    bytes, and when it started, its last byte came (`received`) and it ended, once the client had
+    joined the answer's pieces into one (time.perf_counter: CLOCK_MONOTONIC, the server process's clock
+    too). The read is httpx's own `Response.read()`: the pieces its stream yields, joined."""
     seen: list[float] = []
     hooks = {"response": [lambda _: seen.append(time.perf_counter())]}
     with httpx.Client(base_url=url, timeout=600, event_hooks=hooks) as client:
         started = time.perf_counter()
-        reply = client.post("/v1/completions", json=body)
-        content = reply.content
-        ended = time.perf_counter()
+        with client.stream("POST", "/v1/completions", json=body) as reply:
+            pieces = list(reply.iter_bytes())
+            received = time.perf_counter()
+            content = b"".join(pieces)
+            ended = time.perf_counter()
     reply.raise_for_status()
     return {
         "ms": (ended - started) * 1e3,
         "headers_ms": (seen[0] - started) * 1e3,
+        "join_ms": (ended - received) * 1e3,
         "bytes": len(content),
         "started": started,
+        "received": received,
         "ended": ended,
     }
 
@@ -414,9 +431,10 @@ def teacher_calls(url: str, body: dict[str, Any], reps: int) -> dict[str, Any]:
         "ms": statistics.median(c["ms"] for c in made),
         "min_ms": min(c["ms"] for c in made),
         "headers_ms": statistics.median(c["headers_ms"] for c in made),
+        "join_ms": statistics.median(c["join_ms"] for c in made),
         "calls_ms": [round(c["ms"], 1) for c in made],
         "bytes": made[0]["bytes"],
-        "last": {"started": made[-1]["started"], "ended": made[-1]["ended"]},
+        "last": {k: made[-1][k] for k in ("started", "received", "ended")},
     }
 
 
@@ -432,12 +450,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, help="load: how long arrivals go on")
     parser.add_argument("--tasks", type=int, help="load: client tasks (one connection each)")
     parser.add_argument("--seed", type=int, default=0, help="load: of the arrival times and bodies")
-    parser.add_argument("--timeline", type=Path, help="plain: each round's request times, as JSON")
+    parser.add_argument(
+        "--timeline", type=Path, help="plain, processes, plain-processes: each round's request times, as JSON"
+    )
     args = parser.parse_args(argv)
     if args.mode == "teacher":
         print(json.dumps(teacher_calls(args.url, json.loads(args.bodies.read_bytes()), args.reps)))
         return 0
     bodies = read_bodies(args.bodies)
+    timeline: Timeline = []
     if args.mode == "load":
         if not args.frames:
             parser.error("--mode load sends compact frames: give --frames")
@@ -450,15 +471,14 @@ def main(argv: list[str]) -> int:
         if args.mode == "plain-processes" and args.frames:
             parser.error("--mode plain-processes posts JSON: no --frames")
         wire: Wire = "plain" if args.mode == "plain-processes" else "frames" if args.frames else "json"
-        seconds = in_processes(args.url, bodies, args.reps, wire)
+        seconds = in_processes(args.url, bodies, args.reps, wire, timeline)
     elif args.mode == "plain":
-        timeline: Timeline = []
         seconds = asyncio.run(_in_plain(args.url, bodies, args.reps, timeline))
-        if args.timeline is not None:
-            args.timeline.write_text(json.dumps(timeline))
     else:
         transport = StreamTransport(max_connections=len(bodies)) if args.mode == "asyncio" else None
         seconds = asyncio.run(_in_asyncio(args.url, bodies, args.reps, args.frames, transport))
+    if args.timeline is not None and args.mode in {"plain", "processes", "plain-processes"}:
+        args.timeline.write_text(json.dumps(timeline))
     print(json.dumps(seconds))
     return 0
 

@@ -19,8 +19,11 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
   of each one's last round there (benchmarks/probes/overhead.py's last_round, as benchmarks.replay),
   and of the teacher call's last call (`teacher`: its micro-batches, each choice's chunks, the sends);
   each variant's last round is then split into `server_span_ms` and `outside_server_ms` (the plain
-  clients' own encoding, reading and parsing), the teacher's last call into `client_before_ms`,
-  `server_ms` and `client_after_ms`.
+  clients' own encoding, reading and parsing; of it, from the clients' own times, the request that
+  ended the round: its answer's last byte after the server's last part and its parse,
+  `last_read_after_sent_ms`, `last_parse_ms`), the teacher's last call into `client_before_ms`,
+  `server_ms` and `client_after_ms` (of it `client_join_ms`: httpx joining the answer's pieces once
+  the last byte is in; `join_ms`, the calls' median).
 - `teacher`: one TRL-style distillation call, `POST /v1/completions` with 8 token-id prompts of
   --teacher-tokens tokens, `max_tokens: 1`, `prompt_logprobs: 100` (every position's top 100, vLLM's
   form), from a client process as a trainer makes it (benchmarks/client.py --mode teacher), timed
@@ -132,9 +135,7 @@ def json_rounds(
     out: dict[str, dict[str, Any]] = {}
     for variant, extra in json_variants(args.variants, args.json_forms).items():
         bodies = json_group_bodies(samples, extra)
-        timeline.start()
-        rounds = http_rounds(url, bodies, args.reps, args.json_client, frames=False)
-        split = timeline.take(variant, len(bodies), rounds[-1])
+        rounds, split = timeline.json_rounds(variant, url, bodies, args.reps, args.json_client)
         ms = statistics.median(rounds) * 1e3
         out[variant] = {
             "ms": ms,
@@ -148,7 +149,7 @@ def json_rounds(
     return out
 
 
-OUTSIDE_SERVER = ("client_before_ms", "server_ms", "client_after_ms")
+OUTSIDE_SERVER = ("client_before_ms", "server_ms", "client_after_ms", "client_read_ms", "client_join_ms")
 
 
 def teacher_body(model: str, prompts: list[list[int]]) -> dict[str, Any]:
@@ -223,6 +224,7 @@ def teacher_calls(
         "ms": timed["ms"],
         "calls_ms": timed["calls_ms"],
         "headers_ms": timed["headers_ms"],
+        "join_ms": timed["join_ms"],  # the client joining the answer's pieces after its last byte
         "bytes": len(reply.content),
         "entries": entries,
         "client_parse_s": parse_s,
@@ -292,6 +294,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
                 "ms": call["ms"],
                 "calls_ms": call["calls_ms"],
                 "headers_ms": call["headers_ms"],
+                "join_ms": call["join_ms"],
                 "floor_fraction": teacher_floor_s * 1e3 / call["ms"],
                 "peak_gib_over_weights": call["peak_gib"] - weights_gib,
                 **{k: call[k] for k in OUTSIDE_SERVER if k in call},  # the last call, with --timeline

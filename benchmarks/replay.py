@@ -32,7 +32,9 @@ events): each request's `headers` and `body` (its last part read), `parse`, `nor
 each part of an answer handed to uvicorn (`sent`), and each micro-batch's `launch` and `collected`
 (the wait for its scores); each JSON variant's figures then split its last round into
 `server_span_ms` (the first headers to the last part sent) and `outside_server_ms` (the plain
-clients' encoding before it, their reading and parsing after).
+clients' encoding before it, their reading and parsing after; from the clients' own times,
+`encode_ms_max`, the longest any took to encode its body, and of the request that ended the round,
+`last_read_after_sent_ms` and `last_parse_ms`).
 """
 
 from __future__ import annotations
@@ -217,9 +219,7 @@ def json_rounds(  # noqa: PLR0917
     freeze_client_data()
     for variant, sent_bodies in bodies.items():
         raw = [orjson.dumps(b) for b in sent_bodies]
-        timeline.start()
-        rounds = http_rounds(url, raw, args.reps, args.json_client, frames=False)
-        split = timeline.take(variant, len(raw), rounds[-1])  # the last round's, with --timeline
+        rounds, split = timeline.json_rounds(variant, url, raw, args.reps, args.json_client)
         variants[variant] = timed(rounds, raw, floor_s) | {"over": "live_json"} | split
         print(f"  {variant:>14}: {variants[variant]['ms']:9.1f} ms{split_text(split)}", flush=True)
 

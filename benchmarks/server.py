@@ -203,19 +203,25 @@ def http_rounds(
     frames: bool = True,
     *,
     timeline: Path | None = None,
+    client_rounds: list[dict[str, Any]] | None = None,
 ) -> list[float]:
     """Wall seconds of each round of all bodies sent at once by a client in another process
-    (client.py's `mode`), after a warm-up round; with `timeline` (the plain client), its requests'
-    times written there (client.py's --timeline)."""
+    (client.py's `mode`), after a warm-up round; with `timeline` (the plain and process modes), its
+    requests' times written there (client.py's --timeline); with `client_rounds`, those times
+    appended to it, a round each."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bodies.bin"
         write_bodies(path, bodies)
         cmd = [sys.executable, "-m", "benchmarks.client", url, str(path), str(reps), "--mode", mode]
+        if client_rounds is not None and timeline is None:
+            timeline = Path(tmp) / "client.json"
         if timeline is not None:
             cmd += ["--timeline", str(timeline)]
         out = subprocess.run(
             [*cmd, "--frames"] if frames else cmd, capture_output=True, text=True, check=True
         )
+        if client_rounds is not None and timeline is not None:
+            client_rounds.extend(json.loads(timeline.read_text()))
     seconds: list[float] = json.loads(out.stdout)
     return seconds
 

@@ -160,10 +160,14 @@ SPLIT_ROW = "last round: server / clients, ms"
 
 
 def _split(v: dict[str, Any] | None) -> str:
-    """A JSON variant's last round (--timeline): the server's span / the plain clients' rest, ms."""
+    """A JSON variant's last round (--timeline): the server's span / the plain clients' rest, ms; where
+    the clients timed themselves, of the rest the longest body's encoding and the last answer's parse."""
     if v is None or "server_span_ms" not in v:
         return NONE
-    return f"{ms(v['server_span_ms'])} / {ms(v['outside_server_ms'])}"
+    own = [f"encoding {ms(v['encode_ms_max'])}"] if "encode_ms_max" in v else []
+    own += [f"parse {ms(v['last_parse_ms'])}"] if "last_parse_ms" in v else []
+    of_it = f" ({', '.join(own)})" if own else ""
+    return f"{ms(v['server_span_ms'])} / {ms(v['outside_server_ms'])}{of_it}"
 
 
 def _of(variant: dict[str, Any] | None, key: str) -> Any:
@@ -182,6 +186,8 @@ def _distribution(e: Entry) -> Iterator[list[str]]:
         ]  # fmt: skip
         if "server_ms" in t:  # --timeline: the last call split; its prompts in-process, no HTTP
             teacher = f"{ms(t['server_ms'])} / {ms(t['client_before_ms'] + t['client_after_ms'])}"
+            if "client_join_ms" in t:  # of the clients' part: httpx joining the answer's pieces
+                teacher += f" (join {ms(t['client_join_ms'])})"
             yield [
                 f"{name}, {SPLIT_ROW}",
                 *[NONE] * 4,

@@ -197,17 +197,20 @@ def received(events: list[Event], create_app: Callable[..., Any]) -> Callable[..
     return create
 
 
+def round_begin(events: list[Event], requests: int) -> float:
+    """When the last round of `requests` requests began: its first arrival (time.perf_counter)."""
+    return sorted(e[1] for e in events if e[0] == "headers")[-requests]
+
+
 def last_round(events: list[Event], requests: int) -> list[list[Any]]:
     """The events of the last round (its `requests` arrivals on), as [what, start ms, end ms] from
     its first arrival; none when nothing was recorded."""
-    ordered = sorted(events, key=lambda e: e[1])
-    arrivals = [e[1] for e in ordered if e[0] == "headers"]
-    if len(arrivals) < requests:
+    if sum(e[0] == "headers" for e in events) < requests:
         return []
-    begin = arrivals[-requests]
+    begin = round_begin(events, requests)
     return [
         [what, round((a - begin) * 1e3, 2), round((b - begin) * 1e3, 2)]
-        for what, a, b in ordered
+        for what, a, b in sorted(events, key=lambda e: e[1])
         if a >= begin
     ]
 
@@ -318,24 +321,36 @@ class Timelines:
         clock) hold the last request recorded: ms before its headers reached the app
         (`client_before_ms`: the client's encoding and connection), from them to the answer's last
         part handed to uvicorn (`server_ms`), and after that to the client's last byte read
-        (`client_after_ms`: what the client still had to read, and its own copies). Empty without a
-        path, as `take`."""
+        (`client_after_ms`: what the client still had to read, and its own copies); where the call
+        says when its last byte came (`received`), that last part split into `client_read_ms` and
+        `client_join_ms` (the client joining the answer's pieces). Empty without a path, as `take`."""
         if self.path is None:
             return {}
         arrived = max(e[1] for e in self.events if e[0] == "headers")
         sent = max(e[2] for e in self.events if e[0] == "sent")
-        return {
+        split = {
             "client_before_ms": (arrived - call["started"]) * 1e3,
             "server_ms": (sent - arrived) * 1e3,
             "client_after_ms": (call["ended"] - sent) * 1e3,
         }
+        if "received" in call:
+            split["client_read_ms"] = (call["received"] - sent) * 1e3
+            split["client_join_ms"] = (call["ended"] - call["received"]) * 1e3
+        return split
 
-    def take(self, variant: str, requests: int, round_s: float | None = None) -> dict[str, float]:
+    def take(
+        self,
+        variant: str,
+        requests: int,
+        round_s: float | None = None,
+        client: dict[str, Any] | None = None,
+    ) -> dict[str, float]:
         """The variant's rounds of `requests` requests each are over: keep its last. With the last
         round's seconds (`round_s`, as its client timed it), that round's split: `server_span_ms`, its
         first request's headers at the app to its last answer's last part handed to uvicorn, and
         `outside_server_ms`, the rest of the round (the clients' encoding before, their reading and
-        parsing after). Empty without a path."""
+        parsing after). With the client's own times of that round (`client`: a round of
+        benchmarks.client's timeline), the rest split further (client_split). Empty without a path."""
         if self.path is None:
             return {}
         kept = last_round(self.events, requests)
@@ -343,16 +358,59 @@ class Timelines:
         sent = [end for what, _, end in kept if what == "sent"]
         if round_s is None or not sent:
             return {}
-        return {"server_span_ms": max(sent), "outside_server_ms": round_s * 1e3 - max(sent)}
+        split = {"server_span_ms": max(sent), "outside_server_ms": round_s * 1e3 - max(sent)}
+        if client is not None:
+            split |= client_split(client, round_begin(self.events, requests), max(sent) / 1e3)
+        return split
+
+    def json_rounds(
+        self, variant: str, url: str, bodies: list[bytes], reps: int, mode: str
+    ) -> tuple[list[float], dict[str, float]]:
+        """A variant's rounds of JSON `bodies` from a client in another process (http_rounds, its
+        `mode`), and `take`'s split of the last one (with the client's own times where recording)."""
+        self.start()
+        client: list[dict[str, Any]] | None = [] if self.path is not None else None
+        rounds = http_rounds(url, bodies, reps, mode, frames=False, client_rounds=client)
+        return rounds, self.take(variant, len(bodies), rounds[-1], client[-1] if client else None)
+
+
+def client_split(client: dict[str, Any], begin: float, span_s: float) -> dict[str, float]:
+    """Where the plain clients' part of a round goes (`client`: benchmarks.client's timeline entry of
+    the round; the server's span: from `begin`, its first request's headers at the app, `span_s`
+    seconds to its last part handed to uvicorn; one clock), ms: the round's start to `begin`
+    (`to_first_arrival_ms`), and of the request that ended the round, its answer's last byte read
+    after the server's last part (`last_read_after_sent_ms`) and its parse (`last_parse_ms`:
+    response.json() and, for base64 blocks, their decoding); the three add up to the round less the
+    server's span (in the process modes; the plain mode's round ends a little later, when its
+    asyncio.gather returns). Where the client timed its encoding (the process modes), the longest any client
+    took to encode its body (`encode_ms_max`, json= before its first byte)."""
+    _, read, parsed = max(client["requests"], key=lambda q: q[2])
+    split = {
+        "to_first_arrival_ms": (begin - client["start"]) * 1e3,
+        "last_read_after_sent_ms": (read - begin - span_s) * 1e3,
+        "last_parse_ms": (parsed - read) * 1e3,
+    }
+    if "encoded" in client:
+        starts = [q[0] for q in client["requests"]]
+        split["encode_ms_max"] = max((e - p) * 1e3 for p, e in zip(starts, client["encoded"], strict=True))
+    return split
 
 
 def split_text(split: dict[str, float]) -> str:
     """Timelines.take's split of a last round, as a printed line ends ("" without one)."""
     if not split:
         return ""
-    return (
-        f" (last round: server {split['server_span_ms']:.1f} ms, the rest {split['outside_server_ms']:.1f})"
-    )
+    client = ""
+    if "last_parse_ms" in split:
+        client = (
+            f": {split['to_first_arrival_ms']:.1f} before the first arrival; the last answer read "
+            f"{split['last_read_after_sent_ms']:.1f} after the server's last part, parsed in "
+            f"{split['last_parse_ms']:.1f}"
+        )
+    if "encode_ms_max" in split:
+        client += f"; bodies encoded in up to {split['encode_ms_max']:.1f}"
+    rest = f"the rest {split['outside_server_ms']:.1f}{client}"
+    return f" (last round: server {split['server_span_ms']:.1f} ms, {rest})"
 
 
 def summary(label: str, events: list[Event], per_round: int, marks: GpuMarks | None = None) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 
@@ -56,6 +57,20 @@ def test_plain_ranks_post_their_own_body_as_json_each_round() -> None:
         3 * [json.dumps(json.loads(b), sort_keys=True) for b in bodies]
     )
     assert not set(bodies) & {b for _, b in got}
+
+
+def test_ranks_report_when_each_request_was_posted_encoded_read_and_parsed() -> None:
+    bodies = [json.dumps({"sequences": [{"input_ids": [i] * 1000}]}).encode() for i in range(3)]
+    timeline: list[dict[str, Any]] = []
+    with stub(200) as (url, _):
+        seconds = in_processes(url, bodies, reps=2, wire="plain", timeline=timeline)
+    assert len(timeline) == 2  # the timed rounds, not the warm-up
+    for r, s in zip(timeline, seconds, strict=True):
+        assert r["end"] - r["start"] == pytest.approx(s)
+        assert len(r["requests"]) == len(r["encoded"]) == 3
+        for (posted, read, parsed), encoded in zip(r["requests"], r["encoded"], strict=True):
+            assert r["start"] <= posted < encoded < read <= parsed <= r["end"]
+        assert max(q[2] for q in r["requests"]) == r["end"]
 
 
 def test_a_rank_whose_request_fails_ends_the_round_with_an_error() -> None:

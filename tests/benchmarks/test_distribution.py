@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import distribution
 from benchmarks.workload import jobs, teacher, teacher_prompts
 from tests.benchmarks.page_rows import page_rows
@@ -48,12 +50,22 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     for name, variant in model["grpo-short"]["json"].items():  # the last round: the server's span, the rest
         assert variant["server_span_ms"] == max(e[2] for e in timelines[name] if e[0] == "sent")
         assert 0 < variant["server_span_ms"] <= variant["rounds_ms"][-1] + 0.1
+        # the rest by the client's own times: before the first arrival, then the round's last answer
+        # read after the server's last part and parsed (the plain mode's round ends a little after,
+        # as its gather returns)
+        parts = ("to_first_arrival_ms", "last_read_after_sent_ms", "last_parse_ms")
+        assert all(variant[p] > 0 for p in parts)
+        assert sum(variant[p] for p in parts) <= variant["outside_server_ms"] + 0.1
     lists = [e[0] for e in timelines["top_logprobs_100_json"] if e[0].startswith("lists")]
     assert sorted(lists) == ["lists top_ids"] * 8 + ["lists top_logprobs"] * 8  # within each render
     teacher = model["teacher"]
     split = [teacher[k] for k in ("client_before_ms", "server_ms", "client_after_ms")]
     assert all(ms > 0 for ms in split)  # the last call: the client's encoding, the server, its reading
     assert sum(split) <= max(teacher["calls_ms"]) + 1.0
+    # after the server's last part: the client reading what was left, then joining the pieces
+    assert teacher["client_read_ms"] + teacher["client_join_ms"] == pytest.approx(teacher["client_after_ms"])
+    assert teacher["client_join_ms"] > 0
+    assert teacher["join_ms"] > 0
     assert (
         teacher["entries"] >= 8 * 63 * 100
     )  # every scored position's top 100 (and the token, where not among them)

@@ -54,6 +54,11 @@ def test_replay_benchmark_runs_every_form_on_cpu(tmp_path: Path) -> None:
             assert variant["server_span_ms"] + variant["outside_server_ms"] == pytest.approx(
                 variant["rounds_ms"][-1], abs=0.1
             )
+            # the clients' part by their own times: before the first arrival, then the request that
+            # ended the round read and parsed
+            parts = ("to_first_arrival_ms", "last_read_after_sent_ms", "last_parse_ms")
+            assert all(variant[p] > 0 for p in parts)
+            assert sum(variant[p] for p in parts) <= variant["outside_server_ms"] + 0.1
     (row,) = page_rows("replay", out)  # the results page reads what the suite wrote
     assert row[1] == "tiny-moe"
     _, split = page_rows("replay_json", out)  # the JSON forms, and their last rounds split

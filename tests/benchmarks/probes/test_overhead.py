@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.probes.overhead import main, recording_server, recording_stalls
+from benchmarks.probes.overhead import client_split, main, recording_server, recording_stalls
 from service.engine.decoder.graphs import GraphedDecoder
 from service.http.completions import response as completions_response
 
@@ -102,3 +102,24 @@ def test_the_server_records_a_streamed_answers_choices_chunks_and_sends() -> Non
         completions_response.choice_stream = saved
     assert [what for what, _, _ in events] == ["choice 3", "chunk 3", "chunk 3"]
     assert all(start <= end for _, start, end in events)
+
+
+def test_the_clients_part_of_a_round_is_split_by_their_own_times() -> None:
+    # three requests [posted, read, parsed], their bodies encoded at `encoded`; the server's last part
+    # handed over at 10.0 s: the one parsed last ended the round
+    client = {
+        "start": 0.99,
+        "requests": [[1.0, 10.002, 10.010], [1.0, 10.001, 10.030], [1.2, 10.004, 10.005]],
+        "encoded": [1.005, 1.040, 1.210],
+    }
+    split = client_split(client, begin=1.05, span_s=8.95)  # the first headers at 1.05 s
+    assert split["to_first_arrival_ms"] == pytest.approx(60.0)
+    assert split["last_read_after_sent_ms"] == pytest.approx(1.0)
+    assert split["last_parse_ms"] == pytest.approx(29.0)
+    assert split["encode_ms_max"] == pytest.approx(40.0)
+    # the three add up to the round (its start to the last parse) less the server's span
+    assert sum(split[k] for k in ("to_first_arrival_ms", "last_read_after_sent_ms", "last_parse_ms")) == (
+        pytest.approx((10.030 - 0.99 - 8.95) * 1e3)
+    )
+    untimed = {"start": 0.99, "requests": client["requests"]}  # the plain mode does not time encoding
+    assert "encode_ms_max" not in client_split(untimed, begin=1.05, span_s=8.95)
