@@ -6,8 +6,8 @@
     python -m benchmarks.client URL BODIES_FILE 0 --mode load --frames --rate R --seconds S --tasks N
         -> prints "ready" once connected, reads the start instant (time.perf_counter) from stdin,
            then prints a JSON object (poisson_load)
-    python -m benchmarks.client URL BODY.json REPS --mode teacher
-        -> prints a JSON object (teacher_calls)
+    python -m benchmarks.client URL BODY.json REPS --mode teacher|helper
+        -> prints a JSON object (teacher_calls, helper_calls)
 
 BODIES_FILE holds the request bodies, each after its length (8 bytes, little-endian): JSON, or with
 `--frames` compact frames (service/wire/frame.py), whose answers are asked for and read as frames too.
@@ -35,6 +35,8 @@ round (and the connections) comes first.
 - `teacher`: TRL's teacher call (VLLMClient.get_sequence_logprobs): the one JSON body in BODY.json
   posted to /v1/completions by a fresh `httpx.Client` with `json=`, the answer read whole
   (`reply.content`), one call after another: ms to the last byte and to the status line.
+- `helper`: the same distribution through logprobd's helper, service.client.teacher's
+  get_sequence_logprobs (POST /logprobs in compact frames), timed to TRL's dict in hand.
 - `plain-processes`: `processes` with each rank a plain trainer: a default `httpx.Client()`, its body
   (a dict of lists, built before the rounds) posted with `json=` and the answer read as `plain`
   reads it. Each rank encodes only its own body, as 8 trainer ranks on their own hosts do;
@@ -62,6 +64,7 @@ import httpx
 import numpy as np
 import orjson
 
+from service.client.teacher import get_sequence_logprobs
 from service.client.transport import StreamTransport
 from service.client.wire import Scores, from_frame
 from service.wire.frame import MEDIA_TYPE
@@ -424,6 +427,26 @@ def teacher_call(url: str, body: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def helper_calls(url: str, body: dict[str, Any], reps: int) -> dict[str, Any]:
+    """The same teacher's distribution through logprobd's helper (service.client.teacher:
+    POST /logprobs in compact frames, the completion positions only): `reps` calls after a warm-up,
+    each timed to TRL's dict in hand, its prompt length 1 (every position after the first, the
+    positions the teacher call's prompt_logprobs cover); median ms, and the entries of one dict."""
+    prompts = body["prompt"]
+    times, got = [], {}
+    for _ in range(reps + 1):
+        started = time.perf_counter()
+        got = get_sequence_logprobs(
+            url, prompts, [1] * len(prompts), body["prompt_logprobs"], body.get("temperature", 1.0)
+        )
+        times.append((time.perf_counter() - started) * 1e3)
+    return {
+        "ms": statistics.median(times[1:]),
+        "calls_ms": [round(t, 1) for t in times[1:]],
+        "entries": sum(len(row) for seq in got["logprobs"] for row in seq),
+    }
+
+
 def teacher_calls(url: str, body: dict[str, Any], reps: int) -> dict[str, Any]:
     """Medians over `reps` teacher calls after a warm-up one."""
     made = [teacher_call(url, body) for _ in range(reps + 1)][1:]
@@ -443,7 +466,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("url")
     parser.add_argument("bodies", type=Path)
     parser.add_argument("reps", type=int)
-    modes = ["asyncio", "httpcore", "plain", "processes", "plain-processes", "load", "teacher"]
+    modes = ["asyncio", "httpcore", "plain", "processes", "plain-processes", "load", "teacher", "helper"]
     parser.add_argument("--mode", choices=modes, default="asyncio")
     parser.add_argument("--frames", action="store_true", help="the bodies are compact frames")
     parser.add_argument("--rate", type=float, help="load: requests/s of this process")
@@ -454,8 +477,9 @@ def main(argv: list[str]) -> int:
         "--timeline", type=Path, help="plain, processes, plain-processes: each round's request times, as JSON"
     )
     args = parser.parse_args(argv)
-    if args.mode == "teacher":
-        print(json.dumps(teacher_calls(args.url, json.loads(args.bodies.read_bytes()), args.reps)))
+    if args.mode in {"teacher", "helper"}:
+        calls = teacher_calls if args.mode == "teacher" else helper_calls
+        print(json.dumps(calls(args.url, json.loads(args.bodies.read_bytes()), args.reps)))
         return 0
     bodies = read_bodies(args.bodies)
     timeline: Timeline = []

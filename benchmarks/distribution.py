@@ -32,7 +32,10 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
   head over every position (2 · vocab · hidden per position) besides the layers and attention;
   `peak_gib_over_weights` is the device's peak allocation during the calls less the weights.
   `teacher.drawing`: the same call with `logprobs: 1`, whose answer shows the drawn token, so a token
-  is drawn after each prompt and its log-prob shown. `teacher.tokenizer`: TRL's call to a server
+  is drawn after each prompt and its log-prob shown. `teacher.helper`: the same distribution through
+  logprobd's helper (service.client.teacher.get_sequence_logprobs: POST /logprobs in compact frames,
+  the positions after each prompt's first token), timed to TRL's dict in hand; against TRL's call,
+  whose dict comes only after `client_parse_ms` more. `teacher.tokenizer`: TRL's call to a server
   whose checkpoint has a tokenizer (a word-level one, `t<id>` for each id, like a BPE piece's
   length): a token drawn after each prompt for `text`, every entry's `decoded_token` a string.
 """
@@ -188,6 +191,17 @@ def in_process_ms(engine: PackedScorer, body: dict[str, Any], name: str, vocab: 
     return statistics.median(times[1:]) * 1e3
 
 
+def client_calls(url: str, body: dict[str, Any], reps: int, mode: str) -> dict[str, Any]:
+    """benchmarks/client.py's `mode` (teacher, helper) over `body` from a client process: its JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "body.json"
+        path.write_text(json.dumps(body))
+        cmd = [sys.executable, "-m", "benchmarks.client", url, str(path), str(reps), "--mode", mode]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    made: dict[str, Any] = json.loads(out)
+    return made
+
+
 def teacher_calls(
     url: str, body: dict[str, Any], reps: int, device: torch.device, timeline: Timelines | None = None
 ) -> dict[str, Any]:
@@ -200,17 +214,13 @@ def teacher_calls(
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = histogram_totals(url, FORWARD)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "body.json"
-        path.write_text(json.dumps(body))
-        cmd = [sys.executable, "-m", "benchmarks.client", url, str(path), str(reps), "--mode", "teacher"]
-        if timeline is not None:
-            timeline.start()
-        timed = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-        client_side: dict[str, float] = {}
-        if timeline is not None:
-            client_side = timeline.outside_server(timed["last"])
-            timeline.take("teacher", 1)
+    if timeline is not None:
+        timeline.start()
+    timed = client_calls(url, body, reps, "teacher")
+    client_side: dict[str, float] = {}
+    if timeline is not None:
+        client_side = timeline.outside_server(timed["last"])
+        timeline.take("teacher", 1)
     after = histogram_totals(url, FORWARD)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     with httpx.Client(base_url=url, timeout=600) as client:
@@ -284,6 +294,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         for i, budget in enumerate(args.teacher_budgets):
             with HttpServer(engine, settings.model_copy(update={"max_batch_tokens": budget})) as url:
                 call = teacher_calls(url, body, args.reps, device, timeline if i == 0 else None)
+                # the same distribution through logprobd's helper (client.py --mode helper), to TRL's dict
+                helper = client_calls(url, body, args.reps, "helper") if i == 0 else None
                 drawing = (
                     teacher_calls(url, {**body, "logprobs": 1}, args.reps, device) if args.drawing else None
                 )
@@ -317,6 +329,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
                 "budgets": [at],
                 "in_process_ms": in_process_ms(engine, body, name, vocab, args.reps),
             }
+            if helper is not None:  # the same distribution through logprobd's helper, to TRL's dict
+                out["teacher"]["helper"] = helper | {"floor_fraction": teacher_floor_s * 1e3 / helper["ms"]}
             if drawing is not None:
                 # the same call with OpenAI's logprobs: 1, whose answer shows the drawn token, so each
                 # prompt's job draws one (as it does wherever the checkpoint has a tokenizer)

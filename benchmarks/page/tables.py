@@ -192,10 +192,15 @@ def _distribution(e: Entry) -> Iterator[list[str]]:
                 f"{name}, {SPLIT_ROW}",
                 *[NONE] * 4,
                 teacher,
-                f"in-process {ms(t['in_process_ms'])}",
+                f"in-process {ms(t['in_process_ms'])}{_helper(t.get('helper'))}",
                 NONE,
                 NONE,
             ]
+
+
+def _helper(helper: dict[str, Any] | None) -> str:
+    """logprobd's helper to TRL's dict (`teacher.helper`), ms and its fraction of the floor."""
+    return "" if helper is None else f"; helper {ms(helper['ms'])} ({helper['floor_fraction']:.1%})"
 
 
 JSON_FORMS = ("top_logprobs_100_json", "top_logprobs_100_base64", "top_logprobs_1000_json",

@@ -1,8 +1,7 @@
-"""A teacher's top-K log-probs for distillation, as TRL's trainers take them, from /v1/completions.
+"""A teacher's top-K log-probs for distillation, as TRL's trainers take them.
 
 `get_sequence_logprobs` returns exactly the dict of TRL 1.16's
-`VLLMClient.get_sequence_logprobs` (trl/generation/vllm_client.py) and sends it the same request
-(`prompt` the token-id sequences, `max_tokens` 1, `temperature`, `prompt_logprobs` K), without
+`VLLMClient.get_sequence_logprobs` (trl/generation/vllm_client.py) for the same arguments, without
 needing vLLM installed as TRL's client does. Per completion position of each sequence (from its
 prompt length on), [K] lists padded to K:
 
@@ -10,19 +9,30 @@ prompt length on), [K] lists padded to K:
     logprob_token_ids their token ids, padded with 0
     actual_logprobs   [1] the sequence's own token's log-prob (-inf if the answer lacks it)
     actual_token_ids  [1] that token's id
+
+TRL's client asks /v1/completions for every prompt position's top K (`prompt_logprobs`) as JSON and
+keeps the completion positions: for 8 sequences of 4,096 tokens at K 100, a 232 MB answer that it
+then parses (seconds). `get_sequence_logprobs` asks POST /logprobs for the completion positions only
+(`num_actions`, `top_logprobs`), in compact frames (Client): their [window, K] ids and float32
+log-probs as binary arrays, written into TRL's lists as TRL reads them from vLLM's JSON (-inf as
+vLLM's -9999.0). tests/e2e/test_completions_clients.py holds it to TRL's own client.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import httpx
+import numpy as np
+from numpy.typing import NDArray
 
-from service.client.errors import from_response, from_transport
+from service.client._sync import Client
+from service.client.errors import LogprobdError
+from service.client.wire import Scores
 
 KEYS = ("logprobs", "logprob_token_ids", "actual_logprobs", "actual_token_ids")
+FLOOR = -9999.0  # vLLM's prompt_logprobs clamp for -inf (JSON cannot carry it)
 
 
 def get_sequence_logprobs(
@@ -36,59 +46,88 @@ def get_sequence_logprobs(
     timeout: float = 600.0,
 ) -> dict[str, list[Any]]:
     """Score `sequences` (prompt + completion token ids) on the server at `url`; TRL's dict. A 4xx or
-    5xx raises LogprobdError naming the server's field and row; no answer, LogprobdConnectionError."""
+    5xx raises LogprobdError naming the server's field and row; no answer, LogprobdConnectionError.
+    A sequence's first token has no distribution: with prompt length 0 its entry is padding, as in
+    TRL's dict (vLLM's first prompt_logprobs entry is None)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     if len(sequences) != len(prompt_lengths):
         raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
-    payload = {
-        "prompt": [list(s) for s in sequences],
-        "max_tokens": 1,
-        "temperature": temperature,
-        "prompt_logprobs": top_logprobs,
-    }
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    endpoint = f"{url.rstrip('/')}/v1/completions"
-    try:
-        reply = httpx.post(endpoint, json=payload, headers=headers, timeout=timeout)
-    except httpx.TransportError as exc:
-        raise from_transport(exc, endpoint) from exc
-    if reply.status_code != 200:
-        raise from_response(reply)
-    choices = reply.json()["choices"]
-    results = [
-        sequence_logprobs(choice["prompt_logprobs"], sequence, length, top_logprobs)
-        for choice, sequence, length in zip(choices, sequences, prompt_lengths, strict=True)
-    ]
+    if any(length < 0 for length in prompt_lengths):
+        raise ValueError(f"prompt lengths must be at least 0, got {list(prompt_lengths)}")
+    first = [max(length, 1) for length in prompt_lengths]  # the first position with a distribution
+    asked = [i for i, seq in enumerate(sequences) if len(seq) > first[i]]
+    scores: Scores | None = None
+    if asked:
+        with Client(url, api_key=api_key, timeout=timeout) as client:
+            scores = client.score(
+                [list(sequences[i]) for i in asked],
+                num_actions=[len(sequences[i]) - first[i] for i in asked],
+                temperature=temperature,
+                top_logprobs=top_logprobs,
+            )
+    rows = {i: j for j, i in enumerate(asked)}
+    results = []
+    for i, (sequence, length) in enumerate(zip(sequences, prompt_lengths, strict=True)):
+        head = _padding(sequence, top_logprobs) if length == 0 and sequence else _empty()
+        if scores is None or i not in rows:
+            results.append(head)
+            continue
+        j = rows[i]
+        own = np.asarray(sequence[first[i] :], dtype=np.int64)
+        ids, values = _top_blocks(scores)
+        body = _positions(ids[j], values[j], own, scores.logprobs[j], top_logprobs)
+        results.append({key: head[key] + body[key] for key in KEYS})
     return {key: [r[key] for r in results] for key in KEYS}
 
 
-def sequence_logprobs(
-    prompt_logprobs: Sequence[Mapping[str, Mapping[str, Any]] | None],
-    sequence: Sequence[int],
-    prompt_length: int,
-    top_logprobs: int,
+def _top_blocks(scores: Scores) -> tuple[list[NDArray[np.int64]], list[NDArray[np.float32]]]:
+    """The answer's per-row top_ids and top_logprobs blocks, which `top_logprobs` asked for."""
+    if scores.top_ids is None or scores.top_logprobs is None:
+        raise LogprobdError("the server's answer has no top_ids / top_logprobs")
+    return scores.top_ids, scores.top_logprobs
+
+
+def _positions(
+    ids: NDArray[np.int64], values: NDArray[np.float32], own: NDArray[np.int64], actual: list[float], k: int
 ) -> dict[str, list[Any]]:
-    """One choice's `prompt_logprobs` (vLLM's form) -> TRL's four lists for positions prompt_length..L-1."""
-    logprobs, token_ids, actual_logprobs, actual_ids = [], [], [], []
-    for position in range(prompt_length, len(prompt_logprobs)):
-        entry = prompt_logprobs[position] or {}
-        ranked = sorted(entry.items(), key=lambda item: item[1]["rank"])[:top_logprobs]
-        values = [_finite_or_floor(item["logprob"]) for _, item in ranked]
-        pad = top_logprobs - len(ranked)
-        logprobs.append(values + [-math.inf] * pad)
-        token_ids.append([int(token) for token, _ in ranked] + [0] * pad)
-        actual = entry.get(str(sequence[position]))
-        actual_logprobs.append([-math.inf if actual is None else _finite_or_floor(actual["logprob"])])
-        actual_ids.append([sequence[position]])
+    """A row's window [n] of /logprobs' answer -> TRL's four lists: the [n, K'] top blocks (K' <= K:
+    the vocabulary's cap, padded to K), the tokens `own` [n] and their log-probs `actual` [n]. Where a
+    token is among its position's K, its log-prob is that entry's, as a vLLM answer shows it once."""
+    ids, values = ids[:, :k], values[:, :k]
+    n, shown = ids.shape
+    logprobs = np.full((n, k), -math.inf)
+    token_ids = np.zeros((n, k), dtype=np.int64)
+    logprobs[:, :shown], token_ids[:, :shown] = _as_vllm(values), ids
+    mine = np.asarray(_as_vllm(np.asarray(actual, dtype=np.float32)))
+    hit = ids == own[:, None]
+    found = hit.any(axis=1)
+    mine[found] = logprobs[found, hit[found].argmax(axis=1)]
     return {
-        "logprobs": logprobs,
-        "logprob_token_ids": token_ids,
-        "actual_logprobs": actual_logprobs,
-        "actual_token_ids": actual_ids,
+        "logprobs": logprobs.tolist(),
+        "logprob_token_ids": token_ids.tolist(),
+        "actual_logprobs": mine[:, None].tolist(),
+        "actual_token_ids": own[:, None].tolist(),
     }
 
 
-def _finite_or_floor(value: float | None) -> float:
-    """TRL reads NaN as -inf; JSON brings a NaN as null."""
-    return -math.inf if value is None or math.isnan(value) else float(value)
+def _as_vllm(values: NDArray[np.float32]) -> NDArray[np.float64]:
+    """float32 log-probs as TRL reads them from vLLM's JSON: -inf as vLLM's clamp, NaN (null) as -inf."""
+    out = values.astype(np.float64)
+    out[out == -math.inf] = FLOOR
+    out[np.isnan(out)] = -math.inf
+    return out
+
+
+def _padding(sequence: Sequence[int], k: int) -> dict[str, list[Any]]:
+    """The entry of position 0, which has no distribution: as TRL reads vLLM's None."""
+    return {
+        "logprobs": [[-math.inf] * k],
+        "logprob_token_ids": [[0] * k],
+        "actual_logprobs": [[-math.inf]],
+        "actual_token_ids": [[sequence[0]]],
+    }
+
+
+def _empty() -> dict[str, list[Any]]:
+    return {key: [] for key in KEYS}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,6 +71,9 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
         teacher["entries"] >= 8 * 63 * 100
     )  # every scored position's top 100 (and the token, where not among them)
     assert teacher["ms"] > 0
+    # the same distribution through logprobd's helper, to TRL's dict: every scored position's K
+    assert teacher["helper"]["ms"] > 0
+    assert teacher["helper"]["entries"] == 8 * 63 * 100
     assert teacher["drawing"]["ms"] > 0
     # the call again under a budget of 256 tokens: 8 prompts of 64 in two micro-batches
     assert [b["max_batch_tokens"] for b in teacher["budgets"]] == [16384, 256]
@@ -78,21 +82,27 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     assert teacher["tokenizer"]["ms"] > 0
     # "t<id>" rather than null: a byte more an entry at least
     assert teacher["tokenizer"]["answer_bytes"] >= teacher["answer_bytes"] + teacher["entries"]
-    row, split_row = page_rows("distribution", out)  # the results page reads what the suite wrote
+    results_page_reads_it(out, model)
+
+
+def results_page_reads_it(out: Path, model: dict[str, Any]) -> None:
+    """The results page's rows from what the suite wrote: the teacher's last call split (its join,
+    the in-process scoring and logprobd's helper beside it), and the JSON forms' last rounds."""
+    teacher = model["teacher"]
+    row, split_row = page_rows("distribution", out)
     assert row[1:3] == ["tiny", f"{model['grpo-short']['variants']['plain']['ms']:,.1f}"]
-    rest = teacher["client_before_ms"] + teacher["client_after_ms"]  # and the teacher's last call split
+    rest = teacher["client_before_ms"] + teacher["client_after_ms"]
+    helper = teacher["helper"]
     assert split_row[1:2] + split_row[6:8] == [
         "tiny, last round: server / clients, ms",
-        f"{teacher['server_ms']:,.1f} / {rest:,.1f}",
-        f"in-process {teacher['in_process_ms']:,.1f}",
+        f"{teacher['server_ms']:,.1f} / {rest:,.1f} (join {teacher['client_join_ms']:,.1f})",
+        f"in-process {teacher['in_process_ms']:,.1f}; helper {helper['ms']:,.1f} "
+        f"({helper['floor_fraction']:.1%})",
     ]
     forms, forms_split = page_rows("distribution_json", out)  # its JSON forms, each over plain JSON
-    assert forms_split[4] == "{:,.1f} / {:,.1f}".format(
-        *(
-            model["grpo-short"]["json"]["top_logprobs_100_json"][k]
-            for k in ("server_span_ms", "outside_server_ms")
-        )
-    )
+    lists = model["grpo-short"]["json"]["top_logprobs_100_json"]
+    server, clients, parse = (lists[k] for k in ("server_span_ms", "outside_server_ms", "last_parse_ms"))
+    assert forms_split[4] == f"{server:,.1f} / {clients:,.1f} (parse {parse:,.1f})"
     plain = model["grpo-short"]["json"]["plain_json"]
     assert forms[1:4] == [
         "tiny",

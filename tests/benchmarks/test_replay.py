@@ -65,7 +65,8 @@ def test_replay_benchmark_runs_every_form_on_cpu(tmp_path: Path) -> None:
     replay_b64 = tiny["variants"]["replay_base64"]
     assert split[1:2] + split[4:5] == [
         "tiny-moe, last round: server / clients, ms",
-        f"{replay_b64['server_span_ms']:,.1f} / {replay_b64['outside_server_ms']:,.1f}",
+        f"{replay_b64['server_span_ms']:,.1f} / {replay_b64['outside_server_ms']:,.1f} "
+        f"(parse {replay_b64['last_parse_ms']:,.1f})",  # the plain client: one process, no encoding timed
     ]
     assert row[2].startswith(f"{tiny['variants']['live']['ms']:,.1f} (")
 

@@ -7,7 +7,8 @@
 - lm-evaluation-harness 0.4.13's `LocalCompletionsAPI` (local-completions, tokenized_requests) and
   its `_loglikelihood_tokens` on token-id (context, continuation) requests: `echo`, `logprobs` 1,
   `max_tokens` 1, temperature 0; its (sum of log-probs, is greedy) against the reference at T = 1.
-- service.client.teacher.get_sequence_logprobs returns the dict TRL's client does.
+- service.client.teacher.get_sequence_logprobs (POST /logprobs in compact frames) returns the dict TRL's
+  client does, at the edges too.
 """
 
 from __future__ import annotations
@@ -93,11 +94,37 @@ def test_trl_get_sequence_logprobs(
     assert_trl_dicts(chunked, got)
 
 
+def trls_own(url: str, sequences: list[list[int]], lengths: list[int], k: int, t: float) -> Any:
+    """TRL's VLLMClient.get_sequence_logprobs against the server at `url`."""
+    with releases.vllm_standing_in():
+        from trl.generation.vllm_client import VLLMClient
+
+        client = VLLMClient(base_url=url, connection_timeout=60.0)
+    return client.get_sequence_logprobs(sequences, lengths, top_logprobs=k, temperature=t)
+
+
 def test_teacher_helper_returns_trls_dict(teacher_server: str, teacher_reference: Reference) -> None:
     sequences, lengths = batch()
     got = get_sequence_logprobs(teacher_server, sequences, lengths, top_logprobs=4, temperature=0.8)
     assert_trl_dicts(got, expected_trl(teacher_reference, sequences, lengths, 4, 0.8))
     assert all(len(pos) == 4 for seq in got["logprobs"] for pos in seq)
+    # the same dict as TRL's own call, every value equal: the helper's come as float32 frames from
+    # /logprobs, TRL's as JSON from /v1/completions (the server in float32 here)
+    assert got == trls_own(teacher_server, sequences, lengths, 4, 0.8)
+
+
+def test_teacher_helper_at_the_edges_as_trl(teacher_server: str) -> None:
+    # prompt length 0 (the first position has no distribution), a sequence all prompt (no completion
+    # positions), a sequence of one token
+    sequences = [[1, 17, 23, 5], [1, 60, 2], [9], [4, 4, 4, 4, 4]]
+    lengths = [0, 3, 1, 2]
+    got = get_sequence_logprobs(teacher_server, sequences, lengths, top_logprobs=3, temperature=1.3)
+    trl = trls_own(teacher_server, sequences, lengths, 3, 1.3)
+    assert [len(x) for x in got["logprobs"]] == [4, 0, 0, 3]
+    assert got["logprobs"][0][0] == [-math.inf] * 3  # position 0: padding
+    assert got == trl
+    with pytest.raises(ValueError, match="prompt lengths"):
+        get_sequence_logprobs(teacher_server, sequences[:1], [-1])
 
 
 def test_lm_eval_local_completions_loglikelihood(
