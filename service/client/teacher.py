@@ -15,13 +15,15 @@ keeps the completion positions: for 8 sequences of 4,096 tokens at K 100, a 232 
 then parses (seconds). `get_sequence_logprobs` asks POST /logprobs for the completion positions only
 (`num_actions`, `top_logprobs`), in compact frames (Client): their [window, K] ids and float32
 log-probs as binary arrays, written into TRL's lists as TRL reads them from vLLM's JSON (-inf as
-vLLM's -9999.0). tests/e2e/test_completions_clients.py holds it to TRL's own client.
+vLLM's -9999.0). The sequences go in requests of at most CHUNK_TOKENS tokens, WORKERS at once, so
+that each answer is written into lists while later ones compute. tests/e2e/test_completions_clients.py holds it to TRL's own client.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,8 @@ from service.client.errors import LogprobdError
 from service.client.wire import Scores
 
 KEYS = ("logprobs", "logprob_token_ids", "actual_logprobs", "actual_token_ids")
+CHUNK_TOKENS = 4096  # a request's tokens: answers come back, and are written as lists, while others compute
+WORKERS = 8  # requests in flight
 FLOOR = -9999.0  # vLLM's prompt_logprobs clamp for -inf (JSON cannot carry it)
 
 
@@ -57,28 +61,52 @@ def get_sequence_logprobs(
         raise ValueError(f"prompt lengths must be at least 0, got {list(prompt_lengths)}")
     first = [max(length, 1) for length in prompt_lengths]  # the first position with a distribution
     asked = [i for i, seq in enumerate(sequences) if len(seq) > first[i]]
-    scores: Scores | None = None
+    scored: dict[int, dict[str, list[Any]]] = {}
     if asked:
-        with Client(url, api_key=api_key, timeout=timeout) as client:
-            scores = client.score(
-                [list(sequences[i]) for i in asked],
-                num_actions=[len(sequences[i]) - first[i] for i in asked],
-                temperature=temperature,
-                top_logprobs=top_logprobs,
-            )
-    rows = {i: j for j, i in enumerate(asked)}
+        chunks = _chunks(asked, [len(s) for s in sequences])
+        with Client(url, api_key=api_key, timeout=timeout) as client, ThreadPoolExecutor(WORKERS) as pool:
+            done = [
+                pool.submit(_chunk, client, [(sequences[i], first[i]) for i in c], top_logprobs, temperature)
+                for c in chunks
+            ]
+            for chunk, future in zip(chunks, done, strict=True):
+                scored.update(zip(chunk, future.result(), strict=True))
     results = []
     for i, (sequence, length) in enumerate(zip(sequences, prompt_lengths, strict=True)):
         head = _padding(sequence, top_logprobs) if length == 0 and sequence else _empty()
-        if scores is None or i not in rows:
-            results.append(head)
-            continue
-        j = rows[i]
-        own = np.asarray(sequence[first[i] :], dtype=np.int64)
-        ids, values = _top_blocks(scores)
-        body = _positions(ids[j], values[j], own, scores.logprobs[j], top_logprobs)
-        results.append({key: head[key] + body[key] for key in KEYS})
+        body = scored.get(i)
+        results.append(head if body is None else {key: head[key] + body[key] for key in KEYS})
     return {key: [r[key] for r in results] for key in KEYS}
+
+
+def _chunks(rows: list[int], lengths: list[int]) -> list[list[int]]:
+    """`rows` in order, in requests of at most CHUNK_TOKENS tokens (a longer sequence alone)."""
+    chunks: list[list[int]] = []
+    tokens = 0
+    for i in rows:
+        if not chunks or tokens + lengths[i] > CHUNK_TOKENS:
+            chunks.append([])
+            tokens = 0
+        chunks[-1].append(i)
+        tokens += lengths[i]
+    return chunks
+
+
+def _chunk(
+    client: Client, rows: list[tuple[Sequence[int], int]], k: int, temperature: float
+) -> list[dict[str, list[Any]]]:
+    """One request of (sequence, first position scored) rows: TRL's lists per row."""
+    scores = client.score(
+        [list(s) for s, _ in rows],
+        num_actions=[len(s) - f for s, f in rows],
+        temperature=temperature,
+        top_logprobs=k,
+    )
+    ids, values = _top_blocks(scores)
+    return [
+        _positions(ids[j], values[j], np.asarray(s[f:], dtype=np.int64), scores.logprobs[j], k)
+        for j, (s, f) in enumerate(rows)
+    ]
 
 
 def _top_blocks(scores: Scores) -> tuple[list[NDArray[np.int64]], list[NDArray[np.float32]]]:
@@ -94,12 +122,12 @@ def _positions(
     """A row's window [n] of /logprobs' answer -> TRL's four lists: the [n, K'] top blocks (K' <= K:
     the vocabulary's cap, padded to K), the tokens `own` [n] and their log-probs `actual` [n]. Where a
     token is among its position's K, its log-prob is that entry's, as a vLLM answer shows it once."""
-    ids, values = ids[:, :k], values[:, :k]
+    ids, logprobs = ids[:, :k], _as_vllm(values[:, :k])
     n, shown = ids.shape
-    logprobs = np.full((n, k), -math.inf)
-    token_ids = np.zeros((n, k), dtype=np.int64)
-    logprobs[:, :shown], token_ids[:, :shown] = _as_vllm(values), ids
-    mine = np.asarray(_as_vllm(np.asarray(actual, dtype=np.float32)))
+    if shown < k:  # the vocabulary caps K: padded as TRL pads
+        logprobs = np.concatenate([logprobs, np.full((n, k - shown), -math.inf)], axis=1)
+    token_ids = ids if shown == k else np.concatenate([ids, np.zeros((n, k - shown), np.int64)], axis=1)
+    mine = _as_vllm(np.asarray(actual, dtype=np.float32))
     hit = ids == own[:, None]
     found = hit.any(axis=1)
     mine[found] = logprobs[found, hit[found].argmax(axis=1)]
