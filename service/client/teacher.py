@@ -16,7 +16,8 @@ then parses (seconds). `get_sequence_logprobs` asks POST /logprobs for the compl
 (`num_actions`, `top_logprobs`), in compact frames (Client): their [window, K] ids and float32
 log-probs as binary arrays, written into TRL's lists as TRL reads them from vLLM's JSON (-inf as
 vLLM's -9999.0). The sequences go in requests of at most CHUNK_TOKENS tokens, WORKERS at once, so
-that each answer is written into lists while later ones compute. tests/e2e/test_completions_clients.py holds it to TRL's own client.
+that each answer is written into lists while later ones compute. tests/e2e/test_completions_clients.py
+holds it to TRL's own client.
 """
 
 from __future__ import annotations
