@@ -200,7 +200,7 @@ def _distribution(e: Entry) -> Iterator[list[str]]:
 
 def _helper(helper: dict[str, Any] | None) -> str:
     """logprobd's helper to TRL's dict (`teacher.helper`), ms and its fraction of the floor."""
-    return "" if helper is None else f"; helper {ms(helper['ms'])} ({helper['floor_fraction']:.1%})"
+    return "" if helper is None else f"; helper {ms(helper['ms'])} ({helper['floor_fraction'] * 100:.1f} %)"
 
 
 JSON_FORMS = ("top_logprobs_100_json", "top_logprobs_100_base64", "top_logprobs_1000_json",

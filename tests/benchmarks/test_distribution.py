@@ -97,7 +97,7 @@ def results_page_reads_it(out: Path, model: dict[str, Any]) -> None:
         "tiny, last round: server / clients, ms",
         f"{teacher['server_ms']:,.1f} / {rest:,.1f} (join {teacher['client_join_ms']:,.1f})",
         f"in-process {teacher['in_process_ms']:,.1f}; helper {helper['ms']:,.1f} "
-        f"({helper['floor_fraction']:.1%})",
+        f"({helper['floor_fraction'] * 100:.1f} %)",
     ]
     forms, forms_split = page_rows("distribution_json", out)  # its JSON forms, each over plain JSON
     lists = model["grpo-short"]["json"]["top_logprobs_100_json"]
