@@ -15,8 +15,9 @@ keeps the completion positions: for 8 sequences of 4,096 tokens at K 100, a 232 
 then parses (seconds). `get_sequence_logprobs` asks POST /logprobs for the completion positions only
 (`num_actions`, `top_logprobs`), in compact frames (Client): their [window, K] ids and float32
 log-probs as binary arrays, written into TRL's lists as TRL reads them from vLLM's JSON (-inf as
-vLLM's -9999.0). The sequences go in requests of at most CHUNK_TOKENS tokens, WORKERS at once, so
-that each answer is written into lists while later ones compute. tests/e2e/test_completions_clients.py
+vLLM's -9999.0). The sequences go in requests of at most CHUNK_TOKENS tokens, WORKERS at once: while
+the server scores one the next waits in its queue, and each answer is written into lists while the
+next computes. tests/e2e/test_completions_clients.py
 holds it to TRL's own client.
 """
 
@@ -36,7 +37,7 @@ from service.client.wire import Scores
 
 KEYS = ("logprobs", "logprob_token_ids", "actual_logprobs", "actual_token_ids")
 CHUNK_TOKENS = 4096  # a request's tokens: answers come back, and are written as lists, while others compute
-WORKERS = 8  # requests in flight
+WORKERS = 2  # requests in flight: one computing, the next queued behind it
 FLOOR = -9999.0  # vLLM's prompt_logprobs clamp for -inf (JSON cannot carry it)
 
 
