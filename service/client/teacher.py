@@ -16,8 +16,8 @@ then parses (seconds). `get_sequence_logprobs` asks POST /logprobs for the compl
 (`num_actions`, `top_logprobs`), in compact frames (Client): their [window, K] ids and float32
 log-probs as binary arrays, written into TRL's lists as TRL reads them from vLLM's JSON (-inf as
 vLLM's -9999.0). The sequences go in requests of at most CHUNK_TOKENS tokens, WORKERS at once: while
-the server scores one the next waits in its queue, and each answer is written into lists while the
-next computes. tests/e2e/test_completions_clients.py
+the server scores one the next waits in its queue, and a request is sent as soon as one answers; a
+thread of its own writes each answer into lists meanwhile. tests/e2e/test_completions_clients.py
 holds it to TRL's own client.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ KEYS = ("logprobs", "logprob_token_ids", "actual_logprobs", "actual_token_ids")
 CHUNK_TOKENS = 4096  # a request's tokens: answers come back, and are written as lists, while others compute
 WORKERS = 2  # requests in flight: one computing, the next queued behind it
 FLOOR = -9999.0  # vLLM's prompt_logprobs clamp for -inf (JSON cannot carry it)
+Rows = list[tuple[Sequence[int], int]]  # a request's (sequence, first position scored)
 
 
 def get_sequence_logprobs(
@@ -66,13 +67,23 @@ def get_sequence_logprobs(
     scored: dict[int, dict[str, list[Any]]] = {}
     if asked:
         chunks = _chunks(asked, [len(s) for s in sequences])
-        with Client(url, api_key=api_key, timeout=timeout) as client, ThreadPoolExecutor(WORKERS) as pool:
-            done = [
-                pool.submit(_chunk, client, [(sequences[i], first[i]) for i in c], top_logprobs, temperature)
-                for c in chunks
-            ]
-            for chunk, future in zip(chunks, done, strict=True):
-                scored.update(zip(chunk, future.result(), strict=True))
+        rows = [[(sequences[i], first[i]) for i in c] for c in chunks]
+        with (
+            Client(url, api_key=api_key, timeout=timeout) as client,
+            ThreadPoolExecutor(WORKERS) as requests,
+            ThreadPoolExecutor(1) as writer,
+        ):
+            answers = [requests.submit(_score, client, r, top_logprobs, temperature) for r in rows]
+            written = [writer.submit(_write, a, r, top_logprobs) for a, r in zip(answers, rows, strict=True)]
+            try:
+                for chunk, lists in zip(chunks, written, strict=True):
+                    scored.update(zip(chunk, lists.result(), strict=True))
+            except BaseException:  # what is not sent yet is not sent
+                for answer in answers:
+                    answer.cancel()
+                for lists in written:
+                    lists.cancel()
+                raise
     results = []
     for i, (sequence, length) in enumerate(zip(sequences, prompt_lengths, strict=True)):
         head = _padding(sequence, top_logprobs) if length == 0 and sequence else _empty()
@@ -94,16 +105,21 @@ def _chunks(rows: list[int], lengths: list[int]) -> list[list[int]]:
     return chunks
 
 
-def _chunk(
-    client: Client, rows: list[tuple[Sequence[int], int]], k: int, temperature: float
-) -> list[dict[str, list[Any]]]:
-    """One request of (sequence, first position scored) rows: TRL's lists per row."""
-    scores = client.score(
+def _score(client: Client, rows: Rows, k: int, temperature: float) -> Scores:
+    """One request of (sequence, first position scored) rows."""
+    return client.score(
         [list(s) for s, _ in rows],
         num_actions=[len(s) - f for s, f in rows],
         temperature=temperature,
         top_logprobs=k,
     )
+
+
+def _write(
+    answer: Future[Scores], rows: list[tuple[Sequence[int], int]], k: int
+) -> list[dict[str, list[Any]]]:
+    """A request's answer, once in, as TRL's lists per row (while the next request computes)."""
+    scores = answer.result()
     ids, values = _top_blocks(scores)
     return [
         _positions(ids[j], values[j], np.asarray(s[f:], dtype=np.int64), scores.logprobs[j], k)

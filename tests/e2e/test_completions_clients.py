@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 import torch
 
+from service.client.errors import LogprobdError
 from service.client.teacher import get_sequence_logprobs
 from tests.support import releases
-from tests.support.teacher import TOLERANCE, Reference, top_k
+from tests.support.teacher import MAX_TOP, TOLERANCE, Reference, top_k
 
 PROMPTS = [[1, 17, 23, 5, 9, 41], [1, 60, 2, 33]]
 COMPLETIONS = [[[12, 13, 77, 4], [12, 90], [50, 51, 52, 53, 54]], [[8, 8, 8], [70, 3, 2]]]
@@ -125,6 +126,13 @@ def test_teacher_helper_at_the_edges_as_trl(teacher_server: str) -> None:
     assert got == trl
     with pytest.raises(ValueError, match="prompt lengths"):
         get_sequence_logprobs(teacher_server, sequences[:1], [-1])
+    # a K past the server's --max-top-logprobs: the server's 422, naming the field, and nothing left
+    # in flight (the helper's requests go two at a time)
+    many = [[1, 17, 23, 5]] * 12
+    with pytest.raises(LogprobdError) as refused:
+        get_sequence_logprobs(teacher_server, many, [1] * 12, top_logprobs=MAX_TOP + 1)
+    assert refused.value.status == 422
+    assert refused.value.field == "top_logprobs"
 
 
 def test_lm_eval_local_completions_loglikelihood(
