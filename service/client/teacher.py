@@ -17,7 +17,8 @@ then parses (seconds). `get_sequence_logprobs` asks POST /logprobs for the compl
 log-probs as binary arrays, written into TRL's lists as TRL reads them from vLLM's JSON (-inf as
 vLLM's -9999.0). The sequences go in requests of at most CHUNK_TOKENS tokens, WORKERS at once: while
 the server scores one the next waits in its queue, and a request is sent as soon as one answers; a
-thread of its own writes each answer into lists meanwhile. tests/e2e/test_completions_clients.py
+thread of its own writes each answer into lists meanwhile. `TeacherClient` is TRL's VLLMClient for a
+trainer's `teacher_client`, with that call. tests/e2e/test_completions_clients.py
 holds it to TRL's own client.
 """
 
@@ -90,6 +91,37 @@ def get_sequence_logprobs(
         body = scored.get(i)
         results.append(head if body is None else {key: head[key] + body[key] for key in KEYS})
     return {key: [r[key] for r in results] for key in KEYS}
+
+
+class TeacherClient:
+    """A drop-in for TRL's `VLLMClient` where a trainer holds it as its teacher (TRL's server-teacher
+    trainers' `teacher_client`): the same `get_sequence_logprobs`, answered by the function above."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0) -> None:
+        self.base_url, self.api_key, self.timeout = base_url, api_key, timeout
+
+    def get_sequence_logprobs(  # noqa: PLR0917 (TRL's signature)
+        self,
+        sequences: Sequence[Sequence[int]],
+        prompt_lengths: Sequence[int],
+        top_logprobs: int = 100,
+        temperature: float = 1.0,
+        chunk_size: int = 0,
+        max_concurrent_requests: int = 4,
+    ) -> dict[str, list[Any]]:
+        """TRL's dict, as `VLLMClient.get_sequence_logprobs` returns it. `chunk_size` and
+        `max_concurrent_requests` are TRL's and taken for its signature: the requests are this
+        module's (CHUNK_TOKENS, WORKERS)."""
+        del chunk_size, max_concurrent_requests
+        return get_sequence_logprobs(
+            self.base_url,
+            sequences,
+            prompt_lengths,
+            top_logprobs,
+            temperature,
+            api_key=self.api_key,
+            timeout=self.timeout,
+        )
 
 
 def _chunks(rows: list[int], lengths: list[int]) -> list[list[int]]:

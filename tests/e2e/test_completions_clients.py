@@ -8,20 +8,22 @@
   its `_loglikelihood_tokens` on token-id (context, continuation) requests: `echo`, `logprobs` 1,
   `max_tokens` 1, temperature 0; its (sum of log-probs, is greedy) against the reference at T = 1.
 - service.client.teacher.get_sequence_logprobs (POST /logprobs in compact frames) returns the dict TRL's
-  client does, at the edges too.
+  client does, at the edges too; its TeacherClient in a TRL distillation trainer's `teacher_client`
+  gives that trainer's own code the same tensors as TRL's VLLMClient.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from service.client.errors import LogprobdError
-from service.client.teacher import get_sequence_logprobs
+from service.client.teacher import TeacherClient, get_sequence_logprobs
 from tests.support import releases
 from tests.support.teacher import MAX_TOP, TOLERANCE, Reference, top_k
 
@@ -133,6 +135,38 @@ def test_teacher_helper_at_the_edges_as_trl(teacher_server: str) -> None:
         get_sequence_logprobs(teacher_server, many, [1] * 12, top_logprobs=MAX_TOP + 1)
     assert refused.value.status == 422
     assert refused.value.field == "top_logprobs"
+
+
+def test_trls_distillation_trainer_takes_the_teacher_client_in_place_of_vllms(teacher_server: str) -> None:
+    """TRL's ServerDistillationTrainer fetches its teacher's log-probs through `self.teacher_client`
+    (TRL's VLLMClient): with logprobd's TeacherClient there instead, its own code gives the same
+    tensors. Completions of 4, 2 and 5 tokens after a 6-token prompt, right-padded."""
+    trainer = releases.trl_server_distillation()
+    prompt, group = PROMPTS[0], COMPLETIONS[0]
+    width = len(prompt) + max(len(c) for c in group)
+    rows = [prompt + c + [0] * (width - len(prompt) - len(c)) for c in group]
+    real = [[1] * (len(prompt) + len(c)) + [0] * (width - len(prompt) - len(c)) for c in group]
+    labels = torch.tensor(rows)
+    labels[torch.tensor(real) == 0] = -100
+    labels[:, : len(prompt)] = -100
+    inputs = {"input_ids": torch.tensor(rows), "attention_mask": torch.tensor(real), "labels": labels}
+
+    def teacher(client: Any) -> dict[str, torch.Tensor]:
+        state = SimpleNamespace(teacher_client=client, loss_top_k=5, temperature=0.9)
+        got: dict[str, torch.Tensor] = trainer._get_teacher_token_logprobs_from_server(
+            state, inputs, len(prompt)
+        )
+        return got
+
+    with releases.vllm_standing_in():
+        from trl.generation.vllm_client import VLLMClient
+
+        vllms = VLLMClient(base_url=teacher_server, connection_timeout=60.0)
+    want, got = teacher(vllms), teacher(TeacherClient(teacher_server))
+    assert list(got) == ["actual_logprobs", "topk_logprobs", "topk_token_ids"]
+    assert got["topk_token_ids"].shape == (3, 5, 5)
+    for key in got:
+        assert torch.equal(got[key], want[key]), key
 
 
 def test_lm_eval_local_completions_loglikelihood(

@@ -22,6 +22,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -112,7 +113,11 @@ def importing(stand_ins: Sequence[str] = (), bare: Sequence[str] = ()) -> Iterat
 def _installed_here(module: types.ModuleType) -> bool:
     """Imported from the releases' folder: once out of `sys.modules`, transformers' availability
     checks (`importlib.util.find_spec`) cannot see it; the functions loaded keep their modules."""
-    paths = [getattr(module, "__file__", None) or "", *(getattr(module, "__path__", None) or [])]
+    paths: list[Any] = [getattr(module, "__file__", None) or ""]
+    package: Any = getattr(module, "__path__", None)
+    # a package's search path, not what a module that makes attributes up on access gives (torch's ops)
+    if isinstance(package, list | tuple) or type(package).__name__ == "_NamespacePath":
+        paths += list(package)
     return any(str(path).startswith(str(FRAMEWORKS)) for path in paths)
 
 
@@ -177,6 +182,18 @@ def vllm_standing_in(version: str = "0.30.0") -> Iterator[None]:
         module.__spec__ = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
         sys.modules["vllm"] = module
         yield
+
+
+@functools.cache
+def trl_server_distillation() -> Any:
+    """trl.experimental.server_distillation's ServerDistillationTrainer, whose teacher is a server
+    (its `teacher_client`, TRL's VLLMClient); TRL's experimental-API warning silenced."""
+    with vllm_standing_in(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You are importing from 'trl.experimental'")
+        from trl.experimental.server_distillation.server_distillation_trainer import (  # type: ignore[import-not-found]
+            ServerDistillationTrainer,
+        )
+    return ServerDistillationTrainer
 
 
 def lm_eval_local_completions(**model_args: Any) -> Any:
