@@ -18,8 +18,8 @@ log-probs as binary arrays, written into TRL's lists as TRL reads them from vLLM
 vLLM's -9999.0). The sequences go in requests of at most CHUNK_TOKENS tokens, WORKERS at once: while
 the server scores one the next waits in its queue, and a request is sent as soon as one answers; a
 thread of its own writes each answer into lists meanwhile. `TeacherClient` is TRL's VLLMClient for a
-trainer's `teacher_client`, with that call. tests/e2e/test_completions_clients.py
-holds it to TRL's own client.
+trainer's `teacher_client`, with that call. tests/e2e/test_completions_clients.py holds both to TRL's
+own client.
 """
 
 from __future__ import annotations
@@ -57,48 +57,17 @@ def get_sequence_logprobs(
     5xx raises LogprobdError naming the server's field and row; no answer, LogprobdConnectionError.
     A sequence's first token has no distribution: with prompt length 0 its entry is padding, as in
     TRL's dict (vLLM's first prompt_logprobs entry is None)."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    if len(sequences) != len(prompt_lengths):
-        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
-    if any(length < 0 for length in prompt_lengths):
-        raise ValueError(f"prompt lengths must be at least 0, got {list(prompt_lengths)}")
-    first = [max(length, 1) for length in prompt_lengths]  # the first position with a distribution
-    asked = [i for i, seq in enumerate(sequences) if len(seq) > first[i]]
-    scored: dict[int, dict[str, list[Any]]] = {}
-    if asked:
-        chunks = _chunks(asked, [len(s) for s in sequences])
-        rows = [[(sequences[i], first[i]) for i in c] for c in chunks]
-        with (
-            Client(url, api_key=api_key, timeout=timeout) as client,
-            ThreadPoolExecutor(WORKERS) as requests,
-            ThreadPoolExecutor(1) as writer,
-        ):
-            answers = [requests.submit(_score, client, r, top_logprobs, temperature) for r in rows]
-            written = [writer.submit(_write, a, r, top_logprobs) for a, r in zip(answers, rows, strict=True)]
-            try:
-                for chunk, lists in zip(chunks, written, strict=True):
-                    scored.update(zip(chunk, lists.result(), strict=True))
-            except BaseException:  # what is not sent yet is not sent
-                for answer in answers:
-                    answer.cancel()
-                for lists in written:
-                    lists.cancel()
-                raise
-    results = []
-    for i, (sequence, length) in enumerate(zip(sequences, prompt_lengths, strict=True)):
-        head = _padding(sequence, top_logprobs) if length == 0 and sequence else _empty()
-        body = scored.get(i)
-        results.append(head if body is None else {key: head[key] + body[key] for key in KEYS})
-    return {key: [r[key] for r in results] for key in KEYS}
+    with TeacherClient(url, api_key=api_key, timeout=timeout) as teacher:
+        return teacher.get_sequence_logprobs(sequences, prompt_lengths, top_logprobs, temperature)
 
 
 class TeacherClient:
     """A drop-in for TRL's `VLLMClient` where a trainer holds it as its teacher (TRL's server-teacher
-    trainers' `teacher_client`): the same `get_sequence_logprobs`, answered by the function above."""
+    trainers' `teacher_client`): the same `get_sequence_logprobs`, over one logprobd Client whose
+    connections it keeps between calls. Close it (or use `with`) to free them."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0) -> None:
-        self.base_url, self.api_key, self.timeout = base_url, api_key, timeout
+        self._client = Client(base_url, api_key=api_key, timeout=timeout)
 
     def get_sequence_logprobs(  # noqa: PLR0917 (TRL's signature)
         self,
@@ -109,19 +78,56 @@ class TeacherClient:
         chunk_size: int = 0,
         max_concurrent_requests: int = 4,
     ) -> dict[str, list[Any]]:
-        """TRL's dict, as `VLLMClient.get_sequence_logprobs` returns it. `chunk_size` and
-        `max_concurrent_requests` are TRL's and taken for its signature: the requests are this
-        module's (CHUNK_TOKENS, WORKERS)."""
+        """TRL's dict, as `VLLMClient.get_sequence_logprobs` returns it (the module's
+        get_sequence_logprobs). `chunk_size` and `max_concurrent_requests` are TRL's, taken for its
+        signature: the requests are this module's (CHUNK_TOKENS, WORKERS)."""
         del chunk_size, max_concurrent_requests
-        return get_sequence_logprobs(
-            self.base_url,
-            sequences,
-            prompt_lengths,
-            top_logprobs,
-            temperature,
-            api_key=self.api_key,
-            timeout=self.timeout,
-        )
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        if len(sequences) != len(prompt_lengths):
+            raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
+        if any(length < 0 for length in prompt_lengths):
+            raise ValueError(f"prompt lengths must be at least 0, got {list(prompt_lengths)}")
+        first = [max(length, 1) for length in prompt_lengths]  # the first position with a distribution
+        asked = [i for i, seq in enumerate(sequences) if len(seq) > first[i]]
+        chunks = _chunks(asked, [len(s) for s in sequences])
+        rows = [[(sequences[i], first[i]) for i in c] for c in chunks]
+        lists = self._scored(chunks, rows, top_logprobs, temperature)
+        results = []
+        for i, (sequence, length) in enumerate(zip(sequences, prompt_lengths, strict=True)):
+            head = _padding(sequence, top_logprobs) if length == 0 and sequence else _empty()
+            body = lists.get(i)
+            results.append(head if body is None else {key: head[key] + body[key] for key in KEYS})
+        return {key: [r[key] for r in results] for key in KEYS}
+
+    def _scored(
+        self, chunks: list[list[int]], rows: list[Rows], k: int, temperature: float
+    ) -> dict[int, dict[str, list[Any]]]:
+        """Each chunk's rows scored (a request each, WORKERS in flight) and written as TRL's lists on a
+        thread of their own as the answers come in: sequence index -> its lists."""
+        scored: dict[int, dict[str, list[Any]]] = {}
+        with ThreadPoolExecutor(WORKERS) as requests, ThreadPoolExecutor(1) as writer:
+            answers = [requests.submit(_score, self._client, r, k, temperature) for r in rows]
+            written = [writer.submit(_write, a, r, k) for a, r in zip(answers, rows, strict=True)]
+            try:
+                for chunk, done in zip(chunks, written, strict=True):
+                    scored.update(zip(chunk, done.result(), strict=True))
+            except BaseException:  # what is not sent yet is not sent
+                for answer in answers:
+                    answer.cancel()
+                for done in written:
+                    done.cancel()
+                raise
+        return scored
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> TeacherClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _chunks(rows: list[int], lengths: list[int]) -> list[list[int]]:
@@ -147,9 +153,7 @@ def _score(client: Client, rows: Rows, k: int, temperature: float) -> Scores:
     )
 
 
-def _write(
-    answer: Future[Scores], rows: list[tuple[Sequence[int], int]], k: int
-) -> list[dict[str, list[Any]]]:
+def _write(answer: Future[Scores], rows: Rows, k: int) -> list[dict[str, list[Any]]]:
     """A request's answer, once in, as TRL's lists per row (while the next request computes)."""
     scores = answer.result()
     ids, values = _top_blocks(scores)

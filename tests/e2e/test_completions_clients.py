@@ -162,7 +162,8 @@ def test_trls_distillation_trainer_takes_the_teacher_client_in_place_of_vllms(te
         from trl.generation.vllm_client import VLLMClient
 
         vllms = VLLMClient(base_url=teacher_server, connection_timeout=60.0)
-    want, got = teacher(vllms), teacher(TeacherClient(teacher_server))
+    with TeacherClient(teacher_server) as ours:
+        want, got = teacher(vllms), teacher(ours)
     assert list(got) == ["actual_logprobs", "topk_logprobs", "topk_token_ids"]
     assert got["topk_token_ids"].shape == (3, 5, 5)
     for key in got:
