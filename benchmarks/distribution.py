@@ -34,8 +34,9 @@ Per model (random bf16 weights with the real shapes), one engine, the real app o
   `teacher.drawing`: the same call with `logprobs: 1`, whose answer shows the drawn token, so a token
   is drawn after each prompt and its log-prob shown. `teacher.helper`: the same distribution through
   logprobd's helper (service.client.teacher.get_sequence_logprobs: POST /logprobs in compact frames,
-  the positions after each prompt's first token), timed to TRL's dict in hand; against TRL's call,
-  whose dict comes only after `client_parse_ms` more. `teacher.tokenizer`: TRL's call to a server
+  the positions after each prompt's first token), timed to TRL's dict in hand (`--timeline`: the
+  server's side of its last call, `helper`); against TRL's call, whose dict comes only after
+  `client_parse_ms` more. `teacher.tokenizer`: TRL's call to a server
   whose checkpoint has a tokenizer (a word-level one, `t<id>` for each id, like a BPE piece's
   length): a token drawn after each prompt for `text`, every entry's `decoded_token` a string.
 """
@@ -202,6 +203,16 @@ def client_calls(url: str, body: dict[str, Any], reps: int, mode: str) -> dict[s
     return made
 
 
+def helper_calls(url: str, body: dict[str, Any], reps: int, timeline: Timelines) -> dict[str, Any]:
+    """client_calls' helper mode, the server's side of its last call into `timeline` as "helper"
+    (its requests: the call's share of the arrivals)."""
+    timeline.start()
+    made = client_calls(url, body, reps, "helper")
+    if timeline.path is not None:
+        timeline.take("helper", sum(e[0] == "headers" for e in timeline.events) // (reps + 1))
+    return made
+
+
 def teacher_calls(
     url: str, body: dict[str, Any], reps: int, device: torch.device, timeline: Timelines | None = None
 ) -> dict[str, Any]:
@@ -295,7 +306,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             with HttpServer(engine, settings.model_copy(update={"max_batch_tokens": budget})) as url:
                 call = teacher_calls(url, body, args.reps, device, timeline if i == 0 else None)
                 # the same distribution through logprobd's helper (client.py --mode helper), to TRL's dict
-                helper = client_calls(url, body, args.reps, "helper") if i == 0 else None
+                helper = helper_calls(url, body, args.reps, timeline) if i == 0 else None
                 drawing = (
                     teacher_calls(url, {**body, "logprobs": 1}, args.reps, device) if args.drawing else None
                 )

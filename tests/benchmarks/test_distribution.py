@@ -39,7 +39,9 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
         "processed_json",
     }
     timelines = json.loads((tmp_path / "timeline.json").read_text())
-    assert list(timelines) == [*model["grpo-short"]["json"], "teacher"]
+    assert list(timelines) == [*model["grpo-short"]["json"], "teacher", "helper"]
+    helper_events = [e[0] for e in timelines.pop("helper")]  # the helper's last call: 8 x 64 tokens,
+    assert [helper_events.count(w) for w in ("headers", "body", "render")] == [1, 1, 1]  # one request
     teacher_events = [e[0] for e in timelines.pop("teacher")]  # the last timed call: one request
     assert [teacher_events.count(w) for w in ("headers", "body")] == [1, 1]
     assert teacher_events.count("collected") == teacher_events.count("launch") >= 1
