@@ -40,6 +40,7 @@ KEYS = ("logprobs", "logprob_token_ids", "actual_logprobs", "actual_token_ids")
 CHUNK_TOKENS = 4096  # a request's tokens: answers come back, and are written as lists, while others compute
 WORKERS = 2  # requests in flight: one computing, the next queued behind it
 FLOOR = -9999.0  # vLLM's prompt_logprobs clamp for -inf (JSON cannot carry it)
+LIST_ROWS = 256  # positions written into lists per call (_lists)
 Rows = list[tuple[Sequence[int], int]]  # a request's (sequence, first position scored)
 
 
@@ -186,11 +187,20 @@ def _positions(
     found = hit.any(axis=1)
     mine[found] = logprobs[found, hit[found].argmax(axis=1)]
     return {
-        "logprobs": logprobs.tolist(),
-        "logprob_token_ids": token_ids.tolist(),
+        "logprobs": _lists(logprobs),
+        "logprob_token_ids": _lists(token_ids),
         "actual_logprobs": mine[:, None].tolist(),
         "actual_token_ids": own[:, None].tolist(),
     }
+
+
+def _lists(block: NDArray[Any]) -> list[Any]:
+    """block.tolist(), LIST_ROWS rows a call: one call holds the GIL throughout (~25 ms for [4096, 100]
+    floats), and the thread that sends the next request would wait that long."""
+    out: list[Any] = []
+    for start in range(0, block.shape[0], LIST_ROWS):
+        out += block[start : start + LIST_ROWS].tolist()
+    return out
 
 
 def _as_vllm(values: NDArray[np.float32]) -> NDArray[np.float64]:
