@@ -433,7 +433,8 @@ def helper_calls(url: str, body: dict[str, Any], reps: int) -> dict[str, Any]:
     each timed to TRL's dict in hand, its prompt length 1 (every position after the first, the
     positions the teacher call's prompt_logprobs cover); median ms, and the entries of one dict."""
     prompts = body["prompt"]
-    times, got = [], {}
+    times: list[float] = []
+    got: dict[str, list[Any]] = {}
     for _ in range(reps + 1):
         got = {}  # the last call's dict (millions of objects) freed before the clock starts, not in it
         started = time.perf_counter()
