@@ -6,8 +6,9 @@ A result file is one JSON object. Its top level says where it came from (`proven
 service/ or benchmarks/ differ from it), `command` (the `python -m benchmarks.<suite> ...` that
 reproduces it, without --output), `environment` (the LOGPROBD_* settings the run's environment gave)
 and `versions` (python, torch, cuda and the packages that choose the
-kernels); beside it the suite's own keys (`settings`, `matmul_tflops`, `models`, ...). benchmarks/page
-renders BENCHMARKS.md from such files.
+kernels); beside it the suite's own keys (`settings`, `matmul_tflops`, `models`, ...) and `clocks`, the
+GPU's clock and power in the windows the run marked (benchmarks/clocks.py; the matmul rates' always).
+benchmarks/page renders BENCHMARKS.md from such files.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.clocks import ClockTrace, window
 from benchmarks.workload import Sample
 from service.engine.ops.attention import AttentionBackend, choose_backend, register
 from service.settings import Settings
@@ -293,7 +295,27 @@ def run_models(suite: str, args: argparse.Namespace, argv: list[str] | None, ben
     caches reaches the next): the result, written to args.output after each model."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    rate, sustained = matmul_rate(device, dtype), sustained_matmul_rate(device, dtype)
+    trace = ClockTrace.start(device)
+    with trace:
+        with window("matmul"):
+            rate = matmul_rate(device, dtype)
+        with window("matmul_sustained"):
+            sustained = sustained_matmul_rate(device, dtype)
+        results = _run(suite, args, argv, bench, device, rate, sustained)
+    results["clocks"] = trace.summary()
+    write_result(args.output, results)
+    return results
+
+
+def _run(  # noqa: PLR0917
+    suite: str,
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    bench: Bench,
+    device: torch.device,
+    rate: float,
+    sustained: float,
+) -> dict[str, Any]:
     results: dict[str, Any] = {
         **provenance(suite, device, argv),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -20,6 +20,8 @@ the slowest round over the median. The floor is (2 · active non-embedding param
 matmul rate. `ready_s`: the server's time from the weights built to /health/ready (the engine's
 set-up, warm-up, shapes met and self-check). `max_abs_diff_vs_transformers`: the fused path's
 log-probs against transformers' grouped_mm path's on a sample of sequences (both in the run's dtype).
+The result's `clocks` (benchmarks/clocks.py) give the GPU's SM clock and power while the matmul rates
+and each of the `http` and `fused` variants ran.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.clocks import window
 from benchmarks.harness import (
     ACCURACY_SAMPLE,
     CACHE_IN_ROUNDS,
@@ -219,11 +222,13 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             f"  {name}: ready {ready_s:.1f} s after the weights; moe_kernel {engine.info.moe_kernel}",
             flush=True,
         )
-        report("http", http_rounds(url, http_bodies(samples), args.reps))
+        with window(f"{name}/http"):
+            report("http", http_rounds(url, http_bodies(samples), args.reps))
         load = expert_load(httpx.get(f"{url}/metrics", timeout=30).text)
         print(f"  {name}: expert load {load}", flush=True)
     _release(device)
-    rounds, scores["fused"] = engine_rounds(engine, settings, the_jobs, args.reps, device)
+    with window(f"{name}/fused"):
+        rounds, scores["fused"] = engine_rounds(engine, settings, the_jobs, args.reps, device)
     report("fused", rounds)
     info = engine.info
     del engine, built[:]
