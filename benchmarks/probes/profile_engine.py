@@ -16,8 +16,9 @@ build_model, dense or MoE), one PackedScorer with the server's default
 settings (prefix sharing on; decoder `fused` for an MoE shape, as benchmarks/replay.py) under the
 server's Batcher, and one round of the workload sent as the 8 clients send it (benchmarks/invariance.py's
 `requests`: a GRPO group, or an eighth of the sequences, per request, all at once). Per variant: a
-warm-up round (CUDA graphs, Triton compiles), then --rounds rounds under torch.profiler (CPU and
-CUDA activities).
+warm-up round (CUDA graphs, Triton compiles) once the engine's idle-time CUDA graphs are captured (as
+the served benchmarks wait for them), then --rounds rounds under torch.profiler (CPU and CUDA
+activities).
 
 Variants, run one after the other on the same weights (the engine is rebuilt only where its
 configuration differs, for `invariant`):
@@ -172,6 +173,17 @@ class Session:
         self.loop.run_until_complete(asyncio.sleep(0))
         self.loop.call_soon(self.batcher.start)
 
+    def settle(self, timeout: float = 600.0) -> None:
+        """Runs the loop until the engine's idle-time CUDA graphs are captured (its batcher captures
+        them while nothing runs), as a served engine's benchmarks wait for them (benchmarks/server.py)."""
+        started = time.perf_counter()
+        while (pending := self.engine.pending_graphs) > 0:
+            if time.perf_counter() - started > timeout:
+                raise TimeoutError(f"{pending} CUDA graphs still queued after {timeout:.0f} s")
+            self.loop.run_until_complete(asyncio.sleep(0.05))
+        if (seconds := time.perf_counter() - started) > 0.1:
+            print(f"  idle-time CUDA graphs captured in {seconds:.1f} s", file=sys.stderr, flush=True)
+
     def round(self, batch: list[SequenceJob]) -> list[SequenceScores]:
         """One round: the 8 clients' requests at once; every job's scores, in order."""
 
@@ -303,6 +315,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             engine = PackedScorer(loaded, device, backend, settings.engine_config())
             engine.warm_up()
             session, invariant_now = Session(engine, settings), invariant
+            session.settle()
         batch = variant_jobs(variant, base, session)
         trace = args.trace / f"{variant}.json" if args.trace else None
         if trace is not None:
