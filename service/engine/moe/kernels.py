@@ -6,8 +6,9 @@ Routing (`route_kernel`, `group_kernel`; the twin is dispatch.plan's torch ops),
     w, e = top-k of p                             [T, k], descending; a tie goes to the lower expert id
     w = w / Σ w (normalise), rounded (round_weights)
     slots grouped by expert, in slot order within one: a counting sort (per block of tokens, each
-    expert's count and each slot's rank among the block's slots of its expert; a prefix sum of the
-    counts over the blocks; then each slot's place), the same order as a stable sort
+    expert's count and each slot's rank among the block's slots of its expert; per expert, a
+    program of its own, the slots of the lower experts and a prefix sum of its counts over the
+    blocks; then each slot's place), the same order as a stable sort
 
 A token's routing reads only its own logits, so it does not depend on the batch it is in.
 
@@ -188,7 +189,8 @@ def _count(  # noqa: PLR0917
 
 ROUTE_TOKENS = 32  # tokens per program of route_kernel (a block of the counting sort)
 GROUP_SLOTS = 1024  # slots per program of group_kernel
-SCAN_BLOCKS = 32  # blocks' counts per step of the prefix sum over them (one program)
+SCAN_ROWS = 64  # blocks' counts per step of a scan program's sum over the lower experts' [ROWS, E]
+SCAN_BLOCKS = 512  # blocks per step of a scan program's prefix sum down its expert's column
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,15 +279,16 @@ def group_kernel(routed: Routed) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     offsets = torch.empty(count + 1, device=experts.device, dtype=torch.int32)
     starts = torch.empty_like(counts)  # [blocks, E]: each expert's first grouped row for each block
     with triton_jit.on_device(experts):
-        triton_jit.jit(_starts, runtime=("blocks",))[(1,)](  # compiled once, whatever the tokens
+        triton_jit.jit(_starts, runtime=("blocks",))[(count,)](  # compiled once, whatever the tokens
             counts,
             starts,
             offsets,
             blocks,
             EXPERTS=count,
             BLOCK_E=triton_jit.next_power_of_2(count),
+            ROWS=SCAN_ROWS,
             CHUNK=SCAN_BLOCKS,
-            num_warps=4,
+            num_warps=8,
         )
     rows = torch.empty(t * k, device=experts.device, dtype=torch.int32)
     slots = torch.empty((t, k), device=experts.device, dtype=torch.int64)
@@ -407,36 +410,42 @@ def _starts(  # noqa: PLR0917
     blocks: tl.tensor,
     EXPERTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
 ) -> None:
-    """One program over counts [blocks, E], CHUNK blocks a step: offsets [E+1] = the exclusive prefix
-    sum of the experts' totals (then the total), starts[b, e] = offsets[e] + Σ_{b' < b} counts[b', e].
-    The steps are a while loop on the runtime `blocks` (Triton 3.6's interpreter cannot take a range
-    over a runtime bound; a bound fixed at compile time would compile once per token count)."""
+    """One expert e a program, over counts [blocks, E]: offsets[e] = the slots of every lower expert
+    (their counts summed over the blocks, ROWS blocks a step), then its column of starts,
+    starts[b, e] = offsets[e] + Σ_{b' < b} counts[b', e] (CHUNK blocks a step); the last expert's
+    program also writes offsets[E], the total. The steps are while loops on the runtime `blocks`
+    (Triton 3.6's interpreter cannot take a range over a runtime bound; a bound fixed at compile time
+    would compile once per token count)."""
+    expert = tl.program_id(0)
     ids = tl.arange(0, BLOCK_E)
-    real = ids < EXPERTS
-    rows = tl.arange(0, CHUNK)
-    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    lower = ids < expert
+    rows = tl.arange(0, ROWS)
+    below = tl.zeros((BLOCK_E,), dtype=tl.int32)
     first = 0
     while first < blocks:
         block = first + rows
-        mask = (block < blocks)[:, None] & real[None, :]
-        total += tl.sum(
+        mask = (block < blocks)[:, None] & lower[None, :]
+        below += tl.sum(
             tl.load(counts_ptr + block[:, None] * EXPERTS + ids[None, :], mask=mask, other=0), axis=0
         )
-        first += CHUNK
-    running = tl.cumsum(total, axis=0) - total
-    tl.store(offsets_ptr + ids, running, mask=real)
-    tl.store(offsets_ptr + EXPERTS, tl.sum(total, axis=0))
+        first += ROWS
+    running = tl.sum(below, axis=0)
+    tl.store(offsets_ptr + expert, running)
+    column = tl.arange(0, CHUNK)
     first = 0
     while first < blocks:
-        block = first + rows
-        mask = (block < blocks)[:, None] & real[None, :]
-        at = block[:, None] * EXPERTS + ids[None, :]
-        counts = tl.load(counts_ptr + at, mask=mask, other=0)
-        tl.store(starts_ptr + at, running[None, :] + tl.cumsum(counts, axis=0) - counts, mask=mask)
+        block = first + column
+        live = block < blocks
+        at = block * EXPERTS + expert
+        counts = tl.load(counts_ptr + at, mask=live, other=0)
+        tl.store(starts_ptr + at, running + tl.cumsum(counts, axis=0) - counts, mask=live)
         running += tl.sum(counts, axis=0)
         first += CHUNK
+    if expert == EXPERTS - 1:
+        tl.store(offsets_ptr + EXPERTS, running)
 
 
 def _group(  # noqa: PLR0917

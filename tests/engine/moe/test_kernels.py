@@ -141,6 +141,21 @@ def test_interpreter_plan_kernel_equals_torch(rule: routing_rule.Routing, tokens
 
 
 @only_interpreted
+@pytest.mark.parametrize(("rows", "chunk"), [(4, 8), (2, 32), (64, 2)])
+def test_interpreter_plan_kernel_scans_in_many_steps(
+    monkeypatch: pytest.MonkeyPatch, rows: int, chunk: int
+) -> None:
+    """The scan's two loops over the blocks, each in steps shorter than the blocks (35 of them here):
+    the lower experts' sum ROWS blocks a step, an expert's column CHUNK blocks a step."""
+    monkeypatch.setattr(moe_ops, "SCAN_ROWS", rows)
+    monkeypatch.setattr(moe_ops, "SCAN_BLOCKS", chunk)
+    rule = RULES[2]
+    logits = distinct_logits(1100, 16, seed=3) + torch.randn(1100, 16) * 1e-3
+    router = torch.eye(16)
+    assert_same_plan(dispatch.plan_kernel(logits, router, rule), dispatch.plan(logits, router, rule))
+
+
+@only_interpreted
 def test_interpreter_plan_kernel_of_no_tokens() -> None:
     rule = RULES[0]
     got = dispatch.plan_kernel(torch.zeros(0, 8), torch.eye(8), rule)
