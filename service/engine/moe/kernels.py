@@ -189,7 +189,7 @@ def _count(  # noqa: PLR0917
 
 ROUTE_TOKENS = 32  # tokens per program of route_kernel (a block of the counting sort)
 GROUP_SLOTS = 1024  # slots per program of group_kernel
-SCAN_ROWS = 64  # blocks' counts per step of a scan program's sum over the lower experts' [ROWS, E]
+SCAN_ROWS = 256  # blocks' counts per step of a scan program's sum over the lower experts' [ROWS, E]
 SCAN_BLOCKS = 512  # blocks per step of a scan program's prefix sum down its expert's column
 
 
