@@ -228,7 +228,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
     vocab = int(SHAPES[name]["vocab_size"])
     params = active_params(model)
     longs = long_workload(vocab, args.long_scale)
-    sample = min((s for s in longs if len(s.tokens) > settings.max_batch_tokens), key=lambda s: len(s.tokens))
+    sample = min((s for s in longs if len(s.tokens) > args.max_batch_tokens), key=lambda s: len(s.tokens))
     result: dict[str, Any] = {"long_tokens": [len(s.tokens) for s in longs]}
 
     model.set_attn_implementation("sdpa")
@@ -267,7 +267,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
             return out
 
     result["floor_ms"] = floor_s * 1e3
-    result["chunked"] = variant(settings.max_batch_tokens)
+    result["chunked"] = variant(args.max_batch_tokens)
     result["whole"] = variant(args.whole_budget)
     result["chunked_vs_whole"] = result["chunked"]["ms"] / result["whole"]["ms"]
     if args.single and name in args.single_models:

@@ -256,6 +256,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         "attention": info.attention_backend,
         "kernels": info.kernels,
         "moe_kernel": info.moe_kernel,
+        "max_batch_tokens": info.max_batch_tokens,
         "default_experts_implementation": default,
         "tokens": tokens,
         "action_tokens": sum(len(s.response) for s in samples),
@@ -324,7 +325,7 @@ def parser() -> argparse.ArgumentParser:
         "--no-peers", dest="peers", action="store_false", help="skip transformers' experts implementations"
     )
     parser.add_argument("--sequences", type=int, default=64)
-    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--max-batch-tokens", type=int, help="unset: the service's default")
     parser.add_argument("--output", type=Path, default=RESULTS / "moe-latest.json")
     return parser
 

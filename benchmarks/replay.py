@@ -173,6 +173,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, rate:
         v["cost_over_live"] = v["ms"] / variants[v.pop("over", "live")]["ms"] - 1
     return {
         "moe_kernel": engine.info.moe_kernel,
+        "max_batch_tokens": engine.info.max_batch_tokens,
         "tokens": tokens,
         "floor_ms": floor_s * 1e3,
         "route_entries": entries,

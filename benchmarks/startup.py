@@ -237,7 +237,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention", default="auto")
-    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--max-batch-tokens", type=int, help="unset: the service's default")
     parser.add_argument("--output", type=Path, default=RESULTS / "startup-latest.json")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # write one start's result here
     return parser
@@ -260,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             out = root / f"start-{n}.json"
             cmd = [sys.executable, "-m", "benchmarks.startup", "--model", args.model, "--device", args.device]
             cmd += ["--dtype", args.dtype, "--attention", args.attention]
-            cmd += ["--max-batch-tokens", str(args.max_batch_tokens), "--child", str(out)]
+            if args.max_batch_tokens is not None:
+                cmd += ["--max-batch-tokens", str(args.max_batch_tokens)]
+            cmd += ["--child", str(out)]
             subprocess.run(cmd, check=True, env=env, stdout=sys.stderr)
             runs.append(json.loads(out.read_text()))
             print(_summary(n, runs[-1]), flush=True)

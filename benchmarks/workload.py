@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.core.jobs import SequenceJob
+from service.engine.config import BATCH_TOKENS, MOE_BATCH_TOKENS
 from service.engine.contract import EngineInfo, MoeShape
 
 
@@ -260,5 +261,6 @@ def host_info(vocab: int, moe: MoeShape | None = None) -> EngineInfo:
         vocab_size=vocab,
         max_positions=32768,
         versions={},
+        max_batch_tokens=MOE_BATCH_TOKENS if moe is not None else BATCH_TOKENS,
         moe=moe,
     )

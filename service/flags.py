@@ -76,7 +76,11 @@ def flag(name: str) -> str:
 def metavar(name: str) -> str:
     """What a setting's value is, as --help and docs/configuration.md show it: PATH, INT, FLOAT, STR."""
     annotation = Settings.model_fields[name].annotation
-    return "PATH" if Path in get_args(annotation) else getattr(_kind(annotation), "__name__", "str").upper()
+    if Path in get_args(annotation):
+        return "PATH"
+    optional = [a for a in get_args(annotation) if a is not type(None)]  # int | None reads as INT
+    kind = optional[0] if len(optional) == 1 and optional[0] in (int, float) else _kind(annotation)
+    return str(getattr(kind, "__name__", "str")).upper()
 
 
 def _kind(annotation: Any) -> Any:

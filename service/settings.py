@@ -15,6 +15,8 @@ from pydantic import Field, SecretStr, StringConstraints, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine.config import (
+    BATCH_TOKENS,
+    MOE_BATCH_TOKENS,
     Attention,
     Collectives,
     CudaGraphs,
@@ -151,12 +153,13 @@ class Settings(BaseSettings):
         description="The ranks' collectives. auto: NCCL on GPUs (one GPU a rank), gloo on CPU; gloo on GPUs "
         "lets several ranks share one GPU (slower: for checking the sharded path on a one-GPU host).",
     )
-    max_batch_tokens: int = Field(
-        16384,
+    max_batch_tokens: int | None = Field(
+        None,
         ge=16,
         description="Token budget of one packed micro-batch (its activation memory). A longer sequence is "
         "scored in chunks of at most this many tokens, each attending to the keys and values kept of the "
-        "chunks before it.",
+        f"chunks before it. Unset: {BATCH_TOKENS:,}, or {MOE_BATCH_TOKENS:,} for a mixture-of-experts policy "
+        "on a GPU (fewer micro-batches a round: fewer part-filled expert GEMM tiles); /info says which.",
     )
     max_sequence_tokens: int | None = Field(
         None,

@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--share-min-tokens", type=int, default=Settings().share_min_tokens)
-    parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
+    parser.add_argument("--max-batch-tokens", type=int, help="unset: the service's default")
     parser.add_argument("--logits-chunk-rows", type=int, default=Settings().logits_chunk_rows)
     parser.add_argument("--sequences", type=int, default=64, help="the standard workload's")
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")

@@ -81,7 +81,7 @@ def measure(
     label = f"{engine.info.decoder}/{engine.info.kernels}"
     if rope == "none" and unfuse_rope(model):
         label += "-rope"
-    budget = settings.max_batch_tokens
+    budget = engine.info.max_batch_tokens
     the_jobs = jobs(workload(int(SHAPES[name]["vocab_size"])))
     loop = asyncio.new_event_loop()
     batcher = Batcher(engine, budget, Metrics())

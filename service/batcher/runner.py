@@ -131,10 +131,12 @@ class Batcher:
 
     @classmethod
     def from_settings(cls, engine: ScoringEngine, settings: Settings, metrics: Metrics) -> Batcher:
-        """The server's batcher: budget, collation window, launch hold and queue cap from `settings`."""
+        """The server's batcher: budget, collation window, launch hold and queue cap from `settings` (the
+        budget, where unset there, the engine's: EngineInfo.max_batch_tokens)."""
+        budget = settings.max_batch_tokens
         return cls(
             engine,
-            settings.max_batch_tokens,
+            budget if budget is not None else engine.info.max_batch_tokens,
             metrics,
             wait_s=settings.batch_wait_ms / 1e3,
             hold_s=settings.launch_hold_ms / 1e3,

@@ -59,6 +59,7 @@ class EngineInfo:
     vocab_size: int
     max_positions: int  # with the model's rope scaling
     versions: dict[str, str]
+    max_batch_tokens: int  # the micro-batch token budget the engine runs (config.batch_budget)
     models: tuple[ModelInfo, ...] = ()
     max_sequence_tokens: int = 0  # the longest sequence scored (0: max_positions)
     max_sequence_limit: str = "positions"  # what sets it: positions | memory | setting

@@ -220,7 +220,7 @@ def build_router(state: ServiceState) -> APIRouter:
             max_positions=i.max_positions,
             max_sequence_tokens=i.max_sequence_tokens or i.max_positions,
             max_sequence_limit=i.max_sequence_limit,
-            max_batch_tokens=state.settings.max_batch_tokens,
+            max_batch_tokens=i.max_batch_tokens,
             batch_invariant=i.batch_invariant,
             gemm=i.gemm,
             share_prefixes=sharing(state.settings) is not None,

@@ -525,7 +525,10 @@ class Info(BaseModel):
         description="What sets max_sequence_tokens: the model's positions, the accelerator's memory for "
         "the sequence's keys and values, or the max_sequence_tokens setting."
     )
-    max_batch_tokens: int
+    max_batch_tokens: int = Field(
+        description="Token budget of one packed micro-batch: the max_batch_tokens setting, or where it is "
+        "unset the default for this policy and device."
+    )
     batch_invariant: bool = Field(
         description="Scores are bitwise independent of batching (--batch-invariant; GEMMs in fixed calls)."
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.engine import ScoringEngine
-from service.engine.config import EngineConfig
+from service.engine.config import MOE_BATCH_TOKENS, EngineConfig, batch_budget
 from service.http.app import create_app
 from service.settings import Settings
 from service.wire import jsonrows
@@ -99,6 +100,19 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving() -> None:
         metrics = client.get("/metrics").text
         assert 'logprobd_requests_total{outcome="engine_failure"} 1.0' in metrics
         assert 'logprobd_requests_total{outcome="ok"} 1.0' in metrics
+
+
+def test_info_gives_the_budget_the_engine_runs_unless_it_is_set() -> None:
+    def engine(config: EngineConfig) -> FakeEngine:  # resolving its budget as an MoE policy on a GPU
+        fake = FakeEngine()
+        budget = batch_budget(config.max_batch_tokens, moe_on_gpu=True)
+        fake.info = dataclasses.replace(fake.info, max_batch_tokens=budget)
+        return fake
+
+    for settings, want in ((Settings(), MOE_BATCH_TOKENS), (Settings(max_batch_tokens=2048), 2048)):
+        with TestClient(create_app(settings, engine_factory=engine)) as client:
+            wait_ready(client)
+            assert client.get("/info").json()["max_batch_tokens"] == want
 
 
 def test_metrics_count_tokens_and_latencies() -> None:

@@ -14,6 +14,7 @@ from service.core.cache_plan import CachePlan
 from service.core.jobs import Chunk, SequenceJob, SequenceScores
 from service.core.prefix_cache import PrefixIndex
 from service.core.prefixes import Forest
+from service.engine.config import BATCH_TOKENS
 from service.engine.contract import (
     Bucket,
     EngineInfo,
@@ -102,6 +103,7 @@ class FakeEngine:
             vocab_size=1000,
             max_positions=4096,
             versions={},
+            max_batch_tokens=BATCH_TOKENS,
         )
 
     def warm_up(self) -> None:

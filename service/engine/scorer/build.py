@@ -173,12 +173,14 @@ def serve(  # noqa: PLR0917
     device: torch.device,
     backend: AttentionBackend,
     config: EngineConfig,
+    budget: int,
     gemm: TokenGemms,
     reference: LoadedModel | None,
     critic: Critic | None,
     sharded: Sharded | None,
 ) -> tuple[Served, str]:
-    """Each model's forward, built per the configuration, and the kernels the policy's runs."""
+    """Each model's forward, built per the configuration (its CUDA graphs sized for micro-batches of
+    `budget` tokens), and the kernels the policy's runs."""
     ops = Ops.for_device(device, allow_triton=config.kernels != "none")
     chunk_rows = config.logits_chunk_rows
     if isinstance(gemm, FixedRows) and gemm.rows % chunk_rows:  # whole chunks of padded actions
@@ -200,7 +202,7 @@ def serve(  # noqa: PLR0917
             backend.name,
             device,
             recorder,
-            config.max_batch_tokens,
+            budget,
             config.cuda_graph_limit,
             batch_invariant=config.batch_invariant,
         )
@@ -243,6 +245,7 @@ def describe(  # noqa: PLR0917
     device: torch.device,
     backend: AttentionBackend,
     config: EngineConfig,
+    budget: int,
     served: Served,
     kernels: str,
     reference: LoadedModel | None,
@@ -274,6 +277,7 @@ def describe(  # noqa: PLR0917
         max_positions=max_positions(text_part(model_config)),
         batch_invariant=config.batch_invariant,
         versions=versions(),
+        max_batch_tokens=budget,
         models=tuple(models),
         tensor_parallel_size=sharded.shard.world if sharded is not None else 1,
         moe=moe_shape(loaded.model.base_model),

@@ -42,7 +42,7 @@ from service.core.prefixes import Forest
 from service.engine.batch.kv_store import KVStore
 from service.engine.batch.packing import PackedBatch, pack
 from service.engine.cache.pool import ModelPool
-from service.engine.config import EngineConfig
+from service.engine.config import EngineConfig, batch_budget
 from service.engine.contract import (
     Bucket,
     EngineInfo,
@@ -102,14 +102,19 @@ class PackedScorer:
         self._device = device
         self._sharded = sharded
         self._config = config
+        on_gpu = device.type == "cuda"
+        moe = build.moe_shape(loaded.model.base_model) is not None
+        self._budget = batch_budget(config.max_batch_tokens, moe_on_gpu=on_gpu and moe)
         self._stores: dict[int, dict[Target, KVStore]] = {}  # chunked sequence -> each model's store
         self._pools: dict[Target, ModelPool] = {}  # the prefix cache's, from warm-up on
         self._index: PrefixIndex | None = None
         self._served, kernels = build.serve(
-            loaded, device, backend, config, self._gemm, reference, critic, sharded
+            loaded, device, backend, config, self._budget, self._gemm, reference, critic, sharded
         )
         self._info = dataclasses.replace(
-            build.describe(loaded, device, backend, config, self._served, kernels, reference, sharded),
+            build.describe(
+                loaded, device, backend, config, self._budget, self._served, kernels, reference, sharded
+            ),
             gemm=self._gemm.name,
         )
         self._weights = build.initial_weights(config, loaded.name, self._info)
@@ -305,12 +310,10 @@ class PackedScorer:
         if self._sharded is not None:
             log.info("warm-up done (rank %d of %d)", self._sharded.shard.rank, self._sharded.shard.world)
             return
-        probe = pack(
-            jobs[: max(1, self._config.max_batch_tokens // len(jobs[0].tokens))], self._device, self._step
-        )
+        probe = pack(jobs[: max(1, self._budget // len(jobs[0].tokens))], self._device, self._step)
         for forward in self._served.forwards():
             forward.capture(probe)  # as a micro-batch
-        if cuda and self._info.max_positions > self._config.max_batch_tokens:
+        if cuda and self._info.max_positions > self._budget:
             self._size_longest(working)
         policy = self._served.policy.forward
         if isinstance(policy, graphs.GraphedDecoder) and policy.disabled is not None:
@@ -383,7 +386,7 @@ class PackedScorer:
         return [f for f in self._served.forwards() if isinstance(f, graphs.GraphedDecoder)]
 
     def meet_shapes(self) -> None:
-        memory.meet_shapes(self._served, self._device, self._config.max_batch_tokens)
+        memory.meet_shapes(self._served, self._device, self._budget)
 
     def _random_job(self, rng: random.Random, length: int) -> SequenceJob:
         """A random sequence that asks every served model for everything."""
@@ -418,7 +421,7 @@ class PackedScorer:
         """The bytes a micro-batch's work takes beyond what is allocated now: the peak over a sequence
         of two full chunks, every model asked (the chunked path's kernels met before serving too), or
         over one full micro-batch where the positions allow no longer sequence."""
-        most = self._config.max_batch_tokens
+        most = self._budget
         length = min(2 * most, self._info.max_positions)
         torch.cuda.synchronize(self._device)
         base = torch.cuda.memory_allocated(self._device)
