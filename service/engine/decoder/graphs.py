@@ -20,7 +20,9 @@ sequence slots (the boundaries end in empty sequences up to it) and to the `max_
 attention kernel is given. flash-attn 4's varlen grid depends on N and the slots only, so it takes
 max_len = N and the sequences' count rounded up to a power of two, at least 64 slots: one graph per N
 serves every micro-batch of up to 64 sequences (RL traffic: 16 to 60 in a 16k-token micro-batch),
-and those are all captured at start, largest first; a micro-batch of more sequences replays one of
+and those are captured largest first: at start those of the largest START_TOKENS tokens' worth of N,
+the rest queued for the idle time (a size met before its turn is captured there and then, as any live
+shape first met is); a micro-batch of more sequences replays one of
 128, 256, ... slots, captured the first time its size is met (each empty slot costs the kernel
 time, so the start-up graphs hold no more than RL traffic fills). The other
 kernels' grids grow with max_len x slots, so those round both up to powers of two and are captured the
@@ -101,6 +103,11 @@ _CHECK_TOL = 1e-3
 # completions under a prompt of P tokens reads about (G + 1) P + sum of completions keys for its
 # P + sum of completions tokens, at most G + 1 times as many
 KEYS_PER_TOKEN = 8
+# The sizes the start captures, where one graph serves each N: those of the largest START_TOKENS
+# tokens' worth of N (two graphs each, live and shared); the smaller N wait for the idle time's
+# queue. Each N's first capture compiles kernels on a cold cache: a Qwen3-30B-A3B start on an H200
+# took 36 s to ready for a budget of 16,384 tokens and 62.5 s for 24,576, all sizes captured.
+START_TOKENS = 16384
 
 
 class Recorder(Protocol):
@@ -191,10 +198,12 @@ class GraphedDecoder:
         limit: int,
         strict: bool = False,
         shared: bool = True,
+        start_tokens: int = START_TOKENS,
     ) -> None:
         self.inner = inner
         self._recorder = recorder
         self._capacity = -(-max_tokens // SHAPE_STEP) * SHAPE_STEP
+        self._start_below = max(0, self._capacity - start_tokens)  # N up to this: captured while idle
         self._total_bounded = total_bounded
         self._limit = limit
         self._strict = strict  # cuda_graphs=on: graphs off at the end of `capture` fail the start
@@ -522,7 +531,8 @@ class GraphedDecoder:
             self._shared_off(f"a shared graph's hidden states are {error:.3g} of their norm from the eager")
 
     def _capture_sizes(self) -> None:
-        """One graph per N, largest first, and one for shared micro-batches of each N (where on)."""
+        """One graph per N, largest first, and one for shared micro-batches of each N (where on): those
+        of N above the start's share now, the others queued for the idle time (START_TOKENS)."""
         started = time.perf_counter()
         keys = [
             key
@@ -530,14 +540,22 @@ class GraphedDecoder:
             for key in (self.key(tokens, 1, tokens), self.key(tokens, 1, tokens, tokens))
         ]
         for key in keys:
-            if len(self._graphs) >= self._limit:  # keep the largest: the smaller ones are captured as met
-                break
             if key is None or key in self._graphs or (key.keys and self.shared_off is not None):
                 continue
+            if key.tokens <= self._start_below:
+                self._pending.setdefault(key, None)
+                continue
+            if len(self._graphs) >= self._limit:  # keep the largest: the smaller ones are captured as met
+                break
             if not self._record(key) and self.disabled is not None:
                 return
         seconds = time.perf_counter() - started
-        log.info("CUDA graphs: captured %d shapes in %.1f s", len(self._graphs), seconds)
+        log.info(
+            "CUDA graphs: captured %d shapes in %.1f s, %d left for idle time",
+            len(self._graphs),
+            seconds,
+            len(self._pending),
+        )
 
     def _turn_off(self, reason: str) -> None:
         """Graphs off for this decoder: the micro-batch at hand and every later one run eagerly."""

@@ -267,6 +267,45 @@ def test_capture_checks_then_records_every_size_largest_first() -> None:
     ]
 
 
+def test_the_start_captures_its_share_of_the_sizes_and_the_idle_time_the_rest() -> None:
+    """With a start share of 256 tokens under a 768-token budget: N = 768 and 640 at start (and the
+    probe's 128), N = 512, 384, 256 queued, largest first, each captured at an idle call; a size met
+    before its turn is captured there and then and leaves the queue."""
+    model = packed_model("qwen2")
+    decoder = graphed(model, max_tokens=768, recorder=(recorder := Counting()), limit=16, start_tokens=256)
+    eager = FusedDecoder(model.base_model, KERNEL, TORCH, 0)
+    shared = decoder.key_capacity
+    with torch.inference_mode():
+        decoder.capture(batch_of((20, 33, 7)))
+        assert [(key.tokens, key.keys) for key in decoder._graphs] == [
+            (128, 0),
+            (128, shared),
+            (768, 0),
+            (768, shared),
+            (640, 0),
+            (640, shared),
+        ]
+        assert [(key.tokens, key.keys) for key in decoder._pending] == [
+            (512, 0),
+            (512, shared),
+            (384, 0),
+            (384, shared),
+            (256, 0),
+            (256, shared),
+        ]
+        met = batch_of((200, 100, 40))  # 384 tokens: its graph is captured as met, not left queued
+        torch.testing.assert_close(decoder(met, read_rows(met)), eager(met, read_rows(met)))
+        assert decoder.pending == 5
+        assert decoder.key(384, 3, 200) in decoder._graphs
+        while decoder.capture_pending():
+            pass
+        assert decoder.pending == 0
+        assert recorder.captures == 12  # each key once
+        assert {key.tokens for key in decoder._graphs} == {128, 256, 384, 512, 640, 768}
+        assert_replays(decoder, model, [batch_of((100, 90)), groups_of(GROUPS[0])])
+    assert recorder.captures == 12  # replayed, none captured again
+
+
 def test_capture_keeps_the_largest_within_the_limit() -> None:
     decoder = graphed(packed_model("qwen2"), max_tokens=1024, recorder=Counting(), limit=3)
     with torch.inference_mode():
