@@ -340,7 +340,8 @@ def _run(  # noqa: PLR0917
 
 
 def isolated(name: str, argv: list[str], suite: str) -> dict[str, Any]:
-    """`python -m benchmarks.<suite> ... --models name` in a process of its own: that model's result."""
+    """`python -m benchmarks.<suite> ... --models name` in a process of its own: that model's result
+    (with that process's clock windows as its `clocks`)."""
     keep: list[str] = []
     skip = False
     for arg in argv:  # drop --models and --output with their values
@@ -355,5 +356,8 @@ def isolated(name: str, argv: list[str], suite: str) -> dict[str, Any]:
         out = Path(tmp) / "one.json"
         cmd = [sys.executable, "-m", f"benchmarks.{suite}", *keep, "--models", name, "--output", str(out)]
         subprocess.run(cmd, check=True, stdout=sys.stderr)
-        model_result: dict[str, Any] = json.loads(out.read_text())["models"][name]
+        child = json.loads(out.read_text())
+        model_result: dict[str, Any] = child["models"][name]
+        if child.get("clocks"):
+            model_result["clocks"] = child["clocks"]
         return model_result
