@@ -130,14 +130,16 @@ class Settings(BaseSettings):
         "off, with a warning); on: the same, failing the start where they cannot run; off: never.",
     )
     cuda_graph_limit: int = Field(
-        512,
+        768,
         ge=8,  # the graph evicted is never one a micro-batch still in flight replays
         description="Most CUDA graphs one decoder keeps (the least recently used goes first). With "
         "flash-attn 4 two graphs serve every micro-batch of the same padded size and up to 64 sequences, "
-        "one for those whose sequences share prefixes: max_batch_tokens / 64, all captured at start; a "
-        "micro-batch of more sequences adds one of its own when first met. An MoE policy adds a graph "
-        "per size for micro-batches that record routes and one for those that replay them, captured "
-        "while the engine idles after the start (never evicting one).",
+        "one for those whose sequences share prefixes: max_batch_tokens / 64, those of the largest 16,384 "
+        "tokens' sizes captured at start, the others while the engine idles; a micro-batch of more "
+        "sequences adds one of its own when first met. An MoE policy adds a graph per size for "
+        "micro-batches that record routes and one for those that replay them, captured while the engine "
+        "idles after the start (never evicting one; past the limit the rest run eagerly): 768 holds all "
+        "four kinds at an MoE policy's default budget.",
     )
     tensor_parallel_size: int = Field(
         1,

@@ -13,6 +13,7 @@ import pytest
 from service.batcher import Batcher
 from service.core.jobs import SequenceJob
 from service.engine.config import BATCH_TOKENS, MOE_BATCH_TOKENS, batch_budget
+from service.engine.contract import SHAPE_STEP
 from service.engine.scorer.engine import PackedScorer
 from service.metrics import Metrics
 from service.settings import Settings
@@ -27,6 +28,12 @@ def test_unset_the_budget_is_larger_for_a_mixture_of_experts_on_a_gpu_only() -> 
     assert batch_budget(None, moe_on_gpu=False) == BATCH_TOKENS
     assert batch_budget(None, moe_on_gpu=True) == MOE_BATCH_TOKENS
     assert batch_budget(4096, moe_on_gpu=True) == batch_budget(4096, moe_on_gpu=False) == 4096
+
+
+def test_the_default_graph_limit_holds_every_graph_of_an_moe_policys_default_budget() -> None:
+    """Live, shared-prefix, recording and replaying graphs, one each per padded size: past the limit
+    the idle time's routed graphs would be dropped and their micro-batches run eagerly."""
+    assert 4 * MOE_BATCH_TOKENS // SHAPE_STEP <= Settings().cuda_graph_limit
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "qwen3_moe", "mixtral"])
