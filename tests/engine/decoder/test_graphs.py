@@ -255,16 +255,12 @@ def test_capture_checks_then_records_every_size_largest_first() -> None:
     assert recorder.captures == 8  # the probe's (128 tokens) and its shared twin's, then the others
     captured = [(key.tokens, key.keys) for key in decoder._graphs]  # in the order captured
     shared = decoder.key_capacity
-    assert captured == [
-        (128, 0),
-        (128, shared),
-        (512, 0),
-        (512, shared),
-        (384, 0),
-        (384, shared),
-        (256, 0),
-        (256, shared),
-    ]
+    assert captured == live_and_shared(shared, 128, 512, 384, 256)
+
+
+def live_and_shared(shared: int, *tokens: int) -> list[tuple[int, int]]:
+    """(N, keys) of a live then a shared-prefix graph per N, in the order given."""
+    return [(n, keys) for n in tokens for keys in (0, shared)]
 
 
 def test_the_start_captures_its_share_of_the_sizes_and_the_idle_time_the_rest() -> None:
@@ -277,22 +273,8 @@ def test_the_start_captures_its_share_of_the_sizes_and_the_idle_time_the_rest() 
     shared = decoder.key_capacity
     with torch.inference_mode():
         decoder.capture(batch_of((20, 33, 7)))
-        assert [(key.tokens, key.keys) for key in decoder._graphs] == [
-            (128, 0),
-            (128, shared),
-            (768, 0),
-            (768, shared),
-            (640, 0),
-            (640, shared),
-        ]
-        assert [(key.tokens, key.keys) for key in decoder._pending] == [
-            (512, 0),
-            (512, shared),
-            (384, 0),
-            (384, shared),
-            (256, 0),
-            (256, shared),
-        ]
+        assert [(key.tokens, key.keys) for key in decoder._graphs] == live_and_shared(shared, 128, 768, 640)
+        assert [(key.tokens, key.keys) for key in decoder._pending] == live_and_shared(shared, 512, 384, 256)
         met = batch_of((200, 100, 40))  # 384 tokens: its graph is captured as met, not left queued
         torch.testing.assert_close(decoder(met, read_rows(met)), eager(met, read_rows(met)))
         assert decoder.pending == 5
