@@ -63,6 +63,7 @@ from benchmarks.server import HttpServer, histogram_totals, http_rounds
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import Sample, floor_flops, grpo_short, teacher_prompts, unique_floor_flops
 from service.client.wire import to_frame
+from service.engine.config import BATCH_TOKENS
 from service.engine.loading.pretrained import LoadedModel
 from service.engine.scorer.engine import PackedScorer
 from service.http.completions.plan import plan_completion
@@ -435,7 +436,7 @@ def parser() -> argparse.ArgumentParser:
         "--teacher-budgets",
         nargs="*",
         type=int,
-        default=[Settings().max_batch_tokens],
+        default=[BATCH_TOKENS],
         help="the teacher call once per server max_batch_tokens (none: no teacher call)",
     )
     parser.add_argument(

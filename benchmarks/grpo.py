@@ -75,6 +75,7 @@ from benchmarks.workload import (
     unique_floor_flops,
     unique_tokens,
 )
+from service.engine.config import BATCH_TOKENS
 from service.engine.loading.pretrained import LoadedModel
 from service.engine.scorer.engine import PackedScorer
 from service.settings import CudaGraphs, Settings
@@ -368,7 +369,7 @@ def parser() -> argparse.ArgumentParser:
         default=["naive", *SHARING],
         help="which to run (sharing_on also runs the grouped form)",
     )
-    parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
+    parser.add_argument("--max-batch-tokens", type=int, default=BATCH_TOKENS)
     parser.add_argument("--launch-hold-ms", type=float, default=Settings().launch_hold_ms)
     parser.add_argument("--batch-wait-ms", type=float, default=Settings().batch_wait_ms)
     parser.add_argument("--share-min-tokens", type=int, default=Settings().share_min_tokens)

@@ -49,6 +49,7 @@ from benchmarks.shapes import MOE_SHAPES, SHAPES, shape_of
 from benchmarks.workload import Sample, _scaled, grpo_long, grpo_short, jobs, long_workload, workload
 from service.batcher import Batcher
 from service.core.jobs import SequenceJob, SequenceScores
+from service.engine.config import BATCH_TOKENS
 from service.engine.loading.pretrained import LoadedModel
 from service.engine.scorer.engine import PackedScorer
 from service.metrics import Metrics
@@ -195,7 +196,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--sequences", type=int, default=64, help="the standard workload's")
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
-    parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
+    parser.add_argument("--max-batch-tokens", type=int, default=BATCH_TOKENS)
     parser.add_argument("--output", type=Path, default=RESULTS / "invariance-latest.json")
     return parser
 

@@ -53,6 +53,7 @@ from benchmarks.server import HttpServer, http_bodies, http_rounds
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import Sample, floor_flops, long_workload, workload
 from service.engine.batch.kv_store import cache_bytes_per_token
+from service.engine.config import BATCH_TOKENS
 from service.engine.loading.pretrained import LoadedModel
 from service.engine.scorer.engine import PackedScorer
 from service.settings import Settings
@@ -287,7 +288,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--cuda-graphs", default="auto")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
+    parser.add_argument("--max-batch-tokens", type=int, default=BATCH_TOKENS)
     parser.add_argument("--whole-budget", type=int, default=32768, help="a budget that holds each sequence")
     parser.add_argument("--long-scale", type=float, default=1.0, help="lengths x this (a CPU smoke test)")
     parser.add_argument("--single", action="store_true", help="also the one 128k-token sequence")

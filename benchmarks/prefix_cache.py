@@ -51,6 +51,7 @@ from benchmarks.harness import RESULTS, active_params, packed_model, run_models
 from benchmarks.server import HttpServer, http_bodies
 from benchmarks.shapes import SHAPES
 from benchmarks.workload import Sample, grpo_groups, grpo_long, unique_floor_flops, unique_tokens
+from service.engine.config import BATCH_TOKENS
 from service.engine.loading.pretrained import LoadedModel
 from service.engine.scorer.engine import PackedScorer
 from service.settings import Settings
@@ -267,7 +268,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
+    parser.add_argument("--max-batch-tokens", type=int, default=BATCH_TOKENS)
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
     parser.add_argument("--output", type=Path, default=RESULTS / "prefix-cache-latest.json")
     return parser

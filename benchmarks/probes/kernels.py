@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from service.core.jobs import SequenceJob
-from service.settings import Settings
+from service.engine.config import BATCH_TOKENS
 
 # model, reps, token budget -> {"micro_batch_tokens": [...], variant: {"ms", "tflops", diff} | {"skipped"}}
 Measure = Callable[[str, int, int], dict[str, Any]]
@@ -39,7 +39,7 @@ def cli(
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--max-batch-tokens", type=int, default=Settings().max_batch_tokens)
+    parser.add_argument("--max-batch-tokens", type=int, default=BATCH_TOKENS)
     args = parser.parse_args(argv)
     results = {name: measure(name, args.reps, args.max_batch_tokens) for name in args.models}
     print(json.dumps(results, indent=1))

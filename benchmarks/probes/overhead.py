@@ -56,6 +56,7 @@ from benchmarks.workload import Sample, grpo_long, grpo_short, jobs, workload
 from service.answer import layout as answer_layout
 from service.batcher import Batcher
 from service.core.jobs import IntArray, SequenceJob, SequenceScores
+from service.engine.config import BATCH_TOKENS
 from service.engine.contract import Launched
 from service.engine.decoder.graphs import GraphedDecoder
 from service.engine.loading.pretrained import LoadedModel
@@ -686,7 +687,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cuda-graphs", default="auto", choices=get_args(CudaGraphs))
     parser.add_argument("--launch-hold-ms", type=float, nargs="+", default=[Settings().launch_hold_ms])
     parser.add_argument("--batch-wait-ms", type=float, nargs="+", default=[Settings().batch_wait_ms])
-    parser.add_argument("--max-batch-tokens", type=int, nargs="+", default=[Settings().max_batch_tokens])
+    parser.add_argument("--max-batch-tokens", type=int, nargs="+", default=[BATCH_TOKENS])
     parser.add_argument("--workload", choices=list(WORKLOADS), default="standard")
     parser.add_argument("--scale", type=float, default=1.0, help="every length x this (a CPU smoke test)")
     every = ["frames", "frames-httpcore", "json", "processes"]
