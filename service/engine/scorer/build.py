@@ -250,8 +250,10 @@ def describe(  # noqa: PLR0917
     kernels: str,
     reference: LoadedModel | None,
     sharded: Sharded | None,
+    moe: MoeShape | None,
 ) -> EngineInfo:
-    """What /info reports of the built engine (the longest sequence before memory is measured)."""
+    """What /info reports of the built engine (the longest sequence before memory is measured);
+    `moe`: the policy's `moe_shape`."""
     vocab = served.policy.vocab_size
     if served.critic is not None:
         vocab = min(vocab, vocab_layers.full_rows(served.critic.decoder.get_input_embeddings()))
@@ -280,7 +282,7 @@ def describe(  # noqa: PLR0917
         max_batch_tokens=budget,
         models=tuple(models),
         tensor_parallel_size=sharded.shard.world if sharded is not None else 1,
-        moe=moe_shape(loaded.model.base_model),
+        moe=moe,
     )
     return dataclasses.replace(info, **longest(info.max_positions, None, config.max_sequence_tokens))
 

@@ -103,8 +103,8 @@ class PackedScorer:
         self._sharded = sharded
         self._config = config
         on_gpu = device.type == "cuda"
-        moe = build.moe_shape(loaded.model.base_model) is not None
-        self._budget = batch_budget(config.max_batch_tokens, moe_on_gpu=on_gpu and moe)
+        moe = build.moe_shape(loaded.model.base_model)
+        self._budget = batch_budget(config.max_batch_tokens, moe_on_gpu=on_gpu and moe is not None)
         self._stores: dict[int, dict[Target, KVStore]] = {}  # chunked sequence -> each model's store
         self._pools: dict[Target, ModelPool] = {}  # the prefix cache's, from warm-up on
         self._index: PrefixIndex | None = None
@@ -113,7 +113,7 @@ class PackedScorer:
         )
         self._info = dataclasses.replace(
             build.describe(
-                loaded, device, backend, config, self._budget, self._served, kernels, reference, sharded
+                loaded, device, backend, config, self._budget, self._served, kernels, reference, sharded, moe
             ),
             gemm=self._gemm.name,
         )
