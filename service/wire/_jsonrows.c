@@ -882,7 +882,9 @@ static PyObject *int_lists(PyObject *self, PyObject *args) {
     Py_buffer *views = block_views(blocks, &k, &count);
     if (views == NULL) return NULL;
     Py_ssize_t total = 2 + (count ? count - 1 : 0);
+    Py_BEGIN_ALLOW_THREADS /* a pass over every id: other threads go on meanwhile */
     for (Py_ssize_t i = 0; i < count; i++) total += int_block_length(&views[i], &k);
+    Py_END_ALLOW_THREADS
     PyObject *out = PyBytes_FromStringAndSize(NULL, total);
     if (out != NULL) {
         char *w = PyBytes_AsString(out);
