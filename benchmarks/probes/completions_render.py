@@ -6,7 +6,7 @@ Scores as the engine returns them (random: the top K distinct ids per position, 
 prompt's token among them six times in ten), token text from a synthetic table of realistic pieces
 (words with and without a leading space, punctuation, CJK, emoji, byte tokens' "\\ufffd", runs of
 spaces and newlines). Prints, best of --reps: `after` (service/http/completions/response.py's chunks, the
-server's path, on render.RENDER_THREADS threads: min(4, cores)) and `before` (the same answer as
+server's path, on response.RENDER_THREADS threads: min(4, cores)) and `before` (the same answer as
 Python dicts through orjson.dumps, as the service wrote it before jsonwriter.py; --no-before skips
 it), the document's size, the one-off build of the vocabulary's pieces, and that both give the same
 bytes.

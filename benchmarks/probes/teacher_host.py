@@ -51,8 +51,7 @@ from benchmarks.client import teacher_calls
 from benchmarks.probes.host_path import VOCAB, InstantEngine, median_ms
 from benchmarks.server import HttpServer
 from benchmarks.workload import teacher_prompts
-from service.http import render as pools
-from service.http.completions import stream
+from service.http.completions import response, stream
 from service.http.completions.pieces import TokenPieces
 from service.http.completions.plan import plan_completion
 from service.http.completions.response import Drawn, completion_chunks
@@ -113,12 +112,12 @@ def stages(body: dict[str, Any], reps: int) -> dict[str, float]:
         "collect": median_ms(launched.result, reps),
         "render": median_ms(render, reps),
     }
-    threads = pools.RENDER_THREADS
-    pools.RENDER_THREADS = 1
+    threads = response.RENDER_THREADS
+    response.RENDER_THREADS = 1
     try:
         figures["render_1thread"] = median_ms(render, reps)
     finally:
-        pools.RENDER_THREADS = threads
+        response.RENDER_THREADS = threads
     figures["client_parse"] = median_ms(lambda: json.loads(answer), 1)
     figures["answer_mb"] = len(answer) / 1e6
     figures["chunks"] = len(chunks)
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "--clients", nargs="+", choices=["subprocess", "in_process"], default=["subprocess", "in_process"]
     )
     parser.add_argument(
-        "--render-threads", type=int, default=pools.RENDER_THREADS, help="the writer's pool (the server's)"
+        "--render-threads", type=int, default=response.RENDER_THREADS, help="the writer's pool (the server's)"
     )
     parser.add_argument(
         "--device-ms", type=float, default=0.0, help="the simulated device's ms per micro-batch (HTTP)"
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-stages", action="store_true", help="over HTTP only")
     parser.add_argument("--no-http", action="store_true", help="the in-process stages only")
     args = parser.parse_args(argv)
-    pools.RENDER_THREADS = args.render_threads
+    response.RENDER_THREADS = args.render_threads
     if args.whole:
         stream.STREAM_CHUNKS = sys.maxsize
     body = teacher_body(args.prompts, args.tokens, args.k, InstantEngine().info.model)

@@ -11,8 +11,7 @@ written on worker threads are written in parallel.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -24,7 +23,7 @@ from service.core.errors import EngineFailure
 from service.core.jobs import RouteAgreement, RouteArray, SequenceScores
 from service.engine.contract import EngineInfo
 from service.normalise import RowWindow, ScoringPlan
-from service.wire.jsonarrays import Run, base64_rows, float_lists, int_lists, pieces
+from service.wire.jsonarrays import base64_rows, float_lists, int_lists
 from service.wire.schemas import RolloutMismatch, RouteAgreementSummary
 
 
@@ -141,8 +140,6 @@ def _agreement_rows(
 # the [window, K] blocks of the distribution and their wire dtype in the base64 form
 BLOCKS = {"top_ids": "<i4", "top_logprobs": "<f4", "candidate_logprobs": "<f4"}
 LISTS = {"top_ids": int_lists, "top_logprobs": float_lists, "candidate_logprobs": float_lists}
-B64 = {name: functools.partial(base64_rows, dtype=dtype) for name, dtype in BLOCKS.items()}
-_ROUTES_B64 = functools.partial(base64_rows, dtype="<i4")
 
 
 # where a big array's text goes: orjson writes no raw NUL anywhere else (a string escapes it)
@@ -156,33 +153,27 @@ def to_json(body: dict[str, Any], *, routes: str = "lists", distribution: str = 
     return b"".join(json_parts(body, routes=routes, distribution=distribution))
 
 
-def json_parts(
-    body: dict[str, Any], *, routes: str = "lists", distribution: str = "lists", run: Run = map
-) -> list[bytes]:
+def json_parts(body: dict[str, Any], *, routes: str = "lists", distribution: str = "lists") -> list[bytes]:
     """`to_json`'s bytes as parts to send one after another: each big array's text (recorded routes,
-    the distribution's blocks: ~14 MB of a 48-layer request's routes) in the pieces its writer wrote
-    (jsonarrays.pieces; `run`, an Executor's map, writes them in parallel), and orjson's JSON around
-    them, so that the big texts are never copied into one buffer (orjson would copy them into its
-    own, growing it as it goes)."""
+    the distribution's blocks: ~14 MB of a 48-layer request's routes) as its writer wrote it, and
+    orjson's JSON around them, so that the big texts are never copied into one buffer (orjson would
+    copy them into its own, growing it as it goes)."""
     out = body
-    big: dict[str, Iterator[bytes]] = {}  # every piece submitted before the first is read
+    big: dict[str, bytes] = {}
     recorded = body.get("routed_experts")
     if recorded is not None:
-        if routes == "base64":
-            big["routed_experts"] = pieces(_ROUTES_B64, recorded, run, within_rows=False)
-        else:
-            big["routed_experts"] = pieces(int_lists, recorded, run)
+        big["routed_experts"] = base64_rows(recorded, "<i4") if routes == "base64" else int_lists(recorded)
     blocks = {name: body[name] for name in BLOCKS if body.get(name) is not None}
     if blocks and distribution == "base64":
         out = {**out, "columns": {name: _width(rows) for name, rows in blocks.items()}}
-        big |= {name: pieces(B64[name], rows, run, within_rows=False) for name, rows in blocks.items()}
+        big |= {name: base64_rows(rows, BLOCKS[name]) for name, rows in blocks.items()}
     elif blocks:
-        big |= {name: pieces(LISTS[name], rows, run) for name, rows in blocks.items()}
+        big |= {name: LISTS[name](rows) for name, rows in blocks.items()}
     out = {**out, **dict.fromkeys(big, _HOLE)}  # keys keep their places: the holes come in `out`'s order
     around = orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY).split(_NUL)
     parts = [around[0]]
     for name, after in zip((k for k in out if k in big), around[1:], strict=True):
-        parts += [*big[name], after]
+        parts += [big[name], after]
     return parts
 
 

@@ -3,10 +3,8 @@
 A large body is parsed (JSON) and normalised, and a JSON answer with routes or a distribution
 written, on a worker thread: their big members are read and written natively with the GIL released
 (wire/jsonrows.py, wire/jsonarrays.py), so requests that arrive or finish together are parsed and
-written in parallel while the event loop goes on feeding the batcher; an answer's big arrays are
-written in pieces on a render pool (http/render.py), so the requests of the last micro-batch are
-answered in about the time of a piece each, not of a whole answer. A big answer goes to the server in
-slices (bodies.SlicedResponse).
+written in parallel while the event loop goes on feeding the batcher. A big answer goes to the server
+in slices (bodies.SlicedResponse).
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ from service.http.admin import build_admin_router
 from service.http.auth import ApiKeys
 from service.http.bodies import SLICE_BYTES, SlicedResponse, answer_or_give_up, read_body
 from service.http.completions.endpoints import build_completions_router
-from service.http.render import render_pool
 from service.http.state import ServiceState
 from service.http.weight_sync import build_weight_sync_router
 from service.metrics import CONTENT_TYPE, Metrics
@@ -70,7 +67,6 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 BINARY = {"type": "string", "format": "binary"}
 THREAD_BYTES = 1 << 20  # bodies from this size are parsed (JSON) and normalised on a worker thread
-POOL_NAME = "logprobs-json"  # the render pool's threads
 FRAME_DOC = (
     "The same request as a compact frame: the JSON fields, with input_ids, prompt_ids, attention_mask, "
     "action_mask, rollout_logprobs, routed_experts and prompt_routed_experts as little-endian arrays "
@@ -99,20 +95,14 @@ async def _planned(request: LogprobsRequest, limits: ModelLimits, size: int) -> 
 
 
 async def _json(answered: dict[str, Any], plan: ScoringPlan) -> list[bytes]:
-    """The JSON answer in the request's forms, in parts (layout.json_parts); where it carries routes
-    or a distribution's blocks, written on a worker thread, their pieces on a render pool's."""
+    """The JSON answer in the request's forms, in parts (layout.json_parts); on a worker thread where
+    it carries routes or a distribution's blocks."""
     write = functools.partial(
         json_parts, answered, routes=plan.route_format, distribution=plan.distribution_format
     )
     job = plan.jobs[0]
-    if not (job.return_routes or job.top_logprobs or any(j.candidate_ids is not None for j in plan.jobs)):
-        return write()
-
-    def on_pool() -> list[bytes]:
-        with render_pool(POOL_NAME) as pool:
-            return write(run=pool.map)
-
-    return await asyncio.to_thread(on_pool)
+    big = job.return_routes or job.top_logprobs or any(j.candidate_ids is not None for j in plan.jobs)
+    return await asyncio.to_thread(write) if big else write()
 
 
 def _statistics(

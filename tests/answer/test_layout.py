@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,7 @@ from service.answer.layout import distribution, json_parts, to_json
 from service.client.wire import from_frame
 from service.core.jobs import SequenceScores
 from service.normalise import ModelLimits, ScoringPlan, normalise
-from service.wire import jsonarrays, jsonrows
+from service.wire import jsonrows
 from service.wire.arrays import to_frame
 from service.wire.frame import ArraySpec, pack, unpack
 from service.wire.schemas import LogprobsRequest
@@ -192,12 +191,7 @@ def test_json_lists_are_orjsons_bytes_and_the_frames_bits(
 @pytest.mark.parametrize(
     ("routes", "blocks"), [("lists", "lists"), ("base64", "base64"), ("base64", "lists")]
 )
-@pytest.mark.parametrize("piece_values", [None, 4])
-def test_json_parts_are_the_answer_with_each_big_text_a_part_of_its_own(
-    routes: str, blocks: str, piece_values: int | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each big text a part of its own; with pieces of 4 values (written on a pool's threads), each in
-    its pieces, joined the same."""
+def test_json_parts_are_the_answer_with_each_big_text_a_part_of_its_own(routes: str, blocks: str) -> None:
     rng = np.random.default_rng(8)
     answer: dict[str, Any] = {
         "model": "a\0b",  # a NUL the answer carries escaped, never taken for a big text's place
@@ -210,10 +204,7 @@ def test_json_parts_are_the_answer_with_each_big_text_a_part_of_its_own(
         "top_logprobs": [-rng.exponential(3.0, (5, 3)).astype(np.float32), np.zeros((3, 3), np.float32)],
         "usage": {"input_tokens": 8},
     }
-    if piece_values is not None:
-        monkeypatch.setattr(jsonarrays, "PIECE_VALUES", piece_values)
-    with ThreadPoolExecutor(3) as pool:
-        parts = json_parts(answer, routes=routes, distribution=blocks, run=pool.map)
+    parts = json_parts(answer, routes=routes, distribution=blocks)
 
     def b64(rows: list[np.ndarray], dtype: str) -> list[str]:
         return [base64.b64encode(np.ascontiguousarray(r, dtype).tobytes()).decode() for r in rows]
@@ -228,9 +219,6 @@ def test_json_parts_are_the_answer_with_each_big_text_a_part_of_its_own(
         )
         want["columns"] = {"top_ids": 3, "top_logprobs": 3}
     assert b"".join(parts) == orjson.dumps(want, option=orjson.OPT_SERIALIZE_NUMPY)
-    if piece_values is not None:
-        assert len(parts) > 7
-        return
     assert len(parts) == 7  # the JSON around three big texts
     for text, name in zip(parts[1::2], ("routed_experts", "top_ids", "top_logprobs"), strict=True):
         assert text == orjson.dumps(want[name], option=orjson.OPT_SERIALIZE_NUMPY), name

@@ -7,16 +7,14 @@ float32, random bit patterns of every exponent, the edges of each layout of a nu
 from __future__ import annotations
 
 import base64
-import functools
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import orjson
 import pytest
 
 from service.wire import jsonrows
-from service.wire.jsonarrays import base64_rows, float_lists, int_lists, pieces
+from service.wire.jsonarrays import base64_rows, float_lists, int_lists
 from tests.support.needs import native_or_skip
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY
@@ -179,61 +177,3 @@ def test_the_native_writer_takes_float32_alone() -> None:
         native.float_lists([np.zeros(3, np.float64)])
     with pytest.raises(ValueError, match="dimensions"):
         native.float_lists([np.zeros((2, 0), np.float32)])
-
-
-def _blocks_to_cut() -> dict[str, list[np.ndarray]]:
-    """Blocks around the pieces' edges (most = 12 values): empty rows first, between and last, rows of
-    one entry, rows of exactly `most` values, a row over it by one, a long row, a lone entry wider than
-    `most`, and 3-d route blocks."""
-    rng = np.random.default_rng(5)
-    floats = [
-        np.zeros((0, 3), np.float32),
-        -rng.exponential(2.0, (1, 3)).astype(np.float32),
-        -rng.exponential(2.0, (4, 3)).astype(np.float32),
-        -rng.exponential(2.0, (5, 3)).astype(np.float32),
-        np.zeros((0, 3), np.float32),
-        rng.standard_normal((41, 3)).astype(np.float32),
-        np.full((2, 3), np.nan, np.float32),
-        -rng.exponential(2.0, (1, 3)).astype(np.float32),
-        np.zeros((0, 3), np.float32),
-    ]
-    floats[5][0, :2] = [-np.inf, -0.0]
-    return {
-        "floats": floats,
-        "ids": [rng.integers(0, 151_936, b.shape).astype(np.int32) for b in floats],
-        "wide": [rng.integers(0, 9, (3, 20)).astype(np.int64), rng.integers(0, 9, (1, 20)).astype(np.int64)],
-        "routes": [rng.integers(0, 128, (n, 4, 2)).astype(np.uint8) for n in (7, 0, 1, 2, 30)],
-    }
-
-
-@pytest.mark.parametrize("kind", ["floats", "ids", "wide", "routes"])
-@pytest.mark.parametrize("pool", [False, True])
-def test_pieces_are_the_whole_text_cut(kind: str, pool: bool) -> None:
-    """Written in pieces of about 12 values (in order, on threads or not), the parts join to the bytes
-    of the whole, which is orjson's; rows over 12 values are cut (an entry wider than that is not)."""
-    blocks = _blocks_to_cut()[kind]
-    write = float_lists if kind == "floats" else int_lists
-    with ThreadPoolExecutor(3) as threads:
-        parts = list(pieces(write, blocks, threads.map if pool else map, most=12))
-    whole = write(blocks)
-    assert b"".join(parts) == whole == orjson.dumps(blocks, option=NUMPY)
-    assert len(parts) > len(blocks)  # the long rows were cut
-    assert max(map(len, parts)) < len(whole) / 3
-
-
-@pytest.mark.parametrize("dtype", ["<i4", "<f4"])
-def test_base64_pieces_keep_each_row_whole(dtype: str) -> None:
-    """base64 strings are never cut: rows go together up to `most` values, a bigger row alone."""
-    rng = np.random.default_rng(6)
-    blocks = [rng.integers(0, 100, (n, 2)).astype(dtype) for n in (3, 0, 2, 40, 1, 1, 5)]
-    write = functools.partial(base64_rows, dtype=dtype)
-    parts = list(pieces(write, blocks, within_rows=False, most=10))
-    assert b"".join(parts) == write(blocks)
-    assert json.loads(b"".join(parts)) == _want(blocks, dtype)
-    assert [p.count(b'"') // 2 for p in parts] == [3, 1, 2, 1]  # rows 0-2 (10 values), 3 (80), 4-5, 6
-
-
-def test_one_piece_is_the_writer_text_itself() -> None:
-    blocks = [np.arange(6, dtype=np.int32).reshape(3, 2)]
-    assert list(pieces(int_lists, blocks)) == [int_lists(blocks)]
-    assert list(pieces(int_lists, [])) == [b"[]"]

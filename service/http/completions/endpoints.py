@@ -39,10 +39,9 @@ from service.core.jobs import SequenceJob, SequenceScores
 from service.http.bodies import answer_or_give_up, read_body
 from service.http.completions.pieces import PiecesCache
 from service.http.completions.plan import CompletionPlan, plan_completion
-from service.http.completions.response import POOL_NAME, Drawn, Shared, completion_stream, last_position
+from service.http.completions.response import Drawn, Shared, completion_stream, last_position, render_pool
 from service.http.completions.schemas import CompletionRequest, CompletionResponse, ModelList
 from service.http.completions.stream import StreamedAnswer, streams
-from service.http.render import render_pool
 from service.http.state import ServiceState, Serving
 from service.metrics import Metrics
 from service.wire.schemas import ErrorBody, parse_body
@@ -114,7 +113,7 @@ def build_completions_router(
         finally:
             metrics.queue_requests.dec()
 
-        pool = render_pool(POOL_NAME)
+        pool = render_pool()
 
         def start() -> Iterator[bytes]:
             return completion_stream(plan, scores, drawn, shared(), pool, cached)

@@ -28,8 +28,9 @@ answer_head, choice_stream of each choice (checked as it is written), answer_tai
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,10 +43,9 @@ from service.http.completions import jsonwriter
 from service.http.completions.jsonwriter import Map, Positions
 from service.http.completions.pieces import TokenPieces
 from service.http.completions.plan import CompletionPlan
-from service.http.render import render_pool
 
-POOL_NAME = "completions-json"  # the render pool's threads
 CHUNK_BYTES = 1 << 20  # small pieces of the answer are sent together, up to this many bytes
+RENDER_THREADS = min(4, os.cpu_count() or 1)  # each holds one block's temporaries (a few MB) at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,11 +177,15 @@ def completion_chunks(
     created: int,
 ) -> list[bytes]:
     """A CompletionResponse as JSON bytes: one choice per prompt, in order; the big arrays' blocks
-    rendered on render.RENDER_THREADS threads (numpy lets go of the GIL while it copies), all submitted
+    rendered on RENDER_THREADS threads (numpy lets go of the GIL while it copies), all submitted
     before the first is read."""
-    with render_pool(POOL_NAME) as pool:
+    with render_pool() as pool:
         shared = Shared(model, token_text, pieces, request_id, created)
         return list(completion_stream(plan, scores, drawn, shared, pool))
+
+
+def render_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="completions-json")
 
 
 def completion_stream(  # noqa: PLR0917

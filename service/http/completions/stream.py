@@ -34,13 +34,12 @@ from service.http.bodies import answer_or_give_up
 from service.http.completions import response
 from service.http.completions.plan import CompletionPlan
 from service.http.completions.response import (
-    POOL_NAME,
     Drawn,
     Shared,
     answer_head,
     answer_tail,
+    render_pool,
 )
-from service.http.render import render_pool
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ class StreamedAnswer:
         self._cached = cached
         self._scores = scores
         self._drawn = drawn
-        self._pool = render_pool(POOL_NAME)
+        self._pool = render_pool()
         self._shared: Shared | None = None
         self._choices: list[asyncio.Task[Iterator[bytes]]] = []
 

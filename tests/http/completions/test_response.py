@@ -11,8 +11,7 @@ import orjson
 import pytest
 
 from service.core.jobs import SequenceScores
-from service.http import render
-from service.http.completions import jsonwriter
+from service.http.completions import jsonwriter, response
 from service.http.completions.jsonwriter import Positions
 from service.http.completions.pieces import TokenPieces
 from service.http.completions.plan import CompletionPlan
@@ -145,7 +144,7 @@ def test_the_answer_is_orjson_of_the_dicts(
 def test_blocks_on_threads_keep_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks of a few positions each, rendered on the pool's threads, read back in order."""
     monkeypatch.setattr(jsonwriter, "BLOCK_ENTRIES", 11)
-    monkeypatch.setattr(render, "RENDER_THREADS", 3)
+    monkeypatch.setattr(response, "RENDER_THREADS", 3)
     check_answer(4, 2, True, True, True)
 
 
