@@ -170,14 +170,20 @@ def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(
     for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
         monkeypatch.delitem(sys.modules, name)
     optional.forget()
-    assert optional.importable("flash_attn.cute", "flash-attn-4")
-    assert not optional.importable("flash_attn.flash_attn_interface", "flash-attn")
-    with pytest.raises(RuntimeError, match="needs the flash-attn package, which is not installed"):
-        choose_backend("flash_attn", torch.device("cpu"))
-    with pytest.raises(RuntimeError, match=r"capability 8\.0 or later and the flash-attn-4 package"):
-        choose_backend("flash_attn_cute", torch.device("cpu"))
-    assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
-    assert _versions()["flash_attn_4"] == "4.0.0b1"
+    try:
+        assert optional.importable("flash_attn.cute", "flash-attn-4")
+        assert not optional.importable("flash_attn.flash_attn_interface", "flash-attn")
+        with pytest.raises(RuntimeError, match="needs the flash-attn package, which is not installed"):
+            choose_backend("flash_attn", torch.device("cpu"))
+        with pytest.raises(RuntimeError, match=r"capability 8\.0 or later and the flash-attn-4 package"):
+            choose_backend("flash_attn_cute", torch.device("cpu"))
+        assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
+        assert _versions()["flash_attn_4"] == "4.0.0b1"
+    finally:  # the fake's modules and import outcomes leave with the test (a later test in this process
+        # must not see a flash_attn: tests/client/test_releases.py)
+        for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+            del sys.modules[name]
+        optional.forget()
     optional.forget()  # the fake flash_attn.cute leaves with the test
 
 
