@@ -52,14 +52,15 @@ def base_url(model_dirs: dict[str, Path]) -> Iterator[str]:
         yield url
 
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
-
-
-# the checks as a parameter: each operation's case then has a node id of its own (`test_api_conforms[POST
-# /logprobs][conforms]`), which pytest-xdist's scheduling by file (`make pytest`) needs: without a parameter
-# schemathesis gives every case the function's, and the scheduler keeps one case of an id
 @SCHEMA.parametrize()
-@pytest.mark.parametrize("checks", [CHECKS], ids=["conforms"])
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-def test_api_conforms(case: schemathesis.Case[Any], checks: list[Any], base_url: str) -> None:
-    case.call_and_validate(base_url=base_url, checks=checks)
+def test_api_conforms(case: schemathesis.Case[Any], base_url: str) -> None:
+    case.call_and_validate(
+        base_url=base_url,
+        checks=[
+            not_a_server_error,
+            status_code_conformance,
+            content_type_conformance,
+            response_schema_conformance,
+        ],
+    )
