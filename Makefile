@@ -3,9 +3,6 @@ PYTHON ?= python3
 VENV ?= .venv
 # transformers: the oldest supported release by default; CI also runs `TRANSFORMERS=newest`.
 TRANSFORMERS ?= 5.17.0
-# `make pytest`'s worker processes: two halve the suite's time on CI's two cores (most tests wait on a
-# server process or the interpreter, one core each); 0 runs it in this process
-PYTEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 # Two installs into one venv: `make serve` the service and what it imports (requirements.txt,
 # `-e .[server]`), `make test` the development tools on top (requirements-dev.txt, `-e .[dev]`, which
@@ -54,9 +51,9 @@ typecheck: install
 docs: install  ## build the documentation site into build/site; --strict: any warning fails
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
-pytest: install  ## the test suite on PYTEST_WORKERS processes (pytest-xdist), a test file's tests in one of them
+pytest: install
 	$(PY) -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 openapi: install  ## regenerate openapi.yaml from the app, then the committed pages generated from it (docs/hooks.py)
 	$(PY) -m service openapi --output openapi.yaml
