@@ -184,7 +184,6 @@ def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(
         for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
             del sys.modules[name]
         optional.forget()
-    optional.forget()  # the fake flash_attn.cute leaves with the test
 
 
 def test_flash_attn_4_gets_pack_gqa_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
