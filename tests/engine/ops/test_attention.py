@@ -24,6 +24,7 @@ from service.engine.ops.attention import (
 )
 from service.engine.runtime import packages as optional
 from service.engine.scorer.build import versions as _versions
+from tests.support.fake_packages import fake_site
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
@@ -166,11 +167,7 @@ def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(
     (tmp_path / "flash_attn_4-4.0.0b1.dist-info" / "METADATA").write_text(
         "Name: flash-attn-4\nVersion: 4.0.0b1\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
-        monkeypatch.delitem(sys.modules, name)
-    optional.forget()
-    try:
+    with fake_site(tmp_path, monkeypatch, {"flash_attn"}):  # the fake leaves with the test (test_releases.py)
         assert optional.importable("flash_attn.cute", "flash-attn-4")
         assert not optional.importable("flash_attn.flash_attn_interface", "flash-attn")
         with pytest.raises(RuntimeError, match="needs the flash-attn package, which is not installed"):
@@ -179,11 +176,6 @@ def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(
             choose_backend("flash_attn_cute", torch.device("cpu"))
         assert choose_backend("auto", torch.device("cpu")).name == "sdpa"
         assert _versions()["flash_attn_4"] == "4.0.0b1"
-    finally:  # the fake's modules and import outcomes leave with the test (a later test in this process
-        # must not see a flash_attn: tests/client/test_releases.py)
-        for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
-            del sys.modules[name]
-        optional.forget()
 
 
 def test_flash_attn_4_gets_pack_gqa_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:

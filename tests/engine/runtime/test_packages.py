@@ -25,6 +25,7 @@ from service.engine.runtime import packages as optional
 from service.engine.runtime import triton_jit
 from tests.support import models
 from tests.support.device import settings_for
+from tests.support.fake_packages import fake_site
 from tests.support.servers import running
 
 CUDA = torch.device("cuda")
@@ -40,15 +41,10 @@ FAILURES = {
 
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A directory ahead of site-packages for fake packages; the import outcomes are forgotten before
-    and after, and the fakes' modules leave sys.modules with the test."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name in list(sys.modules):
-        if name.split(".")[0] in {"flash_attn", "quack", "liger_kernel", "triton"}:
-            monkeypatch.delitem(sys.modules, name)
-    optional.forget()
-    yield tmp_path
-    optional.forget()
+    """A directory ahead of site-packages for fake packages (tests/support/fake_packages.py): what
+    the test imports of them leaves sys.modules with it."""
+    with fake_site(tmp_path, monkeypatch, {"flash_attn", "quack", "liger_kernel", "triton"}) as path:
+        yield path
 
 
 @pytest.fixture
@@ -176,3 +172,13 @@ def test_the_service_starts_and_scores_with_broken_kernel_packages(site: Path) -
         scored = client.post("/logprobs", json={"input_ids": [[1, 2, 3, 4]], "num_actions": 2})
         assert scored.status_code == 200
         assert len(scored.json()["logprobs"][0]) == 2
+
+
+def test_a_fake_that_imports_leaves_with_the_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake that imports cleanly stays importable in its block and is out of sys.modules after it
+    (a later test in the process must not find it: tests/client/test_releases.py)."""
+    with fake_site(tmp_path, monkeypatch, {"flash_attn"}) as site:
+        fake(site, "flash_attn.cute", "MARK = 'fake'")
+        assert optional.importable("flash_attn.cute", "flash-attn-4")
+        assert sys.modules["flash_attn.cute"].MARK == "fake"
+    assert [name for name in sys.modules if name.partition(".")[0] == "flash_attn"] == []
