@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 # transformers: the oldest supported release by default; CI also runs `TRANSFORMERS=newest`.
 TRANSFORMERS ?= 5.17.0
+# `make pytest`'s pytest-xdist workers: two, each running a fixed half of tests/ in a fixed order
+# (tests/support/workers.py), take about half the time of one process on two cores; 0: one process
+PYTEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 # Two installs into one venv: `make serve` the service and what it imports (requirements.txt,
 # `-e .[server]`), `make test` the development tools on top (requirements-dev.txt, `-e .[dev]`, which
@@ -51,9 +54,9 @@ typecheck: install
 docs: install  ## build the documentation site into build/site; --strict: any warning fails
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
-pytest: install
+pytest: install  ## the test suite on PYTEST_WORKERS processes, each a fixed half of tests/ in a fixed order
 	$(PY) -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 openapi: install  ## regenerate openapi.yaml from the app, then the committed pages generated from it (docs/hooks.py)
 	$(PY) -m service openapi --output openapi.yaml

@@ -75,3 +75,14 @@ def teacher_server(teacher_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     """`python -m service serve --model <teacher_dir>` on loopback; its base URL once ready."""
     with teacher.serving(teacher_dir, tmp_path_factory.mktemp("served") / "server.log") as url:
         yield url
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`pytest -n 2` (make pytest): each worker runs a fixed half of the suite (tests/support/workers.py);
+    another `--dist` is xdist's own."""
+    if config.getvalue("dist") != "load":
+        return None
+    from tests.support.workers import Halves  # pytest-xdist, there only when -n asks for workers
+
+    return Halves(config, log)

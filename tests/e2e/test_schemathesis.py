@@ -52,15 +52,14 @@ def base_url(model_dirs: dict[str, Path]) -> Iterator[str]:
         yield url
 
 
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+
+
+# the checks as a parameter: each operation's case then has a node id of its own, which `make pytest`'s
+# workers need (tests/support/workers.py): without a parameter schemathesis gives every case the
+# function's id, and xdist's scheduler keeps one case of an id and drops the rest
 @SCHEMA.parametrize()
+@pytest.mark.parametrize("checks", [CHECKS], ids=["conforms"])
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-def test_api_conforms(case: schemathesis.Case[Any], base_url: str) -> None:
-    case.call_and_validate(
-        base_url=base_url,
-        checks=[
-            not_a_server_error,
-            status_code_conformance,
-            content_type_conformance,
-            response_schema_conformance,
-        ],
-    )
+def test_api_conforms(case: schemathesis.Case[Any], checks: list[Any], base_url: str) -> None:
+    case.call_and_validate(base_url=base_url, checks=checks)
