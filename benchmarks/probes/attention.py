@@ -1,6 +1,7 @@
 """Packed causal attention kernels on the benchmark's micro-batches: which one pays.
 
     python -m benchmarks.probes.attention [--models qwen2.5-1.5b qwen3-30b-a3b ...] [--reps 10]
+        [--sequence-tokens N]
 
 For each model's attention shape (query heads, key/value heads, head dim 128; dense or a mixture of
 experts) the benchmark
@@ -9,7 +10,8 @@ workload is cut into micro-batches as the batcher cuts it (sequences in order, u
 attention of a whole round: one call per layer per micro-batch, on random bf16 q/k/v, timed as
 benchmarks.run times (between device synchronisations, after a warm-up; medians of --reps). Beside
 the time, the largest |Δ| of each kernel's output against the exact float32 per-sequence reference
-on the first micro-batch.
+on the first micro-batch. `--sequence-tokens N`: the same micro-batches' tokens cut into sequences of
+N tokens each (the last of a micro-batch shorter), to see the kernels' rate by sequence length.
 
 The kernels are the service's attention backends (service/engine/ops/attention.py) that this host can
 run: torch's varlen_attn (FA2 kernels shipped with torch), flash-attn 2 and flash-attn 4's CuTe
@@ -19,7 +21,9 @@ one query head's, where flash-attn packs a key/value head's query heads together
 
 from __future__ import annotations
 
+import argparse
 import sys
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,7 +57,14 @@ def attention_flops(segments: list[Segments], q_heads: int) -> float:
     return total
 
 
-def measure(name: str, reps: int, budget: int) -> dict[str, Any]:
+def cut(seg: Segments, tokens: int, length: int) -> Segments:
+    """seg's `tokens` tokens as sequences of `length` tokens (the last shorter)."""
+    ends = [*range(length, tokens, length), tokens]
+    cu = torch.tensor([0, *ends], dtype=torch.int32, device=seg.cu.device)
+    return Segments(cu, min(length, tokens), seg.scale, None, None)
+
+
+def measure(name: str, reps: int, budget: int, sequence_tokens: int | None = None) -> dict[str, Any]:
     device = torch.device("cuda")
     shape = shape_of(name)  # dense or a mixture of experts: the attention is the same
     hq, hk = int(shape["num_attention_heads"]), int(shape["num_key_value_heads"])
@@ -67,6 +78,8 @@ def measure(name: str, reps: int, budget: int) -> dict[str, Any]:
 
     inputs = [(rand(b.num_tokens, hq), rand(b.num_tokens, hk), rand(b.num_tokens, hk)) for b in batches]
     segments = [Segments(b.cu_seqlens, b.max_len, HEAD_DIM**-0.5, None, None) for b in batches]
+    if sequence_tokens is not None:
+        segments = [cut(seg, b.num_tokens, sequence_tokens) for seg, b in zip(segments, batches, strict=True)]
     q0, k0, v0 = inputs[0]
     want = sdpa_kernel(q0.float(), k0.float(), v0.float(), segments[0])
     flops = attention_flops(segments, hq) * layers
@@ -96,12 +109,17 @@ def measure(name: str, reps: int, budget: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--sequence-tokens", type=int, help="cut every micro-batch into sequences of N tokens")
+    known, rest = own.parse_known_args(argv)
     title = "attention of one round, all layers"
+    if known.sequence_tokens is not None:
+        title += f", in sequences of {known.sequence_tokens} tokens"
     diff = ("max_abs_diff", "max abs Δ vs fp32")
     return cli(
-        argv,
+        rest,
         prog="python -m benchmarks.probes.attention",
-        measure=measure,
+        measure=partial(measure, sequence_tokens=known.sequence_tokens),
         title=title,
         column="kernel",
         diff=diff,
