@@ -8,7 +8,7 @@ in collection order: the same order, run after run, as a one-process run of that
 
 A folder not named in HALVES runs in the second half. Run on one folder, the suite is one half, and
 xdist shuts the idle worker down. The halves are work units of xdist's own scope scheduler (a
-crashed worker's unfinished tests go to the one that replaces it); node ids must be unique in the
+crashed worker's unfinished tests are handed out again); node ids must be unique in the
 suite (tests/e2e/test_schemathesis.py gives its cases a parameter for that).
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 from xdist.scheduler import LoadScopeScheduling
 
 FIRST, SECOND = "first half", "second half"
-# the folders under tests/ whose tests the first worker runs: about half the suite's time (on two
-# cores, 2026-12-01: these 545 s, the rest 488 s of 1,033 s; `pytest -n 2 --durations=0` summed by folder)
+# the folders under tests/ whose tests the first worker runs: about half the suite's time (two cores,
+# 2026-12-01, `pytest -n 2 --durations=0` summed by half: these 531 s of tests, the rest 481 s)
 HALVES = frozenset({"benchmarks", "client", "docs", "e2e", "weights"})
 
 
