@@ -111,18 +111,19 @@ def measure(name: str, reps: int, budget: int, sequence_tokens: int | None = Non
 def main(argv: list[str] | None = None) -> int:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--sequence-tokens", type=int, help="cut every micro-batch into sequences of N tokens")
-    known, rest = own.parse_known_args(argv)
+    known, _ = own.parse_known_args(argv)
     title = "attention of one round, all layers"
     if known.sequence_tokens is not None:
         title += f", in sequences of {known.sequence_tokens} tokens"
     diff = ("max_abs_diff", "max abs Δ vs fp32")
     return cli(
-        rest,
+        argv,
         prog="python -m benchmarks.probes.attention",
         measure=partial(measure, sequence_tokens=known.sequence_tokens),
         title=title,
         column="kernel",
         diff=diff,
+        parents=[own],
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,11 +32,19 @@ def micro_batches(the_jobs: list[SequenceJob], budget: int) -> list[list[Sequenc
 
 
 def cli(
-    argv: list[str] | None, *, prog: str, measure: Measure, title: str, column: str, diff: tuple[str, str]
+    argv: list[str] | None,
+    *,
+    prog: str,
+    measure: Measure,
+    title: str,
+    column: str,
+    diff: tuple[str, str],
+    parents: Sequence[argparse.ArgumentParser] = (),
 ) -> int:
     """Measure every model of --models, print the results as JSON, then as a table whose variants
-    are in `column` and whose last column is the result's `diff[0]`, headed `diff[1]`."""
-    parser = argparse.ArgumentParser(prog=prog)
+    are in `column` and whose last column is the result's `diff[0]`, headed `diff[1]`. `parents`: a
+    probe's own options (argparse parents, add_help=False), shown in --help and accepted."""
+    parser = argparse.ArgumentParser(prog=prog, parents=list(parents))
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--max-batch-tokens", type=int, default=BATCH_TOKENS)
