@@ -380,7 +380,8 @@ def client_split(client: dict[str, Any], begin: float, span_s: float) -> dict[st
     the round; the server's span: from `begin`, its first request's headers at the app, `span_s`
     seconds to its last part handed to uvicorn; one clock), ms: the round's start to `begin`
     (`to_first_arrival_ms`), and of the request that ended the round, its answer's last byte read
-    after the server's last part (`last_read_after_sent_ms`) and its parse (`last_parse_ms`:
+    after the server's last part (`last_read_after_sent_ms`: a little under 0 where the client read it
+    before the server's loop came back from the send that handed it over) and its parse (`last_parse_ms`:
     response.json() and, for base64 blocks, their decoding); the three add up to the round less the
     server's span (in the process modes; the plain mode's round ends a little later, when its
     asyncio.gather returns). Where the client timed its encoding (the process modes), the longest any client

@@ -57,13 +57,20 @@ def test_distribution_benchmark_runs_on_cpu(tmp_path: Path) -> None:
         # read after the server's last part and parsed (the plain mode's round ends a little after,
         # as its gather returns)
         parts = ("to_first_arrival_ms", "last_read_after_sent_ms", "last_parse_ms")
-        assert all(variant[p] > 0 for p in parts)
+        assert variant["to_first_arrival_ms"] > 0
+        assert variant["last_parse_ms"] > 0
+        # the last answer read once the server began handing answers over: its own record of the send
+        # ends when its loop comes back, which on a busy machine can be after the client read it
+        handed = min(e[1] for e in timelines[name] if e[0] == "sent")
+        assert variant["server_span_ms"] + variant["last_read_after_sent_ms"] >= handed
         assert sum(variant[p] for p in parts) <= variant["outside_server_ms"] + 0.1
     lists = [e[0] for e in timelines["top_logprobs_100_json"] if e[0].startswith("lists")]
     assert sorted(lists) == ["lists top_ids"] * 8 + ["lists top_logprobs"] * 8  # within each render
     teacher = model["teacher"]
     split = [teacher[k] for k in ("client_before_ms", "server_ms", "client_after_ms")]
-    assert all(ms > 0 for ms in split)  # the last call: the client's encoding, the server, its reading
+    assert split[0] > 0  # the last call: the client's encoding, the server, its reading
+    assert split[1] > 0
+    assert split[1] + teacher["client_read_ms"] > 0  # (read a little before the server's record of its send)
     assert sum(split) <= max(teacher["calls_ms"]) + 1.0
     # after the server's last part: the client reading what was left, then joining the pieces
     assert teacher["client_read_ms"] + teacher["client_join_ms"] == pytest.approx(teacher["client_after_ms"])

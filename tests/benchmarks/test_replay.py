@@ -57,7 +57,12 @@ def test_replay_benchmark_runs_every_form_on_cpu(tmp_path: Path) -> None:
             # the clients' part by their own times: before the first arrival, then the request that
             # ended the round read and parsed
             parts = ("to_first_arrival_ms", "last_read_after_sent_ms", "last_parse_ms")
-            assert all(variant[p] > 0 for p in parts)
+            assert variant["to_first_arrival_ms"] > 0
+            assert variant["last_parse_ms"] > 0
+            # the last answer read once the server began handing answers over: its own record of the send
+            # ends when its loop comes back, which on a busy machine can be after the client read it
+            handed = min(e[1] for e in timelines[name] if e[0] == "sent")
+            assert variant["server_span_ms"] + variant["last_read_after_sent_ms"] >= handed
             assert sum(variant[p] for p in parts) <= variant["outside_server_ms"] + 0.1
     (row,) = page_rows("replay", out)  # the results page reads what the suite wrote
     assert row[1] == "tiny-moe"
