@@ -328,6 +328,14 @@ class Settings(BaseSettings):
         "/end_weight_update, a bucket of another version) this long after its last bucket is dropped; "
         "the last complete version keeps serving.",
     )
+    weight_push_max_groups: int = Field(
+        8,
+        ge=1,
+        description="How many trainer groups (SGLang's /init_weights_update_group) may be open at once: a "
+        "trainer's pipeline stages push their layers over a group each (slime: one per stage), their "
+        "buckets arriving side by side. Each open group holds a thread and its backend's connections "
+        "(NCCL: a communicator on the GPU). One more answers 409.",
+    )
     weight_push_addresses: str | None = Field(
         None,
         description="Comma-separated addresses or networks (CIDR) of the trainers this server may dial "
@@ -410,7 +418,8 @@ GROUPS = (
         "weights",
         "The weights' version labels and how new weights are loaded or pushed while serving.",
         "weights_version ref_weights_version critic_weights_version reload_mode reload_roots weights_follow "
-        "weights_follow_interval_s weight_push_timeout_s weight_push_partial_timeout_s weight_push_addresses",
+        "weights_follow_interval_s weight_push_timeout_s weight_push_partial_timeout_s "
+        "weight_push_max_groups weight_push_addresses",
     ),
     _group("operations", "Shutting down and logging.", "drain_seconds log_level"),
 )

@@ -131,7 +131,8 @@ class WeightPushFailed(ServiceError):
 
 
 class WeightPushConflict(WeightPushFailed):
-    """A second trainer group, or a push while a checkpoint reload runs (or the other way round)."""
+    """A trainer group over weight_push_max_groups, a bucket of a version another group's is pending,
+    or a push while a checkpoint reload runs (or the other way round)."""
 
     kind = "weight_push_conflict"
 

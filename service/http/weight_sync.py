@@ -45,7 +45,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     403: {"model": ErrorBody, "description": "Weight push is off: the server has no admin key"},
     409: {
         "model": WeightSyncAnswer,
-        "description": "Another group is open, or a checkpoint reload runs (a push waits for it)",
+        "description": "weight_push_max_groups groups are open, another group's version is pending, or a "
+        "checkpoint reload runs (a push waits for it)",
     },
     413: {"model": ErrorBody, "description": "Body over 32 MiB"},
     503: {"model": ErrorBody, "description": "Model not loaded yet, or draining"},

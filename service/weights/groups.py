@@ -1,6 +1,8 @@
 """The trainer groups of weight pushes (SGLang's /init_weights_update_group and
-/destroy_weights_update_group): one open at a time, each with its lock (its calls run one at a time,
-in the order they arrive: asyncio's lock is FIFO) and its thread (its rendezvous and broadcasts block).
+/destroy_weights_update_group): up to weight_push_max_groups open at once (a trainer's pipeline
+stages each push their layers over a group of their own), each with its lock (its calls run one at
+a time, in the order they arrive: asyncio's lock is FIFO) and its thread (its rendezvous and
+broadcasts block), so that the groups' buckets arrive side by side.
 
 The server dials a trainer's master_address only for an admin caller (http/weight_sync.py) and, with
 weight_push_addresses set, only where every address the name resolves to lies in those networks.
@@ -12,7 +14,9 @@ import asyncio
 import ipaddress
 import logging
 import socket
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
 from service.core.errors import WeightPushConflict, WeightPushFailed
@@ -36,10 +40,11 @@ class Group:
 
 
 class Groups:
-    """The groups this server joined (one at a time), by name."""
+    """The groups this server joined, by name."""
 
     def __init__(self, settings: Settings, tensor_parallel_size: int) -> None:
         self._timeout_s = settings.weight_push_timeout_s
+        self._most = settings.weight_push_max_groups
         self._networks = settings.push_networks()
         self._tp = tensor_parallel_size
         self._open: dict[str, Group] = {}
@@ -55,10 +60,11 @@ class Groups:
         """Join the trainer's group; returns once the rendezvous is done."""
         if order.group_name in self._open:
             raise WeightPushFailed(f"{INIT_FAILED}: The specified group name has already been used.")
-        if self._open:
+        if len(self._open) >= self._most:
+            names = ", ".join(repr(name) for name in self._open)
             raise WeightPushConflict(
-                f"{INIT_FAILED}: group {next(iter(self._open))!r} is open; this server takes one group at "
-                "a time (destroy it first)"
+                f"{INIT_FAILED}: {len(self._open)} group(s) are open ({names}); this server takes "
+                f"{self._most} at a time (weight_push_max_groups; destroy one first)"
             )
         if order.rank_offset < 1 or order.rank_offset + self._tp > order.world_size:
             last = order.rank_offset + self._tp - 1
@@ -86,6 +92,15 @@ class Groups:
             raise WeightPushFailed(f"{INIT_FAILED}: {exc}.") from exc
         group.joined = True
         return group
+
+    @asynccontextmanager
+    async def quiet(self) -> AsyncIterator[None]:
+        """Hold every open group's lock (in name order), so that the calls each group received before
+        are answered first and none runs meanwhile."""
+        async with AsyncExitStack() as held:
+            for name in sorted(self._open):
+                await held.enter_async_context(self._open[name].lock)
+            yield
 
     async def leave(self, group: Group, receiver: WeightReceiver) -> None:
         """Destroy the group (the caller holds its lock and has dropped what it left pending)."""

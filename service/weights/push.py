@@ -12,10 +12,13 @@ version's tensors stay pending, never served, until:
 - or nothing more comes for weight_push_partial_timeout_s: it is dropped; what served goes on.
 
 A bucket with no weight_version belongs to the version pending for its target, or starts a new one
-named after the version served: "v7" -> "v7+1" -> "v7+2" (next_version). One group at a time, whose
-calls run one at a time in arrival order (groups.py). A push and a checkpoint reload exclude each
-other (gate.py). A group that fails mid-push is torn down with what it left pending; the next init is
-accepted.
+named after the version served: "v7" -> "v7+1" -> "v7+2" (next_version). Several groups may send to
+one version (a trainer's pipeline stages, each over a group of its own, as slime pushes): their
+buckets are received side by side, each group's calls one at a time in arrival order (groups.py);
+a version begins, serves or is dropped under its target's transition lock, once the buckets in
+flight for it have arrived. A bucket of another version ends the pending one only if its group
+sent to it (else 409). A push and a checkpoint reload exclude each other (gate.py). A group that
+fails mid-push is torn down, with every version it sent to; the next init is accepted.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import asyncio
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service.batcher import Batcher
 from service.core.errors import WeightPushConflict, WeightPushFailed
@@ -56,17 +59,36 @@ def next_version(served: str) -> str:
     return f"{match.group(1)}+{int(match.group(2)) + 1}" if match else f"{served}+1"
 
 
+SERVED = "served"
+
+
 @dataclass(slots=True)
 class _Version:
-    """A version pending for one target."""
+    """A version pending for one target, and the groups that sent to it."""
 
     target: Target
     version: str
-    group: Group
+    groups: set[str]  # the names of the groups that sent buckets of it
     started: float  # perf_counter of its first bucket
     named: bool  # the trainer named it
     buckets: int = 0  # received
+    inflight: int = 0  # buckets of it being received now
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set: none in flight
+    outcome: str | None = None  # SERVED, or why it was dropped
     expiry: asyncio.Task[None] | None = None
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def enter(self, group: Group) -> None:
+        self.groups.add(group.spec.name)
+        self.inflight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if not self.inflight:
+            self.idle.set()
 
 
 class Pusher:
@@ -81,6 +103,8 @@ class Pusher:
         self._mode = settings.reload_mode
         self._groups = Groups(settings, engine.info.tensor_parallel_size)
         self._pending: dict[Target, _Version] = {}
+        # held while a target's pending version begins, serves or is dropped (never while receiving)
+        self._transitions: dict[Target, asyncio.Lock] = {}
         for target in engine.weights:
             metrics.observe_push_targets(target)
 
@@ -108,23 +132,21 @@ class Pusher:
                     f"Failed to update parameter online: group {group.spec.name!r} is gone."
                 )
             try:
-                pending = await self._begin(group, order)
+                async with self._transition(order.target):
+                    pending = await self._begin(group, order)
+                    pending.enter(group)
             except WeightPushFailed:
                 await self._drain(receiver, group, order)
                 raise
             return await self._receive(receiver, group, order, pending)
 
     async def _begin(self, group: Group, order: UpdateWeights) -> _Version:
-        """The version the bucket belongs to, pending (the one before it served if it differs)."""
+        """The version the bucket belongs to, pending (the one before it served if it differs and
+        this group sent to it). The caller holds the target's transition lock."""
         target = order.target
         if target not in self._engine.weights:
             raise WeightPushFailed(f"Failed to update parameter online: this server has no {target} model.")
         pending = self._pending.get(target)
-        if pending is not None and pending.group is not group:
-            raise WeightPushConflict(
-                f"Failed to update parameter online: the {target}'s version {pending.version!r} is pending "
-                f"from group {pending.group.spec.name!r}."
-            )
         version = order.weight_version or (pending.version if pending else next_version(self.version(target)))
         if not VERSION.fullmatch(version):
             raise WeightPushFailed(
@@ -133,12 +155,17 @@ class Pusher:
             )
         if pending is not None and pending.version == version:
             return pending
+        if pending is not None and group.spec.name not in pending.groups:
+            raise WeightPushConflict(
+                f"Failed to update parameter online: the {target}'s version {pending.version!r} is pending "
+                f"from group(s) {', '.join(repr(g) for g in sorted(pending.groups))}."
+            )
         if pending is not None:
             await self._commit(pending, f"a bucket of version {version!r} began")
         busy = self._gate.begin_push(target, f"a push of the {target} to {version!r}")
         if busy is not None:
             raise WeightPushConflict(f"Failed to update parameter online: {busy}.")
-        pending = _Version(target, version, group, time.perf_counter(), order.weight_version is not None)
+        pending = _Version(target, version, set(), time.perf_counter(), order.weight_version is not None)
         self._pending[target] = pending
         return pending
 
@@ -151,21 +178,38 @@ class Pusher:
                 group.executor, receiver.receive, self._bucket(group, order, version)
             )
         except PushRefused as exc:
+            pending.leave()
             self._metrics.weights_push_buckets.labels(target, "refused").inc()
-            if not pending.buckets:
-                self._end(pending)
+            if self._pending.get(target) is pending:
+                if pending.buckets or pending.inflight:
+                    self._arm(pending)
+                else:
+                    self._end(pending)
             raise WeightPushFailed(f"Failed to update parameter online: {exc}. {PARTIAL}") from exc
         except PushBroken as exc:
+            pending.leave()
             self._metrics.weights_push_buckets.labels(target, "failed").inc()
             self._lost(group, str(exc))
             raise WeightPushFailed(f"Failed to update parameter online: {exc}. {PARTIAL}") from exc
+        except BaseException:
+            pending.leave()
+            raise
+        pending.leave()
         self._metrics.weights_push_buckets.labels(target, "received").inc()
         self._metrics.weights_push_bytes.labels(target).inc(received.nbytes)
         pending.buckets += 1
         if received.complete:
-            await self._commit(pending, None)
+            async with self._transition(target):
+                if self._pending.get(target) is pending:
+                    await self._commit(pending, None)
+        if pending.outcome == SERVED:
             named = f" Weight version updated to {version}." if pending.named else ""
             return f"{UPDATED}{named}"
+        if pending.outcome is not None:
+            raise WeightPushFailed(
+                f"Failed to update parameter online: version {version!r} was dropped: {pending.outcome}. "
+                f"{PARTIAL}"
+            )
         self._arm(pending)
         return (
             f"{UPDATED} Weight version {version} is staged: it serves once complete ({received.missing} "
@@ -195,12 +239,15 @@ class Pusher:
         )
 
     async def commit_all(self, why: str) -> list[str]:
-        """Serve every pending version as it stands (the trainer ended its push); their names."""
+        """Serve every pending version as it stands (the trainer ended its push), once the calls of
+        every group that came before are answered; their names."""
         served = []
-        for pending in list(self._pending.values()):
-            async with pending.group.lock:
-                if self._pending.get(pending.target) is pending:
-                    await self._commit(pending, why)
+        async with self._groups.quiet():
+            for pending in list(self._pending.values()):
+                async with self._transition(pending.target):
+                    if self._pending.get(pending.target) is pending:
+                        await self._commit(pending, why)
+                if pending.outcome == SERVED:
                     served.append(pending.version)
         return served
 
@@ -211,21 +258,22 @@ class Pusher:
             raise WeightPushFailed(f"Failed to update weight version: {version!r} is not a version.")
         if target not in self._engine.weights:
             raise WeightPushFailed(f"Failed to update weight version: this server has no {target} model.")
-        pending = self._pending.get(target)
-        if pending is not None:
-            async with pending.group.lock:
-                if self._pending.get(target) is pending:
-                    pending.version = version
-                    await self._commit(pending, "update_weight_version")
-                    return version
-        busy = self._gate.begin_push(target, f"a relabelling of the {target} to {version!r}")
-        if busy is not None:
-            raise WeightPushConflict(f"Failed to update weight version: {busy}.")
-        try:
-            staged = await asyncio.to_thread(receiver.stage_received, target, version)
-            await self._apply(target, staged)
-        finally:
-            self._gate.end_push(target)
+        async with self._groups.quiet(), self._transition(target):
+            pending = self._pending.get(target)
+            if pending is not None:
+                pending.version = version
+                await self._commit(pending, "update_weight_version")
+                if pending.outcome != SERVED:
+                    raise WeightPushFailed(f"Failed to update weight version: {pending.outcome}.")
+                return version
+            busy = self._gate.begin_push(target, f"a relabelling of the {target} to {version!r}")
+            if busy is not None:
+                raise WeightPushConflict(f"Failed to update weight version: {busy}.")
+            try:
+                staged = await asyncio.to_thread(receiver.stage_received, target, version)
+                await self._apply(target, staged)
+            finally:
+                self._gate.end_push(target)
         return version
 
     async def destroy_group(self, name: str) -> str:
@@ -234,8 +282,10 @@ class Pusher:
             raise WeightPushFailed("The group to be destroyed does not exist.")
         receiver = self._receiver("Failed to destroy custom process group")
         async with group.lock:
-            for pending in [p for p in self._pending.values() if p.group is group]:
-                self._drop(pending, "its group was destroyed")
+            for pending in [p for p in self._pending.values() if name in p.groups]:
+                async with self._transition(pending.target):
+                    if self._pending.get(pending.target) is pending:
+                        self._drop(pending, f"group {name!r} was destroyed")
             await self._groups.leave(group, receiver)
         return "Succeeded to destroy custom process group."
 
@@ -253,8 +303,15 @@ class Pusher:
             raise WeightPushFailed(f"{failure}: this engine does not take pushed weights.")
         return self._engine
 
+    def _transition(self, target: Target) -> asyncio.Lock:
+        return self._transitions.setdefault(target, asyncio.Lock())
+
     async def _commit(self, pending: _Version, why: str | None) -> None:
-        """Serve what is pending (the caller holds its group's lock)."""
+        """Serve what is pending, once the buckets in flight for it have arrived (the caller holds
+        its target's transition lock, so no other begins); pending.outcome says how it ended."""
+        await pending.idle.wait()
+        if self._pending.get(pending.target) is not pending:  # dropped meanwhile (its outcome says why)
+            return
         if pending.expiry is not None:
             pending.expiry.cancel()
         self._pending.pop(pending.target, None)
@@ -263,11 +320,13 @@ class Pusher:
             staged = await asyncio.to_thread(receiver.stage_received, pending.target, pending.version)
             await self._apply(pending.target, staged)
         except Exception as exc:
+            pending.outcome = f"applying it failed: {exc}"
             self._metrics.weights_pushes.labels(pending.target, "failed").inc()
             log.exception("applying the pushed %s %r failed", pending.target, pending.version)
             raise WeightPushFailed(f"Failed to update parameter online: {exc}. {PARTIAL}") from exc
         finally:
             self._gate.end_push(pending.target)
+        pending.outcome = SERVED
         self._metrics.weights_pushes.labels(pending.target, "applied" if why is None else "committed").inc()
         self._metrics.weights_push_seconds.labels(pending.target).observe(
             time.perf_counter() - pending.started
@@ -296,13 +355,14 @@ class Pusher:
 
     async def _expire(self, pending: _Version) -> None:
         await asyncio.sleep(self._partial_s)
-        async with pending.group.lock:
-            if self._pending.get(pending.target) is pending:
+        async with self._transition(pending.target):
+            if self._pending.get(pending.target) is pending and not pending.inflight:
                 self._drop(pending, f"neither complete nor committed within {self._partial_s:g} s")
 
     def _drop(self, pending: _Version, why: str) -> None:
         if pending.expiry is not None and pending.expiry is not asyncio.current_task():
             pending.expiry.cancel()
+        pending.outcome = why
         self._end(pending)
         if isinstance(self._engine, WeightReceiver):
             self._engine.drop_received(pending.target)
@@ -315,10 +375,12 @@ class Pusher:
         self._gate.end_push(pending.target)
 
     def _lost(self, group: Group, why: str) -> None:
-        """The group broke (the engine tore it down): forget it and what it left pending."""
-        for pending in [p for p in self._pending.values() if p.group is group]:
+        """The group broke (the engine tore it down, and dropped what it sent to): forget it and the
+        versions it sent to."""
+        for pending in [p for p in self._pending.values() if group.spec.name in p.groups]:
             if pending.expiry is not None:
                 pending.expiry.cancel()
+            pending.outcome = f"group {group.spec.name!r} broke"
             self._end(pending)
             self._metrics.weights_pushes.labels(pending.target, "dropped").inc()
             log.warning("pushed %s %r dropped: %s", pending.target, pending.version, why)

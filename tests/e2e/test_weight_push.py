@@ -435,6 +435,53 @@ def test_two_replicas_in_one_group(
             check_reply(reply, BODY, eager(checkpoints["p1"]))
 
 
+def stage_names(checkpoint: Path) -> tuple[list[str], list[str]]:
+    """A two-stage pipeline's tensors: the embeddings and layer 0, then layer 1, the norm and the head."""
+    names = list(load_file(str(next(checkpoint.glob("*.safetensors")))))
+    first = [n for n in names if n.startswith(("model.embed_tokens.", "model.layers.0."))]
+    return first, [n for n in names if n not in first]
+
+
+def test_pipeline_stages_push_one_version_over_a_group_each(
+    server: str, rank0: Trainer, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """slime with two pipeline stages: each stage a trainer process of its own, over a group of its
+    own ("slime-pp_0", "slime-pp_1"), pushing its layers at the same time under one version; the
+    version serves once both stages' tensors are in. Then a stage killed mid-push: the version both
+    stages sent to is dropped, and the other stage's group goes on."""
+    first, second = stage_names(checkpoints["p1"])
+    with trainer(tmp_path / "stage1.log") as stage1, group(rank0, [server], name="slime-pp_0") as g0:
+        joined = stage1.call(
+            "init", urls=[server], rank_offsets=[1], port=free_port(), world_size=2, group="slime-pp_1",
+            headers=AS_ADMIN,
+        )  # fmt: skip
+        assert joined["replies"][0]["status"] == 200
+        g1 = {**g0, "group": "slime-pp_1"}
+        push: dict[str, Any] = {"checkpoint": str(checkpoints["p1"]), "version": "pp", "buckets": 2}
+        rank0.send("push", only=first, **push, **g0)
+        stage1.send("push", only=second, **push, **g1)
+        pushed = [rank0.read(timeout=120), stage1.read(timeout=120)]
+        assert [statuses(p["calls"]) for p in pushed] == [[200, 200], [200, 200]], pushed
+        reply = httpx.post(f"{server}/logprobs", json=BODY, timeout=60)
+        check_reply(reply, BODY, eager(checkpoints["p1"]))
+        assert reply.json()["weights_version"] == "pp"
+
+        lost = {**push, "version": "pp-lost"}
+        stage1.send("push", only=second, stop_after=1, **lost, **g1)
+        assert stage1.read(timeout=60) == {"stalled": 1}
+        staged = rank0.call("push", only=first, **lost, **g0)
+        assert statuses(staged["calls"]) == [200, 200]
+        assert "Weight version pp-lost is staged" in staged["calls"][-1][0]["body"]["message"]
+        stage1.process.kill()
+        assert empty_bucket(server, "slime-pp_1").status_code == 400  # after the killed stage's call
+        ended = httpx.post(f"{server}/continue_generation", json={}, headers=AS_ADMIN, timeout=60)
+        assert ended.status_code == 200
+        after = score(server)
+        assert after["weights_version"] == "pp"  # nothing of pp-lost serves
+        assert after["logprobs"] == reply.json()["logprobs"]
+        assert empty_bucket(server, "slime-pp_0").status_code == 200  # stage 0's group goes on
+
+
 def empty_bucket(url: str, name: str) -> httpx.Response:
     """A bucket of no tensors for group `name`: answered once the calls before it are."""
     body = {"names": [], "dtypes": [], "shapes": [], "group_name": name}

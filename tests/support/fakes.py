@@ -225,9 +225,10 @@ class FakePushEngine(FakeEngine):
     """A FakeEngine that takes pushed weights (contract.WeightReceiver). The policy holds the tensors
     REQUIRED; applying a push makes the shift the count of its tensors received. A name that starts
     with "unknown" is refused (PushRefused), "die" breaks the group (PushBroken); `receive_delay`
-    makes each bucket slow; `received` records each bucket's (version, names), in order, and
-    `drained` the names of buckets refused before they were looked at; while `staging` is clear, a
-    reload's stage waits."""
+    makes each bucket slow; with `meet` set, each bucket waits in `receive` until as many as the
+    barrier's parties are there (BrokenBarrierError after 10 s); `received` records each bucket's
+    (version, names), in order, and `drained` the names of buckets refused before they were looked
+    at; while `staging` is clear, a reload's stage waits."""
 
     REQUIRED = ("a", "b", "c")
 
@@ -235,12 +236,15 @@ class FakePushEngine(FakeEngine):
         super().__init__()
         self.groups: dict[str, WeightGroup] = {}
         self.receive_delay = 0.0
+        self.meet: threading.Barrier | None = None
         self.received: list[tuple[str, tuple[str, ...]]] = []
         self.left: list[str] = []
         self.drained: list[tuple[str, ...]] = []  # buckets refused before they were looked at
         self.staging = threading.Event()  # cleared: a reload's stage waits until it is set
         self.staging.set()
-        self._pushed: dict[str, tuple[str, set[str]]] = {}  # target -> (version, names received)
+        self._lock = threading.Lock()
+        # target -> (version, names received, the groups that sent them)
+        self._pushed: dict[str, tuple[str, set[str], set[str]]] = {}
 
     def stage(self, order: ReloadOrder) -> StagedWeights:
         self.staging.wait(30)
@@ -254,24 +258,29 @@ class FakePushEngine(FakeEngine):
     def leave_group(self, name: str) -> None:
         self.left.append(name)
         del self.groups[name]
-        self._pushed.clear()
+        self._drop_from(name)
 
     def receive(self, bucket: Bucket) -> Received:
         if bucket.group not in self.groups:
             raise PushRefused(f"Group {bucket.group} not in {list(self.groups)}")
+        if self.meet is not None:
+            self.meet.wait(10)
         time.sleep(self.receive_delay)
         if any(name.startswith("die") for name in bucket.names):
             del self.groups[bucket.group]
-            self._pushed.clear()
+            self._drop_from(bucket.group)
+            self._pushed.pop(bucket.target, None)  # the version the bucket was for
             raise PushBroken("the trainer went away")
         unknown = [name for name in bucket.names if name not in self.REQUIRED]
         if unknown:
             raise PushRefused(f"{unknown[0]}: the served policy has no such tensor")
-        self.received.append((bucket.version, bucket.names))
-        version, names = self._pushed.setdefault(bucket.target, (bucket.version, set()))
-        assert version == bucket.version, "a bucket of another version before the pending one was staged"
-        names.update(bucket.names)
-        missing = len(set(self.REQUIRED) - names)
+        with self._lock:
+            self.received.append((bucket.version, bucket.names))
+            version, names, groups = self._pushed.setdefault(bucket.target, (bucket.version, set(), set()))
+            assert version == bucket.version, "a bucket of another version before the pending one was staged"
+            names.update(bucket.names)
+            groups.add(bucket.group)
+            missing = len(set(self.REQUIRED) - names)
         return Received(
             bucket.target, version, "swap", len(bucket.names), 4 * len(bucket.names), not missing, missing
         )
@@ -280,12 +289,17 @@ class FakePushEngine(FakeEngine):
         self.drained.append(bucket.names)
 
     def stage_received(self, target: Target, version: str) -> StagedWeights:
-        _, names = self._pushed.pop(target, ("", set()))
+        _, names, _ = self._pushed.pop(target, ("", set(), set()))
         shift = float(len(names)) if names else self.shift
         return FakeStaged(target, version, "push", "swap", 4 * len(names), shift)
 
     def drop_received(self, target: Target) -> None:
         self._pushed.pop(target, None)
+
+    def _drop_from(self, group: str) -> None:
+        with self._lock:
+            for target in [t for t, (_, _, groups) in self._pushed.items() if group in groups]:
+                del self._pushed[target]
 
 
 def with_top(job: SequenceJob, scores: SequenceScores, vocab: int) -> SequenceScores:

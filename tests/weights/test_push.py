@@ -52,6 +52,13 @@ def bucket(client: Any, names: list[str], version: str | None = None, **extra: A
     return reply
 
 
+def init(client: Any, group: str = "weight_update_group") -> Reply:
+    """SGLang's /init_weights_update_group of `group` (SGLang's default name unless given)."""
+    body = {**INIT, "group_name": group}
+    reply: Reply = client.post("/init_weights_update_group", json=body, headers=AS_ADMIN)
+    return reply
+
+
 def served(client: Any) -> tuple[str, float]:
     """The policy's version and shift, as a scoring answer reports them."""
     body = client.post("/logprobs", json=ROWS).json()
@@ -179,24 +186,105 @@ def test_a_broken_group_is_gone_and_the_next_init_is_accepted(client: TestClient
     assert served(client) == ("v3", 3.0)
 
 
-def test_one_group_at_a_time(client: TestClient) -> None:
-    again = client.post("/init_weights_update_group", json=INIT, headers=AS_ADMIN)
-    assert again.status_code == 400
-    assert "already been used" in again.json()["message"]
-    other = client.post("/init_weights_update_group", json={**INIT, "group_name": "other"}, headers=AS_ADMIN)
-    assert other.status_code == 409
-    assert other.json()["success"] is False
-    assert "'weight_update_group' is open" in other.json()["message"]
-    gone = client.post("/destroy_weights_update_group", json={"group_name": "other"}, headers=AS_ADMIN)
-    assert gone.json() == {"success": False, "message": "The group to be destroyed does not exist."}
-    done = client.post("/destroy_weights_update_group", json={}, headers=AS_ADMIN)
-    assert done.json() == {"success": True, "message": "Succeeded to destroy custom process group."}
-    assert (
-        client.post(
-            "/init_weights_update_group", json={**INIT, "group_name": "other"}, headers=AS_ADMIN
-        ).status_code
-        == 200
-    )
+def test_groups_up_to_the_setting_are_open_at_once(engine: FakePushEngine) -> None:
+    with TestClient(_app(engine, weight_push_max_groups=2)) as client:
+        wait_ready(client)
+        assert client.post("/init_weights_update_group", json=INIT, headers=AS_ADMIN).status_code == 200
+        again = client.post("/init_weights_update_group", json=INIT, headers=AS_ADMIN)
+        assert again.status_code == 400
+        assert "already been used" in again.json()["message"]
+        assert init(client, "pp1").status_code == 200
+        third = init(client, "pp2")
+        assert third.status_code == 409
+        assert third.json()["success"] is False
+        assert "2 group(s) are open ('weight_update_group', 'pp1')" in third.json()["message"]
+        assert "weight_push_max_groups" in third.json()["message"]
+        gone = client.post("/destroy_weights_update_group", json={"group_name": "pp2"}, headers=AS_ADMIN)
+        assert gone.json() == {"success": False, "message": "The group to be destroyed does not exist."}
+        done = client.post("/destroy_weights_update_group", json={}, headers=AS_ADMIN)
+        assert done.json() == {"success": True, "message": "Succeeded to destroy custom process group."}
+        assert init(client, "pp2").status_code == 200
+
+
+def test_pipeline_stages_fill_one_version_side_by_side(engine: FakePushEngine) -> None:
+    """slime's pipeline stages: a group each, their buckets of one version at once; the version serves
+    when the bucket that completes it is staged, whichever group sent it."""
+    engine.meet = threading.Barrier(2)  # each bucket waits in the engine for the other: side by side
+    with loopback(_app(engine)) as url:
+        answers: dict[str, Reply] = {}
+        with httpx.Client(base_url=url, timeout=30) as http:
+            assert [init(http, stage).status_code for stage in ("pp0", "pp1")] == [200, 200]
+
+        def send(stage: str, names: list[str]) -> None:
+            with httpx.Client(base_url=url, timeout=30) as http:
+                answers[stage] = bucket(http, names, "v1", group_name=stage)
+
+        threads = [
+            threading.Thread(target=send, args=("pp0", ["a"])),
+            threading.Thread(target=send, args=("pp1", ["b", "c"])),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert {stage: answer.status_code for stage, answer in answers.items()} == {"pp0": 200, "pp1": 200}
+        messages = sorted(answer.json()["message"] for answer in answers.values())
+        # one answer staged its stage's part, the other completed the version and served it
+        assert messages[0].endswith("Weight version updated to v1.")
+        assert "Weight version v1 is staged" in messages[1]
+        assert sorted(engine.received) == [("v1", ("a",)), ("v1", ("b", "c"))]
+        body = httpx.post(f"{url}/logprobs", json=ROWS).json()
+        assert (body["weights_version"], -(6 + 1) - body["logprobs"][0][0]) == ("v1", 3.0)
+
+
+def test_the_trainer_ends_a_version_once_every_stages_bucket_in_flight_is_in(engine: FakePushEngine) -> None:
+    """/continue_generation while a stage's bucket is still arriving: the version serves with it."""
+    with loopback(_app(engine)) as url:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            assert [init(http, stage).status_code for stage in ("pp0", "pp1")] == [200, 200]
+        with httpx.Client(base_url=url, timeout=30) as http:
+            assert bucket(http, ["a"], "v1", group_name="pp0").status_code == 200
+        engine.receive_delay = 0.5
+        late: list[Reply] = []
+
+        def send() -> None:
+            with httpx.Client(base_url=url, timeout=30) as http:
+                late.append(bucket(http, ["b"], "v1", group_name="pp1"))
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        time.sleep(0.2)  # pp1's bucket is being received
+        ended = httpx.post(f"{url}/continue_generation", json={}, headers=AS_ADMIN, timeout=30)
+        thread.join()
+        assert ended.status_code == 200
+        assert late[0].status_code == 200
+        body = httpx.post(f"{url}/logprobs", json=ROWS).json()
+        assert (body["weights_version"], -(6 + 1) - body["logprobs"][0][0]) == ("v1", 2.0)
+
+
+def test_a_version_pending_from_other_groups_is_not_ended_by_a_stranger(client: TestClient) -> None:
+    assert init(client, "other").status_code == 200
+    assert bucket(client, ["a"], "v1").status_code == 200
+    stranger = bucket(client, ["b"], "v2", group_name="other")
+    assert stranger.status_code == 409
+    assert "version 'v1' is pending from group(s) 'weight_update_group'" in stranger.json()["message"]
+    assert bucket(client, ["b"], "v1", group_name="other").status_code == 200  # joins it
+    assert bucket(client, ["c"], "v2").status_code == 200  # a group that sent to v1 ends it
+    assert served(client) == ("v1", 2.0)
+    assert client.post("/continue_generation", json={}, headers=AS_ADMIN).status_code == 200
+    assert served(client) == ("v2", 1.0)
+
+
+def test_a_group_that_breaks_drops_the_version_every_stage_sent_to(client: TestClient) -> None:
+    assert init(client, "pp1").status_code == 200
+    assert bucket(client, ["a"], "v1").status_code == 200
+    assert bucket(client, ["b"], "v1", group_name="pp1").status_code == 200
+    assert bucket(client, ["die"], "v1", group_name="pp1").status_code == 400
+    assert client.post("/continue_generation", json={}, headers=AS_ADMIN).status_code == 200
+    assert served(client) == ("initial", 0.0)  # nothing of v1 serves: a stage's part of it is lost
+    assert 'outcome="dropped",target="policy"} 1.0' in client.get("/metrics").text
+    assert bucket(client, ["a", "b", "c"], "v2").status_code == 200  # the other stage's group goes on
+    assert served(client) == ("v2", 3.0)
 
 
 def test_destroying_the_group_drops_its_pending_version(client: TestClient, engine: FakePushEngine) -> None:

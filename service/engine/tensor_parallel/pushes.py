@@ -3,9 +3,11 @@ rank_offset + its rank), receives each bucket whole and keeps its own slice (tra
 
 Rank 0 sends each push call down the followers' pipes, ("push", (op, argument)), makes the same call
 on its own scorer meanwhile (a group's rendezvous and broadcasts need every rank at once), then
-gathers the followers' answers, ("pushed", error kind, message). A follower makes push calls on a
-thread of its own, one at a time in the order sent, beside its scoring loop; a version it stages is
-kept for the "apply" that reaches it in the scoring stream, as a reload's is.
+gathers the followers' answers, ("pushed", error kind, message); one call at a time across the
+replica, so several groups' buckets (a trainer's pipeline stages) arrive one after another. A
+follower makes push calls on a thread of its own, one at a time in the order sent, beside its
+scoring loop; a version it stages is kept for the "apply" that reaches it in the scoring stream, as
+a reload's is.
 
 The ranks see the same broadcasts and check the same metadata, so they agree; if they do not, or a
 group broke on one rank, the replica tears the group down on every rank (PushBroken), or drops the

@@ -22,15 +22,17 @@ from service.engine.transfer.receive import Entry
 
 @dataclass(slots=True)
 class Pending:
-    """What arrived for `target` under `version`, from `group`."""
+    """What arrived for `target` under `version`, from the trainer groups in `groups` (several: a
+    trainer's pipeline stages, each pushing its layers over a group of its own)."""
 
     target: Target
     version: str
-    group: str
+    groups: set[str]
     source: str
     mode: str  # swap | copy
     names: Names
     ignores: tuple[str, ...] = ()  # name prefixes taken and dropped (a critic's LM head)
+    receiving: int = 0  # buckets of it being received now
     values: dict[int, torch.Tensor] = field(default_factory=dict)  # key -> its new value, staged
     parts: dict[int, set[int]] = field(default_factory=dict)  # key -> the parts received
     whole_from: dict[int, str] = field(default_factory=dict)  # key -> the name its whole value came by

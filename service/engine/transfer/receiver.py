@@ -5,7 +5,10 @@ A bucket (contract.Bucket) is received whole before anything of it is judged: ev
 trainer makes is met (receive.py), then the bucket is refused (PushRefused, nothing of it kept) if
 a name, shape or dtype does not fit the model or a value is not finite, else each tensor is kept as
 its version's mode stages it. A group whose collective fails or stalls is torn down (PushBroken),
-and what it left pending dropped.
+and every version it sent to dropped.
+
+A version may come over several groups at once (a trainer's pipeline stages, each with a group of
+its own): their buckets arrive side by side, each on its group's thread, and are kept one at a time.
 
 Threads: `receive` runs on the thread the caller gives the group, the others on any thread; the
 caller handles one group's calls one at a time, in the trainer's order (service/weights/push.py).
@@ -103,30 +106,44 @@ class PushReceiver:
             joined = self._groups.get(bucket.group)
             known = list(self._groups)
             pending = self._pending.get(bucket.target)
+            if joined is not None and pending is None:
+                pending = self._pending[bucket.target] = self._start(bucket, joined)
+            if joined is not None and pending is not None and pending.version == bucket.version:
+                pending.groups.add(bucket.group)
+                pending.receiving += 1
         if joined is None:
             raise PushRefused(
                 f"Group {bucket.group} not in {known}. Please call `init_weights_update_group` first."
             )
-        if pending is not None and pending.group != bucket.group:
-            raise PushRefused(
-                f"the {bucket.target}'s version {pending.version!r} is pending from group {pending.group!r}"
-            )
-        if pending is not None and pending.version != bucket.version:
+        assert pending is not None
+        if pending.version != bucket.version:
             raise ValueError(f"version {pending.version!r} is pending; stage or drop it first")
-        if pending is None:
-            pending = self._start(bucket, joined)
+        ok = False
+        try:
+            received = self._receive(bucket, joined, pending)
+            ok = True
+            return received
+        finally:
+            with self._lock:
+                pending.receiving -= 1
+                alone = not pending.receiving and not pending.values
+                if not ok and alone and self._pending.get(bucket.target) is pending:
+                    del self._pending[bucket.target]  # a first bucket refused: nothing is pending
+
+    def _receive(self, bucket: Bucket, joined: groups.Joined, pending: Pending) -> Received:
+        """The bucket's broadcasts met (on this group's thread; another group's may arrive meanwhile),
+        then its tensors checked and kept, one bucket at a time."""
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
         with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
             tensors = self._arrive(bucket, joined, pending)
-            kept = self._checked(bucket, pending, tensors)
-            for name, piece, value in kept:
-                pending.put(name, piece, value, self._side)
-        if self._side is not None:
-            self._side.synchronize()
-        with self._lock:
-            self._pending[bucket.target] = pending
-        missing = pending.missing
+            with self._lock:
+                kept = self._checked(bucket, pending, tensors)
+                for name, piece, value in kept:
+                    pending.put(name, piece, value, self._side)
+                if self._side is not None:
+                    self._side.synchronize()
+                missing = pending.missing
         return Received(
             target=bucket.target,
             version=bucket.version,
@@ -171,12 +188,12 @@ class PushReceiver:
         module = self._modules(bucket.target)
         if module is None:
             raise PushRefused(f"this server has no {bucket.target} model")
-        spec = joined.spec
+        spec = joined.spec  # the version's first group names its source
         source = f"push:{spec.name}@{groups.tcp_url(spec.master_address, spec.master_port)}"
         mode = staging.choose_mode(bucket.mode, staging.module_bytes(module), self._device)
         ignores = _CRITIC_IGNORES if bucket.target == "critic" else ()
         names = self._names(bucket.target)
-        return Pending(bucket.target, bucket.version, bucket.group, source, mode, names, ignores)
+        return Pending(bucket.target, bucket.version, {bucket.group}, source, mode, names, ignores)
 
     def _arrive(self, bucket: Bucket, joined: groups.Joined, pending: Pending | None) -> list[torch.Tensor]:
         """Every broadcast of the bucket, met; PushRefused (after them) when its metadata does not fit
@@ -230,5 +247,6 @@ class PushReceiver:
         log.warning("weight-update group %r torn down", joined.spec.name)
 
     def _drop_from(self, name: str) -> None:
-        for target in [t for t, p in self._pending.items() if p.group == name]:
+        """Drop the versions group `name` sent to (a version some of whose tensors are lost never serves)."""
+        for target in [t for t, p in self._pending.items() if name in p.groups]:
             del self._pending[target]
