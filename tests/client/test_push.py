@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -150,6 +151,35 @@ def test_one_push_with_a_group_of_its_own(push_replicas: Replicas) -> None:
     result = push_weights(push_replicas.main, model, version="one-shot", admin_key=ADMIN, backend="gloo")
     assert result.serving
     check_reply(score(push_replicas.main), BODY, model)
+
+
+def test_pipeline_stages_each_push_their_layers_over_a_group_of_their_own(push_replicas: Replicas) -> None:
+    """A trainer of two pipeline stages: each stage's first rank pushes its own layers with a pusher
+    of its own (a group each), at the same time, uncommitted; the version serves once both are in."""
+    model = policy(seed=61)
+    params = list(model.named_parameters())
+    head = ("model.embed_tokens.", "model.layers.0.")  # stage 0's; stage 1: layer 1, the norm, the head
+    stages = [
+        [(n, t) for n, t in params if n.startswith(head)],
+        [(n, t) for n, t in params if not n.startswith(head)],
+    ]
+    results: dict[int, Any] = {}
+
+    def stage(i: int) -> None:
+        with pusher(push_replicas.main, group_name=f"logprobd-pp_{i}") as p:
+            results[i] = p.push(stages[i], version="stages", commit=False)
+
+    threads = [threading.Thread(target=stage, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted(results) == [0, 1]
+    assert sum(results[i].tensors for i in (0, 1)) == len(params)
+    assert any(results[i].serving for i in (0, 1))  # the stage that completed it saw it serve
+    reply = score(push_replicas.main)
+    assert reply.json()["weights_version"] == "stages"
+    check_reply(reply, BODY, model)
 
 
 def test_a_wrong_admin_key_is_named(push_replicas: Replicas) -> None:
