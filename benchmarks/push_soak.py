@@ -5,13 +5,17 @@ seconds, and no answer is wrong for the version it names.
                                     # a host of 2 GPUs: trainer on GPU 0 (this process), server on 1
     python -m benchmarks.push_soak --model tiny --device cpu --dtype float32 --backend gloo \\
         --seconds 6 --every-s 2 --clients 3 --probe-tokens 32 256    # CPU smoke test (tests/benchmarks)
+    python -m benchmarks.push_soak --model qwen2.5-1.5b --backend gloo --trainer-gpu 0 --server-gpu 0 \\
+        --stages 2 --seconds 25                      # one GPU; two pipeline stages, a group each
 
 A real `python -m service serve --batch-invariant` (benchmarks/push.py's `server`) serves version
 soak-0 of this process's model (random weights of --model's shape). --clients threads post, for the
 whole soak, a fixed set of --probes requests (1-4 rows each of --probe-tokens lengths, as compact
 frames), each answer's rows kept as digests of their float32 log-prob bytes. Every --every-s seconds
 the trainer perturbs its weights and pushes them with the client's `WeightPusher` (--mode swap: the
-default; or copy) as version soak-<n>; once it serves, each probe request is asked once pinned to
+default; or copy) as version soak-<n>; with --stages N, as a pipeline-parallel trainer's N stages
+push: N pushers, a group each, each pushing its layers (commit=False) at the same time, and the
+version serves when the last of them is in. Once it serves, each probe request is asked once pinned to
 it (`weights_version`): its canonical scores. Batch-invariant mode makes scores independent of the
 batch, so each answer must equal its version's canonical scores bit for bit (benchmarks/soak_check.py:
 what fails the soak). Exit status 1 on any failure.
@@ -28,9 +32,13 @@ import argparse
 import hashlib
 import json
 import random
+import re
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,12 +156,45 @@ def canonical(http: httpx.Client, url: str, probes: list[Probe], version: str, c
     checker.know(version, rows)
 
 
+def stage_tensors(model: Any, stages: int) -> list[list[tuple[str, Any]]]:
+    """`model`'s named parameters as `stages` pipeline stages hold them: decoder layer k on stage
+    k * stages // layers, what comes before the layers (the embeddings) on the first, what comes after
+    (the final norm, the head) on the last."""
+    named = list(model.named_parameters())
+    layer = re.compile(r"\.layers\.(\d+)\.")
+    indices = [int(m.group(1)) if (m := layer.search(name)) else None for name, _ in named]
+    layers = 1 + max(i for i in indices if i is not None)
+    parts: list[list[tuple[str, Any]]] = [[] for _ in range(stages)]
+    seen_layer = False
+    for (name, tensor), index in zip(named, indices, strict=True):
+        seen_layer = seen_layer or index is not None
+        stage = index * stages // layers if index is not None else (stages - 1 if seen_layer else 0)
+        parts[stage].append((name, tensor))
+    return parts
+
+
+def push_stages(pushers: Sequence[WeightPusher], model: Any, version: str, mode: str) -> float:
+    """Push `model` as `version`: with one pusher, a plain push; with several, each its stage's
+    tensors at the same time, uncommitted (the version serves when every stage's are in). Its
+    seconds (the slowest stage's); LogprobdError: a stage failed."""
+    if len(pushers) == 1:
+        return pushers[0].push(model, version=version, mode=mode).seconds
+    parts = stage_tensors(model, len(pushers))
+    with ThreadPoolExecutor(len(pushers), thread_name_prefix="soak-stage") as stages:
+        futures = [
+            stages.submit(p.push, part, version=version, mode=mode, commit=False)
+            for p, part in zip(pushers, parts, strict=True)
+        ]
+        results = [f.result() for f in futures]
+    return max(r.seconds for r in results)
+
+
 def pushes(
     args: argparse.Namespace,
     http: httpx.Client,
     url: str,
     *,
-    pusher: WeightPusher,
+    pushers: Sequence[WeightPusher],
     model: Any,
     probes: list[Probe],
     checker: Checker,
@@ -171,7 +212,7 @@ def pushes(
         paused, applies = push.pauses(http, url)
         started = time.perf_counter()
         try:
-            seconds, error = pusher.push(model, version=version, mode=args.mode).seconds, None
+            seconds, error = push_stages(pushers, model, version, args.mode), None
         except LogprobdError as exc:
             seconds, error = float("nan"), str(exc)
         ended = time.perf_counter()
@@ -198,6 +239,10 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--every-s", type=float, default=5, help="a push every this many seconds")
     parser.add_argument("--mode", default="swap", choices=["swap", "copy"])
     parser.add_argument("--load-format", default="flattened", choices=["flattened", "per-tensor"])
+    parser.add_argument(
+        "--stages", type=int, default=1,
+        help="push as a trainer of this many pipeline stages: a pusher and group each, at once",
+    )  # fmt: skip
     parser.add_argument("--clients", type=int, default=6, help="concurrent scoring threads")
     parser.add_argument("--probes", type=int, default=16, help="distinct requests the clients send")
     parser.add_argument(
@@ -220,25 +265,20 @@ def main(argv: list[str] | None = None) -> int:
         with (
             served as url,
             httpx.Client(headers=HEADERS, timeout=args.answer_timeout_s) as http,
-            WeightPusher(
-                url,
-                admin_key=push.ADMIN,
-                backend=args.backend,
-                bucket_bytes=int(args.bucket_mib * 2**20),
-                load_format="flattened_bucket" if args.load_format == "flattened" else None,
-                timeout_s=args.push_timeout_s,
-            ) as pusher,
+            ExitStack() as held,
         ):
+            pushers = [held.enter_context(stage_pusher(url, args, stage)) for stage in range(args.stages)]
             assert http.get(f"{url}/info").json()["batch_invariant"] is True
             checker.pushed("soak-0")
             canonical(http, url, asked, "soak-0", checker)  # also the warm-up of every shape
-            pusher.connect()
+            for pusher in pushers:
+                pusher.connect()
             scorers = Scorers(url, asked, args.clients, checker, args.answer_timeout_s)
             began = time.perf_counter()
             scorers.start()
             try:
                 windows = pushes(
-                    args, http, url, pusher=pusher, model=model, probes=asked, checker=checker, began=began
+                    args, http, url, pushers=pushers, model=model, probes=asked, checker=checker, began=began
                 )
             finally:
                 ended = scorers.stop()
@@ -251,9 +291,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["ok"] else 1
 
 
+def stage_pusher(url: str, args: argparse.Namespace, stage: int) -> WeightPusher:
+    """The pusher of pipeline stage `stage` (of --stages), over a group of its own."""
+    return WeightPusher(
+        url,
+        admin_key=push.ADMIN,
+        backend=args.backend,
+        bucket_bytes=int(args.bucket_mib * 2**20),
+        load_format="flattened_bucket" if args.load_format == "flattened" else None,
+        timeout_s=args.push_timeout_s,
+        group_name="logprobd-push" if args.stages == 1 else f"soak-pp_{stage}",
+    )
+
+
 def settings(args: argparse.Namespace) -> dict[str, Any]:
-    keys = "model dtype backend bucket_mib mode load_format seconds every_s clients probes probe_tokens"
-    return {key: getattr(args, key) for key in [*keys.split(), "push_timeout_s"]}
+    keys = "model dtype backend bucket_mib mode load_format stages seconds every_s clients probes"
+    return {key: getattr(args, key) for key in [*keys.split(), "probe_tokens", "push_timeout_s"]}
 
 
 def report(args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -261,7 +314,8 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     for failure in result["failures"]:
         print(f"FAILED: {failure}")
     print(
-        f"{args.model} {args.dtype}, batch-invariant, {args.clients} clients, a {args.mode} push every "
+        f"{args.model} {args.dtype}, batch-invariant, {args.clients} clients, a {args.mode} push "
+        f"({args.stages} stage{'s' if args.stages > 1 else ''}) every "
         f"{args.every_s:g} s for {result['soak_s']:.0f} s: {'ok' if result['ok'] else 'FAILED'}"
     )
     during, between = result["scoring"]["during_pushes"], result["scoring"]["between_pushes"]

@@ -28,7 +28,7 @@ def push_soak(e: Entry) -> Iterator[list[str]]:
     during, between = (count(d["scoring"][k]["tokens_per_s"]) for k in ("during_pushes", "between_pushes"))
     wrong = [answers[k] for k in ("errors", "mismatched", "unknown_version", "unchecked")]
     yield [
-        s["model"], s["backend"], f"{s['mode']}, {s['load_format']}",
+        s["model"], s["backend"], f"{s['mode']}, {s['load_format']}{stages(s.get('stages', 1))}",
         f"{pushes['done']} ({pushes['failed']})",
         f"{pushes['push_s_p50']:.2f} / {pushes['push_s_max']:.2f}",
         f"{ms(pause['p50_ms'])} / {ms(pause['max_ms'])} (≤ {pause['target_ms']:g})",
@@ -36,6 +36,11 @@ def push_soak(e: Entry) -> Iterator[list[str]]:
         f"{during} / {between}",
         yes(d["ok"]),
     ]  # fmt: skip
+
+
+def stages(count: int) -> str:
+    """A soak's pipeline stages, as its mode cell ends ("" for one)."""
+    return f", {count} stages" if count > 1 else ""
 
 
 def tp(e: Entry) -> Iterator[list[str]]:

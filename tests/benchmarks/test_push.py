@@ -14,6 +14,7 @@ import torch
 
 from benchmarks import push, push_soak, soak_check
 from tests.benchmarks.page_rows import page_rows
+from tests.support import models
 
 
 @pytest.mark.slow
@@ -72,9 +73,11 @@ def test_the_soak_scores_concurrently_through_pushes_and_checks_every_answer_on_
     out = tmp_path / "soak.json"
     argv = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--backend", "gloo"]
     argv += ["--seconds", "6", "--every-s", "2", "--clients", "3", "--probe-tokens", "32", "256"]
+    argv += ["--stages", "2"]  # each version pushed by two pipeline stages, a group each, at once
     assert push_soak.main([*argv, "--bucket-mib", "0.05", "--output", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert (report["suite"], report["settings"]["mode"]) == ("push_soak", "swap")
+    settings = report["settings"]
+    assert (report["suite"], settings["mode"], settings["stages"]) == ("push_soak", "swap", 2)
     assert (report["ok"], report["failures"]) == (True, [])
     pushes, answers = report["pushes"], report["answers"]
     assert (pushes["done"], pushes["failed"]) == (2, 0)  # at 2 s and 4 s of 6
@@ -97,13 +100,25 @@ def test_the_soak_scores_concurrently_through_pushes_and_checks_every_answer_on_
     assert (model, backend, mode, done, wrong, ok) == (
         "tiny",
         "gloo",
-        "swap, flattened",
+        "swap, flattened, 2 stages",
         "2 (0)",
         "0 / 0 / 0 / 0",
         "yes",
     )
     assert pause_cells.endswith("(≤ 50)")
     assert answers_cells == f"{answers['checked']:,} ({len(answers['per_version'])})"
+
+
+def test_pipeline_stages_hold_their_layers_and_every_tensor_once() -> None:
+    model = models.build("qwen2", seed=0, num_hidden_layers=3)
+    named = [name for name, _ in model.named_parameters()]
+    parts = [[name for name, _ in part] for part in push_soak.stage_tensors(model, 2)]
+    assert sorted(parts[0] + parts[1]) == sorted(named)
+    assert {n.split(".")[2] for n in parts[0] if ".layers." in n} == {"0", "1"}  # layer k on stage k * 2 // 3
+    assert {n.split(".")[2] for n in parts[1] if ".layers." in n} == {"2"}
+    assert "model.embed_tokens.weight" in parts[0]
+    assert [n for n in parts[1] if ".layers." not in n] == ["model.norm.weight"]  # its head is tied
+    assert [[n for n, _ in part] for part in push_soak.stage_tensors(model, 1)] == [named]
 
 
 def test_a_push_run_counts_the_gpus_it_holds() -> None:
