@@ -165,22 +165,25 @@ def test_the_prefix_cache_rows_are_the_files_numbers_and_a_variant_not_run_is_a_
 
 
 def test_the_push_soak_row_is_the_files_numbers() -> None:
-    file = "h200-2026-11-29-s49/push-soak-1gpu-9b90841.json"
+    file = "h200-2026-12-01-s69/push-soak-1gpu-2stages-baaf0ce.json"
     data = read(file, "push_soak").data
     ((gpu, model, backend, mode, pushes, push_s, pause, answers, wrong, _, ok, link),) = _rows(
         "push_soak", file
     )
-    assert (gpu, model, backend, mode) == ("H200", "qwen2.5-1.5b", "gloo", "swap, flattened")  # one GPU
+    assert (gpu, model, backend) == ("H200", "qwen2.5-1.5b", "gloo")  # one GPU
+    assert mode == "swap, flattened, 2 stages"
     assert pushes == f"{data['pushes']['done']} (0)"
     assert push_s == f"{data['pushes']['push_s_p50']:.2f} / {data['pushes']['push_s_max']:.2f}"
     assert (
         pause
         == f"{data['pause']['p50_ms']:.1f} / {data['pause']['max_ms']:.1f} (≤ 50)"
-        == "15.0 / 25.6 (≤ 50)"
+        == "20.4 / 24.6 (≤ 50)"
     )
     assert answers == f"{data['answers']['checked']:,} ({len(data['answers']['per_version'])})"
     assert (wrong, ok) == ("0 / 0 / 0 / 0", "yes")
     assert link.endswith(f"(benchmarks/results/{file})")
+    one = _rows("push_soak", "h200-2026-12-01-s69/push-soak-1gpu-1stage-baaf0ce.json")[0]
+    assert one[3] == "swap, flattened"  # a soak of one stage says nothing of stages
 
 
 def test_the_distribution_json_forms_are_the_files_numbers_beside_its_other_rows() -> None:
