@@ -300,8 +300,8 @@ class Settings(BaseSettings):
         "auto",
         description="How POST /admin/weights and a weight push apply new weights. swap: stage a second copy "
         "on the device, then copy it in there (a pause of milliseconds); copy: stage in host memory, then "
-        "copy in place between micro-batches (no second device copy; a push holds one bucket at most on "
-        "the device beyond the served weights); auto: swap when the device has room, else copy.",
+        "copy in place between micro-batches (no second device copy; a push holds one bucket at most, per "
+        "group, on the device beyond the served weights); auto: swap when the device has room, else copy.",
     )
     reload_roots: str | None = Field(
         None,

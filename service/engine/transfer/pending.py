@@ -3,9 +3,10 @@
 Each received tensor is checked against the piece of the model its name maps to (loading/names.py:
 shape, a dtype it converts to, finite once converted), cut to this rank's slice, and kept where the
 version's mode stages it: on the device beside the served weights (swap), or in pinned host memory
-(copy: the device holds one bucket at most beyond the served weights, while it arrives). A tensor of
-parts (a fused expert tensor, sent expert by expert) starts as a copy of its served value, so parts
-that never come keep theirs. `staged` hands the lot to the reload's apply (loading/staging.py).
+(copy: the device holds one bucket at most beyond the served weights, while it arrives; one per
+group when several push at once). A tensor of parts (a fused expert tensor, sent expert by expert)
+starts as a copy of its served value, so parts that never come keep theirs. `staged` hands the lot
+to the reload's apply (loading/staging.py).
 """
 
 from __future__ import annotations
