@@ -35,6 +35,7 @@ from service.engine.contract import (
     Bucket,
     PushBroken,
     PushRefused,
+    Received,
     ScoringEngine,
     StagedWeights,
     Target,
@@ -89,6 +90,13 @@ class _Version:
         self.inflight -= 1
         if not self.inflight:
             self.idle.set()
+
+
+def _arrived_unheard(done: asyncio.Future[Received], pending: _Version) -> None:
+    """A bucket whose call was given up has arrived (or failed): it is no longer in flight."""
+    pending.leave()
+    if not done.cancelled() and done.exception() is not None:
+        log.warning("a bucket of %r whose call was given up failed: %s", pending.version, done.exception())
 
 
 class Pusher:
@@ -173,10 +181,14 @@ class Pusher:
         self, receiver: WeightReceiver, group: Group, order: UpdateWeights, pending: _Version
     ) -> str:
         target, version = pending.target, pending.version
+        arriving = asyncio.get_running_loop().run_in_executor(
+            group.executor, receiver.receive, self._bucket(group, order, version)
+        )
         try:
-            received = await asyncio.get_running_loop().run_in_executor(
-                group.executor, receiver.receive, self._bucket(group, order, version)
-            )
+            received = await asyncio.shield(arriving)
+        except asyncio.CancelledError:  # the call is given up; its bucket arrives all the same
+            arriving.add_done_callback(lambda done: _arrived_unheard(done, pending))
+            raise
         except PushRefused as exc:
             pending.leave()
             self._metrics.weights_push_buckets.labels(target, "refused").inc()
