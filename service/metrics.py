@@ -269,6 +269,13 @@ class Metrics:
             registry=r,
         )
 
+        self.weights_push_groups = Gauge(
+            f"{PREFIX}_weights_push_groups",
+            "Trainer groups (SGLang's /init_weights_update_group) this replica is in now: 0 on a replica "
+            "in no trainer's group, which the trainer's pushes do not reach.",
+            registry=r,
+        )
+
     def observe_push_targets(self, target: str) -> None:
         """Export the push series of `target` at 0 from the start, so rate() and alerts see the first."""
         for outcome in PUSH_OUTCOMES:

@@ -14,7 +14,7 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -40,13 +40,17 @@ class Group:
 
 
 class Groups:
-    """The groups this server joined, by name."""
+    """The groups this server joined, by name; `counted(n)` hears how many are joined whenever that
+    changes."""
 
-    def __init__(self, settings: Settings, tensor_parallel_size: int) -> None:
+    def __init__(
+        self, settings: Settings, tensor_parallel_size: int, counted: Callable[[int], None] = lambda _: None
+    ) -> None:
         self._timeout_s = settings.weight_push_timeout_s
         self._most = settings.weight_push_max_groups
         self._networks = settings.push_networks()
         self._tp = tensor_parallel_size
+        self._counted = counted
         self._open: dict[str, Group] = {}
 
     def joined(self, name: str) -> Group | None:
@@ -91,6 +95,7 @@ class Groups:
             log.warning("joining weight-update group %r failed: %s", spec.name, exc)
             raise WeightPushFailed(f"{INIT_FAILED}: {exc}.") from exc
         group.joined = True
+        self._counted(len(self.names()))
         return group
 
     @asynccontextmanager
@@ -131,6 +136,7 @@ class Groups:
         group.gone = True
         if self._open.get(group.spec.name) is group:
             del self._open[group.spec.name]
+            self._counted(len(self.names()))
         group.executor.shutdown(wait=False)
 
     async def _allowed(self, host: str, port: int) -> None:

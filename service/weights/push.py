@@ -109,7 +109,7 @@ class Pusher:
         self._gate = gate
         self._partial_s = settings.weight_push_partial_timeout_s
         self._mode = settings.reload_mode
-        self._groups = Groups(settings, engine.info.tensor_parallel_size)
+        self._groups = Groups(settings, engine.info.tensor_parallel_size, metrics.weights_push_groups.set)
         self._pending: dict[Target, _Version] = {}
         # held while a target's pending version begins, serves or is dropped (never while receiving)
         self._transitions: dict[Target, asyncio.Lock] = {}

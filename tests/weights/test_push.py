@@ -194,6 +194,7 @@ def test_groups_up_to_the_setting_are_open_at_once(engine: FakePushEngine) -> No
         assert again.status_code == 400
         assert "already been used" in again.json()["message"]
         assert init(client, "pp1").status_code == 200
+        assert "\nlogprobd_weights_push_groups 2.0\n" in client.get("/metrics").text
         third = init(client, "pp2")
         assert third.status_code == 409
         assert third.json()["success"] is False
@@ -203,6 +204,7 @@ def test_groups_up_to_the_setting_are_open_at_once(engine: FakePushEngine) -> No
         assert gone.json() == {"success": False, "message": "The group to be destroyed does not exist."}
         done = client.post("/destroy_weights_update_group", json={}, headers=AS_ADMIN)
         assert done.json() == {"success": True, "message": "Succeeded to destroy custom process group."}
+        assert "\nlogprobd_weights_push_groups 1.0\n" in client.get("/metrics").text
         assert init(client, "pp2").status_code == 200
 
 
@@ -280,6 +282,7 @@ def test_a_group_that_breaks_drops_the_version_every_stage_sent_to(client: TestC
     assert bucket(client, ["a"], "v1").status_code == 200
     assert bucket(client, ["b"], "v1", group_name="pp1").status_code == 200
     assert bucket(client, ["die"], "v1", group_name="pp1").status_code == 400
+    assert "\nlogprobd_weights_push_groups 1.0\n" in client.get("/metrics").text  # pp1 is gone
     assert client.post("/continue_generation", json={}, headers=AS_ADMIN).status_code == 200
     assert served(client) == ("initial", 0.0)  # nothing of v1 serves: a stage's part of it is lost
     assert 'outcome="dropped",target="policy"} 1.0' in client.get("/metrics").text
