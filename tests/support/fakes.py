@@ -225,10 +225,10 @@ class FakePushEngine(FakeEngine):
     """A FakeEngine that takes pushed weights (contract.WeightReceiver). The policy holds the tensors
     REQUIRED; applying a push makes the shift the count of its tensors received. A name that starts
     with "unknown" is refused (PushRefused), "die" breaks the group (PushBroken); `receive_delay`
-    makes each bucket slow; with `meet` set, each bucket waits in `receive` until as many as the
-    barrier's parties are there (BrokenBarrierError after 10 s); `received` records each bucket's
-    (version, names), in order, and `drained` the names of buckets refused before they were looked
-    at; while `staging` is clear, a reload's stage waits."""
+    makes each bucket slow (`receiving` is set as one starts); with `meet` set, each bucket waits in
+    `receive` until as many as the barrier's parties are there (BrokenBarrierError after 10 s);
+    `received` records each bucket's (version, names), in order, and `drained` the names of buckets
+    refused before they were looked at; while `staging` is clear, a reload's stage waits."""
 
     REQUIRED = ("a", "b", "c")
 
@@ -237,6 +237,7 @@ class FakePushEngine(FakeEngine):
         self.groups: dict[str, WeightGroup] = {}
         self.receive_delay = 0.0
         self.meet: threading.Barrier | None = None
+        self.receiving = threading.Event()  # set when a bucket reaches `receive`
         self.received: list[tuple[str, tuple[str, ...]]] = []
         self.left: list[str] = []
         self.drained: list[tuple[str, ...]] = []  # buckets refused before they were looked at
@@ -263,6 +264,7 @@ class FakePushEngine(FakeEngine):
     def receive(self, bucket: Bucket) -> Received:
         if bucket.group not in self.groups:
             raise PushRefused(f"Group {bucket.group} not in {list(self.groups)}")
+        self.receiving.set()
         if self.meet is not None:
             self.meet.wait(10)
         time.sleep(self.receive_delay)

@@ -247,6 +247,7 @@ def test_the_trainer_ends_a_version_once_every_stages_bucket_in_flight_is_in(eng
         with httpx.Client(base_url=url, timeout=30) as http:
             assert bucket(http, ["a"], "v1", group_name="pp0").status_code == 200
         engine.receive_delay = 0.5
+        engine.receiving.clear()
         late: list[Reply] = []
 
         def send() -> None:
@@ -255,7 +256,7 @@ def test_the_trainer_ends_a_version_once_every_stages_bucket_in_flight_is_in(eng
 
         thread = threading.Thread(target=send)
         thread.start()
-        time.sleep(0.2)  # pp1's bucket is being received
+        assert engine.receiving.wait(10)  # pp1's bucket is being received
         ended = httpx.post(f"{url}/continue_generation", json={}, headers=AS_ADMIN, timeout=30)
         thread.join()
         assert ended.status_code == 200
