@@ -131,8 +131,9 @@ class WeightPushFailed(ServiceError):
 
 
 class WeightPushConflict(WeightPushFailed):
-    """A trainer group over weight_push_max_groups, a bucket of a version another group's is pending,
-    or a push while a checkpoint reload runs (or the other way round)."""
+    """A trainer group beyond weight_push_max_groups, a bucket of another version while a version
+    other groups sent to is pending, or a push while a checkpoint reload runs (or the other way
+    round)."""
 
     kind = "weight_push_conflict"
 
