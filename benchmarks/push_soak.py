@@ -292,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def stage_pusher(url: str, args: argparse.Namespace, stage: int) -> WeightPusher:
-    """The pusher of pipeline stage `stage` (of --stages), over a group of its own."""
+    """The pusher of pipeline stage `stage` (of --stages), over a group of its own (one stage: the
+    client's default group)."""
+    named: dict[str, Any] = {"group_name": f"soak-pp_{stage}"} if args.stages > 1 else {}
     return WeightPusher(
         url,
         admin_key=push.ADMIN,
@@ -300,7 +302,7 @@ def stage_pusher(url: str, args: argparse.Namespace, stage: int) -> WeightPusher
         bucket_bytes=int(args.bucket_mib * 2**20),
         load_format="flattened_bucket" if args.load_format == "flattened" else None,
         timeout_s=args.push_timeout_s,
-        group_name="logprobd-push" if args.stages == 1 else f"soak-pp_{stage}",
+        **named,
     )
 
 

@@ -92,6 +92,21 @@ class _Version:
             self.idle.set()
 
 
+async def _arrival(arriving: asyncio.Future[Received], pending: _Version) -> Received:
+    """A bucket's receive, awaited; the bucket leaves `pending`'s in flight once it has arrived or
+    failed, also when its call is given up meanwhile (it arrives all the same)."""
+    try:
+        received = await asyncio.shield(arriving)
+    except asyncio.CancelledError:
+        arriving.add_done_callback(lambda done: _arrived_unheard(done, pending))
+        raise
+    except BaseException:
+        pending.leave()
+        raise
+    pending.leave()
+    return received
+
+
 def _arrived_unheard(done: asyncio.Future[Received], pending: _Version) -> None:
     """A bucket whose call was given up has arrived (or failed): it is no longer in flight."""
     pending.leave()
@@ -185,12 +200,8 @@ class Pusher:
             group.executor, receiver.receive, self._bucket(group, order, version)
         )
         try:
-            received = await asyncio.shield(arriving)
-        except asyncio.CancelledError:  # the call is given up; its bucket arrives all the same
-            arriving.add_done_callback(lambda done: _arrived_unheard(done, pending))
-            raise
+            received = await _arrival(arriving, pending)
         except PushRefused as exc:
-            pending.leave()
             self._metrics.weights_push_buckets.labels(target, "refused").inc()
             if self._pending.get(target) is pending:
                 if pending.buckets or pending.inflight:
@@ -199,14 +210,9 @@ class Pusher:
                     self._end(pending)
             raise WeightPushFailed(f"Failed to update parameter online: {exc}. {PARTIAL}") from exc
         except PushBroken as exc:
-            pending.leave()
             self._metrics.weights_push_buckets.labels(target, "failed").inc()
             self._lost(group, str(exc))
             raise WeightPushFailed(f"Failed to update parameter online: {exc}. {PARTIAL}") from exc
-        except BaseException:
-            pending.leave()
-            raise
-        pending.leave()
         self._metrics.weights_push_buckets.labels(target, "received").inc()
         self._metrics.weights_push_bytes.labels(target).inc(received.nbytes)
         pending.buckets += 1

@@ -106,11 +106,12 @@ class PushReceiver:
             joined = self._groups.get(bucket.group)
             known = list(self._groups)
             pending = self._pending.get(bucket.target)
-            if joined is not None and pending is None:
-                pending = self._pending[bucket.target] = self._start(bucket, joined)
-            if joined is not None and pending is not None and pending.version == bucket.version:
-                pending.groups.add(bucket.group)
-                pending.receiving += 1
+            if joined is not None:
+                if pending is None:
+                    pending = self._pending[bucket.target] = self._start(bucket, joined)
+                if pending.version == bucket.version:
+                    pending.groups.add(bucket.group)
+                    pending.receiving += 1
         if joined is None:
             raise PushRefused(
                 f"Group {bucket.group} not in {known}. Please call `init_weights_update_group` first."
